@@ -1,0 +1,109 @@
+// emu.h: what a kernel file needs from CUDA when it is compiled as plain C++ and run on
+// the CPU by the emulation runtime (emu_runtime.cpp).
+//
+// Model: one OS worker runs one block at a time; the block's threads are cooperatively
+// scheduled fibers on that worker. A fiber runs until it reaches __syncthreads(), a warp
+// shuffle, or its end; the scheduler then resumes the next fiber in the chosen order.
+// threadIdx and friends are thread_local globals that the scheduler sets before each
+// resume, which is sound because a fiber never migrates to another OS thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <type_traits>
+
+struct dim3 {
+    unsigned x, y, z;
+    constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+using uint3 = dim3;
+
+extern thread_local dim3 threadIdx;
+extern thread_local dim3 blockIdx;
+extern thread_local dim3 blockDim;
+extern thread_local dim3 gridDim;
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+#define __align__(n) alignas(n)
+
+constexpr int warpSize = 32;
+
+namespace pyfa_emu {
+
+enum class ShflMode : int { Idx = 0, Up = 1, Down = 2, Xor = 3 };
+
+// Block-wide barrier over the block's live (not yet returned) threads. file/line name
+// the call site: threads waiting at different sites are an error, never a hang.
+void syncthreads(const char* file, int line);
+
+// Warp shuffle on raw 32-bit values: every lane of `mask` must arrive, then each gets
+// the value of its source lane (CUDA semantics for width and out-of-range lanes).
+uint32_t shfl(uint32_t mask, uint32_t value, int lane_arg, int width, ShflMode mode,
+              const char* file, int line);
+
+// The block's dynamic shared memory: `smem_bytes` of the launch, 16-byte aligned,
+// filled with NaN (0xFFFFFFFF words) before every block so reads before writes show.
+unsigned char* dynamic_smem();
+
+struct LaunchOptions {
+    int order = 0;          // 0 forward, 1 reverse, 2 shuffled (see pyfa_emu_order)
+    uint64_t seed = 0;      // for the shuffled order
+    int workers = 0;        // OS threads; 0 means std::thread::hardware_concurrency()
+};
+
+// Runs body() once per thread of every block of the grid and returns when all are done.
+// Returns false, with *error set, on a barrier divergence, a deadlock, an invalid
+// configuration (block larger than 1024 threads, an empty grid) or an exception thrown by
+// a kernel thread; the remaining blocks are then not run.
+bool launch(dim3 grid, dim3 block, size_t smem_bytes, const LaunchOptions& options,
+            const std::function<void()>& body, std::string* error);
+
+// Diagnostics: mean cost in ns of one fiber context switch, from a ping-pong of `switches`.
+double context_switch_ns(long switches);
+
+}  // namespace pyfa_emu
+
+#define __syncthreads() ::pyfa_emu::syncthreads(__FILE__, __LINE__)
+
+namespace pyfa_emu_detail {
+template <class T>
+inline uint32_t to_bits(T v) {
+    static_assert(sizeof(T) == 4, "emulated shuffles move 32-bit values");
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    return u;
+}
+template <class T>
+inline T from_bits(uint32_t u) {
+    T v;
+    std::memcpy(&v, &u, 4);
+    return v;
+}
+}  // namespace pyfa_emu_detail
+
+#define PYFA_EMU_SHFL(mask, v, lane, width, mode)                                              \
+    pyfa_emu_detail::from_bits<std::decay_t<decltype(v)>>(::pyfa_emu::shfl(                               \
+        (mask), pyfa_emu_detail::to_bits(v), (lane), (width), (mode), __FILE__, __LINE__))
+#define __shfl_sync(mask, v, lane, ...) \
+    PYFA_EMU_SHFL(mask, v, lane, pyfa_emu_width(__VA_ARGS__), ::pyfa_emu::ShflMode::Idx)
+#define __shfl_up_sync(mask, v, delta, ...) \
+    PYFA_EMU_SHFL(mask, v, delta, pyfa_emu_width(__VA_ARGS__), ::pyfa_emu::ShflMode::Up)
+#define __shfl_down_sync(mask, v, delta, ...) \
+    PYFA_EMU_SHFL(mask, v, delta, pyfa_emu_width(__VA_ARGS__), ::pyfa_emu::ShflMode::Down)
+#define __shfl_xor_sync(mask, v, lanemask, ...) \
+    PYFA_EMU_SHFL(mask, v, lanemask, pyfa_emu_width(__VA_ARGS__), ::pyfa_emu::ShflMode::Xor)
+
+inline int pyfa_emu_width() { return warpSize; }
+inline int pyfa_emu_width(int w) { return w; }
+
+inline float __int_as_float(int i) { return pyfa_emu_detail::from_bits<float>(static_cast<uint32_t>(i)); }
+inline int __float_as_int(float f) { return static_cast<int>(pyfa_emu_detail::to_bits(f)); }
+inline float __uint_as_float(unsigned u) { return pyfa_emu_detail::from_bits<float>(u); }
+inline unsigned __float_as_uint(float f) { return pyfa_emu_detail::to_bits(f); }

@@ -1,0 +1,129 @@
+/*
+ * pyfa.h: the public C ABI of libpyfa (FlashAttention-1 and -2, fp32, forward and backward).
+ *
+ * Plain C99 and C++; needs no CUDA header. Every function returns a pyfa_status and
+ * never exits or aborts; on failure pyfa_last_error() holds a message for the calling
+ * thread, and nothing the caller owns has been written.
+ *
+ * Tensors are dense, row-major (C-contiguous) float32:
+ *   q, o, dq, do       (B, H, Nq, d)
+ *   k, v, dk, dv       (B, H, Nk, d)
+ *   lse, m, l          (B, H, Nq)
+ * with B = batch, H = heads, Nq = seqlen_q, Nk = seqlen_k, d = head_dim.
+ *
+ * The text between PYFA_CDEF_BEGIN and PYFA_CDEF_END is also read by the Python loader
+ * (cffi, ABI mode), so it holds declarations only: no preprocessor lines.
+ */
+#ifndef PYFA_H
+#define PYFA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define PYFA_API __declspec(dllexport)
+#else
+#define PYFA_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* PYFA_CDEF_BEGIN */
+
+typedef enum pyfa_status {
+    PYFA_OK = 0,
+    PYFA_ERROR_INVALID_ARGUMENT = 1,    /* an argument is out of range; the message names it */
+    PYFA_ERROR_TILE_TOO_LARGE = 2,      /* Br, Bc need more shared memory than the device has */
+    PYFA_ERROR_BACKEND_UNAVAILABLE = 3, /* e.g. CUDA asked for, but no GPU or not compiled in */
+    PYFA_ERROR_CUDA = 4,                /* a CUDA runtime call failed; the message says which */
+    PYFA_ERROR_EMULATION = 5,           /* the emulator found a barrier divergence or deadlock */
+    PYFA_ERROR_OUT_OF_MEMORY = 6,
+    PYFA_ERROR_INTERNAL = 7
+} pyfa_status;
+
+typedef enum pyfa_backend {
+    PYFA_BACKEND_AUTO = 0, /* CUDA when a usable GPU is present, else the emulator */
+    PYFA_BACKEND_CUDA = 1,
+    PYFA_BACKEND_EMU = 2   /* the same kernel source run on the CPU, threads as fibers */
+} pyfa_backend;
+
+typedef enum pyfa_emu_order {
+    PYFA_EMU_ORDER_FORWARD = 0,  /* resume threads 0, 1, ..., n-1 after each barrier */
+    PYFA_EMU_ORDER_REVERSE = 1,  /* n-1, ..., 0 */
+    PYFA_EMU_ORDER_SHUFFLED = 2  /* a fresh permutation per round, drawn from emu_seed */
+} pyfa_emu_order;
+
+/* Each kernel of the library; used to ask for shared-memory sizes and default tiles. */
+typedef enum pyfa_kernel {
+    PYFA_KERNEL_FA1_FORWARD = 0,
+    PYFA_KERNEL_FA2_FORWARD = 1,
+    PYFA_KERNEL_FA1_BACKWARD = 2,
+    PYFA_KERNEL_FA2_BACKWARD_PREPROCESS = 3, /* D = rowsum(dO o O) */
+    PYFA_KERNEL_FA2_BACKWARD_DKDV = 4,       /* column-parallel: dK_j, dV_j */
+    PYFA_KERNEL_FA2_BACKWARD_DQ = 5          /* row-parallel: dQ_i, no atomics */
+} pyfa_kernel;
+
+typedef struct pyfa_problem {
+    int64_t batch;     /* B >= 1 */
+    int64_t heads;     /* H >= 1 */
+    int64_t seqlen_q;  /* Nq >= 1 */
+    int64_t seqlen_k;  /* Nk >= 1 */
+    int64_t head_dim;  /* d in [1, 256] */
+    float scale;       /* softmax scale; 0 means 1/sqrt(d) */
+    int causal;        /* nonzero: key j is masked for query i when j > i + (Nk - Nq) */
+} pyfa_problem;
+
+typedef struct pyfa_config {
+    int backend;       /* a pyfa_backend */
+    int block_r;       /* Br, rows of Q per tile; 0 means the kernel's default */
+    int block_c;       /* Bc, rows of K and V per tile; 0 means the kernel's default */
+    int emu_order;     /* a pyfa_emu_order; used by the emulator only */
+    uint64_t emu_seed; /* seed of PYFA_EMU_ORDER_SHUFFLED */
+    int emu_workers;   /* OS threads the emulator spreads blocks over; 0 means one per core */
+} pyfa_config;
+
+/* What the kernels are sized against: the GPU's limits, or the emulated device's. */
+typedef struct pyfa_device_profile {
+    char name[64];
+    int64_t smem_per_block;  /* bytes of shared memory one block may opt in to */
+    int max_threads_per_block;
+    int sm_count;
+} pyfa_device_profile;
+
+PYFA_API const char* pyfa_version(void);
+PYFA_API const char* pyfa_status_string(pyfa_status status);
+/* The message of the last failed call made by this thread ("" if none). */
+PYFA_API const char* pyfa_last_error(void);
+
+/* 1 when the backend can run here (CUDA: compiled in and a GPU present). */
+PYFA_API int pyfa_backend_available(int backend);
+PYFA_API pyfa_status pyfa_device_profile_get(int backend, pyfa_device_profile* profile);
+
+/* Bytes of dynamic shared memory the kernel needs for these tiles, 0 if out of range. */
+PYFA_API int64_t pyfa_smem_bytes(int kernel, int block_r, int block_c, int64_t head_dim);
+/* Tiles the kernel uses when pyfa_config asks for 0, for this head_dim on this backend. */
+PYFA_API pyfa_status pyfa_default_tiles(int kernel, int64_t head_dim, int backend,
+                                        int* block_r, int* block_c);
+
+/* ---- FlashAttention-2 forward: O and LSE = m + log(l) per query row. ---- */
+PYFA_API pyfa_status pyfa_fa2_forward(const pyfa_problem* problem, const pyfa_config* config,
+                                      const float* q,  /* (B, H, Nq, d) */
+                                      const float* k,  /* (B, H, Nk, d) */
+                                      const float* v,  /* (B, H, Nk, d) */
+                                      float* o,        /* (B, H, Nq, d) */
+                                      float* lse);     /* (B, H, Nq) */
+/* Same on device pointers (host pointers for the emulator), enqueued on stream
+   (a cudaStream_t, NULL for the default stream). */
+PYFA_API pyfa_status pyfa_fa2_forward_device(const pyfa_problem* problem, const pyfa_config* config,
+                                             const float* q, const float* k, const float* v,
+                                             float* o, float* lse, void* stream);
+
+/* PYFA_CDEF_END */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PYFA_H */

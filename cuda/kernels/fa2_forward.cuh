@@ -1,0 +1,133 @@
+// fa2_forward.cuh: FlashAttention-2 forward (Dao 2023, Algorithm 1), fp32.
+// Simulator twin: sim/fa2_forward.py (same names, same loop order, same operations).
+// Numerical contract: docs/numerics.md.
+//
+// One block per (Q row block i, head h, batch b). The block loads Q_i once and walks
+// the K/V tiles j = 0 .. Tc-1, keeping the running max m_i, the running sum l_i and the
+// unnormalized accumulator O_i in shared memory:
+//     m_new   = max(m_old, rowmax(S_ij))                 S_ij = scale * Q_i K_j^T
+//     P~_ij   = exp(S_ij - m_new)
+//     l_i     = exp(m_old - m_new) * l_i + rowsum(P~_ij)
+//     O_i     = exp(m_old - m_new) * O_i + P~_ij V_j
+// and only at the end divides: O_i / l_i, LSE_i = m_i + log(l_i).
+#pragma once
+
+#include <cmath>
+
+#include "common/device.h"
+#include "common/numerics.h"
+#include "common/params.h"
+#include "common/smem.h"
+#include "common/tiling.h"
+
+namespace PYFA_KERNELS {
+
+// exp(x - m) with the row max m of a row that has seen no key yet (-inf) taken as 0,
+// so that exp(-inf - m) is exp(-inf) = 0 and never exp(NaN).
+PYFA_HD float safe_max(float m) { return m == -INFINITY ? 0.0f : m; }
+
+__global__ void fa2_forward_kernel(const AttentionParams p) {
+    const int64_t d = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
+    const int64_t Br = p.block_r, Bc = p.block_c;
+    const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int64_t tid = threadIdx.x, nthreads = blockDim.x;
+
+    const int64_t bh = b * p.heads + h;
+    const float* Q = p.q + bh * Nq * d;    // (Nq, d) of this head
+    const float* K = p.k + bh * Nk * d;    // (Nk, d)
+    const float* V = p.v + bh * Nk * d;    // (Nk, d)
+    float* O = p.o + bh * Nq * d;          // (Nq, d)
+    float* LSE = p.lse + bh * Nq;          // (Nq)
+
+    const int64_t row0 = i * Br;
+    const int64_t br = min64(Br, Nq - row0);  // rows of this tile (fewer in the tail)
+
+    PYFA_DYNAMIC_SMEM(smem_raw);
+    float* smem = reinterpret_cast<float*>(smem_raw);
+    const SmemLayout L = fa2_forward_smem(Br, Bc, d);
+    float* Qi = smem + L.offset[FA2F_Qi];        // (br, d)
+    float* Kj = smem + L.offset[FA2F_Kj];        // (bc, d)
+    float* Vj = smem + L.offset[FA2F_Vj];        // (bc, d)
+    float* Sij = smem + L.offset[FA2F_Sij];      // (br, Bc), row stride Bc
+    float* Oi = smem + L.offset[FA2F_Oi];        // (br, d)
+    float* mi = smem + L.offset[FA2F_mi];        // (br)
+    float* li = smem + L.offset[FA2F_li];        // (br)
+    float* alpha = smem + L.offset[FA2F_alpha];  // (br)
+
+    for (int64_t e = tid; e < br * d; e += nthreads) {
+        Qi[e] = Q[row0 * d + e];
+        Oi[e] = 0.0f;
+    }
+    for (int64_t r = tid; r < br; r += nthreads) {
+        mi[r] = -INFINITY;
+        li[r] = 0.0f;
+    }
+
+    const int64_t Tc_visit = kv_tile_end(p.causal, row0, br, Nq, Nk, Bc);
+    for (int64_t j = 0; j < Tc_visit; ++j) {
+        const int64_t col0 = j * Bc;
+        const int64_t bc = min64(Bc, Nk - col0);
+        __syncthreads();  // the previous step's readers of K_j, V_j and S_ij are done
+        for (int64_t e = tid; e < bc * d; e += nthreads) {
+            Kj[e] = K[col0 * d + e];
+            Vj[e] = V[col0 * d + e];
+        }
+        __syncthreads();
+
+        // S_ij[r, c] = scale * sum_x Q_i[r, x] K_j[c, x], summed x = 0 .. d-1 in order.
+        for (int64_t e = tid; e < br * bc; e += nthreads) {
+            const int64_t r = e / bc, c = e % bc;
+            float s = 0.0f;
+            for (int64_t x = 0; x < d; ++x) s = s + Qi[r * d + x] * Kj[c * d + x];
+            s = s * p.scale;
+            if (p.causal && causal_masked(row0 + r, col0 + c, Nq, Nk)) s = -INFINITY;
+            Sij[r * Bc + c] = s;
+        }
+        __syncthreads();
+
+        // m_new = max(m_old, S_ij[r, 0], ..., S_ij[r, bc-1]); alpha = exp(m_old - m_new).
+        for (int64_t r = tid; r < br; r += nthreads) {
+            const float m_old = mi[r];
+            float m_new = m_old;
+            for (int64_t c = 0; c < bc; ++c) m_new = pyfa_max(m_new, Sij[r * Bc + c]);
+            alpha[r] = pyfa_exp(m_old - safe_max(m_new));
+            mi[r] = m_new;
+        }
+        __syncthreads();
+
+        // P~_ij = exp(S_ij - m_new), in place.
+        for (int64_t e = tid; e < br * bc; e += nthreads) {
+            const int64_t r = e / bc, c = e % bc;
+            Sij[r * Bc + c] = pyfa_exp(Sij[r * Bc + c] - safe_max(mi[r]));
+        }
+        __syncthreads();
+
+        // l_i = alpha * l_i + rowsum(P~_ij), the row sum taken c = 0 .. bc-1 in order.
+        for (int64_t r = tid; r < br; r += nthreads) {
+            float rowsum = 0.0f;
+            for (int64_t c = 0; c < bc; ++c) rowsum = rowsum + Sij[r * Bc + c];
+            li[r] = alpha[r] * li[r] + rowsum;
+        }
+        // O_i = alpha * O_i + P~_ij V_j, the product summed c = 0 .. bc-1 in order.
+        for (int64_t e = tid; e < br * d; e += nthreads) {
+            const int64_t r = e / d, x = e % d;
+            float pv = 0.0f;
+            for (int64_t c = 0; c < bc; ++c) pv = pv + Sij[r * Bc + c] * Vj[c * d + x];
+            Oi[e] = alpha[r] * Oi[e] + pv;
+        }
+    }
+    __syncthreads();
+
+    // O_i = O_i / l_i; LSE_i = m_i + log(l_i). A row that saw no key has l_i = 0:
+    // it gets O = 0 and LSE = -inf rather than 0/0.
+    for (int64_t e = tid; e < br * d; e += nthreads) {
+        const float l = li[e / d];
+        O[row0 * d + e] = l == 0.0f ? 0.0f : Oi[e] / l;
+    }
+    for (int64_t r = tid; r < br; r += nthreads) {
+        const float l = li[r];
+        LSE[row0 + r] = l == 0.0f ? -INFINITY : mi[r] + pyfa_log(l);
+    }
+}
+
+}  // namespace PYFA_KERNELS

@@ -1,0 +1,19 @@
+"""pyfa.sim: the pure-NumPy simulator of pyfa's kernels.
+
+Each kernel has a twin here that walks the same tile loops and performs the same fp32
+operations in the same order (docs/numerics.md), so its results equal the kernel's bit
+for bit, and that counts every byte moved through HBM. Importing it needs NumPy only,
+never the compiled library.
+"""
+
+from .count import count_io
+from .fa2_forward import Fa2ForwardResult, fa2_forward
+from .io import IORecord, format_bytes
+from .standard import count_standard_io, standard_backward, standard_forward
+from .tiles import EMU_PROFILE, DeviceProfile, default_tiles, smem_bytes, smem_terms
+
+__all__ = [
+    "count_standard_io", "standard_backward", "standard_forward",
+    "DeviceProfile", "EMU_PROFILE", "Fa2ForwardResult", "IORecord", "count_io",
+    "default_tiles", "fa2_forward", "format_bytes", "smem_bytes", "smem_terms",
+]

@@ -1,0 +1,86 @@
+"""count_io: the kernels' HBM traffic counted by walking their loops without arithmetic.
+
+Each walker follows one kernel's loop nest for a single (batch, head), the same tile
+bounds and causal skips as the kernel and its simulator, and adds up what each load and
+store moves; all heads are alike, so the record is then scaled by B*H. The walk is per
+tile row (O(Tr + Tc) steps), fast enough for B=64, H=16, N=16384 in milliseconds.
+
+Tensors (Q, K, V, O, dO, dQ, dK, dV) are counted at `dtype_bytes` per element; the
+per-row statistics (LSE, m, l, D) at 4 bytes, since implementations keep them in fp32
+whatever the tensors' type. With dtype_bytes=4 the counts equal the simulator's.
+"""
+
+from .inputs import MAX_HEAD_DIM, check_tile
+from .io import IORecord
+from .tiles import default_tiles
+from .tiling import ceil_div, kv_tile_end
+
+STAT_BYTES = 4
+
+
+def _tiles(kernel, d, block_r, block_c):
+    # kernel None: a model without tiles (the unfused standard attention ignores Br, Bc).
+    Br, Bc = (None, None) if kernel is None else default_tiles(kernel, d)
+    return (check_tile("block_r", block_r) or Br, check_tile("block_c", block_c) or Bc)
+
+
+def fa2_forward_io(Nq, Nk, d, Br, Bc, causal, e):
+    """One head of cuda/kernels/fa2_forward.cuh: Q_i read once, K_j and V_j once per
+    visited (i, j), O_i and LSE_i written once."""
+    io = IORecord()
+    io.read("Q", Nq * d * e)
+    for i in range(ceil_div(Nq, Br)):
+        br = min(Br, Nq - i * Br)
+        end = kv_tile_end(causal, i * Br, br, Nq, Nk, Bc)
+        keys = min(end * Bc, Nk)  # rows of K (and V) in tiles 0 .. end-1
+        io.read("K", keys * d * e)
+        io.read("V", keys * d * e)
+    io.write("O", Nq * d * e)
+    io.write("LSE", Nq * STAT_BYTES)
+    return io
+
+
+# (algorithm, pass) -> [(kernel whose default tiles apply, walker)], in launch order.
+WALKERS = {
+    ("fa2", "forward"): [("fa2_forward", fa2_forward_io)],
+}
+
+def algorithms():
+    """The algorithms in WALKERS now: computed on each call, since walkers are also
+    registered after this module's import (the standard model, at the end of this file)."""
+    return sorted({a for a, _ in WALKERS})
+
+
+def count_io(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, head_dim,
+             block_r=None, block_c=None, causal=False, dtype_bytes=4):
+    """The IO record of `algo` ("fa1", "fa2", ...) for `passes` ("forward", "backward",
+    "both"), counted without arithmetic. None tiles are the library's defaults for the
+    emulated device profile (sim.tiles.default_tiles)."""
+    if algo not in algorithms():
+        raise ValueError(f"algo: unknown algorithm {algo!r}; known: {algorithms()}")
+    if passes not in ("forward", "backward", "both"):
+        raise ValueError(f"passes: expected 'forward', 'backward' or 'both', got {passes!r}")
+    for name, value in (("batch", batch), ("heads", heads), ("seqlen_q", seqlen_q),
+                        ("seqlen_k", seqlen_k), ("head_dim", head_dim), ("dtype_bytes", dtype_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim: must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    wanted = ["forward", "backward"] if passes == "both" else [passes]
+    record = IORecord()
+    for p in wanted:
+        if (algo, p) not in WALKERS:
+            raise ValueError(f"passes: {algo} has no {p} pass in this version")
+        for kernel, walker in WALKERS[(algo, p)]:
+            Br, Bc = _tiles(kernel, head_dim, block_r, block_c)
+            record = record + walker(seqlen_q, seqlen_k, head_dim, Br, Bc, bool(causal), dtype_bytes)
+    out = record.scaled(batch * heads)
+    out.label = f"{algo} {passes}"
+    return out
+
+
+# The unfused standard-attention model (sim/standard.py): no kernel, hence no tiles.
+from .standard import standard_backward_io, standard_forward_io  # noqa: E402
+
+WALKERS[("standard", "forward")] = [(None, standard_forward_io)]
+WALKERS[("standard", "backward")] = [(None, standard_backward_io)]

@@ -1,0 +1,200 @@
+"""NumPy twins of cuda/common/numerics.h: pyfa's float32 max, exp and log.
+
+Every function performs exactly the float32 operations of its C/CUDA twin, in the same
+order, vectorized over arrays, so that the simulator reproduces the kernels' bits.
+Rules that keep it that way (see the shared README, "Bit-exact fp32"):
+
+* every constant is an np.float32 made from the same hex literal as in the header, and
+  every intermediate stays float32 (a float64 operand would silently promote);
+* one NumPy ufunc per C operation, so nothing is fused and nothing is reassociated;
+* np.exp / np.log / np.maximum are never used: they differ from the C side;
+* bit manipulation goes through .view(np.int32) / .view(np.uint32).
+
+Special cases are computed on a harmless stand-in value and selected at the end with
+np.where, exactly as the C code does with ?:. Imports only numpy.
+"""
+
+import numpy as np
+
+__all__ = ["exp", "log", "maximum", "check_float_environment"]
+
+
+def _c(hex_literal):
+    """An np.float32 constant from a C99 hex-float literal (without the 'f' suffix)."""
+    value = float.fromhex(hex_literal)
+    c = np.float32(value)
+    if float(c) != value:  # every constant must be exactly representable
+        raise ValueError(f"{hex_literal} is not a float32 value")
+    return c
+
+
+_ONE = _c("0x1p+0")
+_TWO = _c("0x1p+1")
+_HALF = _c("0x1p-1")
+_ZERO = _c("0x0p+0")
+_INF = np.float32(np.inf)
+_QNAN = np.array([0x7FC00000], dtype=np.uint32).view(np.float32)[0]
+
+# exp (names and values as in numerics.h, PYFA_ prefix dropped)
+_EXP_X_HI = _c("0x1.62e42ep+6")    # largest float whose exp is finite
+_EXP_X_LO = _c("-0x1.9fe368p+6")   # smallest float whose exp rounds to non-zero
+_LOG2E = _c("0x1.715476p+0")
+_LN2_HI = _c("0x1.62e4p-1")        # 16 significant bits: n * LN2_HI exact for |n| < 256
+_LN2_LO = _c("0x1.7f7d1cp-20")
+_ROUND_MAGIC = _c("0x1.8p+23")     # 1.5 * 2^23
+_ROUND_MAGIC_BITS = np.int32(0x4B400000)
+_EXP_C2 = _c("0x1.fffffcp-2")
+_EXP_C3 = _c("0x1.555418p-3")
+_EXP_C4 = _c("0x1.555824p-5")
+_EXP_C5 = _c("0x1.1267f2p-7")
+_EXP_C6 = _c("0x1.6ae6c6p-10")
+
+# log
+_LOG_SQRT2 = _c("0x1.6a09e6p+0")
+_LOG_D1 = _c("0x1.55557ap-1")
+_LOG_D2 = _c("0x1.995eacp-2")
+_LOG_D3 = _c("0x1.31e4fap-2")
+_MIN_NORMAL = _c("0x1p-126")
+_TWO_POW_23 = _c("0x1p+23")
+
+
+def _prepare(x):
+    """Returns (float32 ndarray, was_scalar). Refuses NumPy data of another dtype: a
+    float64 intermediate handed over by mistake would otherwise be rounded silently."""
+    if isinstance(x, (np.ndarray, np.generic)):
+        if x.dtype != np.float32:
+            raise TypeError(f"sim.numerics takes float32 data, got {x.dtype}")
+        arr = np.asarray(x)
+    else:  # Python numbers and lists of them
+        arr = np.asarray(x, dtype=np.float32)
+    return arr, arr.ndim == 0
+
+
+def _flat(x):
+    """A contiguous 1-d float32 copy or view, so that .view() works for any input."""
+    return np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+
+
+def _finish(y, scalar):
+    return y[()] if scalar else y
+
+
+def maximum(a, b):
+    """pyfa_max: (b > a) ? b : a. NaN in b is ignored, NaN in a propagates, ties
+    (including -0 vs +0) keep a. Broadcasts like any ufunc."""
+    a, sa = _prepare(a)
+    b, sb = _prepare(b)
+    with np.errstate(invalid="ignore"):
+        y = np.where(b > a, b, a)
+    return _finish(y, sa and sb)
+
+
+def exp(x):
+    """pyfa_exp, bit for bit. See numerics.h for why each step is there."""
+    x0, scalar = _prepare(x)
+    x = _flat(x0)
+    with np.errstate(all="ignore"):
+        # Clamp (NaN takes X_LO: the comparison is false), compute, select specials last.
+        xc = np.where(x >= _EXP_X_LO, x, _EXP_X_LO)
+        xc = np.where(xc > _EXP_X_HI, _EXP_X_HI, xc)
+
+        t = xc * _LOG2E
+        t = t + _ROUND_MAGIC
+        nf = t - _ROUND_MAGIC
+        n = t.view(np.int32) - _ROUND_MAGIC_BITS
+        r = xc - nf * _LN2_HI
+        r = r - nf * _LN2_LO
+
+        q = _EXP_C6 * r + _EXP_C5
+        q = q * r + _EXP_C4
+        q = q * r + _EXP_C3
+        q = q * r + _EXP_C2
+        r2 = r * r
+        q = r2 * q
+        q = r + q
+        p = q + _ONE
+
+        n1 = ((n + np.int32(150)) >> np.int32(1)) - np.int32(75)
+        n2 = n - n1
+        s1 = ((n1 + np.int32(127)) << np.int32(23)).view(np.float32)
+        s2 = ((n2 + np.int32(127)) << np.int32(23)).view(np.float32)
+        y = p * s1
+        y = y * s2
+
+        y = np.where(x > _EXP_X_HI, _INF, y)
+        y = np.where(x < _EXP_X_LO, _ZERO, y)
+        y = np.where(x != x, x, y)
+    return _finish(y.reshape(x0.shape), scalar)
+
+
+def log(x):
+    """pyfa_log, bit for bit. See numerics.h for why each step is there."""
+    x0, scalar = _prepare(x)
+    x = _flat(x0)
+    with np.errstate(all="ignore"):
+        xs = np.where(x > _ZERO, x, _ONE)
+        xs = np.where(xs < _INF, xs, _ONE)
+
+        sub = xs < _MIN_NORMAL
+        xs = np.where(sub, xs * _TWO_POW_23, xs)
+        ebias = np.where(sub, np.int32(-23 - 127), np.int32(-127))
+
+        ix = xs.view(np.uint32)
+        e = (ix >> np.uint32(23)).astype(np.int32) + ebias
+        m = ((ix & np.uint32(0x007FFFFF)) | np.uint32(0x3F800000)).view(np.float32)
+        big = m > _LOG_SQRT2
+        m = np.where(big, m * _HALF, m)
+        e = np.where(big, e + np.int32(1), e)
+
+        f = m - _ONE
+        s = f / (f + _TWO)
+        z = s * s
+        R = _LOG_D3 * z + _LOG_D2
+        R = R * z + _LOG_D1
+        R = R * z
+        lm = f - R
+        lm = s * lm
+        lm = f - lm
+
+        ef = e.astype(np.float32)
+        y = ef * _LN2_LO
+        y = y + lm
+        y = ef * _LN2_HI + y
+
+        y = np.where(x == _INF, _INF, y)
+        y = np.where(x == _ZERO, -_INF, y)
+        y = np.where(x < _ZERO, _QNAN, y)
+        y = np.where(x != x, x, y)
+    return _finish(y.reshape(x0.shape), scalar)
+
+
+def check_float_environment():
+    """Raises RuntimeError unless float32 arithmetic in this process is plain IEEE:
+    subnormal results survive (no flush-to-zero), subnormal inputs are not read as zero
+    (no denormals-are-zero), and rounding is to nearest-even. A shared library built with
+    -ffast-math switches the whole process to FTZ/DAZ when it is loaded; the simulator
+    would then silently stop matching the kernels."""
+    tiny = np.float32(1e-38)
+    milli = np.float32(1e-3)
+    sub = np.float32(1e-40)
+    two = np.float32(2.0)
+    one = np.float32(1.0)
+    eps_half = np.float32(2.0 ** -24)
+    problems = []
+    with np.errstate(all="ignore"):
+        # Scalar and array paths (the latter goes through the SIMD loops).
+        if tiny * milli == 0 or (np.array([tiny] * 8, np.float32) * milli == 0).any():
+            problems.append("float32 subnormal results are flushed to zero (FTZ)")
+        if sub * two == 0 or (np.array([sub] * 8, np.float32) * two == 0).any():
+            problems.append("float32 subnormal inputs are read as zero (DAZ)")
+        if one + eps_half != one or one + np.float32(3 * 2.0 ** -24) != np.float32(1 + 2.0 ** -22):
+            problems.append("float32 rounding is not round-to-nearest-even")
+    if problems:
+        raise RuntimeError(
+            "sim.numerics: the floating-point environment is not IEEE default ("
+            + "; ".join(problems)
+            + "); was a library built with -ffast-math loaded into this process?"
+        )
+
+
+check_float_environment()

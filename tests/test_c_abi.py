@@ -1,0 +1,41 @@
+"""The C ABI from C: a C99 program compiled with -Wall -Werror links libpyfa and checks a
+result; the header also compiles as C++."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pyfa import _lib
+
+HERE = Path(__file__).resolve().parent
+
+
+def compiler(*names):
+    for name in names:
+        if shutil.which(name):
+            return name
+    pytest.skip(f"no compiler among {names}")
+
+
+def test_c99_program_links_and_checks_a_result(tmp_path):
+    cc = compiler("cc", "gcc", "clang")
+    lib = _lib.library_path()
+    include = _lib.header_path().parent
+    exe = tmp_path / "smoke"
+    subprocess.run([cc, "-std=c99", "-Wall", "-Wextra", "-Werror", "-pedantic", f"-I{include}",
+                    str(HERE / "c" / "smoke.c"), "-o", str(exe), str(lib),
+                    f"-Wl,-rpath,{lib.parent}", "-lm"], check=True)
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "max abs error" in run.stdout
+
+
+def test_header_compiles_as_cpp(tmp_path):
+    cxx = compiler("c++", "g++", "clang++")
+    include = _lib.header_path().parent
+    src = tmp_path / "h.cpp"
+    src.write_text('#include "pyfa.h"\nint main() { pyfa_problem p{}; return p.causal; }\n')
+    subprocess.run([cxx, "-std=c++11", "-Wall", "-Werror", f"-I{include}", "-fsyntax-only", str(src)],
+                   check=True)

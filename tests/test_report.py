@@ -1,0 +1,266 @@
+"""The HBM-IO report (sim/report.py, `python -m pyfa.sim`): every registered algorithm's
+counts against its closed form, FA1's bytes against Bc, and the command line (presets,
+formats, sweeps, plot, progress bar). Whatever algorithms sim/count.py's WALKERS holds
+are tested; "standard" and "fa2" must be there."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+import pyfa
+from pyfa.sim import count as count_mod
+from pyfa.sim import report
+
+WALKED = sorted(count_mod.WALKERS)        # (algo, pass) pairs registered now
+ALGOS = report.available_algorithms()
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+# Closed forms per (algo, pass) for one non-causal head, in elements (statistics in
+# 4-byte units are given separately). "exact": the whole record; otherwise only the
+# tensors the algorithm's loop order pins down (FlashAttention paper: FA1 Algorithms 1
+# and 4, outer loop over K/V tiles; FA2, outer loop over Q tiles in the forward).
+def closed_form(algo, p, Nq, Nk, d, Br, Bc):
+    Tr, Tc = ceil_div(Nq, Br), ceil_div(Nk, Bc)
+    NN = Nq * Nk
+    if (algo, p) == ("standard", "forward"):
+        return True, {"Q": Nq * d, "K": Nk * d, "V": Nk * d, "S": NN, "P": NN}, \
+            {"S": NN, "P": NN, "O": Nq * d}, {}
+    if (algo, p) == ("standard", "backward"):
+        return True, {"P": 2 * NN, "dO": 2 * Nq * d, "V": Nk * d, "dP": NN, "dS": 2 * NN,
+                      "K": Nk * d, "Q": Nq * d}, \
+            {"dV": Nk * d, "dP": NN, "dS": NN, "dQ": Nq * d, "dK": Nk * d}, {}
+    if (algo, p) == ("fa2", "forward"):
+        # Q once, K and V once per Q row block; O once, LSE (4 bytes) once.
+        return True, {"Q": Nq * d, "K": Tr * Nk * d, "V": Tr * Nk * d}, {"O": Nq * d}, \
+            {"LSE": Nq}
+    if (algo, p) == ("fa1", "forward"):
+        # K_j, V_j once each (outer loop); Q_i once per K/V tile.
+        return False, {"K": Nk * d, "V": Nk * d, "Q": Tc * Nq * d}, {}, {}
+    if (algo, p) == ("fa1", "backward"):
+        # K_j, V_j read once and dK_j, dV_j written once (outer loop); Q_i per K/V tile.
+        return False, {"K": Nk * d, "V": Nk * d, "Q": Tc * Nq * d}, \
+            {"dK": Nk * d, "dV": Nk * d}, {}
+    if (algo, p) == ("fa2", "backward"):
+        # dK_j, dV_j written once each, whatever kernel computes dQ.
+        return False, {}, {"dK": Nk * d, "dV": Nk * d}, {}
+    return None
+
+
+GRID = [(1, 1, 1, 1, 1), (37, 53, 16, 8, 16), (64, 64, 32, 16, 16), (70, 40, 8, 32, 16),
+        (40, 70, 8, 5, 7), (256, 256, 64, 32, 64), (1024, 1024, 64, 64, 32),
+        (2048, 2048, 64, 32, 32)]
+
+
+def test_standard_and_fa2_are_registered():
+    assert "standard" in ALGOS and "fa2" in ALGOS
+    assert ALGOS[0] == "standard"
+
+
+@pytest.mark.parametrize("algo,p", WALKED)
+@pytest.mark.parametrize("Nq,Nk,d,Br,Bc", GRID)
+@pytest.mark.parametrize("e", [2, 4])
+def test_counts_match_closed_forms(algo, p, Nq, Nk, d, Br, Bc, e):
+    form = closed_form(algo, p, Nq, Nk, d, Br, Bc)
+    if form is None:
+        pytest.fail(f"no closed form written for ({algo!r}, {p!r}): add one to this test")
+    exact, reads, writes, stat_writes = form
+    B, H = 2, 3
+    io_ = pyfa.sim.count_io(algo, passes=p, batch=B, heads=H, seqlen_q=Nq, seqlen_k=Nk,
+                            head_dim=d, block_r=Br, block_c=Bc, dtype_bytes=e)
+    want_r = {k: v * e * B * H for k, v in reads.items()}
+    want_w = {k: v * e * B * H for k, v in writes.items()}
+    want_w.update({k: v * 4 * B * H for k, v in stat_writes.items()})
+    if exact:
+        assert io_.reads == want_r and io_.writes == want_w
+    else:
+        assert {k: io_.reads.get(k) for k in want_r} == want_r
+        assert {k: io_.writes.get(k) for k in want_w} == want_w
+
+
+@pytest.mark.parametrize("algo,p", WALKED)
+def test_counts_scale_with_batch_and_heads_and_causal_never_adds(algo, p):
+    kw = dict(passes=p, seqlen_q=100, seqlen_k=130, head_dim=16, block_r=16, block_c=32)
+    one = pyfa.sim.count_io(algo, batch=1, heads=1, **kw)
+    many = pyfa.sim.count_io(algo, batch=3, heads=5, **kw)
+    assert many == one.scaled(15) and one.total > 0
+    causal = pyfa.sim.count_io(algo, batch=1, heads=1, causal=True, **kw)
+    assert causal.total <= one.total
+
+
+@pytest.mark.parametrize("passes", ["forward", "backward", "both"])
+def test_report_counts_are_count_io(passes):
+    s = report.Setup(batch=2, heads=3, seqlen_q=300, seqlen_k=200, head_dim=32, causal=True,
+                     dtype_bytes=2, passes=passes)
+    r = report.build_report(s)
+    shown = {a["name"]: a for a in r["algorithms"]}
+    for algo in ALGOS:
+        if report.missing_passes(algo, passes):
+            assert algo in [x["name"] for x in r["skipped"]]
+            continue
+        want = pyfa.sim.count_io(algo, passes=passes, batch=2, heads=3, seqlen_q=300,
+                                 seqlen_k=200, head_dim=32, causal=True, dtype_bytes=2)
+        a = shown[algo]
+        assert (a["reads"], a["writes"], a["total"]) == (want.reads, want.writes, want.total)
+        assert a["vs_standard"] == pytest.approx(want.total / shown["standard"]["total"])
+
+
+def test_standard_passes_reach_the_report():
+    s = report.Setup(batch=1, heads=1, seqlen_q=64, seqlen_k=64, head_dim=8, passes="both")
+    plain = report.count("standard", s)[0]
+    all3 = replace(s, standard_passes=("scale", "mask", "dropout"))
+    with_passes = report.count("standard", all3)[0]
+    # Three passes, each a read and a write of a 64 x 64 matrix, forward and backward.
+    assert with_passes.total - plain.total == 3 * 2 * 2 * 64 * 64 * 4
+
+
+def test_a_smaller_profile_gives_smaller_default_tiles():
+    s = report.Setup(head_dim=256, passes="forward", algos=["fa2"])
+    small = replace(s, smem_kib=48)
+    big_tiles = report.count("fa2", s)[1]
+    small_tiles = report.count("fa2", small)[1]
+    assert small_tiles[0]["block_r"] < big_tiles[0]["block_r"]
+    assert report.tiles_fit(small_tiles, small)
+
+
+def _fa1_passes():
+    return [p for p in ("forward", "backward") if ("fa1", p) in count_mod.WALKERS]
+
+
+@pytest.mark.parametrize("p", ["forward", "backward"])
+def test_fa1_bytes_fall_as_bc_grows(p):
+    if ("fa1", p) not in count_mod.WALKERS:
+        pytest.skip(f"fa1 has no {p} walker registered yet")
+    s = report.Setup(batch=2, heads=2, seqlen_q=512, seqlen_k=512, head_dim=64, passes=p,
+                     block_r=32, algos=["fa1"])
+    for causal in (False, True):
+        sw = report.run_sweep(replace(s, causal=causal), "bc",
+                              [4, 8, 16, 32, 64, 128, 256, 512])
+        totals = [row["bytes"]["fa1"] for row in sw["rows"]]
+        assert all(a > b for a, b in zip(totals, totals[1:])), totals
+
+
+def test_fa2_forward_bytes_fall_as_br_grows():
+    s = report.Setup(batch=1, heads=2, seqlen_q=512, seqlen_k=512, head_dim=64,
+                     passes="forward", block_c=32, algos=["fa2"])
+    sw = report.run_sweep(s, "br", [8, 16, 32, 64, 128, 256])
+    totals = [row["bytes"]["fa2"] for row in sw["rows"]]
+    assert all(a > b for a, b in zip(totals, totals[1:])), totals
+
+
+def test_sweep_over_n_grows_quadratically_for_standard():
+    s = report.Setup(batch=1, heads=1, head_dim=64, passes="forward", algos=["standard"])
+    sw = report.run_sweep(s, "n", [1024, 2048, 4096])
+    b = [row["bytes"]["standard"] for row in sw["rows"]]
+    assert 3.5 < b[1] / b[0] < 4 and 3.5 < b[2] / b[1] < 4
+
+
+def test_progress_bar_draws_only_when_enabled():
+    out = io.StringIO()
+    bar = report.Progress(4, "sweep", True, stream=out)
+    for _ in range(4):
+        bar.step("x")
+    bar.close()
+    assert "4/4" in out.getvalue() and "#" * 30 in out.getvalue()
+    quiet = io.StringIO()
+    bar = report.Progress(4, "sweep", False, stream=quiet)
+    bar.step()
+    bar.close()
+    assert quiet.getvalue() == ""
+
+
+# ---- the command line, run as a user runs it
+
+def _run_cli(*args):
+    env = dict(os.environ)
+    # The subprocess must import this very pyfa (installed or the source tree).
+    root = str(Path(pyfa.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return subprocess.run([sys.executable, "-m", "pyfa.sim", *args], capture_output=True,
+                          text=True, env=env, timeout=60)
+
+
+def test_gpt2_medium_preset_runs_fast_and_compares_every_algorithm():
+    start = time.perf_counter()
+    proc = _run_cli("report", "--preset", "gpt2-medium")
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr
+    assert elapsed < 5.0, f"took {elapsed:.1f} s"
+    text = proc.stdout
+    assert "B=64 H=16 Nq=Nk=1024 d=64" in text and "forward + backward" in text
+    totals = text[text.index("Totals"):]
+    for algo in ALGOS:
+        if report.missing_passes(algo, "both"):
+            assert "Not shown: " in text and algo in text.split("Not shown: ")[1]
+        else:
+            assert any(line.split()[:1] == [algo] for line in totals.splitlines()), algo
+    for word in ("40.3", "GiB", "Θ(Nd + N²)", "Element size", "Which passes", "Caches"):
+        assert word in text
+
+
+def test_json_and_markdown_formats_parse(tmp_path):
+    proc = _run_cli("report", "--preset", "v1-table", "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    assert r["problem"]["batch"] == 4 and r["block_r"] == r["block_c"] == 32
+    names = [a["name"] for a in r["algorithms"]]
+    assert names[0] == "standard"
+    std = pyfa.sim.count_io("standard", passes="both", batch=4, heads=8, seqlen_q=2048,
+                            seqlen_k=2048, head_dim=64)
+    assert r["algorithms"][0]["total"] == std.total
+
+    out = tmp_path / "report.md"
+    proc = _run_cli("report", "--preset", "gpt2-medium", "--format", "markdown", "--steps",
+                    "--out", str(out))
+    assert proc.returncode == 0 and proc.stdout == "", proc.stderr
+    md = out.read_text(encoding="utf-8")
+    assert md.startswith("# pyfa HBM-IO report")
+    # Every table is well formed: a header, a separator, rows with as many cells.
+    tables, current = [], []
+    for line in md.splitlines() + [""]:
+        if line.startswith("|"):
+            current.append(line)
+        elif current:
+            tables.append(current)
+            current = []
+    assert len(tables) >= 3
+    for t in tables:
+        assert set(t[1].replace("|", "").replace(" ", "")) <= set("-:")
+        assert len({row.count("|") for row in t}) == 1
+
+
+def test_sweep_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "sweep.png"
+    proc = _run_cli("sweep", "--over", "bc", "--values", "16,32,64,128", "--preset",
+                    "v1-table", "--passes", "forward", "--plot", str(png), "--progress")
+    assert proc.returncode == 0, proc.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.stat().st_size < 100_000
+    assert "Bc" in proc.stdout
+    # The progress bar goes to stderr, never into the table.
+    assert "sweep bc [" in proc.stderr and "sweep bc [" not in proc.stdout
+
+
+def test_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    sw = report.run_sweep(report.Setup(passes="forward", algos=["standard"]), "bc", [16, 32])
+    with pytest.raises(SystemExit, match=r'pip install "pyfa\[report\]"'):
+        report.plot_sweep(sw, tmp_path / "x.png")
+
+
+def test_bad_arguments_are_reported():
+    proc = _run_cli("report", "--algos", "fa9")
+    assert proc.returncode == 2 and "fa9" in proc.stderr
+    proc = _run_cli("report", "--standard-passes", "sideways")
+    assert proc.returncode == 2 and "sideways" in proc.stderr
