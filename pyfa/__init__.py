@@ -36,6 +36,8 @@ from ._lib import (  # noqa: E402
 from .api import (  # noqa: E402
     attention, backends, default_tiles, device_profile, fa2_forward, library_version, smem_bytes,
 )
+from .api import attention_grad, fa2_backward  # noqa: E402
+from .api import fa1_backward, fa1_forward  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -43,4 +45,6 @@ __all__ = [
     "BackendUnavailableError", "CudaError", "EmulationError", "LibraryNotFoundError",
     "PyfaError", "TileTooLargeError", "attention", "backends", "default_tiles",
     "device_profile", "fa2_forward", "library_version", "sim", "smem_bytes",
+    "attention_grad", "fa2_backward",
+    "fa1_backward", "fa1_forward",
 ]

@@ -8,6 +8,7 @@ import numpy as np
 
 from . import _lib
 from .sim.inputs import as_4d, check_qkv, check_tile, resolve_scale, restore_rank
+from .sim.inputs import check_like, check_rows
 
 BACKENDS = {"auto": 0, "cuda": 1, "emu": 2}
 EMU_ORDERS = {"forward": 0, "reverse": 1, "shuffled": 2}
@@ -77,7 +78,62 @@ def fa2_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None
     return restore_rank(o, rank), lse.reshape(q4.shape[4 - rank:3])
 
 
+def fa2_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_r=None, block_c=None,
+                 backend="auto", emu_order="forward", emu_seed=0, emu_workers=0):
+    """FlashAttention-2 backward from the forward's saved o and lse (fa2_forward) and the
+    incoming gradient do (like o). Returns (dq, dk, dv), shaped like q, k, v. causal and
+    scale must be the forward's. Deterministic: the same inputs give the same bits."""
+    q4, k4, v4, rank = check_qkv(q, k, v)
+    o4 = check_like("o", o, q4)
+    do4 = check_like("do", do, q4)
+    lse3 = np.ascontiguousarray(check_rows("lse", lse, q4))
+    problem = _problem(q4, k4, scale, causal)
+    config = _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers)
+    dq = np.empty_like(q4)
+    dk = np.empty_like(k4)
+    dv = np.empty_like(v4)
+    _run("pyfa_fa2_backward", problem, config, (q4, k4, v4, o4, lse3, do4), (dq, dk, dv))
+    return restore_rank(dq, rank), restore_rank(dk, rank), restore_rank(dv, rank)
+
+
+def fa1_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None,
+                backend="auto", emu_order="forward", emu_seed=0, emu_workers=0):
+    """FlashAttention-1 forward (the paper's Algorithm 1 as written). Returns (o, m, l):
+    o like q; m (row max of the scaled scores) and l (sum of exp(score - m)) q's shape
+    without d, as the paper keeps them for the backward; a row with no visible key gets
+    o = 0, m = -inf, l = 0."""
+    q4, k4, v4, rank = check_qkv(q, k, v)
+    problem = _problem(q4, k4, scale, causal)
+    config = _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers)
+    o = np.empty_like(q4)
+    m = np.empty(q4.shape[:3], np.float32)
+    l = np.empty(q4.shape[:3], np.float32)
+    _run("pyfa_fa1_forward", problem, config, (q4, k4, v4), (o, m, l))
+    rows = q4.shape[4 - rank:3]
+    return restore_rank(o, rank), m.reshape(rows), l.reshape(rows)
+
+
+def fa1_backward(q, k, v, o, m, l, do, *, causal=False, scale=None, block_r=None, block_c=None,
+                 backend="auto", emu_order="forward", emu_seed=0, emu_workers=0):
+    """FlashAttention-1 backward (the paper's Algorithm 4) from the forward's saved o, m, l
+    (fa1_forward) and the incoming gradient do (like o). Returns (dq, dk, dv), shaped like
+    q, k, v. causal and scale must be the forward's. Deterministic: no atomics."""
+    q4, k4, v4, rank = check_qkv(q, k, v)
+    o4 = check_like("o", o, q4)
+    do4 = check_like("do", do, q4)
+    m3 = check_rows("m", m, q4)
+    l3 = check_rows("l", l, q4)
+    problem = _problem(q4, k4, scale, causal)
+    config = _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers)
+    dq = np.empty_like(q4)
+    dk = np.empty_like(k4)
+    dv = np.empty_like(v4)
+    _run("pyfa_fa1_backward", problem, config, (q4, k4, v4, o4, m3, l3, do4), (dq, dk, dv))
+    return restore_rank(dq, rank), restore_rank(dk, rank), restore_rank(dv, rank)
+
+
 _FORWARD = {"fa2": lambda *a, **kw: fa2_forward(*a, **kw)[0]}
+_FORWARD["fa1"] = lambda *a, **kw: fa1_forward(*a, **kw)[0]
 
 
 def attention(q, k, v, *, causal=False, scale=None, algo="fa2", block_r=None, block_c=None,
@@ -91,6 +147,36 @@ def attention(q, k, v, *, causal=False, scale=None, algo="fa2", block_r=None, bl
     if fn is None:
         raise ValueError(f"algo: expected one of {sorted(_FORWARD)}, got {algo!r}")
     return fn(q, k, v, causal=causal, scale=scale, block_r=block_r, block_c=block_c,
+              backend=backend, emu_order=emu_order, emu_seed=emu_seed, emu_workers=emu_workers)
+
+
+def _fa2_grad(q, k, v, do, **kw):
+    o, lse = fa2_forward(q, k, v, **kw)
+    return (o, *fa2_backward(q, k, v, o, lse, do, **kw))
+
+
+_GRAD = {"fa2": _fa2_grad}
+
+
+def _fa1_grad(q, k, v, do, **kw):
+    o, m, l = fa1_forward(q, k, v, **kw)
+    return (o, *fa1_backward(q, k, v, o, m, l, do, **kw))
+
+
+_GRAD["fa1"] = _fa1_grad
+
+
+def attention_grad(q, k, v, do, *, causal=False, scale=None, algo="fa2", block_r=None,
+                   block_c=None, backend="auto", emu_order="forward", emu_seed=0, emu_workers=0):
+    """The forward and backward of attention(q, k, v, ...) for the incoming gradient do
+    (like the output): returns (o, dq, dk, dv), o like q and the gradients like q, k, v.
+    Arguments as in attention(); do is checked before any kernel runs."""
+    fn = _GRAD.get(algo) if isinstance(algo, str) else None
+    if fn is None:
+        raise ValueError(f"algo: expected one of {sorted(_GRAD)}, got {algo!r}")
+    q4, _, _, _ = check_qkv(q, k, v)
+    check_like("do", do, q4)
+    return fn(q, k, v, do, causal=causal, scale=scale, block_r=block_r, block_c=block_c,
               backend=backend, emu_order=emu_order, emu_seed=emu_seed, emu_workers=emu_workers)
 
 

@@ -7,6 +7,9 @@ never the compiled library.
 """
 
 from .count import count_io
+from .fa1_backward import Fa1BackwardResult, fa1_backward
+from .fa1_forward import Fa1ForwardResult, fa1_forward
+from .fa2_backward import Fa2BackwardResult, fa2_backward
 from .fa2_forward import Fa2ForwardResult, fa2_forward
 from .io import IORecord, format_bytes
 from .standard import count_standard_io, standard_backward, standard_forward
@@ -16,4 +19,6 @@ __all__ = [
     "count_standard_io", "standard_backward", "standard_forward",
     "DeviceProfile", "EMU_PROFILE", "Fa2ForwardResult", "IORecord", "count_io",
     "default_tiles", "fa2_forward", "format_bytes", "smem_bytes", "smem_terms",
+    "Fa2BackwardResult", "fa2_backward",
+    "Fa1BackwardResult", "Fa1ForwardResult", "fa1_backward", "fa1_forward",
 ]

@@ -13,7 +13,7 @@ whatever the tensors' type. With dtype_bytes=4 the counts equal the simulator's.
 from .inputs import MAX_HEAD_DIM, check_tile
 from .io import IORecord
 from .tiles import default_tiles
-from .tiling import ceil_div, kv_tile_end
+from .tiling import ceil_div, kv_tile_end, q_tile_begin
 
 STAT_BYTES = 4
 
@@ -40,9 +40,98 @@ def fa2_forward_io(Nq, Nk, d, Br, Bc, causal, e):
     return io
 
 
+def fa2_backward_preprocess_io(Nq, Nk, d, Br, Bc, causal, e):
+    """One head of fa2_backward_preprocess_kernel: O and dO read once, D written once."""
+    io = IORecord()
+    io.read("O", Nq * d * e)
+    io.read("dO", Nq * d * e)
+    io.write("D", Nq * STAT_BYTES)
+    return io
+
+
+def fa2_backward_dkdv_io(Nq, Nk, d, Br, Bc, causal, e):
+    """One head of fa2_backward_dkdv_kernel: K_j, V_j read once; Q_i, dO_i, LSE_i, D_i
+    once per visited (j, i); dK_j, dV_j written once."""
+    io = IORecord()
+    io.read("K", Nk * d * e)
+    io.read("V", Nk * d * e)
+    for j in range(ceil_div(Nk, Bc)):
+        rows = Nq - q_tile_begin(causal, j * Bc, Nq, Nk, Br) * Br  # rows of tiles begin .. Tr-1
+        io.read("Q", rows * d * e)
+        io.read("dO", rows * d * e)
+        io.read("LSE", rows * STAT_BYTES)
+        io.read("D", rows * STAT_BYTES)
+    io.write("dK", Nk * d * e)
+    io.write("dV", Nk * d * e)
+    return io
+
+
+def fa2_backward_dq_io(Nq, Nk, d, Br, Bc, causal, e):
+    """One head of fa2_backward_dq_kernel: Q_i, dO_i, LSE_i, D_i read once; K_j, V_j once
+    per visited (i, j); dQ_i written once."""
+    io = IORecord()
+    io.read("Q", Nq * d * e)
+    io.read("dO", Nq * d * e)
+    io.read("LSE", Nq * STAT_BYTES)
+    io.read("D", Nq * STAT_BYTES)
+    for i in range(ceil_div(Nq, Br)):
+        br = min(Br, Nq - i * Br)
+        keys = min(kv_tile_end(causal, i * Br, br, Nq, Nk, Bc) * Bc, Nk)
+        io.read("K", keys * d * e)
+        io.read("V", keys * d * e)
+    io.write("dQ", Nq * d * e)
+    return io
+
+
+def fa1_forward_io(Nq, Nk, d, Br, Bc, causal, e):
+    """One head of cuda/kernels/fa1_forward.cuh: O, m, l initialized in HBM; K_j, V_j read
+    once; Q_i, O_i, m_i, l_i read and O_i, m_i, l_i written once per visited (j, i)."""
+    io = IORecord()
+    io.write("O", Nq * d * e)
+    io.write("m", Nq * STAT_BYTES)
+    io.write("l", Nq * STAT_BYTES)
+    io.read("K", Nk * d * e)
+    io.read("V", Nk * d * e)
+    for j in range(ceil_div(Nk, Bc)):
+        rows = Nq - q_tile_begin(causal, j * Bc, Nq, Nk, Br) * Br  # rows of tiles begin .. Tr-1
+        io.read("Q", rows * d * e)
+        io.read("O", rows * d * e)
+        io.read("m", rows * STAT_BYTES)
+        io.read("l", rows * STAT_BYTES)
+        io.write("O", rows * d * e)
+        io.write("m", rows * STAT_BYTES)
+        io.write("l", rows * STAT_BYTES)
+    return io
+
+
+def fa1_backward_io(Nq, Nk, d, Br, Bc, causal, e):
+    """One head of cuda/kernels/fa1_backward.cuh: dQ initialized in HBM; K_j, V_j read once;
+    Q_i, O_i, dO_i, dQ_i, m_i, l_i read and dQ_i written once per visited (j, i); dK_j,
+    dV_j written once."""
+    io = IORecord()
+    io.write("dQ", Nq * d * e)
+    io.read("K", Nk * d * e)
+    io.read("V", Nk * d * e)
+    for j in range(ceil_div(Nk, Bc)):
+        rows = Nq - q_tile_begin(causal, j * Bc, Nq, Nk, Br) * Br
+        for name in ("Q", "dO", "O", "dQ"):
+            io.read(name, rows * d * e)
+        io.read("m", rows * STAT_BYTES)
+        io.read("l", rows * STAT_BYTES)
+        io.write("dQ", rows * d * e)
+    io.write("dK", Nk * d * e)
+    io.write("dV", Nk * d * e)
+    return io
+
+
 # (algorithm, pass) -> [(kernel whose default tiles apply, walker)], in launch order.
 WALKERS = {
     ("fa2", "forward"): [("fa2_forward", fa2_forward_io)],
+    ("fa1", "forward"): [("fa1_forward", fa1_forward_io)],
+    ("fa1", "backward"): [("fa1_backward", fa1_backward_io)],
+    ("fa2", "backward"): [("fa2_backward_preprocess", fa2_backward_preprocess_io),
+                          ("fa2_backward_dkdv", fa2_backward_dkdv_io),
+                          ("fa2_backward_dq", fa2_backward_dq_io)],
 }
 
 def algorithms():

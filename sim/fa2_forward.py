@@ -28,11 +28,6 @@ class Fa2ForwardResult:
     io: IORecord
 
 
-def safe_max(m):
-    """The kernel's safe_max: a row max of -inf (no key seen yet) taken as 0."""
-    return np.where(m == NEG_INF, F32(0), m)
-
-
 def fa2_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None):
     q4, k4, v4, rank = check_qkv(q, k, v)
     B, H, Nq, d = q4.shape
@@ -93,8 +88,8 @@ def fa2_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None
         m_new = m_old
         for c in range(Bc):
             m_new = nx.maximum(m_new, S[..., c])
-        alpha = nx.exp(m_old - safe_max(m_new))
-        P = nx.exp(S - safe_max(m_new)[..., None])
+        alpha = nx.exp(m_old - nx.safe_max(m_new))
+        P = nx.exp(S - nx.safe_max(m_new)[..., None])
 
         rowsum = np.zeros_like(m_new)
         for c in range(Bc):

@@ -56,13 +56,17 @@ def check_like(name, x, like):
 
 
 def check_rows(name, x, q4):
-    """Per-row statistics (LSE, m, l): shape (B, H, Nq) or q's shape without d."""
-    x = as_tensor(name, x) if x.ndim >= 2 else np.ascontiguousarray(x)
+    """Per-row statistics (LSE, m, l): float32 shaped like q without d, i.e. (B, H, Nq),
+    (H, Nq) or (Nq,); returned as a contiguous (B, H, Nq) array."""
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy.ndarray of float32, got {type(x).__name__}")
     if x.dtype != np.float32:
         raise TypeError(f"{name}: expected dtype float32, got {x.dtype}")
-    if x.size != q4.shape[0] * q4.shape[1] * q4.shape[2]:
-        raise ValueError(f"{name}: expected {q4.shape[:3]} values (one per query row), got shape {x.shape}")
-    return x.reshape(q4.shape[:3])
+    rows = q4.shape[:3]
+    if not 1 <= x.ndim <= 3 or (1,) * (3 - x.ndim) + x.shape != rows:
+        raise ValueError(f"{name}: expected one value per query row, shape {rows} "
+                         f"(or without its leading 1s), got {x.shape}")
+    return np.ascontiguousarray(x).reshape(rows)
 
 
 def resolve_scale(scale, d):

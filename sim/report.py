@@ -327,9 +327,11 @@ def notes(report, s):
             f"{t['kernel']} {t['block_r']}×{t['block_c']}" for t in a["tiles"]))
             for a in flash if a["tiles"])
         out.append(("Tiles",
-                    f"FlashAttention's bytes depend on its tiles: FA2 re-reads K and V once "
-                    f"per Q row block, FA1 re-reads Q, O and the row statistics once per K/V "
-                    f"block. These counts use {tiles or 'no tiles'}; the paper's A100 kernels "
+                    f"FlashAttention's bytes depend on its tiles: FA1 re-reads Q, O and the "
+                    f"row statistics once per K/V block; FA2's forward re-reads K and V once "
+                    f"per Q row block, its backward Q and dO once per K/V block (dK/dV kernel) "
+                    f"and K and V once per Q row block (dQ kernel). These counts use "
+                    f"{tiles or 'no tiles'}; the paper's A100 kernels "
                     f"used their own, so their re-read counts differ (`python -m pyfa.sim "
                     f"sweep --over bc` shows the dependence)."))
     out.append(("Caches",
@@ -631,8 +633,13 @@ def plot_sweep(sw, path):
     xs = [r["value"] for r in sw["rows"]]
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     for a in sw["algorithms"]:
-        ax.plot(xs, [r["bytes"][a] / 1e9 for r in sw["rows"]], marker="o", label=a,
-                linestyle="--" if a == "standard" else "-")
+        gbs = [r["bytes"][a] / 1e9 for r in sw["rows"]]
+        line, = ax.plot(xs, gbs, marker="o", label=a, linestyle="--" if a == "standard" else "-")
+        # Hollow markers: tiles that exceed the profile's shared memory (the table's *).
+        over = [(x, y) for x, y, r in zip(xs, gbs, sw["rows"]) if not r["fits"][a]]
+        if over:
+            ax.plot(*zip(*over), linestyle="none", marker="o", color=line.get_color(),
+                    markerfacecolor="white")
     ax.set_xscale("log", base=2)
     ys = [b for r in sw["rows"] for b in r["bytes"].values()]
     if max(ys) > 20 * min(ys):  # a log axis only where the values span decades
@@ -648,7 +655,8 @@ def plot_sweep(sw, path):
     ax.set_xlabel(sw["label"])
     ax.set_ylabel("HBM bytes read + written (GB, 10⁹)")
     ax.set_title(f"HBM bytes against {sw['label']}", fontsize=11)
-    ax.text(0.01, -0.22, textwrap.fill(_sweep_footer(sw), 100), transform=ax.transAxes,
+    footer = _sweep_footer(sw).replace("* : these tiles", "Hollow markers: tiles")
+    ax.text(0.01, -0.22, textwrap.fill(footer, 100), transform=ax.transAxes,
             fontsize=6.5, va="top")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()

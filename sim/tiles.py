@@ -5,6 +5,7 @@ tests/test_tiles.py checks every function here against the compiled library.
 """
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 FLOAT_BYTES = 4
 
@@ -38,8 +39,44 @@ def fa2_forward_smem(Br, Bc, d):
             ("O_i", Br * d), ("m_i", Br), ("l_i", Br), ("alpha", Br)]
 
 
+def fa2_backward_preprocess_smem(Br, Bc, d):
+    """cuda/common/smem.h fa2_backward_preprocess_smem (Bc unused)."""
+    return [("dO_i*O_i", Br * d)]
+
+
+def fa2_backward_dkdv_smem(Br, Bc, d):
+    """cuda/common/smem.h fa2_backward_dkdv_smem."""
+    return [("K_j", Bc * d), ("V_j", Bc * d), ("dK_j", Bc * d), ("dV_j", Bc * d),
+            ("Q_i", Br * d), ("dO_i", Br * d), ("P_ij", Br * Bc), ("dS_ij", Br * Bc),
+            ("LSE_i", Br), ("D_i", Br)]
+
+
+def fa2_backward_dq_smem(Br, Bc, d):
+    """cuda/common/smem.h fa2_backward_dq_smem."""
+    return [("Q_i", Br * d), ("dO_i", Br * d), ("dQ_i", Br * d), ("K_j", Bc * d),
+            ("V_j", Bc * d), ("dS_ij", Br * Bc), ("LSE_i", Br), ("D_i", Br)]
+
+
+def fa1_forward_smem(Br, Bc, d):
+    """Terms (name, floats) in memory order: cuda/common/smem.h fa1_forward_smem."""
+    return [("K_j", Bc * d), ("V_j", Bc * d), ("Q_i", Br * d), ("S_ij", Br * Bc),
+            ("m~_ij", Br), ("l_new", Br), ("o_scale", Br), ("pv_scale", Br)]
+
+
+def fa1_backward_smem(Br, Bc, d):
+    """Terms (name, floats) in memory order: cuda/common/smem.h fa1_backward_smem."""
+    return [("K_j", Bc * d), ("V_j", Bc * d), ("dK_j", Bc * d), ("dV_j", Bc * d),
+            ("Q_i", Br * d), ("dO_i", Br * d), ("P_ij", Br * Bc), ("dS_ij", Br * Bc),
+            ("m_i", Br), ("l_i", Br), ("D_i", Br)]
+
+
 SMEM_LAYOUTS = {
     "fa2_forward": fa2_forward_smem,
+    "fa2_backward_preprocess": fa2_backward_preprocess_smem,
+    "fa2_backward_dkdv": fa2_backward_dkdv_smem,
+    "fa2_backward_dq": fa2_backward_dq_smem,
+    "fa1_forward": fa1_forward_smem,
+    "fa1_backward": fa1_backward_smem,
 }
 
 
@@ -61,12 +98,37 @@ def fits(kernel, Br, Bc, d, profile=EMU_PROFILE):
 
 
 def default_tiles(kernel, d, profile=EMU_PROFILE):
-    """(Br, Bc) the library uses when none are given. Start from 64 x 64 and halve both
-    until the tiles fit the profile's shared memory."""
+    """(Br, Bc) the library uses when none are given: the kernel's own rule in
+    DEFAULT_TILE_RULES, else start from 64 x 64 and halve both until the tiles fit the
+    profile's shared memory."""
     if kernel not in SMEM_LAYOUTS:
         raise ValueError(f"kernel: unknown kernel {kernel!r}; known: {sorted(SMEM_LAYOUTS)}")
+    if kernel in DEFAULT_TILE_RULES:
+        return DEFAULT_TILE_RULES[kernel](kernel, d, profile)
     Br = Bc = 64
     while Br > 1 and not fits(kernel, Br, Bc, d, profile):
         Br //= 2
         Bc //= 2
     return Br, Bc
+
+
+@lru_cache(maxsize=None)
+def fa1_default_tiles(kernel, d, profile=EMU_PROFILE):
+    """FA1's rule (Dao et al. 2022, Algorithms 1 and 4; cuda/launch/tiles.cpp
+    fa1_default_tiles): Bc = ceil(M / 4d), Br = min(Bc, d), M the profile's shared memory
+    in floats; then Bc is lowered one at a time, Br following it down whenever it would
+    exceed Bc, until the kernel's layout fits."""
+    M = profile.smem_per_block // FLOAT_BYTES
+    Bc = max(1, -(-M // (4 * d)))
+    Br = min(Bc, d)
+    while Bc > 1 and not fits(kernel, Br, Bc, d, profile):
+        Bc -= 1
+        Br = min(Br, Bc)
+    return Br, Bc
+
+
+# Kernels whose default tiles follow their own rule rather than FA2's halving.
+DEFAULT_TILE_RULES = {
+    "fa1_forward": fa1_default_tiles,
+    "fa1_backward": fa1_default_tiles,
+}

@@ -51,3 +51,26 @@ def same_bits(a, b):
         return False
     nan = np.isnan(a) & np.isnan(b)
     return bool(np.all(nan | (a.view(np.uint32) == b.view(np.uint32))))
+
+
+def attention_grad_ref(q, k, v, do, causal=False, scale=None):
+    """(O, dQ, dK, dV) in float64: the gradients of loss = sum(O * dO) for
+    O = softmax(scale * Q K^T [causal]) V. A row with no visible key has O = 0 and
+    contributes nothing, so its dQ is 0."""
+    q, k, v, do = (x.astype(np.float64) for x in (q, k, v, do))
+    d = q.shape[-1]
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    s = np.einsum("...qd,...kd->...qk", q, k) * scale
+    if causal:
+        s = np.where(causal_mask(q.shape[-2], k.shape[-2]), -np.inf, s)
+    m = s.max(axis=-1, keepdims=True)
+    p = np.exp(s - np.where(np.isinf(m), 0.0, m))
+    l = p.sum(axis=-1, keepdims=True)
+    p = p / np.where(l > 0, l, 1.0)
+    o = p @ v
+    dv = np.swapaxes(p, -1, -2) @ do
+    dp = do @ np.swapaxes(v, -1, -2)
+    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+    dq = ds @ k * scale
+    dk = np.swapaxes(ds, -1, -2) @ q * scale
+    return o, dq, dk, dv

@@ -39,3 +39,12 @@ def test_header_compiles_as_cpp(tmp_path):
     src.write_text('#include "pyfa.h"\nint main() { pyfa_problem p{}; return p.causal; }\n')
     subprocess.run([cxx, "-std=c++11", "-Wall", "-Werror", f"-I{include}", "-fsyntax-only", str(src)],
                    check=True)
+
+
+def test_cuda_backend_compiled_when_nvcc_is_here():
+    # The build must pick up nvcc when it is installed, so that a CUDA compile error
+    # fails the install (and CI) instead of silently yielding an emulator-only library.
+    _, lib = _lib.load()
+    assert lib.pyfa_backend_compiled(2) == 1
+    if shutil.which("nvcc"):
+        assert lib.pyfa_backend_compiled(1) == 1

@@ -1,18 +1,26 @@
 #!/usr/bin/env python3
 """CPU benchmark: pyfa's emulator and simulator against plain NumPy attention.
 
-Every column runs in the same process, on the same float32 inputs, one after another:
-  numpy   softmax(scale * Q K^T) V as matmul, softmax, matmul (and, for the backward,
-          the textbook gradient: P recomputed, dV = P^T dO, dS = P o (dO V^T - D), ...)
-  emu     the CUDA kernels run on the CPU by the emulator (pyfa.attention, backend "emu")
-  sim     the NumPy simulator of the same kernels (pyfa.sim.<algo>_forward)
-  torch   torch.nn.functional.scaled_dot_product_attention on the CPU, when torch imports
-Each figure is the median wall time of --repeats calls after one warm-up call; the ratio
-is that time over NumPy's (above 1: slower than NumPy). Algorithms are discovered at run
-time (pyfa.api._FORWARD; the backward when pyfa.attention_grad exists), so new kernels
-are covered without changes here. The last line is a one-line summary.
+Every column runs in the same process, on the same float32 inputs:
+  numpy   softmax(scale * Q K^T) V as matmul, softmax, matmul; for the backward the
+          textbook gradient from the saved O (P recomputed, dV = P^T dO, dS = P o (dP - D))
+  emu     the CUDA kernels run on the CPU by the emulator (backend "emu")
+  sim     the NumPy simulator of the same kernels (pyfa.sim)
+  torch   torch.nn.functional.scaled_dot_product_attention on the CPU (backward:
+          autograd.grad of it), when torch imports
+Forward passes go through pyfa.attention(algo=...); backward passes alone through
+pyfa.<algo>_backward and pyfa.sim.<algo>_backward, from the simulator's saved forward
+tensors. Algorithms are discovered at run time (pyfa.api._FORWARD), so new kernels are
+covered without changes here.
 
-    python tools/bench.py --quick      # B=1 H=4 N=256 d=64, well under a minute
+Timing: one warm-up call per column, then --repeats rounds, each round timing every
+column of a group once in turn, so that load from other processes falls on all columns
+alike; each figure is the median over the rounds (the fastest round beside it), each
+ratio that median over NumPy's (above 1: slower than NumPy). The load average is printed
+before and after: on a busy machine NumPy's multithreaded BLAS can slow down far more than
+single-threaded code. The last line is a one-line summary.
+
+    python tools/bench.py --quick      # B=1 H=4 N=256 d=64
     python tools/bench.py --smoke      # tiny, for the test suite
     python tools/bench.py              # B=1 H=8 N=1024 d=64
 """
@@ -35,17 +43,7 @@ PRESETS = {  # (batch, heads, seqlen, head_dim, repeats)
     "quick": (1, 4, 256, 64, 5),
     "full": (1, 8, 1024, 64, 3),
 }
-
-
-def median_ms(fn, repeats):
-    """Median wall time of `repeats` calls in ms, after one warm-up call; and its result."""
-    result = fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), result
+SAVED = ("o", "lse", "m", "l")  # forward results a backward pass may take
 
 
 def causal_hidden(nq, nk):
@@ -73,8 +71,7 @@ def numpy_backward(q, k, v, o, do, causal, scale):
     p = numpy_probs(q, k, causal, scale)
     dv = np.matmul(p.swapaxes(-1, -2), do)
     dp = np.matmul(do, v.swapaxes(-1, -2))
-    drow = np.sum(do * o, axis=-1, keepdims=True)
-    ds = p * (dp - drow)
+    ds = p * (dp - np.sum(do * o, axis=-1, keepdims=True))
     ds *= scale
     return np.matmul(ds, k), np.matmul(ds.swapaxes(-1, -2), q), dv
 
@@ -87,9 +84,9 @@ def import_torch():
     return torch
 
 
-def bind_by_name(fn, tensors, causal):
-    """Calls fn with the arrays its parameters name (q, k, v, do, o, lse, ...); None when
-    a required parameter is not one we have."""
+def bind_by_name(fn, tensors, extra):
+    """A call of fn with the arrays its parameters name (q, k, v, o, lse, m, l, do, ...)
+    and the keywords of `extra` it takes; None when it requires a parameter we lack."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -103,18 +100,23 @@ def bind_by_name(fn, tensors, causal):
                 args.append(tensors[name])
             else:
                 kwargs[name] = tensors[name]
-        elif name == "causal":
-            kwargs["causal"] = causal
+        elif name in extra:
+            kwargs[name] = extra[name]
         elif p.default is p.empty:
             return None
     return lambda: fn(*args, **kwargs)
+
+
+def same_bits(a, b):
+    return all(np.array_equal(np.asarray(x, np.float32).view(np.uint32), np.asarray(y, np.float32).view(np.uint32))
+               for x, y in zip(a, b))
 
 
 def blas_name():
     try:
         blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
         return f"{blas.get('name', '?')} {blas.get('version', '')}".strip()
-    except Exception:  # older NumPy has no mode="dicts"; the name is then only informative
+    except Exception:  # older NumPy has no mode="dicts"; the name is only informative
         return "unknown"
 
 
@@ -124,6 +126,39 @@ def flops_forward(b, h, n, d, causal):
     return f / 2 if causal else f
 
 
+class Column:
+    """One timed column: a call, and what to say about its result (given all results)."""
+
+    def __init__(self, name, fn, note=None):
+        self.name, self.fn, self.note_fn = name, fn, note
+        self.times, self.result, self.note = [], None, ""
+
+
+def time_group(columns, repeats):
+    """Warm-up, then `repeats` rounds over the columns in turn. A column whose call fails
+    (a kernel still in the works, say) keeps the error as its note and is left out."""
+    live = []
+    for c in columns:
+        if c.fn is None:
+            continue
+        try:
+            c.result = c.fn()
+            live.append(c)
+        except Exception as e:
+            c.note = f"error: {type(e).__name__}: {e}"
+    for _ in range(repeats):
+        for c in live:
+            t0 = time.perf_counter()
+            c.fn()
+            c.times.append((time.perf_counter() - t0) * 1e3)
+    results = {c.name: c.result for c in live}
+    for c in live:
+        if c.note_fn:
+            c.note = c.note_fn(c.result, results) or ""
+    return [(c.name, statistics.median(c.times) if c.times else None, min(c.times, default=None), c.note)
+            for c in columns]
+
+
 def run(args):
     b, h, n, d, repeats = PRESETS[args.preset]
     b, h, n, d = (args.batch or b, args.heads or h, args.seqlen or n, args.head_dim or d)
@@ -131,90 +166,91 @@ def run(args):
     rng = np.random.default_rng(args.seed)
     q, k, v, do = (rng.standard_normal((b, h, n, d), dtype=np.float32) for _ in range(4))
     scale = np.float32(1.0) / np.sqrt(np.float32(d))
+    causal = args.causal
     torch = import_torch()
 
-    print(f"pyfa bench (CPU): B={b} H={h} N={n} d={d} causal={args.causal}; median of {repeats} "
-          f"after 1 warm-up; {os.cpu_count()} cores; {platform.processor() or platform.machine()}")
+    print(f"pyfa bench (CPU): B={b} H={h} N={n} d={d} causal={causal}; 1 warm-up, median of {repeats} "
+          f"interleaved rounds; {os.cpu_count()} cores ({platform.machine()}), load average "
+          f"{os.getloadavg()[0]:.2f} at the start")
     print(f"numpy {np.__version__} (BLAS {blas_name()}); pyfa {pyfa.__version__}, library "
           f"{pyfa.library_version()}; torch {torch.__version__ if torch else 'not installed'}")
     for var in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         if var in os.environ:
             print(f"note: {var}={os.environ[var]} is set; the NumPy figures are as run with it")
 
-    groups = []  # (label, [(column, ms or None, note)], flops)
-    fwd_flops = flops_forward(b, h, n, d, args.causal)
-    numpy_fwd_ms, o_np = median_ms(lambda: numpy_forward(q, k, v, args.causal, scale), repeats)
+    fwd_flops = flops_forward(b, h, n, d, causal)
+    o_ref = numpy_forward(q, k, v, causal, scale)
+    if torch is not None:
+        tq, tk, tv, tdo = (torch.from_numpy(x) for x in (q, k, v, do))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
 
-    sims = {}
+    def emu_note(o, results):
+        return f"max|emu - numpy| / max|numpy| = {np.abs(o - o_ref).max() / np.abs(o_ref).max():.1e}"
+
+    def bits_note(get_sim, get_emu):
+        def note(sim, results):
+            if results.get("emu") is None:
+                return ""
+            same = same_bits(get_emu(results["emu"]), get_sim(sim))
+            return "emu == sim bit for bit" if same else "emu != sim: BITS DIFFER"
+        return note
+
+    groups, sims = [], {}  # sims: algo -> the simulator's forward result (saved tensors)
     for algo in sorted(pyfa.api._FORWARD):
-        cols = [("numpy", numpy_fwd_ms, "")]
-        emu_ms, o_emu = median_ms(lambda: pyfa.attention(q, k, v, causal=args.causal, algo=algo,
-                                                         backend="emu"), repeats)
-        err = np.abs(o_emu - o_np).max() / np.abs(o_np).max()
-        cols.append(("emu", emu_ms, f"max|emu - numpy| / max|numpy| = {err:.1e}"))
         sim_fn = getattr(pyfa.sim, f"{algo}_forward", None)
-        if sim_fn is not None:
-            sim_ms, sim_res = median_ms(lambda: sim_fn(q, k, v, causal=args.causal), repeats)
-            sims[algo] = sim_res
-            same = np.array_equal(o_emu.view(np.uint32), np.asarray(sim_res.o).view(np.uint32))
-            cols.append(("sim", sim_ms, "emu == sim bit for bit" if same else "emu != sim: BITS DIFFER"))
-        else:
-            cols.append(("sim", None, f"pyfa.sim has no {algo}_forward"))
+        cols = [Column("numpy", lambda: numpy_forward(q, k, v, causal, scale)),
+                Column("emu", lambda: pyfa.attention(q, k, v, causal=causal, algo=algo, backend="emu"), emu_note),
+                Column("sim", sim_fn and (lambda: sim_fn(q, k, v, causal=causal)),
+                       bits_note(lambda r: [r.o], lambda o: [o]))]
+        if sim_fn is None:
+            cols[2].note = f"pyfa.sim has no {algo}_forward"
         if torch is not None:
-            tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
-            sdpa = torch.nn.functional.scaled_dot_product_attention
-            t_ms, _ = median_ms(lambda: sdpa(tq, tk, tv, is_causal=args.causal), repeats)
-            cols.append(("torch", t_ms, f"{torch.get_num_threads()} threads"))
-        groups.append((f"{algo} forward", cols, fwd_flops))
+            cols.append(Column("torch", lambda: sdpa(tq, tk, tv, is_causal=causal),
+                               lambda r, _: f"{torch.get_num_threads()} threads"))
+        groups.append((f"{algo} forward", time_group(cols, repeats), fwd_flops))
+        sims[algo] = cols[2].result
 
-    if hasattr(pyfa, "attention_grad"):
-        numpy_bwd_ms, _ = median_ms(lambda: numpy_backward(q, k, v, o_np, do, args.causal, scale), repeats)
-        for algo in sorted(pyfa.api._FORWARD):
-            cols = [("numpy", numpy_bwd_ms, "")]
-            try:
-                emu_ms, _ = median_ms(lambda: pyfa.attention_grad(q, k, v, do, causal=args.causal, algo=algo,
-                                                                  backend="emu"), repeats)
-            except (ValueError, TypeError, NotImplementedError) as e:
-                cols.append(("emu", None, f"no backward: {e}"))
-                groups.append((f"{algo} backward", cols, 2.5 * fwd_flops))
-                continue
-            cols.append(("emu", emu_ms, ""))
-            sim_fn = getattr(pyfa.sim, f"{algo}_backward", None)
-            fwd = sims.get(algo)
-            named = {"q": q, "k": k, "v": v, "do": do, "dout": do, "dO": do}
-            if fwd is not None:
-                named.update({name: getattr(fwd, name) for name in ("o", "lse", "m", "l") if hasattr(fwd, name)})
-            call = bind_by_name(sim_fn, named, args.causal) if sim_fn is not None else None
-            if call is not None:
-                sim_ms, _ = median_ms(call, repeats)
-                cols.append(("sim", sim_ms, ""))
-            else:
-                cols.append(("sim", None, f"pyfa.sim.{algo}_backward not found or its arguments not known"))
-            if torch is not None:
-                tq, tk, tv = (torch.from_numpy(x.copy()).requires_grad_() for x in (q, k, v))
-                tout = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=args.causal)
-                tdo = torch.from_numpy(do)
-                t_ms, _ = median_ms(lambda: torch.autograd.grad(tout, (tq, tk, tv), tdo, retain_graph=True),
-                                    repeats)
-                cols.append(("torch", t_ms, "backward of SDPA only (autograd.grad)"))
-            groups.append((f"{algo} backward", cols, 2.5 * fwd_flops))
+    for algo in sorted(pyfa.api._FORWARD):
+        bwd = getattr(pyfa, f"{algo}_backward", None) or getattr(pyfa.api, f"{algo}_backward", None)
+        if bwd is None:
+            continue
+        saved = {"q": q, "k": k, "v": v, "do": do, "dout": do}
+        if sims.get(algo) is not None:
+            saved.update({t: getattr(sims[algo], t) for t in SAVED if hasattr(sims[algo], t)})
+        sim_fn = getattr(pyfa.sim, f"{algo}_backward", None)
+        cols = [Column("numpy", lambda: numpy_backward(q, k, v, o_ref, do, causal, scale)),
+                Column("emu", bind_by_name(bwd, saved, {"causal": causal, "backend": "emu"})),
+                Column("sim", sim_fn and bind_by_name(sim_fn, saved, {"causal": causal}),
+                       bits_note(lambda r: [r.dq, r.dk, r.dv], lambda g: g))]
+        if cols[1].fn is None:
+            cols[1].note = f"pyfa.{algo}_backward: arguments not known, or no saved forward tensors"
+        if cols[2].fn is None:
+            cols[2].note = f"pyfa.sim.{algo}_backward not found or its arguments not known"
+        if torch is not None:
+            leaves = [t.clone().requires_grad_() for t in (tq, tk, tv)]
+            out = sdpa(*leaves, is_causal=causal)
+            cols.append(Column("torch", lambda: torch.autograd.grad(out, leaves, tdo, retain_graph=True),
+                               lambda r, _: "autograd.grad of SDPA"))
+        groups.append((f"{algo} backward", time_group(cols, repeats), 2.5 * fwd_flops))
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
     return (b, h, n, d, repeats), groups
 
 
 def report(shape, groups):
     b, h, n, d, _ = shape
     print("FLOPs: forward 4*B*H*N^2*d (halved if causal), backward 2.5x forward, as in the FA2 paper")
-    print(f"{'':18} {'column':7} {'ms':>10} {'x numpy':>9} {'GFLOP/s':>9}  note")
+    print(f"{'':18} {'column':7} {'ms':>10} {'x numpy':>9} {'GFLOP/s':>9} {'min ms':>10}  note")
     parts = []
     for label, cols, flops in groups:
         base = cols[0][1]
         ratios = []
-        for name, ms, note in cols:
+        for name, ms, fastest, note in cols:
             if ms is None:
-                print(f"{label:18} {name:7} {'-':>10} {'-':>9} {'-':>9}  {note}")
+                print(f"{label:18} {name:7} {'-':>10} {'-':>9} {'-':>9} {'-':>10}  {note}".rstrip())
                 continue
             ratio = ms / base
-            print(f"{label:18} {name:7} {ms:10.3f} {ratio:8.2f}x {flops / ms / 1e6:9.2f}  {note}")
+            print(f"{label:18} {name:7} {ms:10.3f} {ratio:8.2f}x {flops / ms / 1e6:9.2f} {fastest:10.3f}  "
+                  f"{note}".rstrip())
             if name != "numpy":
                 ratios.append(f"{name}/numpy={ratio:.2f}x")
         parts.append(f"{label.replace('forward', 'fwd').replace('backward', 'bwd')}: " + " ".join(ratios))
@@ -225,15 +261,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", dest="preset", action="store_const", const="quick",
-                      help="B=1 H=4 N=256 d=64, 5 repeats")
+                      help="B=1 H=4 N=256 d=64, 5 rounds")
     size.add_argument("--smoke", dest="preset", action="store_const", const="smoke",
-                      help="B=1 H=2 N=64 d=32, 3 repeats (for the tests)")
+                      help="B=1 H=2 N=64 d=32, 3 rounds (for the tests)")
     ap.set_defaults(preset="full")
     ap.add_argument("--batch", type=int)
     ap.add_argument("--heads", type=int)
     ap.add_argument("--seqlen", type=int)
     ap.add_argument("--head-dim", type=int)
-    ap.add_argument("--repeats", type=int)
+    ap.add_argument("--repeats", type=int, help="timed rounds")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the figures here")
@@ -245,7 +281,8 @@ def main(argv=None):
         data = {"shape": dict(zip(("batch", "heads", "seqlen", "head_dim", "repeats"), shape)),
                 "causal": args.causal,
                 "groups": [{"label": label, "flops": flops,
-                            "columns": [{"name": c, "ms": ms, "note": note} for c, ms, note in cols]}
+                            "columns": [{"name": c, "ms": ms, "min_ms": fastest, "note": note}
+                                        for c, ms, fastest, note in cols]}
                            for label, cols, flops in groups],
                 "summary": summary}
         with open(args.json, "w") as f:

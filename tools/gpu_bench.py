@@ -59,9 +59,12 @@ NCU_SHAPE = dict(batch=4, heads=8, seqlen_q=2048, seqlen_k=2048, head_dim=64)
 NCU_METRICS = "dram__bytes_read.sum,dram__bytes_write.sum"
 SANITIZER_TOOLS = ["memcheck", "racecheck"]
 
-ROW_STATS = {"lse", "m", "l", "D", "delta", "drow"}  # one float per query row
-QUERY_ROWS = {"q", "o", "do", "dout", "dq"}            # (B, H, Nq, d)
-KEY_ROWS = {"k", "v", "dk", "dv"}                      # (B, H, Nk, d)
+# Tensors by canonical name (see canonical()): their shapes.
+ROW_STATS = {"lse", "m", "l", "D"}     # (B, H, Nq): one float per query row
+QUERY_ROWS = {"q", "o", "do", "dq"}    # (B, H, Nq, d)
+KEY_ROWS = {"k", "v", "dk", "dv"}      # (B, H, Nk, d)
+# `do` is a C keyword, so the header spells dO otherwise; D may be spelled out too.
+ALIASES = {"dout": "do", "grado": "do", "gradout": "do", "d": "D", "delta": "D", "drow": "D"}
 GRADS = ("dq", "dk", "dv")
 
 # Output of a tool that cannot run on this machine (seen on sandboxed runtimes).
@@ -181,24 +184,31 @@ def device_entry_points(text):
     return ops
 
 
+def canonical(name):
+    """A parameter's tensor name as this script knows it: 'dO', 'd_o', 'dout' -> 'do'."""
+    key = name.lower().replace("_", "")
+    return ALIASES.get(key, key)
+
+
 def tensor_shape(name, b, h, nq, nk, d):
+    """The shape of tensor `name` (canonical), None for a name this script does not know."""
     if name in ROW_STATS:
         return (b, h, nq)
-    if name.lower() in QUERY_ROWS:
+    if name in QUERY_ROWS:
         return (b, h, nq, d)
-    if name.lower() in KEY_ROWS:
+    if name in KEY_ROWS:
         return (b, h, nk, d)
     return None
 
 
 def host_ops():
-    """Ops the Python API runs: <algo>_forward for each algorithm pyfa.attention knows, and
-    <algo>_backward for each pyfa.attention_grad knows (pyfa.api._BACKWARD when there is
-    one, else the forward algorithms)."""
+    """Ops the Python API runs: <algo>_forward for each algorithm pyfa.attention knows
+    (pyfa.api._FORWARD), <algo>_backward for each pyfa.attention_grad knows (its table
+    pyfa.api._GRAD; without one, the forward algorithms)."""
     import pyfa
     ops = [f"{a}_forward" for a in sorted(pyfa.api._FORWARD)]
     if hasattr(pyfa, "attention_grad"):
-        algos = getattr(pyfa.api, "_BACKWARD", None) or pyfa.api._FORWARD
+        algos = getattr(pyfa.api, "_GRAD", None) or pyfa.api._FORWARD
         ops += [f"{a}_backward" for a in sorted(algos)]
     return ops
 
@@ -230,7 +240,8 @@ def cmd_info(args):
     info = {"python": sys.version.split()[0], "platform": platform.platform()}
     smi = shutil.which("nvidia-smi")
     if smi:
-        fields = "name,driver_version,compute_cap,memory.total,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw"
+        fields = ("name,driver_version,compute_cap,memory.total,clocks.sm,clocks.max.sm,clocks.mem,"
+                  "temperature.gpu,power.draw")
         rc, out = run_cmd([smi, f"--query-gpu={fields}", "--format=csv,noheader"], 30)
         if rc == 0 and out.strip():
             info["gpu"] = dict(zip(fields.split(","), (x.strip() for x in out.splitlines()[0].split(","))))
@@ -371,7 +382,6 @@ class HostEmu:
         self.rng = np.random.default_rng(1234)
         from pyfa import _lib
         self.ffi, _ = _lib.load()
-        self.keep = []
 
     def randn(self, shape):
         return self.rng.standard_normal(shape, dtype=self.np.float32)
@@ -432,11 +442,11 @@ class DeviceOp:
         self.name, self.params, self.ffi = name, params, ffi
         self.fn = getattr(lib, f"pyfa_{name}_device")
         self.algo, self.kind = name.split("_")[0], op_kind(name)
-        self.inputs = [n for n, role in params if role == "in"]
-        self.outputs = [n for n, role in params if role == "out"]
+        self.inputs = [canonical(n) for n, role in params if role == "in"]
+        self.outputs = [canonical(n) for n, role in params if role == "out"]
         # Parameters this script cannot fill: an unknown type, or a tensor of unknown shape.
         self.unknown = [n for n, role in params if role == "unknown"
-                        or (role in ("in", "out") and tensor_shape(n, 1, 1, 1, 1, 1) is None)]
+                        or (role in ("in", "out") and tensor_shape(canonical(n), 1, 1, 1, 1, 1) is None)]
 
     def __call__(self, problem, config, tensors, backend):
         from pyfa import _lib
@@ -449,7 +459,7 @@ class DeviceOp:
             elif role == "stream":
                 args.append(self.ffi.cast("void *", backend.stream()))
             else:
-                args.append(self.ffi.cast("float *", backend.address(tensors[name])))
+                args.append(self.ffi.cast("float *", backend.address(tensors[canonical(name)])))
         _lib.check(self.fn(*args))
 
 
@@ -477,7 +487,6 @@ def choose_reps(first_ms, target_ms, lo=3, hi=20):
 
 def cmd_bench(args):
     import pyfa
-    ffi, lib = pyfa._lib.load()
     entry = device_entry_points(header_text())
     kernels, kernels_from = library_kernels()
     seqlens = args.seqlens or BENCH_SEQLENS
@@ -493,20 +502,21 @@ def cmd_bench(args):
             print(f"  {op}: kernels {', '.join(op_kernels(op, kernels)) or '?'}; "
                   f"reads {[n for n, r in entry[op] if r == 'in']}, "
                   f"writes {[n for n, r in entry[op] if r == 'out']}")
-        kinds = " and ".join(sorted({op_kind(op) for op in names}))
+        kinds = " and ".join(sorted({op_kind(op) for op in names}, reverse=True))
         for n, d, tiles, ops in plan:
             t = f"{tiles[0]}x{tiles[1]}" if tiles else "default"
             print(f"  would time B={batch} H={heads} N={n} d={d} tiles={t}: {', '.join(ops)}"
                   f"{f', torch SDPA {kinds}' if tiles is None else ''}")
         return 0
 
+    ffi, lib = pyfa._lib.load()
     backend = TorchCuda() if args.backend == "cuda" else HostEmu()
     peak, peak_source = fp32_peak(backend.device_name)
     ops = {n: DeviceOp(n, entry[n], ffi, lib) for n in names}
     result = {"device": backend.device_name, "backend": backend.name, "fp32_peak_tflops": peak,
               "fp32_peak_source": peak_source, "batch": batch, "heads": heads, "causal": args.causal,
               "flops_convention": "forward 4*B*H*Nq*Nk*d (halved if causal), backward 2.5x forward (FA2 paper)",
-              "kernels": kernels, "entry_points": names, "records": [], "skipped": []}
+              "kernels": kernels, "entry_points": names, "records": []}
     print(f"bench on {backend.device_name}: fp32 peak {peak or 'unknown'} TFLOP/s ({peak_source}); "
           f"B={batch} H={heads} causal={args.causal}; entry points: {', '.join(names)}")
     last = {}  # (op, d) -> (N, ms per call): predicts the next size's cost
@@ -518,7 +528,8 @@ def cmd_bench(args):
         if rec.get("ms") is None:
             print(f"  {rec['op']:24} N={rec['N']:5} d={rec['d']:3} tiles={rec['tiles']:8} {rec['status']}")
             return
-        frac = f"{100 * rec['fraction_of_peak']:.1f}% of peak" if rec.get("fraction_of_peak") is not None else "peak unknown"
+        frac = ("peak unknown" if rec.get("fraction_of_peak") is None
+                else f"{100 * rec['fraction_of_peak']:.1f}% of peak")
         err = f"rel err {rec['rel_err']:.1e}" if rec.get("rel_err") is not None else ""
         print(f"  {rec['op']:24} N={rec['N']:5} d={rec['d']:3} tiles={rec['tiles']:8} {rec['ms']:9.3f} ms "
               f"(median of {rec['reps']}, {rec['sets']} input sets) {rec['tflops']:7.3f} TFLOP/s  {frac}  "
@@ -530,8 +541,6 @@ def cmd_bench(args):
         n_sets = 1 if not backend.l2_bytes else max(1, min(4, math.ceil(4 * backend.l2_bytes / per_set)))
         sets = [{name: backend.randn((batch, heads, n, d)) for name in ("q", "k", "v", "do")}
                 for _ in range(n_sets)]
-        for s in sets:
-            s["dout"] = s["dO"] = s["do"]
         problem = make_problem(ffi, batch, heads, n, n, d, args.causal)
         config = make_config(ffi, backend.name, tiles)
         refs = {}
@@ -544,7 +553,6 @@ def cmd_bench(args):
             prev = last.get((name, d))
             predicted = prev[1] * (n / prev[0]) ** 2 * 5 if prev else 0.0
             if time.time() + predicted + 2 > deadline():
-                result["skipped"].append({**base, "reason": "time budget"})
                 record({**base, "ms": None, "status": "skipped: time budget"})
                 continue
             try:
@@ -631,14 +639,16 @@ def cmd_bench(args):
 
 DRIVE_SIZES = {
     # Small problems with tails (N not a multiple of the tiles), Nq != Nk both ways, the
-    # default tiles and small explicit ones, both masks, two head dims.
+    # default tiles and small explicit ones, both masks, two head dims: for memcheck.
     "small": [dict(batch=1, heads=2, seqlen_q=nq, seqlen_k=nk, head_dim=d, tiles=t, causal=c)
               for d in (64, 128) for nq, nk in ((70, 90), (90, 70)) for t in (None, (16, 32))
               for c in (False, True)],
-    "ncu": [dict(**NCU_SHAPE, tiles=None, causal=False)],
-    "tiny": [dict(batch=1, heads=1, seqlen_q=20, seqlen_k=24, head_dim=16, tiles=(8, 8), causal=c)
-             for c in (False, True)],
+    # Racecheck instruments every shared-memory access and runs far slower: two cases,
+    # still both tile shapes and both masks (a missing barrier does not depend on d).
+    "race": [dict(batch=1, heads=2, seqlen_q=70, seqlen_k=90, head_dim=64, tiles=None, causal=False),
+             dict(batch=1, heads=2, seqlen_q=90, seqlen_k=70, head_dim=64, tiles=(16, 32), causal=True)],
 }
+SANITIZER_SIZES = {"memcheck": "small", "racecheck": "race"}
 
 
 def drive_op(op, case, backend):
@@ -659,9 +669,14 @@ def drive_op(op, case, backend):
 
 def cmd_drive(args):
     ops = host_ops() if args.ops == "all" else args.ops.split(",")
+    if args.shape:
+        b, h, n, d = args.shape
+        cases = [dict(batch=b, heads=h, seqlen_q=n, seqlen_k=n, head_dim=d, tiles=None, causal=False)]
+    else:
+        cases = DRIVE_SIZES[args.size]
     errors = launches = 0
     for op in ops:
-        for case in DRIVE_SIZES[args.size]:
+        for case in cases:
             try:
                 drive_op(op, case, args.backend)
                 launches += 1
@@ -675,7 +690,9 @@ def cmd_drive(args):
 
 
 def drive_cmd(ops, size, backend="cuda"):
-    return [sys.executable, str(THIS), "drive", "--ops", ",".join(ops), "--size", size, "--backend", backend]
+    """The driven program: `size` is a DRIVE_SIZES name or a shape (B, H, N, d)."""
+    how = ["--size", size] if isinstance(size, str) else ["--shape", *map(str, size)]
+    return [sys.executable, str(THIS), "drive", "--ops", ",".join(ops), *how, "--backend", backend]
 
 
 # ---------------------------------------------------------------- sanitize
@@ -704,10 +721,11 @@ def classify_sanitizer(tool, rc, out):
 def cmd_sanitize(args):
     tool_path = find_sanitizer() or "compute-sanitizer"
     ops = host_ops()
-    result = {"tool": tool_path, "ops": ops, "size": DRIVE_SIZES["small"], "runs": []}
+    result = {"tool": tool_path, "ops": ops, "cases": {t: DRIVE_SIZES[s] for t, s in SANITIZER_SIZES.items()},
+              "runs": []}
     for tool in SANITIZER_TOOLS:
         cmd = [tool_path, "--tool", tool, "--error-exitcode", "86", "--print-limit", "20",
-               *drive_cmd(ops, "small")]
+               *drive_cmd(ops, SANITIZER_SIZES[tool], args.backend)]
         if args.dry_run:
             print("  would run: " + " ".join(cmd))
             continue
@@ -718,7 +736,9 @@ def cmd_sanitize(args):
             result["runs"].append({"tool": tool, "status": "skipped: time budget", "command": cmd})
             continue
         t0 = time.time()
-        rc, out = run_cmd(cmd, min(args.timeout, left_s() - 5))
+        # An equal share of what is left for this and each later tool.
+        share = (left_s() - 5) / (len(SANITIZER_TOOLS) - SANITIZER_TOOLS.index(tool))
+        rc, out = run_cmd(cmd, min(args.timeout, share))
         status, errors = classify_sanitizer(tool, rc, out)
         run = {"tool": tool, "status": status, "errors": errors, "rc": rc, "seconds": round(time.time() - t0, 1),
                "command": cmd, "output_tail": out[-3000:]}
@@ -734,8 +754,9 @@ def cmd_sanitize(args):
                 result["runs"].append({"tool": rest, "status": "skipped: the tool does not work here"})
             break
     if args.dry_run:
-        print(f"  ops: {', '.join(ops)}; {len(DRIVE_SIZES['small'])} small cases each "
-              "(B=1 H=2, Nq/Nk 70/90 and 90/70, d 64 and 128, default and 16x32 tiles, causal or not)")
+        print(f"  ops: {', '.join(ops)}; memcheck {len(DRIVE_SIZES['small'])} small cases each (B=1 H=2, "
+              "Nq/Nk 70/90 and 90/70, d 64 and 128, default and 16x32 tiles, causal or not), "
+              f"racecheck {len(DRIVE_SIZES['race'])} of them at d=64")
         return 0
     write_json(args.out, result)
     return 1 if any(r["status"] in ("errors found", "failed (see output)") for r in result["runs"]) else 0
@@ -770,11 +791,15 @@ def parse_ncu_csv(out):
 def cmd_ncu(args):
     import pyfa
     ncu = find_ncu() or "ncu"
-    shape = NCU_SHAPE
+    shape = dict(NCU_SHAPE)
+    if args.shape:
+        shape.update(zip(("batch", "heads", "seqlen_q", "head_dim"), args.shape), seqlen_k=args.shape[2])
     result = {"tool": ncu, "shape": shape, "metrics": NCU_METRICS, "ops": []}
-    for op in host_ops():
+    ops = host_ops()
+    for index, op in enumerate(ops):
         cmd = [ncu, "--metrics", NCU_METRICS, "--clock-control", "none", "--print-units", "base",
-               "--csv", *drive_cmd([op], "ncu")]
+               "--csv", *drive_cmd([op], [shape[k] for k in ("batch", "heads", "seqlen_q", "head_dim")],
+                                   args.backend)]
         if args.dry_run:
             print("  would run: " + " ".join(cmd))
             continue
@@ -787,7 +812,7 @@ def cmd_ncu(args):
             entry["status"] = "skipped: time budget"
             continue
         t0 = time.time()
-        rc, out = run_cmd(cmd, min(args.timeout, left_s() - 5))
+        rc, out = run_cmd(cmd, min(args.timeout, (left_s() - 5) / (len(ops) - index)))
         entry["seconds"] = round(time.time() - t0, 1)
         kernels = parse_ncu_csv(out or "")
         entry["kernels"] = kernels
@@ -814,7 +839,7 @@ def cmd_ncu(args):
                 row["sim"] = f"no count: {e}"
             # count_io uses the simulator's default tiles; the GPU run used the library's.
             try:
-                row["tiles_match"] = all(tuple(pyfa.default_tiles(k, shape["head_dim"], "cuda"))
+                row["tiles_match"] = all(tuple(pyfa.default_tiles(k, shape["head_dim"], args.backend))
                                          == tuple(pyfa.sim.default_tiles(k, shape["head_dim"])) for k in mine)
             except Exception as e:
                 row["tiles_match"] = f"unknown: {e}"
@@ -929,20 +954,25 @@ def markdown(s):
         lines.append("")
     b = s.get("bench")
     if b:
-        lines += ["## Timings (CUDA events, median)", "",
+        clock = "CUDA events" if b.get("backend") == "cuda" else "wall clock, emulator"
+        lines += [f"## Timings ({clock}, median)", "",
                   f"{b['device']}, B={b['batch']} H={b['heads']} causal={b['causal']}; FLOPs: "
                   f"{b['flops_convention']}; fp32 peak {b.get('fp32_peak_tflops') or 'unknown'} TFLOP/s "
-                  f"({b.get('fp32_peak_source')})", "",
-                  "| op | N | d | tiles | ms | TFLOP/s | % of fp32 peak | rel err | status |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  f"({b.get('fp32_peak_source')}); x SDPA: time over torch SDPA's at the same N and d", "",
+                  "| op | N | d | tiles | ms | TFLOP/s | % of fp32 peak | x SDPA | rel err | status |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        sdpa = {(r["op"], r["N"], r["d"]): r["ms"] for r in b["records"]
+                if r["op"].startswith("torch_sdpa_") and r.get("ms")}
         for r in b["records"]:
             if r.get("ms") is None:
-                lines.append(f"| {r['op']} | {r['N']} | {r['d']} | {r['tiles']} | - | - | - | - | {r['status']} |")
+                lines.append(f"| {r['op']} | {r['N']} | {r['d']} | {r['tiles']} | - | - | - | - | - | {r['status']} |")
                 continue
             frac = f"{100 * r['fraction_of_peak']:.1f}" if r.get("fraction_of_peak") is not None else "unknown"
             err = f"{r['rel_err']:.1e}" if r.get("rel_err") is not None else "-"
+            ref = sdpa.get((f"torch_sdpa_{op_kind(r['op'])}", r["N"], r["d"]))
+            vs = f"{r['ms'] / ref:.2f}" if ref and not r["op"].startswith("torch_") else "-"
             lines.append(f"| {r['op']} | {r['N']} | {r['d']} | {r['tiles']} | {r['ms']:.3f} | "
-                         f"{r['tflops']:.2f} | {frac} | {err} | {r['status']} |")
+                         f"{r['tflops']:.2f} | {frac} | {vs} | {err} | {r['status']} |")
         lines.append("")
     n = s.get("ncu")
     if n:
@@ -961,7 +991,8 @@ def markdown(s):
     p = s.get("ptxas")
     if p:
         lines += [f"## ptxas ({p['arch']}, nvcc {p['nvcc']})", "",
-                  "| kernel | registers | spill stores | spill loads | stack | fma.rn.f32 |", "|---|---|---|---|---|---|"]
+                  "| kernel | registers | spill stores | spill loads | stack | fma.rn.f32 |",
+                  "|---|---|---|---|---|---|"]
         lines += [f"| {k['kernel']} | {k['registers']} | {k['spill_stores']} | {k['spill_loads']} | "
                   f"{k['stack_frame']} | {k['fma_rn_f32']} |" for k in p["kernels"]]
         lines.append("")
@@ -984,20 +1015,25 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=BENCH_BATCH)
     p.add_argument("--heads", type=int, default=BENCH_HEADS)
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--target-ms", type=float, default=300.0,
+    p.add_argument("--target-ms", type=float, default=200.0,
                    help="timed calls per measurement: about this many ms' worth, 3 to 20")
     p.add_argument("--dry-run", action="store_true")
-    p = sub.add_parser("sanitize")
-    p.add_argument("--out")
-    p.add_argument("--timeout", type=float, default=120)
-    p.add_argument("--dry-run", action="store_true")
-    p = sub.add_parser("ncu")
-    p.add_argument("--out")
-    p.add_argument("--timeout", type=float, default=60)
-    p.add_argument("--dry-run", action="store_true")
+    for name, timeout in (("sanitize", 120), ("ncu", 60)):
+        p = sub.add_parser(name)
+        p.add_argument("--out")
+        p.add_argument("--timeout", type=float, default=timeout, help="seconds per tool run")
+        p.add_argument("--backend", choices=["cuda", "emu"], default="cuda",
+                       help="backend of the driven program (emu: to try the plumbing without a GPU)")
+        p.add_argument("--dry-run", action="store_true")
+        if name == "ncu":
+            p.add_argument("--shape", type=int, nargs=4, metavar=("B", "H", "N", "D"),
+                           help="problem to measure (default: %s)" % " ".join(
+                               str(NCU_SHAPE[k]) for k in ("batch", "heads", "seqlen_q", "head_dim")))
     p = sub.add_parser("drive")
     p.add_argument("--ops", default="all", help="comma-separated ops (e.g. fa2_forward) or 'all'")
     p.add_argument("--size", choices=sorted(DRIVE_SIZES), default="small")
+    p.add_argument("--shape", type=int, nargs=4, metavar=("B", "H", "N", "D"),
+                   help="instead of --size: one call at this shape, default tiles, no mask")
     p.add_argument("--backend", choices=["cuda", "emu"], default="cuda")
     p = sub.add_parser("summarize")
     p.add_argument("--work", required=True)

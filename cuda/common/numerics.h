@@ -11,6 +11,7 @@
 // accuracy: docs/numerics_exp_log.md.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -183,3 +184,7 @@ PYFA_HD float pyfa_log(float x) {
     y = (x != x) ? x : y;                                        // NaN -> the same NaN
     return y;
 }
+
+// The row max to subtract before exp: a row that has seen no visible key yet has
+// m = -inf and subtracts 0 instead, so exp(-inf - m) is exp(-inf) = 0, never exp(NaN).
+PYFA_HD float safe_max(float m) { return m == -INFINITY ? 0.0f : m; }

@@ -45,3 +45,93 @@ PYFA_HD SmemLayout fa2_forward_smem(int64_t Br, int64_t Bc, int64_t d) {
     L.add("alpha", Br);     // exp(m_old - m_new), the rescale of this step
     return L;
 }
+
+// ---- FA2 backward: three kernels (cuda/kernels/fa2_backward.cuh).
+constexpr int kFa2BackwardThreads = 128;
+
+// Preprocess, one block per Q row block: D_i = rowsum(dO_i o O_i). Bc is unused.
+enum Fa2BackwardPreprocessTerm { FA2P_dOOi };
+
+PYFA_HD SmemLayout fa2_backward_preprocess_smem(int64_t Br, int64_t /*Bc*/, int64_t d) {
+    SmemLayout L;
+    L.add("dO_i*O_i", Br * d);  // the products, loaded coalesced, then summed along rows
+    return L;
+}
+
+// dK/dV, one block per K/V column block j, walking the Q row blocks i.
+enum Fa2BackwardDkdvTerm {
+    FA2KV_Kj, FA2KV_Vj, FA2KV_dKj, FA2KV_dVj, FA2KV_Qi, FA2KV_dOi, FA2KV_Pij, FA2KV_dSij, FA2KV_LSEi, FA2KV_Di
+};
+
+PYFA_HD SmemLayout fa2_backward_dkdv_smem(int64_t Br, int64_t Bc, int64_t d) {
+    SmemLayout L;
+    L.add("K_j", Bc * d);    // loaded once per block
+    L.add("V_j", Bc * d);
+    L.add("dK_j", Bc * d);   // accumulated over every i, written once
+    L.add("dV_j", Bc * d);
+    L.add("Q_i", Br * d);    // reloaded for every (j, i)
+    L.add("dO_i", Br * d);
+    L.add("P_ij", Br * Bc);  // exp(S_ij - LSE_i), recomputed
+    L.add("dS_ij", Br * Bc); // P_ij o (dP_ij - D_i)
+    L.add("LSE_i", Br);
+    L.add("D_i", Br);
+    return L;
+}
+
+// dQ, one block per Q row block i, walking the K/V column blocks j.
+enum Fa2BackwardDqTerm { FA2DQ_Qi, FA2DQ_dOi, FA2DQ_dQi, FA2DQ_Kj, FA2DQ_Vj, FA2DQ_dSij, FA2DQ_LSEi, FA2DQ_Di };
+
+PYFA_HD SmemLayout fa2_backward_dq_smem(int64_t Br, int64_t Bc, int64_t d) {
+    SmemLayout L;
+    L.add("Q_i", Br * d);    // loaded once per block
+    L.add("dO_i", Br * d);
+    L.add("dQ_i", Br * d);   // accumulated over every j, written once
+    L.add("K_j", Bc * d);    // reloaded for every (i, j)
+    L.add("V_j", Bc * d);
+    L.add("dS_ij", Br * Bc); // recomputed as in the dK/dV kernel
+    L.add("LSE_i", Br);
+    L.add("D_i", Br);
+    return L;
+}
+
+// ---- FA1 forward (Dao et al. 2022, Algorithm 1). One block per head: it has only B*H
+// blocks, so it takes more threads per block than FA2.
+constexpr int kFa1ForwardThreads = 256;
+
+enum Fa1ForwardTerm { FA1F_Kj, FA1F_Vj, FA1F_Qi, FA1F_Sij, FA1F_mtij, FA1F_lnew, FA1F_oscale, FA1F_pvscale };
+
+PYFA_HD SmemLayout fa1_forward_smem(int64_t Br, int64_t Bc, int64_t d) {
+    SmemLayout L;
+    L.add("K_j", Bc * d);      // outer loop: loaded once, used against every Q_i
+    L.add("V_j", Bc * d);
+    L.add("Q_i", Br * d);      // inner loop: reloaded for every (j, i); O_i, l_i, m_i go to registers
+    L.add("S_ij", Br * Bc);    // scores, overwritten in place by P~_ij = exp(S_ij - m~_ij)
+    L.add("m~_ij", Br);        // row max of this tile
+    L.add("l_new", Br);        // the row sum after this tile
+    L.add("o_scale", Br);      // l_i exp(m_i - m_new): the weight of the old O_i
+    L.add("pv_scale", Br);     // exp(m~_ij - m_new): the weight of P~_ij V_j
+    return L;
+}
+
+// ---- FA1 backward (Dao et al. 2022, Algorithm 4).
+constexpr int kFa1BackwardThreads = 256;
+
+enum Fa1BackwardTerm {
+    FA1B_Kj, FA1B_Vj, FA1B_dKj, FA1B_dVj, FA1B_Qi, FA1B_dOi, FA1B_Pij, FA1B_dSij, FA1B_mi, FA1B_li, FA1B_Di
+};
+
+PYFA_HD SmemLayout fa1_backward_smem(int64_t Br, int64_t Bc, int64_t d) {
+    SmemLayout L;
+    L.add("K_j", Bc * d);      // outer loop: loaded once
+    L.add("V_j", Bc * d);
+    L.add("dK_j", Bc * d);     // accumulated over the inner loop, written once per j
+    L.add("dV_j", Bc * d);
+    L.add("Q_i", Br * d);      // inner loop: reloaded for every (j, i)
+    L.add("dO_i", Br * d);
+    L.add("P_ij", Br * Bc);
+    L.add("dS_ij", Br * Bc);   // dP_ij = dO_i V_j^T, overwritten in place by dS_ij
+    L.add("m_i", Br);
+    L.add("l_i", Br);
+    L.add("D_i", Br);          // rowsum(dO_i o O_i), recomputed for every (j, i)
+    return L;
+}

@@ -99,6 +99,8 @@ PYFA_API const char* pyfa_last_error(void);
 
 /* 1 when the backend can run here (CUDA: compiled in and a GPU present). */
 PYFA_API int pyfa_backend_available(int backend);
+/* 1 when the backend was compiled into this library (CUDA: built with nvcc). */
+PYFA_API int pyfa_backend_compiled(int backend);
 PYFA_API pyfa_status pyfa_device_profile_get(int backend, pyfa_device_profile* profile);
 
 /* Bytes of dynamic shared memory the kernel needs for these tiles, 0 if out of range. */
@@ -119,6 +121,64 @@ PYFA_API pyfa_status pyfa_fa2_forward(const pyfa_problem* problem, const pyfa_co
 PYFA_API pyfa_status pyfa_fa2_forward_device(const pyfa_problem* problem, const pyfa_config* config,
                                              const float* q, const float* k, const float* v,
                                              float* o, float* lse, void* stream);
+
+/* ---- FlashAttention-2 backward: dQ, dK, dV of O = softmax(scale * Q K^T) V, from the
+   forward's O and LSE and the incoming gradient dO. Deterministic: no atomics, every sum
+   in a fixed order. Three kernels (D = rowsum(dO o O); dK, dV; dQ) and one scratch
+   tensor D of (B, H, Nq) floats, allocated and freed by the call. ---- */
+PYFA_API pyfa_status pyfa_fa2_backward(const pyfa_problem* problem, const pyfa_config* config,
+                                       const float* q,     /* (B, H, Nq, d) */
+                                       const float* k,     /* (B, H, Nk, d) */
+                                       const float* v,     /* (B, H, Nk, d) */
+                                       const float* o,     /* (B, H, Nq, d) from the forward */
+                                       const float* lse,   /* (B, H, Nq) from the forward */
+                                       const float* dout,  /* (B, H, Nq, d) dO; errors call it "do" */
+                                       float* dq,          /* (B, H, Nq, d) */
+                                       float* dk,          /* (B, H, Nk, d) */
+                                       float* dv);         /* (B, H, Nk, d) */
+/* Same on device pointers (host pointers for the emulator), enqueued on stream. */
+PYFA_API pyfa_status pyfa_fa2_backward_device(const pyfa_problem* problem, const pyfa_config* config,
+                                              const float* q, const float* k, const float* v,
+                                              const float* o, const float* lse, const float* dout,
+                                              float* dq, float* dk, float* dv, void* stream);
+
+/* ---- FlashAttention-1 forward (Dao et al. 2022, Algorithm 1, as written): K/V tiles in
+   the outer loop, Q tiles in the inner loop, one block per (batch, head). O, m and l live
+   in HBM and are read and written back at every step; they are returned as the paper
+   keeps them: m the row max, l = sum exp(scale * q k - m) (m = -inf, l = 0, O = 0 for a
+   row with no visible key). ---- */
+PYFA_API pyfa_status pyfa_fa1_forward(const pyfa_problem* problem, const pyfa_config* config,
+                                      const float* q,  /* (B, H, Nq, d) */
+                                      const float* k,  /* (B, H, Nk, d) */
+                                      const float* v,  /* (B, H, Nk, d) */
+                                      float* o,        /* (B, H, Nq, d) */
+                                      float* m,        /* (B, H, Nq) */
+                                      float* l);       /* (B, H, Nq) */
+/* Same on device pointers (host pointers for the emulator), enqueued on stream. */
+PYFA_API pyfa_status pyfa_fa1_forward_device(const pyfa_problem* problem, const pyfa_config* config,
+                                             const float* q, const float* k, const float* v,
+                                             float* o, float* m, float* l, void* stream);
+
+/* ---- FlashAttention-1 backward (Dao et al. 2022, Algorithm 4): dQ, dK, dV from the
+   forward's O, m, l and the incoming gradient dO. K/V tiles outer, Q tiles inner, one
+   block per (batch, head); dQ is accumulated in HBM. Deterministic: no atomics. ---- */
+PYFA_API pyfa_status pyfa_fa1_backward(const pyfa_problem* problem, const pyfa_config* config,
+                                       const float* q,     /* (B, H, Nq, d) */
+                                       const float* k,     /* (B, H, Nk, d) */
+                                       const float* v,     /* (B, H, Nk, d) */
+                                       const float* o,     /* (B, H, Nq, d) from the forward */
+                                       const float* m,     /* (B, H, Nq) from the forward */
+                                       const float* l,     /* (B, H, Nq) from the forward */
+                                       const float* dout,  /* (B, H, Nq, d) dO; errors call it "do" */
+                                       float* dq,          /* (B, H, Nq, d) */
+                                       float* dk,          /* (B, H, Nk, d) */
+                                       float* dv);         /* (B, H, Nk, d) */
+/* Same on device pointers (host pointers for the emulator), enqueued on stream. */
+PYFA_API pyfa_status pyfa_fa1_backward_device(const pyfa_problem* problem, const pyfa_config* config,
+                                              const float* q, const float* k, const float* v,
+                                              const float* o, const float* m, const float* l,
+                                              const float* dout, float* dq, float* dk, float* dv,
+                                              void* stream);
 
 /* PYFA_CDEF_END */
 

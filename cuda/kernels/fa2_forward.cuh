@@ -22,10 +22,6 @@
 
 namespace PYFA_KERNELS {
 
-// exp(x - m) with the row max m of a row that has seen no key yet (-inf) taken as 0,
-// so that exp(-inf - m) is exp(-inf) = 0 and never exp(NaN).
-PYFA_HD float safe_max(float m) { return m == -INFINITY ? 0.0f : m; }
-
 __global__ void fa2_forward_kernel(const AttentionParams p) {
     const int64_t d = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
     const int64_t Br = p.block_r, Bc = p.block_c;

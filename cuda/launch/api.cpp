@@ -63,6 +63,12 @@ struct Op {
 };
 
 const Op kFa2Forward = {"pyfa_fa2_forward", {T_Q, T_K, T_V}, {T_O, T_LSE}, {}, {PYFA_KERNEL_FA2_FORWARD}};
+const Op kFa1Forward = {"pyfa_fa1_forward", {T_Q, T_K, T_V}, {T_O, T_M, T_L}, {}, {PYFA_KERNEL_FA1_FORWARD}};
+const Op kFa1Backward = {"pyfa_fa1_backward", {T_Q, T_K, T_V, T_O, T_M, T_L, T_DO}, {T_DQ, T_DK, T_DV}, {},
+                         {PYFA_KERNEL_FA1_BACKWARD}};
+const Op kFa2Backward = {"pyfa_fa2_backward", {T_Q, T_K, T_V, T_O, T_LSE, T_DO}, {T_DQ, T_DK, T_DV}, {T_D},
+                         {PYFA_KERNEL_FA2_BACKWARD_PREPROCESS, PYFA_KERNEL_FA2_BACKWARD_DKDV,
+                          PYFA_KERNEL_FA2_BACKWARD_DQ}};
 
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxGridYZ = 65535;
@@ -281,6 +287,14 @@ PYFA_API int pyfa_backend_available(int backend) {
     return 0;
 }
 
+PYFA_API int pyfa_backend_compiled(int backend) {
+    switch (backend) {
+        case PYFA_BACKEND_EMU: return 1;
+        case PYFA_BACKEND_CUDA: return cuda_compiled() ? 1 : 0;
+    }
+    return 0;
+}
+
 PYFA_API pyfa_status pyfa_device_profile_get(int backend, pyfa_device_profile* profile) {
     clear_error();
     if (!profile) return fail(PYFA_ERROR_INVALID_ARGUMENT, "profile: null pointer");
@@ -320,6 +334,59 @@ PYFA_API pyfa_status pyfa_fa2_forward_device(const pyfa_problem* problem, const 
     const float* in[] = {q, k, v};
     float* out[] = {o, lse};
     return run_op(kFa2Forward, problem, config, in, out, true, stream);
+}
+
+PYFA_API pyfa_status pyfa_fa2_backward(const pyfa_problem* problem, const pyfa_config* config,
+                                       const float* q, const float* k, const float* v, const float* o,
+                                       const float* lse, const float* dout, float* dq, float* dk,
+                                       float* dv) {
+    const float* in[] = {q, k, v, o, lse, dout};
+    float* out[] = {dq, dk, dv};
+    return run_op(kFa2Backward, problem, config, in, out, false, nullptr);
+}
+
+PYFA_API pyfa_status pyfa_fa2_backward_device(const pyfa_problem* problem, const pyfa_config* config,
+                                              const float* q, const float* k, const float* v,
+                                              const float* o, const float* lse, const float* dout,
+                                              float* dq, float* dk, float* dv, void* stream) {
+    const float* in[] = {q, k, v, o, lse, dout};
+    float* out[] = {dq, dk, dv};
+    return run_op(kFa2Backward, problem, config, in, out, true, stream);
+}
+
+PYFA_API pyfa_status pyfa_fa1_forward(const pyfa_problem* problem, const pyfa_config* config,
+                                      const float* q, const float* k, const float* v, float* o, float* m,
+                                      float* l) {
+    const float* in[] = {q, k, v};
+    float* out[] = {o, m, l};
+    return run_op(kFa1Forward, problem, config, in, out, false, nullptr);
+}
+
+PYFA_API pyfa_status pyfa_fa1_forward_device(const pyfa_problem* problem, const pyfa_config* config,
+                                             const float* q, const float* k, const float* v, float* o,
+                                             float* m, float* l, void* stream) {
+    const float* in[] = {q, k, v};
+    float* out[] = {o, m, l};
+    return run_op(kFa1Forward, problem, config, in, out, true, stream);
+}
+
+PYFA_API pyfa_status pyfa_fa1_backward(const pyfa_problem* problem, const pyfa_config* config,
+                                       const float* q, const float* k, const float* v, const float* o,
+                                       const float* m, const float* l, const float* dout, float* dq,
+                                       float* dk, float* dv) {
+    const float* in[] = {q, k, v, o, m, l, dout};
+    float* out[] = {dq, dk, dv};
+    return run_op(kFa1Backward, problem, config, in, out, false, nullptr);
+}
+
+PYFA_API pyfa_status pyfa_fa1_backward_device(const pyfa_problem* problem, const pyfa_config* config,
+                                              const float* q, const float* k, const float* v,
+                                              const float* o, const float* m, const float* l,
+                                              const float* dout, float* dq, float* dk, float* dv,
+                                              void* stream) {
+    const float* in[] = {q, k, v, o, m, l, dout};
+    float* out[] = {dq, dk, dv};
+    return run_op(kFa1Backward, problem, config, in, out, true, stream);
 }
 
 }  // extern "C"

@@ -3,6 +3,9 @@
 #include <cstring>
 #include <string>
 
+#include "kernels/fa1_backward.cuh"
+#include "kernels/fa1_forward.cuh"
+#include "kernels/fa2_backward.cuh"
 #include "kernels/fa2_forward.cuh"
 #include "launch/internal.h"
 
@@ -15,6 +18,11 @@ using KernelFn = void (*)(AttentionParams);
 KernelFn kernel_fn(int kernel) {
     switch (kernel) {
         case PYFA_KERNEL_FA2_FORWARD: return PYFA_KERNELS::fa2_forward_kernel;
+        case PYFA_KERNEL_FA1_FORWARD: return PYFA_KERNELS::fa1_forward_kernel;
+        case PYFA_KERNEL_FA1_BACKWARD: return PYFA_KERNELS::fa1_backward_kernel;
+        case PYFA_KERNEL_FA2_BACKWARD_PREPROCESS: return PYFA_KERNELS::fa2_backward_preprocess_kernel;
+        case PYFA_KERNEL_FA2_BACKWARD_DKDV: return PYFA_KERNELS::fa2_backward_dkdv_kernel;
+        case PYFA_KERNEL_FA2_BACKWARD_DQ: return PYFA_KERNELS::fa2_backward_dq_kernel;
         default: return nullptr;
     }
 }

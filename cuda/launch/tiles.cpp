@@ -13,6 +13,11 @@ namespace {
 bool layout_of(int kernel, int64_t Br, int64_t Bc, int64_t d, SmemLayout* L) {
     switch (kernel) {
         case PYFA_KERNEL_FA2_FORWARD: *L = fa2_forward_smem(Br, Bc, d); return true;
+        case PYFA_KERNEL_FA1_FORWARD: *L = fa1_forward_smem(Br, Bc, d); return true;
+        case PYFA_KERNEL_FA1_BACKWARD: *L = fa1_backward_smem(Br, Bc, d); return true;
+        case PYFA_KERNEL_FA2_BACKWARD_PREPROCESS: *L = fa2_backward_preprocess_smem(Br, Bc, d); return true;
+        case PYFA_KERNEL_FA2_BACKWARD_DKDV: *L = fa2_backward_dkdv_smem(Br, Bc, d); return true;
+        case PYFA_KERNEL_FA2_BACKWARD_DQ: *L = fa2_backward_dq_smem(Br, Bc, d); return true;
         default: return false;
     }
 }
@@ -48,12 +53,36 @@ std::string smem_breakdown(int kernel, int64_t Br, int64_t Bc, int64_t d) {
     return s;
 }
 
+// FA1's rule (Dao et al. 2022, Algorithms 1 and 4): Bc = ceil(M / 4d), Br = min(Bc, d),
+// with M the device's shared memory per block in floats. The paper sizes only Q_i, O_i,
+// K_j, V_j against M; the kernels also hold S_ij and more, so Bc is then lowered one at a
+// time, Br following it down whenever it would exceed Bc, until the layout fits.
+static pyfa_status fa1_default_tiles(int kernel, int64_t d, const pyfa_device_profile& profile,
+                                     int* Br, int* Bc) {
+    const int64_t M = profile.smem_per_block / static_cast<int64_t>(sizeof(float));
+    int64_t c = max64(1, ceil_div(M, 4 * d));
+    int64_t r = min64(c, d);
+    while (c > 1 && smem_bytes(kernel, r, c, d) > profile.smem_per_block) {
+        --c;
+        r = min64(r, c);
+    }
+    if (smem_bytes(kernel, r, c, d) > profile.smem_per_block)
+        return fail(PYFA_ERROR_TILE_TOO_LARGE, std::string(kernel_name(kernel)) +
+                                                   ": even 1 x 1 tiles do not fit in " +
+                                                   std::to_string(profile.smem_per_block) + " bytes");
+    *Br = static_cast<int>(r);
+    *Bc = static_cast<int>(c);
+    return PYFA_OK;
+}
+
 // Start from 64 x 64 and halve both until the tiles fit the device's shared memory.
 pyfa_status default_tiles(int kernel, int64_t d, const pyfa_device_profile& profile, int* Br,
                           int* Bc) {
     SmemLayout L;
     if (!layout_of(kernel, 1, 1, 1, &L))
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "kernel: unknown kernel " + std::to_string(kernel));
+    if (kernel == PYFA_KERNEL_FA1_FORWARD || kernel == PYFA_KERNEL_FA1_BACKWARD)
+        return fa1_default_tiles(kernel, d, profile, Br, Bc);
     int r = 64, c = 64;
     while (r > 1 && smem_bytes(kernel, r, c, d) > profile.smem_per_block) {
         r /= 2;
@@ -78,6 +107,31 @@ LaunchShape launch_shape(int kernel, const AttentionParams& p) {
             s.grid[1] = static_cast<unsigned>(p.heads);
             s.grid[2] = static_cast<unsigned>(p.batch);
             s.threads = kFa2ForwardThreads;
+            break;
+        case PYFA_KERNEL_FA1_FORWARD:  // one block per (head, batch): FA1's parallelism
+            s.grid[0] = 1;
+            s.grid[1] = static_cast<unsigned>(p.heads);
+            s.grid[2] = static_cast<unsigned>(p.batch);
+            s.threads = kFa1ForwardThreads;
+            break;
+        case PYFA_KERNEL_FA1_BACKWARD:
+            s.grid[0] = 1;
+            s.grid[1] = static_cast<unsigned>(p.heads);
+            s.grid[2] = static_cast<unsigned>(p.batch);
+            s.threads = kFa1BackwardThreads;
+            break;
+        case PYFA_KERNEL_FA2_BACKWARD_PREPROCESS:
+        case PYFA_KERNEL_FA2_BACKWARD_DQ:  // one block per Q row block
+            s.grid[0] = static_cast<unsigned>(Tr);
+            s.grid[1] = static_cast<unsigned>(p.heads);
+            s.grid[2] = static_cast<unsigned>(p.batch);
+            s.threads = kFa2BackwardThreads;
+            break;
+        case PYFA_KERNEL_FA2_BACKWARD_DKDV:  // one block per K/V column block
+            s.grid[0] = static_cast<unsigned>(ceil_div(p.seqlen_k, p.block_c));
+            s.grid[1] = static_cast<unsigned>(p.heads);
+            s.grid[2] = static_cast<unsigned>(p.batch);
+            s.threads = kFa2BackwardThreads;
             break;
         default:
             break;

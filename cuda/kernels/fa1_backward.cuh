@@ -1,0 +1,160 @@
+// fa1_backward.cuh: FlashAttention-1 backward (Dao et al. 2022, Algorithm 4, without
+// dropout), fp32.
+// Simulator twin: sim/fa1_backward.py (same names, same loop order, same operations).
+// Numerical contract: docs/numerics.md.
+//
+// One block per (head h, batch b). The block sets its head's dQ = 0 in HBM, then walks
+// the K/V tiles j in the outer loop, keeping K_j, V_j and the accumulators dK~_j, dV~_j
+// on chip, and the Q tiles i in the inner loop, reading Q_i, O_i, dO_i, dQ_i, l_i, m_i
+// from HBM at every step:
+//     P_ij   = diag(l_i)^-1 exp(scale * Q_i K_j^T - m_i)       (recomputed, masked)
+//     dV~_j  = dV~_j + P_ij^T dO_i
+//     dP_ij  = dO_i V_j^T
+//     D_i    = rowsum(dO_i o O_i)                              (recomputed per (j, i))
+//     dS_ij  = P_ij o (dP_ij - D_i)
+//     dQ_i   = dQ_i + scale * dS_ij K_j                        (written back to HBM)
+//     dK~_j  = dK~_j + scale * dS_ij^T Q_i
+// and after the inner loop writes dK_j = dK~_j, dV_j = dV~_j once. The paper also zeroes
+// dK and dV in HBM first; every tile of them is written whole at the end of its outer
+// step, so that initialization is left out. O_i and dQ_i go from HBM into the registers of
+// the thread that uses each element.
+#pragma once
+
+#include <cmath>
+
+#include "common/device.h"
+#include "common/numerics.h"
+#include "common/params.h"
+#include "common/smem.h"
+#include "common/tiling.h"
+
+namespace PYFA_KERNELS {
+
+__global__ void fa1_backward_kernel(const AttentionParams p) {
+    const int64_t d = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
+    const int64_t Br = p.block_r, Bc = p.block_c;
+    const int64_t h = blockIdx.y, b = blockIdx.z;
+    const int64_t tid = threadIdx.x, nthreads = blockDim.x;
+
+    const int64_t bh = b * p.heads + h;
+    const float* Q = p.q + bh * Nq * d;      // (Nq, d) of this head
+    const float* K = p.k + bh * Nk * d;      // (Nk, d)
+    const float* V = p.v + bh * Nk * d;      // (Nk, d)
+    const float* O = p.o + bh * Nq * d;      // (Nq, d)  the forward's output
+    const float* m = p.m + bh * Nq;          // (Nq)     the forward's row max
+    const float* l = p.l + bh * Nq;          // (Nq)     the forward's row sum, relative to m
+    const float* dO = p.dout + bh * Nq * d;  // (Nq, d)
+    float* dQ = p.dq + bh * Nq * d;          // (Nq, d)  accumulated in HBM
+    float* dK = p.dk + bh * Nk * d;          // (Nk, d)
+    float* dV = p.dv + bh * Nk * d;          // (Nk, d)
+
+    PYFA_DYNAMIC_SMEM(smem_raw);
+    float* smem = reinterpret_cast<float*>(smem_raw);
+    const SmemLayout L = fa1_backward_smem(Br, Bc, d);
+    float* Kj = smem + L.offset[FA1B_Kj];     // (bc, d)
+    float* Vj = smem + L.offset[FA1B_Vj];     // (bc, d)
+    float* dKj = smem + L.offset[FA1B_dKj];   // (bc, d)  dK~_j
+    float* dVj = smem + L.offset[FA1B_dVj];   // (bc, d)  dV~_j
+    float* Qi = smem + L.offset[FA1B_Qi];     // (br, d)
+    float* dOi = smem + L.offset[FA1B_dOi];   // (br, d)
+    float* Pij = smem + L.offset[FA1B_Pij];   // (br, Bc), row stride Bc
+    float* dSij = smem + L.offset[FA1B_dSij]; // (br, Bc), row stride Bc
+    float* mi = smem + L.offset[FA1B_mi];     // (br)
+    float* li = smem + L.offset[FA1B_li];     // (br)
+    float* Di = smem + L.offset[FA1B_Di];     // (br)
+
+    // dQ = 0 in HBM before its first read; the barrier after the first Q tile's load makes
+    // these global writes visible to every thread of the block.
+    for (int64_t e = tid; e < Nq * d; e += nthreads) dQ[e] = 0.0f;
+
+    const int64_t Tr = ceil_div(Nq, Br), Tc = ceil_div(Nk, Bc);
+    for (int64_t j = 0; j < Tc; ++j) {
+        const int64_t col0 = j * Bc;
+        const int64_t bc = min64(Bc, Nk - col0);
+        // No barrier needed here: every reader of K_j and V_j is before the barrier ahead of
+        // the previous tile's write-out, and each element of dK~_j, dV~_j is zeroed by the
+        // thread that wrote it out (the same e loop).
+        for (int64_t e = tid; e < bc * d; e += nthreads) {
+            Kj[e] = K[col0 * d + e];
+            Vj[e] = V[col0 * d + e];
+            dKj[e] = 0.0f;
+            dVj[e] = 0.0f;
+        }
+
+        // Q tiles before q_tile_begin see no key of this tile (causal) and are skipped.
+        for (int64_t i = q_tile_begin(p.causal, col0, Nq, Nk, Br); i < Tr; ++i) {
+            const int64_t row0 = i * Br;
+            const int64_t br = min64(Br, Nq - row0);
+            __syncthreads();  // the previous Q tile's readers of Q_i, dO_i, P_ij, dS_ij, D_i are done
+            for (int64_t e = tid; e < br * d; e += nthreads) {
+                Qi[e] = Q[row0 * d + e];
+                dOi[e] = dO[row0 * d + e];
+            }
+            for (int64_t r = tid; r < br; r += nthreads) {
+                mi[r] = m[row0 + r];
+                li[r] = l[row0 + r];
+            }
+            __syncthreads();
+
+            // S = scale * sum_x Q_i[r, x] K_j[c, x], -inf if masked;
+            // P_ij[r, c] = exp(S - m_i[r]) / l_i[r], 0 for a row with l_i = 0 (no visible key);
+            // dP_ij[r, c] = sum_x dO_i[r, x] V_j[c, x]. Both sums x = 0 .. d-1 in order.
+            for (int64_t e = tid; e < br * bc; e += nthreads) {
+                const int64_t r = e / bc, c = e % bc;
+                float s = 0.0f;
+                for (int64_t x = 0; x < d; ++x) s = s + Qi[r * d + x] * Kj[c * d + x];
+                s = s * p.scale;
+                if (p.causal && causal_masked(row0 + r, col0 + c, Nq, Nk)) s = -INFINITY;
+                const float lr = li[r];
+                Pij[r * Bc + c] = lr == 0.0f ? 0.0f : pyfa_exp(s - safe_max(mi[r])) / lr;
+                float dp = 0.0f;
+                for (int64_t x = 0; x < d; ++x) dp = dp + dOi[r * d + x] * Vj[c * d + x];
+                dSij[r * Bc + c] = dp;
+            }
+            // D_i[r] = sum_x dO_i[r, x] O_i[r, x], x in order.
+            for (int64_t r = tid; r < br; r += nthreads) {
+                float D = 0.0f;
+                for (int64_t x = 0; x < d; ++x) D = D + dOi[r * d + x] * O[(row0 + r) * d + x];
+                Di[r] = D;
+            }
+            __syncthreads();
+
+            // dS_ij = P_ij o (dP_ij - D_i), in place over dP_ij.
+            for (int64_t e = tid; e < br * bc; e += nthreads) {
+                const int64_t r = e / bc, c = e % bc;
+                dSij[r * Bc + c] = Pij[r * Bc + c] * (dSij[r * Bc + c] - Di[r]);
+            }
+            // dV~_j = dV~_j + P_ij^T dO_i, the product summed r = 0 .. br-1 in order.
+            for (int64_t e = tid; e < bc * d; e += nthreads) {
+                const int64_t c = e / d, x = e % d;
+                float t = 0.0f;
+                for (int64_t r = 0; r < br; ++r) t = t + Pij[r * Bc + c] * dOi[r * d + x];
+                dVj[e] = dVj[e] + t;
+            }
+            __syncthreads();
+
+            // dQ_i = dQ_i + scale * dS_ij K_j, the product summed c = 0 .. bc-1 in order;
+            // read from and written back to HBM.
+            for (int64_t e = tid; e < br * d; e += nthreads) {
+                const int64_t r = e / d, x = e % d;
+                float t = 0.0f;
+                for (int64_t c = 0; c < bc; ++c) t = t + dSij[r * Bc + c] * Kj[c * d + x];
+                dQ[row0 * d + e] = dQ[row0 * d + e] + p.scale * t;
+            }
+            // dK~_j = dK~_j + scale * dS_ij^T Q_i, the product summed r = 0 .. br-1 in order.
+            for (int64_t e = tid; e < bc * d; e += nthreads) {
+                const int64_t c = e / d, x = e % d;
+                float t = 0.0f;
+                for (int64_t r = 0; r < br; ++r) t = t + dSij[r * Bc + c] * Qi[r * d + x];
+                dKj[e] = dKj[e] + p.scale * t;
+            }
+        }
+        __syncthreads();  // dK~_j and dV~_j are complete; K_j and V_j are free for the next tile
+        for (int64_t e = tid; e < bc * d; e += nthreads) {
+            dK[col0 * d + e] = dKj[e];
+            dV[col0 * d + e] = dVj[e];
+        }
+    }
+}
+
+}  // namespace PYFA_KERNELS

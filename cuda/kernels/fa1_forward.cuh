@@ -1,0 +1,146 @@
+// fa1_forward.cuh: FlashAttention-1 forward (Dao et al. 2022, Algorithm 1), fp32, as the
+// paper writes it: the baseline, not an improved variant.
+// Simulator twin: sim/fa1_forward.py (same names, same loop order, same operations).
+// Numerical contract: docs/numerics.md.
+//
+// One block per (head h, batch b): FA1 parallelizes over heads and batch only. The block
+// first sets its head's O = 0, l = 0, m = -inf in HBM, then walks the K/V tiles j in the
+// outer loop (K_j, V_j loaded once each) and, for each, the Q tiles i in the inner loop,
+// reading Q_i, O_i, l_i, m_i from HBM and writing O_i, l_i, m_i back at every step:
+//     S_ij   = scale * Q_i K_j^T
+//     m~_ij  = rowmax(S_ij),   P~_ij = exp(S_ij - m~_ij),   l~_ij = rowsum(P~_ij)
+//     m_new  = max(m_i, m~_ij)
+//     l_new  = exp(m_i - m_new) l_i + exp(m~_ij - m_new) l~_ij
+//     O_i    = diag(l_new)^-1 (diag(l_i) exp(m_i - m_new) O_i + exp(m~_ij - m_new) P~_ij V_j)
+//     l_i    = l_new,   m_i = m_new
+// so O is normalized after every step. Q_i goes to shared memory (every thread of a row
+// reads it); O_i, l_i and m_i go from HBM into the registers of the one thread that
+// updates each element, which is the same traffic with less shared memory.
+#pragma once
+
+#include <cmath>
+
+#include "common/device.h"
+#include "common/numerics.h"
+#include "common/params.h"
+#include "common/smem.h"
+#include "common/tiling.h"
+
+namespace PYFA_KERNELS {
+
+__global__ void fa1_forward_kernel(const AttentionParams p) {
+    const int64_t d = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
+    const int64_t Br = p.block_r, Bc = p.block_c;
+    const int64_t h = blockIdx.y, b = blockIdx.z;
+    const int64_t tid = threadIdx.x, nthreads = blockDim.x;
+
+    const int64_t bh = b * p.heads + h;
+    const float* Q = p.q + bh * Nq * d;    // (Nq, d) of this head
+    const float* K = p.k + bh * Nk * d;    // (Nk, d)
+    const float* V = p.v + bh * Nk * d;    // (Nk, d)
+    float* O = p.o + bh * Nq * d;          // (Nq, d), normalized after every step
+    float* m = p.m + bh * Nq;              // (Nq)  running row max
+    float* l = p.l + bh * Nq;              // (Nq)  running row sum, relative to m
+
+    PYFA_DYNAMIC_SMEM(smem_raw);
+    float* smem = reinterpret_cast<float*>(smem_raw);
+    const SmemLayout L = fa1_forward_smem(Br, Bc, d);
+    float* Kj = smem + L.offset[FA1F_Kj];             // (bc, d)
+    float* Vj = smem + L.offset[FA1F_Vj];             // (bc, d)
+    float* Qi = smem + L.offset[FA1F_Qi];             // (br, d)
+    float* Sij = smem + L.offset[FA1F_Sij];           // (br, Bc), row stride Bc
+    float* mt = smem + L.offset[FA1F_mtij];           // (br)  m~_ij
+    float* lnew = smem + L.offset[FA1F_lnew];         // (br)  l_new
+    float* oscale = smem + L.offset[FA1F_oscale];     // (br)  l_i exp(m_i - m_new)
+    float* pvscale = smem + L.offset[FA1F_pvscale];   // (br)  exp(m~_ij - m_new)
+
+    // O = 0, l = 0, m = -inf in HBM before anything reads them. The __syncthreads at the
+    // top of the K/V loop makes these global writes visible to every thread of the block.
+    for (int64_t e = tid; e < Nq * d; e += nthreads) O[e] = 0.0f;
+    for (int64_t r = tid; r < Nq; r += nthreads) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+
+    const int64_t Tr = ceil_div(Nq, Br), Tc = ceil_div(Nk, Bc);
+    for (int64_t j = 0; j < Tc; ++j) {
+        const int64_t col0 = j * Bc;
+        const int64_t bc = min64(Bc, Nk - col0);
+        __syncthreads();  // the previous K/V tile's readers are done (first: O, l, m are set)
+        for (int64_t e = tid; e < bc * d; e += nthreads) {
+            Kj[e] = K[col0 * d + e];
+            Vj[e] = V[col0 * d + e];
+        }
+
+        // Q tiles before q_tile_begin see no key of this tile (causal) and are skipped.
+        for (int64_t i = q_tile_begin(p.causal, col0, Nq, Nk, Br); i < Tr; ++i) {
+            const int64_t row0 = i * Br;
+            const int64_t br = min64(Br, Nq - row0);
+            // No barrier needed before this load: Q_i's last readers (the S_ij step of the
+            // previous Q tile) are three barriers back.
+            for (int64_t e = tid; e < br * d; e += nthreads) Qi[e] = Q[row0 * d + e];
+            __syncthreads();
+
+            // S_ij[r, c] = scale * sum_x Q_i[r, x] K_j[c, x], summed x = 0 .. d-1 in order.
+            for (int64_t e = tid; e < br * bc; e += nthreads) {
+                const int64_t r = e / bc, c = e % bc;
+                float s = 0.0f;
+                for (int64_t x = 0; x < d; ++x) s = s + Qi[r * d + x] * Kj[c * d + x];
+                s = s * p.scale;
+                if (p.causal && causal_masked(row0 + r, col0 + c, Nq, Nk)) s = -INFINITY;
+                Sij[r * Bc + c] = s;
+            }
+            __syncthreads();
+
+            // m~_ij = max(-inf, S_ij[r, 0], ..., S_ij[r, bc-1]).
+            for (int64_t r = tid; r < br; r += nthreads) {
+                float mx = -INFINITY;
+                for (int64_t c = 0; c < bc; ++c) mx = pyfa_max(mx, Sij[r * Bc + c]);
+                mt[r] = mx;
+            }
+            __syncthreads();
+
+            // P~_ij = exp(S_ij - m~_ij), in place.
+            for (int64_t e = tid; e < br * bc; e += nthreads) {
+                const int64_t r = e / bc, c = e % bc;
+                Sij[r * Bc + c] = pyfa_exp(Sij[r * Bc + c] - safe_max(mt[r]));
+            }
+            __syncthreads();
+
+            // l~_ij = rowsum(P~_ij), c = 0 .. bc-1 in order; then the row statistics, read
+            // from HBM and written back.
+            for (int64_t r = tid; r < br; r += nthreads) {
+                float lt = 0.0f;
+                for (int64_t c = 0; c < bc; ++c) lt = lt + Sij[r * Bc + c];
+                const float m_old = m[row0 + r];
+                const float l_old = l[row0 + r];
+                const float m_new = pyfa_max(m_old, mt[r]);
+                const float alpha = pyfa_exp(m_old - safe_max(m_new));  // exp(m_i - m_new)
+                const float beta = pyfa_exp(mt[r] - safe_max(m_new));   // exp(m~_ij - m_new)
+                const float os = l_old * alpha;
+                const float l_new = os + beta * lt;
+                oscale[r] = os;
+                pvscale[r] = beta;
+                lnew[r] = l_new;
+                m[row0 + r] = m_new;
+                l[row0 + r] = l_new;
+            }
+            __syncthreads();
+
+            // O_i = (o_scale * O_i + pv_scale * P~_ij V_j) / l_new, the product summed
+            // c = 0 .. bc-1 in order. A row with no visible key so far has l_new = 0 and
+            // keeps O = 0 rather than 0/0.
+            for (int64_t e = tid; e < br * d; e += nthreads) {
+                const int64_t r = e / d, x = e % d;
+                float pv = 0.0f;
+                for (int64_t c = 0; c < bc; ++c) pv = pv + Sij[r * Bc + c] * Vj[c * d + x];
+                const float o_old = O[row0 * d + e];
+                const float num = oscale[r] * o_old + pvscale[r] * pv;
+                const float ln = lnew[r];
+                O[row0 * d + e] = ln == 0.0f ? 0.0f : num / ln;
+            }
+        }
+    }
+}
+
+}  // namespace PYFA_KERNELS

@@ -1,0 +1,241 @@
+// fa2_backward.cuh: FlashAttention-2 backward (Dao 2023, Algorithm 2), fp32, no atomics.
+// Simulator twin: sim/fa2_backward.py (same names, same loop order, same operations).
+// Numerical contract: docs/numerics.md, section "FA2 backward".
+//
+// With P = exp(S - LSE) recomputed from the forward's LSE (S = scale * Q K^T), the
+// gradients of O = P V are
+//     dV = P^T dO        dP = dO V^T        dS = P o (dP - D),  D = rowsum(dO o O)
+//     dQ = scale * dS K  dK = scale * dS^T Q
+// Three kernels, launched in this order:
+//   fa2_backward_preprocess_kernel  one block per (Q row block i, head, batch): D_i.
+//   fa2_backward_dkdv_kernel        one block per (K/V column block j, head, batch): walks
+//                                   the Q row blocks i, keeps dK_j and dV_j on chip and
+//                                   writes them once.
+//   fa2_backward_dq_kernel          one block per (Q row block i, head, batch): walks the
+//                                   K/V column blocks j, recomputes dS_ij, keeps dQ_i on
+//                                   chip and writes it once.
+// dQ gets its own kernel rather than floating-point atomics (nondeterministic order) or
+// per-column-block partial buffers (Tc x Nq x d of scratch): docs/fa2_backward_dq.md.
+#pragma once
+
+#include <cmath>
+
+#include "common/device.h"
+#include "common/numerics.h"
+#include "common/params.h"
+#include "common/smem.h"
+#include "common/tiling.h"
+
+namespace PYFA_KERNELS {
+
+// P[r,c] and dS[r,c] of one score, shared by the dK/dV and dQ kernels so that both
+// recompute the very same bits. Q_r, dO_r: row r of Q_i, dO_i; K_c, V_c: row c of K_j, V_j.
+// S is formed exactly as in the forward (sum, then scale, then the mask), so that
+// exp(S - LSE) uses the S the forward's LSE was computed from. A row that sees no key has
+// LSE = -inf, and P = 0 is chosen outright there instead of exp(S + inf).
+PYFA_HD void fa2_backward_p_ds(const float* Q_r, const float* dO_r, const float* K_c,
+                               const float* V_c, int64_t d, float scale, bool masked, float lse,
+                               float D_r, float* P_rc, float* dS_rc) {
+    float s = 0.0f;
+    for (int64_t x = 0; x < d; ++x) s = s + Q_r[x] * K_c[x];
+    s = s * scale;
+    if (masked) s = -INFINITY;
+    const float P = lse == -INFINITY ? 0.0f : pyfa_exp(s - lse);
+    float dp = 0.0f;
+    for (int64_t x = 0; x < d; ++x) dp = dp + dO_r[x] * V_c[x];
+    *P_rc = P;
+    *dS_rc = P * (dp - D_r);
+}
+
+// D_i = rowsum(dO_i o O_i): D[r] = sum_x dO[r,x] * O[r,x], x = 0 .. d-1 in order.
+__global__ void fa2_backward_preprocess_kernel(const AttentionParams p) {
+    const int64_t d = p.head_dim, Nq = p.seqlen_q;
+    const int64_t Br = p.block_r;
+    const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int64_t tid = threadIdx.x, nthreads = blockDim.x;
+
+    const int64_t bh = b * p.heads + h;
+    const float* O = p.o + bh * Nq * d;      // (Nq, d)
+    const float* dO = p.dout + bh * Nq * d;  // (Nq, d)
+    float* D = p.drow + bh * Nq;             // (Nq)
+
+    const int64_t row0 = i * Br;
+    const int64_t br = min64(Br, Nq - row0);
+
+    PYFA_DYNAMIC_SMEM(smem_raw);
+    float* smem = reinterpret_cast<float*>(smem_raw);
+    const SmemLayout L = fa2_backward_preprocess_smem(Br, p.block_c, d);
+    float* dOOi = smem + L.offset[FA2P_dOOi];  // (br, d): dO_i o O_i
+
+    // The products are formed with coalesced loads; each row is then summed by one thread.
+    for (int64_t e = tid; e < br * d; e += nthreads) dOOi[e] = dO[row0 * d + e] * O[row0 * d + e];
+    __syncthreads();
+    for (int64_t r = tid; r < br; r += nthreads) {
+        float s = 0.0f;
+        for (int64_t x = 0; x < d; ++x) s = s + dOOi[r * d + x];
+        D[row0 + r] = s;
+    }
+}
+
+__global__ void fa2_backward_dkdv_kernel(const AttentionParams p) {
+    const int64_t d = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
+    const int64_t Br = p.block_r, Bc = p.block_c;
+    const int64_t j = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int64_t tid = threadIdx.x, nthreads = blockDim.x;
+
+    const int64_t bh = b * p.heads + h;
+    const float* Q = p.q + bh * Nq * d;      // (Nq, d)
+    const float* K = p.k + bh * Nk * d;      // (Nk, d)
+    const float* V = p.v + bh * Nk * d;      // (Nk, d)
+    const float* dO = p.dout + bh * Nq * d;  // (Nq, d)
+    const float* LSE = p.lse + bh * Nq;      // (Nq)
+    const float* D = p.drow + bh * Nq;       // (Nq)
+    float* dK = p.dk + bh * Nk * d;          // (Nk, d)
+    float* dV = p.dv + bh * Nk * d;          // (Nk, d)
+
+    const int64_t col0 = j * Bc;
+    const int64_t bc = min64(Bc, Nk - col0);  // columns of this tile (fewer in the tail)
+
+    PYFA_DYNAMIC_SMEM(smem_raw);
+    float* smem = reinterpret_cast<float*>(smem_raw);
+    const SmemLayout L = fa2_backward_dkdv_smem(Br, Bc, d);
+    float* Kj = smem + L.offset[FA2KV_Kj];      // (bc, d)
+    float* Vj = smem + L.offset[FA2KV_Vj];      // (bc, d)
+    float* dKj = smem + L.offset[FA2KV_dKj];    // (bc, d), unscaled
+    float* dVj = smem + L.offset[FA2KV_dVj];    // (bc, d)
+    float* Qi = smem + L.offset[FA2KV_Qi];      // (br, d)
+    float* dOi = smem + L.offset[FA2KV_dOi];    // (br, d)
+    float* Pij = smem + L.offset[FA2KV_Pij];    // (br, Bc), row stride Bc
+    float* dSij = smem + L.offset[FA2KV_dSij];  // (br, Bc), row stride Bc
+    float* LSEi = smem + L.offset[FA2KV_LSEi];  // (br)
+    float* Di = smem + L.offset[FA2KV_Di];      // (br)
+
+    for (int64_t e = tid; e < bc * d; e += nthreads) {
+        Kj[e] = K[col0 * d + e];
+        Vj[e] = V[col0 * d + e];
+        dKj[e] = 0.0f;
+        dVj[e] = 0.0f;
+    }
+
+    // Causal: Q tiles before q_tile_begin see no key of this tile and contribute nothing.
+    const int64_t Tr = ceil_div(Nq, Br);
+    for (int64_t i = q_tile_begin(p.causal, col0, Nq, Nk, Br); i < Tr; ++i) {
+        const int64_t row0 = i * Br;
+        const int64_t br = min64(Br, Nq - row0);
+        __syncthreads();  // the previous step's readers of Q_i, dO_i, P_ij and dS_ij are done
+        for (int64_t e = tid; e < br * d; e += nthreads) {
+            Qi[e] = Q[row0 * d + e];
+            dOi[e] = dO[row0 * d + e];
+        }
+        for (int64_t r = tid; r < br; r += nthreads) {
+            LSEi[r] = LSE[row0 + r];
+            Di[r] = D[row0 + r];
+        }
+        __syncthreads();
+
+        // P_ij = exp(S_ij - LSE_i), dS_ij = P_ij o (dO_i V_j^T - D_i), element by element.
+        for (int64_t e = tid; e < br * bc; e += nthreads) {
+            const int64_t r = e / bc, c = e % bc;
+            const bool masked = p.causal && causal_masked(row0 + r, col0 + c, Nq, Nk);
+            fa2_backward_p_ds(Qi + r * d, dOi + r * d, Kj + c * d, Vj + c * d, d, p.scale, masked,
+                              LSEi[r], Di[r], &Pij[r * Bc + c], &dSij[r * Bc + c]);
+        }
+        __syncthreads();
+
+        // dV_j += P_ij^T dO_i and dK_j += dS_ij^T Q_i, each tile's product summed
+        // r = 0 .. br-1 in order before it is added to the accumulator.
+        for (int64_t e = tid; e < bc * d; e += nthreads) {
+            const int64_t c = e / d, x = e % d;
+            float dv = 0.0f, dk = 0.0f;
+            for (int64_t r = 0; r < br; ++r) {
+                dv = dv + Pij[r * Bc + c] * dOi[r * d + x];
+                dk = dk + dSij[r * Bc + c] * Qi[r * d + x];
+            }
+            dVj[e] = dVj[e] + dv;
+            dKj[e] = dKj[e] + dk;
+        }
+    }
+    __syncthreads();
+
+    // dK = scale * dK_j: the softmax scale of S = scale * Q K^T, applied once at the end.
+    for (int64_t e = tid; e < bc * d; e += nthreads) {
+        dK[col0 * d + e] = dKj[e] * p.scale;
+        dV[col0 * d + e] = dVj[e];
+    }
+}
+
+__global__ void fa2_backward_dq_kernel(const AttentionParams p) {
+    const int64_t d = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
+    const int64_t Br = p.block_r, Bc = p.block_c;
+    const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int64_t tid = threadIdx.x, nthreads = blockDim.x;
+
+    const int64_t bh = b * p.heads + h;
+    const float* Q = p.q + bh * Nq * d;      // (Nq, d)
+    const float* K = p.k + bh * Nk * d;      // (Nk, d)
+    const float* V = p.v + bh * Nk * d;      // (Nk, d)
+    const float* dO = p.dout + bh * Nq * d;  // (Nq, d)
+    const float* LSE = p.lse + bh * Nq;      // (Nq)
+    const float* D = p.drow + bh * Nq;       // (Nq)
+    float* dQ = p.dq + bh * Nq * d;          // (Nq, d)
+
+    const int64_t row0 = i * Br;
+    const int64_t br = min64(Br, Nq - row0);  // rows of this tile (fewer in the tail)
+
+    PYFA_DYNAMIC_SMEM(smem_raw);
+    float* smem = reinterpret_cast<float*>(smem_raw);
+    const SmemLayout L = fa2_backward_dq_smem(Br, Bc, d);
+    float* Qi = smem + L.offset[FA2DQ_Qi];      // (br, d)
+    float* dOi = smem + L.offset[FA2DQ_dOi];    // (br, d)
+    float* dQi = smem + L.offset[FA2DQ_dQi];    // (br, d), unscaled
+    float* Kj = smem + L.offset[FA2DQ_Kj];      // (bc, d)
+    float* Vj = smem + L.offset[FA2DQ_Vj];      // (bc, d)
+    float* dSij = smem + L.offset[FA2DQ_dSij];  // (br, Bc), row stride Bc
+    float* LSEi = smem + L.offset[FA2DQ_LSEi];  // (br)
+    float* Di = smem + L.offset[FA2DQ_Di];      // (br)
+
+    for (int64_t e = tid; e < br * d; e += nthreads) {
+        Qi[e] = Q[row0 * d + e];
+        dOi[e] = dO[row0 * d + e];
+        dQi[e] = 0.0f;
+    }
+    for (int64_t r = tid; r < br; r += nthreads) {
+        LSEi[r] = LSE[row0 + r];
+        Di[r] = D[row0 + r];
+    }
+
+    const int64_t Tc_visit = kv_tile_end(p.causal, row0, br, Nq, Nk, Bc);
+    for (int64_t j = 0; j < Tc_visit; ++j) {
+        const int64_t col0 = j * Bc;
+        const int64_t bc = min64(Bc, Nk - col0);
+        __syncthreads();  // the previous step's readers of K_j and dS_ij are done
+        for (int64_t e = tid; e < bc * d; e += nthreads) {
+            Kj[e] = K[col0 * d + e];
+            Vj[e] = V[col0 * d + e];
+        }
+        __syncthreads();
+
+        // dS_ij as in the dK/dV kernel (P_ij is not needed here and is dropped).
+        for (int64_t e = tid; e < br * bc; e += nthreads) {
+            const int64_t r = e / bc, c = e % bc;
+            const bool masked = p.causal && causal_masked(row0 + r, col0 + c, Nq, Nk);
+            float P_rc;
+            fa2_backward_p_ds(Qi + r * d, dOi + r * d, Kj + c * d, Vj + c * d, d, p.scale, masked,
+                              LSEi[r], Di[r], &P_rc, &dSij[r * Bc + c]);
+        }
+        __syncthreads();
+
+        // dQ_i += dS_ij K_j, the tile's product summed c = 0 .. bc-1 in order.
+        for (int64_t e = tid; e < br * d; e += nthreads) {
+            const int64_t r = e / d, x = e % d;
+            float dq = 0.0f;
+            for (int64_t c = 0; c < bc; ++c) dq = dq + dSij[r * Bc + c] * Kj[c * d + x];
+            dQi[e] = dQi[e] + dq;
+        }
+    }
+    __syncthreads();
+
+    for (int64_t e = tid; e < br * d; e += nthreads) dQ[row0 * d + e] = dQi[e] * p.scale;
+}
+
+}  // namespace PYFA_KERNELS

@@ -1,0 +1,130 @@
+"""FlashAttention-1 forward, simulated: the twin of cuda/kernels/fa1_forward.cuh.
+
+The loops are the kernel's (Dao et al. 2022, Algorithm 1): K/V tiles j outside, Q tiles
+i inside, O, m and l kept in HBM and rewritten at every (j, i), the same fp32 operations
+in the same order (docs/numerics.md). Only independent work is vectorized: all heads, and
+for one j all Q tiles i at once (the step (j, i) depends on (j-1, i) only), and all
+elements of a tile. Rows and columns past the end of the sequence are padded; the padding
+only ever meets operations that leave the real elements unchanged (max with -inf, adding
++0), and is cut away.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import numerics as nx
+from .inputs import check_qkv, check_tile, resolve_scale, restore_rank
+from .io import IORecord
+from .tiles import default_tiles
+from .tiling import causal_masked, ceil_div, q_tile_begin
+
+F32 = np.float32
+NEG_INF = np.float32(-np.inf)
+
+
+@dataclass
+class Fa1ForwardResult:
+    o: np.ndarray  # like q
+    m: np.ndarray  # q's shape without d: the row max, -inf for a row with no visible key
+    l: np.ndarray  # q's shape without d: sum_c exp(S[r, c] - m[r]), 0 for such a row
+    io: IORecord
+
+
+def fa1_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None):
+    q4, k4, v4, rank = check_qkv(q, k, v)
+    B, H, Nq, d = q4.shape
+    Nk = k4.shape[2]
+    scale = resolve_scale(scale, d)
+    Br, Bc = default_tiles("fa1_forward", d)
+    Br = check_tile("block_r", block_r) or Br
+    Bc = check_tile("block_c", block_c) or Bc
+    causal = bool(causal)
+
+    BH, Tr, Tc = B * H, ceil_div(Nq, Br), ceil_div(Nk, Bc)
+    # Array widths: a tile never holds more rows than Nq or more columns than Nk (a tile
+    # wider than the sequence is the only tile), so the padding stops there.
+    Wr, Wc = min(Br, Nq), min(Bc, Nk)
+    io = IORecord(label=f"FA1 forward (simulated), Br={Br}, Bc={Bc}")
+    nbytes = lambda rows: rows * d * 4
+
+    # O = 0, l = 0, m = -inf in HBM, written by the kernel before anything reads them.
+    O = np.zeros((BH, Tr, Wr, d), F32)
+    m = np.full((BH, Tr, Wr), NEG_INF, F32)
+    l = np.zeros((BH, Tr, Wr), F32)
+    io.write("O", BH * nbytes(Nq))
+    io.write("m", BH * Nq * 4)
+    io.write("l", BH * Nq * 4)
+
+    # Q_i for every row block: (BH, Tr, Wr, d), rows past Nq zero.
+    Qi = np.zeros((BH, Tr * Wr, d), F32)
+    Qi[:, :Nq] = q4.reshape(BH, Nq, d)
+    Qi = Qi.reshape(BH, Tr, Wr, d)
+    rows = np.arange(Tr)[:, None] * Wr + np.arange(Wr)[None, :]  # (Tr, Wr) query index
+    K = k4.reshape(BH, Nk, d)
+    V = v4.reshape(BH, Nk, d)
+
+    for j in range(Tc):
+        col0 = j * Bc
+        bc = min(Bc, Nk - col0)
+        Kj = np.zeros((BH, Wc, d), F32)
+        Vj = np.zeros((BH, Wc, d), F32)
+        Kj[:, :bc] = K[:, col0:col0 + bc]
+        Vj[:, :bc] = V[:, col0:col0 + bc]
+        io.read("K", BH * nbytes(bc))
+        io.read("V", BH * nbytes(bc))
+
+        # Q tiles i >= a see some key of tile j; the earlier ones are skipped (causal).
+        a = q_tile_begin(causal, col0, Nq, Nk, Br)
+        if a >= Tr:
+            continue
+        n_rows = Nq - a * Br
+        io.read("Q", BH * nbytes(n_rows))
+        io.read("O", BH * nbytes(n_rows))
+        io.read("m", BH * n_rows * 4)
+        io.read("l", BH * n_rows * 4)
+
+        # S_ij[r, c] = scale * sum_x Q_i[r, x] K_j[c, x], x in order.
+        Q_a = Qi[:, a:]
+        s = np.zeros((BH, Tr - a, Wr, Wc), F32)
+        for x in range(d):
+            s = s + Q_a[:, :, :, x, None] * Kj[:, None, None, :, x]
+        s = s * scale
+        cols = col0 + np.arange(Wc)
+        hidden = cols[None, None, :] >= Nk  # padding columns
+        if causal:
+            hidden = hidden | causal_masked(rows[a:, :, None], cols[None, None, :], Nq, Nk)
+        S = np.where(hidden[None], NEG_INF, s)
+
+        # m~_ij = max(-inf, S[r, 0], ...); P~_ij = exp(S_ij - m~_ij); l~_ij = rowsum.
+        mt = np.full((BH, Tr - a, Wr), NEG_INF, F32)
+        for c in range(Wc):
+            mt = nx.maximum(mt, S[..., c])
+        P = nx.exp(S - nx.safe_max(mt)[..., None])
+        lt = np.zeros_like(mt)
+        for c in range(Wc):
+            lt = lt + P[..., c]
+
+        m_old, l_old = m[:, a:], l[:, a:]
+        m_new = nx.maximum(m_old, mt)
+        alpha = nx.exp(m_old - nx.safe_max(m_new))  # exp(m_i - m_new)
+        beta = nx.exp(mt - nx.safe_max(m_new))      # exp(m~_ij - m_new)
+        o_scale = l_old * alpha
+        l_new = o_scale + beta * lt
+
+        pv = np.zeros((BH, Tr - a, Wr, d), F32)
+        for c in range(Wc):
+            pv = pv + P[..., c, None] * Vj[:, None, None, c, :]
+        num = o_scale[..., None] * O[:, a:] + beta[..., None] * pv
+        with np.errstate(divide="ignore", invalid="ignore"):
+            O_new = np.where(l_new[..., None] == 0, F32(0), num / l_new[..., None])
+
+        O[:, a:], m[:, a:], l[:, a:] = O_new, m_new, l_new
+        io.write("O", BH * nbytes(n_rows))
+        io.write("m", BH * n_rows * 4)
+        io.write("l", BH * n_rows * 4)
+
+    O = O.reshape(BH, Tr * Wr, d)[:, :Nq].reshape(B, H, Nq, d)
+    m = m.reshape(BH, Tr * Wr)[:, :Nq].reshape(q.shape[:-1])
+    l = l.reshape(BH, Tr * Wr)[:, :Nq].reshape(q.shape[:-1])
+    return Fa1ForwardResult(restore_rank(O, rank), m, l, io)

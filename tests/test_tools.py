@@ -1,0 +1,203 @@
+"""tools/: the CPU benchmark, the GPU check's dry run and its plumbing, the ptxas report.
+
+The GPU path of tools/device_check.sh cannot run without a GPU; what can is checked here:
+its dry run, the parsing of pyfa.h, ncu and compute-sanitizer output, and gpu_bench's
+steps end to end on the emulator, with stand-in `ncu` and `compute-sanitizer` scripts.
+"""
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pyfa
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOLS = ROOT / "tools"
+
+
+def load_tool(name):
+    spec = importlib.util.spec_from_file_location(f"pyfa_tools_{name}", TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_bench = load_tool("gpu_bench")
+
+
+def tool_env(extra_path=None):
+    """The scripts import pyfa normally: make them find the one this test imported."""
+    env = dict(os.environ)
+    here = str(Path(pyfa.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    env.pop("PYFA_STEP_DEADLINE", None)
+    if extra_path:
+        env["PATH"] = f"{extra_path}{os.pathsep}{env['PATH']}"
+    return env
+
+
+def run(args, timeout=120, env=None):
+    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=env or tool_env())
+
+
+def kernels_with_layout():
+    return [k for k in pyfa.api.KERNELS if pyfa.smem_bytes(k, 32, 32, 64) > 0]
+
+
+def test_bench_smoke_prints_ratios_on_its_last_line():
+    p = run([sys.executable, str(TOOLS / "bench.py"), "--smoke"])
+    assert p.returncode == 0, p.stdout + p.stderr
+    last = p.stdout.strip().splitlines()[-1]
+    assert last.startswith("summary: "), last
+    assert re.search(r"\bemu/numpy=\d+\.\d+x", last), last
+    assert re.search(r"\bsim/numpy=\d+\.\d+x", last), last
+    for algo in pyfa.api._FORWARD:
+        assert f"{algo} fwd:" in last
+    assert "BITS DIFFER" not in p.stdout
+
+
+def test_device_check_dry_run_lists_every_step(tmp_path):
+    p = run(["bash", str(TOOLS / "device_check.sh"), "--dry-run", str(tmp_path)], timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    steps = re.findall(r"^== step (\w+) \(timeout \d+s\): (.+)$", p.stdout, re.M)
+    names = [name for name, _ in steps]
+    assert names == ["wheels", "info", "build", "tests", "sanitizer", "bench", "ncu", "ptxas"]
+    commands = dict(steps)
+    assert "pip install" in commands["wheels"] and "--no-index" in commands["wheels"]
+    assert "-DCMAKE_CUDA_ARCHITECTURES=" in commands["build"]
+    assert "pytest" in commands["tests"]
+    for op in gpu_bench.host_ops():  # each op under each tool, and in the bench plan
+        assert re.search(rf"compute-sanitizer --tool memcheck .*drive --ops \S*{op}", p.stdout)
+        assert re.search(rf"compute-sanitizer --tool racecheck .*drive --ops \S*{op}", p.stdout)
+        assert re.search(rf"ncu --metrics dram__bytes_read.sum,dram__bytes_write.sum .*--ops {op} ", p.stdout)
+    for op in gpu_bench.device_entry_points(gpu_bench.header_text()):
+        assert re.search(rf"would time B=4 H=8 N=8192 d=128 tiles=32x32: .*{op}", p.stdout)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["mode"] == "dry-run"
+    assert [s["step"] for s in summary["steps"]] == names
+    assert (tmp_path / "summary.md").is_file() and (tmp_path / "device_check.log").is_file()
+
+
+def test_entry_points_are_read_from_the_header():
+    ops = gpu_bench.device_entry_points(gpu_bench.header_text())
+    assert ops["fa2_forward"] == [("problem", "problem"), ("config", "config"), ("q", "in"), ("k", "in"),
+                                  ("v", "in"), ("o", "out"), ("lse", "out"), ("stream", "stream")]
+    for op, params in ops.items():
+        assert not [n for n, role in params if role == "unknown"], f"{op}: {params}"
+        for name, role in params:
+            if role in ("in", "out"):
+                assert gpu_bench.tensor_shape(gpu_bench.canonical(name), 1, 2, 3, 4, 5), f"{op}: tensor {name}"
+    # How the backward entry points may spell their tensors.
+    text = ("/* PYFA_CDEF_BEGIN */ PYFA_API pyfa_status pyfa_fa9_backward_device(const pyfa_problem* problem,"
+            " const pyfa_config* config, const float* q, const float* k, const float* v, const float* o,"
+            " const float* m, const float* l, const float* dO, float* dq, float* dk, float* dv, float* D,"
+            " void* stream); /* PYFA_CDEF_END */")
+    params = gpu_bench.device_entry_points(text)["fa9_backward"]
+    assert [gpu_bench.canonical(n) for n, _ in params[2:-1]] == \
+        ["q", "k", "v", "o", "m", "l", "do", "dq", "dk", "dv", "D"]
+    assert [r for _, r in params] == ["problem", "config"] + ["in"] * 7 + ["out"] * 4 + ["stream"]
+
+
+def test_tool_output_parsers():
+    clean = "========= COMPUTE-SANITIZER\ndrive: done, 4 calls\n========= ERROR SUMMARY: 0 errors\n"
+    assert gpu_bench.classify_sanitizer("memcheck", 0, clean) == ("clean", 0)
+    bad = "drive: done\n========= Invalid __global__ write of size 4\n========= ERROR SUMMARY: 3 errors\n"
+    assert gpu_bench.classify_sanitizer("memcheck", 86, bad) == ("errors found", 3)
+    race = "drive: done\n========= RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)\n"
+    assert gpu_bench.classify_sanitizer("racecheck", 86, race) == ("errors found", 1)
+    broken = "========= Error: Device not supported\n========= Target application returned an error\n"
+    assert gpu_bench.classify_sanitizer("memcheck", 1, broken)[0] == "tool not working here"
+    assert gpu_bench.classify_sanitizer("memcheck", None, "")[0] == "timeout"
+
+    head = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+            '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+    row = ('"{id}","9","python3","h","pyfa_cuda_kernels::{k}_kernel(AttentionParams)","1","7","(128, 1, 1)",'
+           '"(8, 2, 1)","0","9.0","Command line profiler metrics","{m}","byte","{v}"')
+    out = "\n".join(["==PROF== Connected to process 9", "drive: done", head,
+                     row.format(id=0, k="fa2_forward", m="dram__bytes_read.sum", v="1,000"),
+                     row.format(id=0, k="fa2_forward", m="dram__bytes_write.sum", v="500"),
+                     row.format(id=1, k="fa2_forward", m="dram__bytes_read.sum", v="2,000")])
+    got = gpu_bench.parse_ncu_csv(out)
+    assert got == {"fa2_forward": {"launches": 2, "dram__bytes_read.sum": 3000.0, "dram__bytes_write.sum": 500.0}}
+
+
+FAKE_SANITIZER = """#!/bin/bash
+tool=memcheck
+while [[ "$1" == --* ]]; do [ "$1" = --tool ] && tool=$2; shift 2; done
+"$@"; rc=$?
+[ $tool = racecheck ] && echo "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)" \
+  || echo "========= ERROR SUMMARY: 0 errors"
+exit $rc
+"""
+
+FAKE_NCU = """#!/bin/bash
+while [[ "$1" == --* ]]; do if [ "$1" = --csv ]; then shift; else shift 2; fi; done
+"$@"
+echo '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
+echo '"0","pyfa_cuda_kernels::fa2_forward_kernel(AttentionParams)","dram__bytes_read.sum","byte","1,234"'
+echo '"0","pyfa_cuda_kernels::fa2_forward_kernel(AttentionParams)","dram__bytes_write.sum","byte","99"'
+"""
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash for the stand-in tools")
+def test_gpu_steps_run_on_the_emulator_with_stand_in_tools(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("compute-sanitizer", FAKE_SANITIZER), ("ncu", FAKE_NCU)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = tool_env(extra_path=bin_dir)
+    script = str(TOOLS / "gpu_bench.py")
+
+    p = run([sys.executable, script, "sanitize", "--backend", "emu", "--out", str(tmp_path / "sanitize.json")], env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    runs = json.loads((tmp_path / "sanitize.json").read_text())["runs"]
+    assert [(r["tool"], r["status"]) for r in runs] == [("memcheck", "clean"), ("racecheck", "clean")]
+
+    shape = dict(batch=1, heads=2, seqlen_q=48, seqlen_k=48, head_dim=16)
+    p = run([sys.executable, script, "ncu", "--backend", "emu", "--shape", "1", "2", "48", "16",
+             "--out", str(tmp_path / "ncu.json")], env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    fa2 = next(e for e in json.loads((tmp_path / "ncu.json").read_text())["ops"] if e["op"] == "fa2_forward")
+    assert fa2["status"] == "ok"
+    expected = pyfa.sim.count_io("fa2", passes="forward", **shape)
+    assert fa2["passes"]["forward"] == {"ncu_read": 1234.0, "ncu_write": 99.0, "kernels": ["fa2_forward"],
+                                        "sim_read": expected.total_reads, "sim_write": expected.total_writes,
+                                        "tiles_match": True}
+
+    p = run([sys.executable, script, "bench", "--backend", "emu", "--seqlens", "40", "--head-dims", "64",
+             "--batch", "1", "--heads", "1", "--target-ms", "1", "--out", str(tmp_path / "bench.json")], env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    records = json.loads((tmp_path / "bench.json").read_text())["records"]
+    timed = {(r["op"], r["tiles"]) for r in records if r["status"] == "ok"}
+    for op in gpu_bench.device_entry_points(gpu_bench.header_text()):
+        assert {(op, "default"), (op, "32x32")} <= timed, records
+
+    (tmp_path / "steps.tsv").write_text("bench\tok\t0\t1\t150\tpython3 tools/gpu_bench.py bench\n")
+    p = run([sys.executable, script, "summarize", "--work", str(tmp_path), "--out", str(tmp_path / "out")], env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    md = (tmp_path / "out" / "summary.md").read_text()
+    assert "| fa2_forward | 40 | 64 | default |" in md
+    assert "- memcheck: clean" in md and "| fa2_forward | forward | fa2_forward | 1.23 kB | 99 B |" in md
+
+
+@pytest.mark.skipif(gpu_bench.find_tool("nvcc", ["/usr/local/cuda/bin/nvcc"]) is None, reason="nvcc not found")
+def test_ptxas_report_has_a_row_per_kernel_and_no_spills(tmp_path):
+    p = run([sys.executable, str(TOOLS / "ptxas_report.py"), "--json", str(tmp_path / "ptxas.json")])
+    assert p.returncode == 0, p.stdout + p.stderr
+    report = json.loads((tmp_path / "ptxas.json").read_text())
+    rows = {r["kernel"]: r for r in report["kernels"]}
+    for kernel in kernels_with_layout():
+        assert kernel in rows, f"no ptxas row for {kernel}: {sorted(rows)}"
+        assert re.search(rf"^\| {kernel} \| \d+ \|", p.stdout, re.M)
+    for r in rows.values():
+        assert (r["spill_stores"], r["spill_loads"], r["fma_rn_f32"]) == (0, 0, 0), r
+    assert report["fma_rn_f32_total"] == 0
