@@ -7,51 +7,34 @@ import functools
 import numpy as np
 import pytest
 
+import grid
 import pyfa
-from conftest import HAS_CUDA
 from pyfa import _lib
 from reference import attention_grad_ref, attention_ref, make_inputs, rel_err, same_bits
 
-# (B, H, Nq, Nk, d, Br, Bc): N = 1, tails in both loops, Br != Bc both ways, Br = Bc = 1,
-# Nq != Nk both ways (with causal, Nq > Nk leaves the first rows without a visible key),
-# head dims 1 to 256, the default tiles (None: 64 x 129 at d = 64, 36 x 36 at d = 256).
-CASES = [
-    (1, 1, 1, 1, 1, 4, 4),
-    (1, 2, 5, 5, 3, 8, 8),
-    (2, 1, 37, 53, 16, 8, 16),
-    (1, 1, 9, 7, 40, 1, 1),
-    (1, 2, 33, 33, 64, 16, 32),
-    (1, 1, 40, 70, 128, 32, 16),
-    (1, 1, 20, 17, 256, 16, 8),
-    (1, 1, 70, 40, 64, 32, 16),
+# The shared grid (tests/grid.py), plus Br > Bc with Nq > Nk, and the default tiles
+# (None: 64 x 129 at d = 64, 36 x 36 at d = 256).
+CASES = grid.CASES + [
     (1, 1, 30, 12, 8, 4, 2),
     (1, 2, 150, 140, 64, None, None),
     (1, 1, 50, 45, 256, None, None),
 ]
-
-RUNS = [("emu", "forward"), ("emu", "reverse"),
-        pytest.param("cuda", "forward", marks=pytest.mark.skipif(not HAS_CUDA, reason="no usable CUDA GPU here"))]
-
-
-def case_id(c):
-    B, H, Nq, Nk, d, Br, Bc = c
-    return f"B{B}H{H}-Nq{Nq}-Nk{Nk}-d{d}-Br{Br}-Bc{Bc}"
 
 
 @functools.lru_cache(maxsize=None)
 def simulated(case, causal):
     """Inputs, the forward's (o, m, l) from the simulator, and the simulated backward."""
     B, H, Nq, Nk, d, Br, Bc = case
-    q, k, v, do = make_inputs((B, H, Nq, d), (B, H, Nk, d), hash(case) % 1000, "do")
+    q, k, v, do = make_inputs((B, H, Nq, d), (B, H, Nk, d), grid.case_seed(case), "do")
     fwd = pyfa.sim.fa1_forward(q, k, v, causal=causal, block_r=Br, block_c=Bc)
     bwd = pyfa.sim.fa1_backward(q, k, v, fwd.o, fwd.m, fwd.l, do, causal=causal,
                                 block_r=Br, block_c=Bc)
     return (q, k, v, do), fwd, bwd
 
 
-@pytest.mark.parametrize("backend,order", RUNS)
+@pytest.mark.parametrize("backend,order", grid.RUNS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", CASES, ids=grid.case_id)
 def test_kernel_equals_simulator_bitwise(case, causal, backend, order):
     (q, k, v, do), fwd, sim = simulated(case, causal)
     _, _, _, _, _, Br, Bc = case
@@ -63,7 +46,7 @@ def test_kernel_equals_simulator_bitwise(case, causal, backend, order):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", CASES, ids=grid.case_id)
 def test_accuracy_against_float64(case, causal):
     (q, k, v, do), _, sim = simulated(case, causal)
     _, dq_ref, dk_ref, dv_ref = attention_grad_ref(q, k, v, do, causal)

@@ -7,49 +7,31 @@ import functools
 import numpy as np
 import pytest
 
+import grid
 import pyfa
-from conftest import HAS_CUDA
 from pyfa import _lib
 from reference import attention_grad_ref, attention_ref, make_inputs, rel_err, same_bits
 
-# (B, H, Nq, Nk, d, Br, Bc): N = 1, N < Br, tails, Br != Bc, Br = Bc = 1, Nq != Nk both
-# ways (Nq > Nk with causal: the first Nq - Nk rows see no key), every head dim of the
-# contract's grid, and the default tiles (None; 32 x 32 for dK/dV and dQ at d = 256).
-CASES = [
-    (1, 1, 1, 1, 1, 4, 4),
-    (1, 2, 5, 5, 3, 8, 8),
-    (2, 1, 37, 53, 16, 8, 16),
-    (1, 1, 9, 7, 40, 1, 1),
-    (1, 2, 33, 33, 64, 16, 32),
-    (1, 1, 40, 70, 128, 32, 16),
-    (1, 1, 20, 17, 256, 16, 8),
-    (1, 1, 70, 40, 64, 32, 16),
-    (1, 2, 100, 100, 64, None, None),
+# The shared grid (tests/grid.py), plus the default tiles at d = 256 (32 x 32 for dK/dV
+# and dQ).
+CASES = grid.CASES + [
     (1, 1, 45, 38, 256, None, None),
 ]
-
-RUNS = [("emu", "forward"), ("emu", "reverse"),
-        pytest.param("cuda", "forward", marks=pytest.mark.skipif(not HAS_CUDA, reason="no usable CUDA GPU here"))]
-
-
-def case_id(c):
-    B, H, Nq, Nk, d, Br, Bc = c
-    return f"B{B}H{H}-Nq{Nq}-Nk{Nk}-d{d}-Br{Br}-Bc{Bc}"
 
 
 @functools.lru_cache(maxsize=None)
 def simulated(case, causal):
     """Inputs, the forward's (o, lse) and the simulated backward of one case."""
     B, H, Nq, Nk, d, Br, Bc = case
-    q, k, v, do = make_inputs((B, H, Nq, d), (B, H, Nk, d), hash(case) % 1000, "do")
+    q, k, v, do = make_inputs((B, H, Nq, d), (B, H, Nk, d), grid.case_seed(case), "do")
     fwd = pyfa.sim.fa2_forward(q, k, v, causal=causal, block_r=Br, block_c=Bc)
     bwd = pyfa.sim.fa2_backward(q, k, v, fwd.o, fwd.lse, do, causal=causal, block_r=Br, block_c=Bc)
     return (q, k, v, do), (fwd.o, fwd.lse), bwd
 
 
-@pytest.mark.parametrize("backend,order", RUNS)
+@pytest.mark.parametrize("backend,order", grid.RUNS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", CASES, ids=grid.case_id)
 def test_kernel_equals_simulator_bitwise(case, causal, backend, order):
     (q, k, v, do), (o, lse), sim = simulated(case, causal)
     _, _, _, _, _, Br, Bc = case
@@ -61,7 +43,7 @@ def test_kernel_equals_simulator_bitwise(case, causal, backend, order):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", CASES, ids=grid.case_id)
 def test_accuracy_against_float64(case, causal):
     (q, k, v, do), _, sim = simulated(case, causal)
     _, dq_ref, dk_ref, dv_ref = attention_grad_ref(q, k, v, do, causal)

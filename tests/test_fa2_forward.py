@@ -6,43 +6,21 @@ import functools
 import numpy as np
 import pytest
 
+import grid
 import pyfa
-from conftest import HAS_CUDA
 from reference import attention_ref, make_inputs, rel_err, same_bits
-
-# (B, H, Nq, Nk, d, Br, Bc): N = 1, N < Br, tails, Br != Bc, Br = Bc = 1, Nq != Nk,
-# every head dim of the contract's grid, and the default tiles (None).
-CASES = [
-    (1, 1, 1, 1, 1, 4, 4),
-    (1, 2, 5, 5, 3, 8, 8),
-    (2, 1, 37, 53, 16, 8, 16),
-    (1, 1, 9, 7, 40, 1, 1),
-    (1, 2, 33, 33, 64, 16, 32),
-    (1, 1, 40, 70, 128, 32, 16),
-    (1, 1, 20, 17, 256, 16, 8),
-    (1, 1, 70, 40, 64, 32, 16),
-    (1, 2, 100, 100, 64, None, None),
-]
-
-RUNS = [("emu", "forward"), ("emu", "reverse"),
-        pytest.param("cuda", "forward", marks=pytest.mark.skipif(not HAS_CUDA, reason="no usable CUDA GPU here"))]
-
-
-def case_id(c):
-    B, H, Nq, Nk, d, Br, Bc = c
-    return f"B{B}H{H}-Nq{Nq}-Nk{Nk}-d{d}-Br{Br}-Bc{Bc}"
 
 
 @functools.lru_cache(maxsize=None)
 def simulated(case, causal):
     B, H, Nq, Nk, d, Br, Bc = case
-    q, k, v = make_inputs((B, H, Nq, d), (B, H, Nk, d), seed=hash(case) % 1000)
+    q, k, v = make_inputs((B, H, Nq, d), (B, H, Nk, d), seed=grid.case_seed(case))
     return (q, k, v), pyfa.sim.fa2_forward(q, k, v, causal=causal, block_r=Br, block_c=Bc)
 
 
-@pytest.mark.parametrize("backend,order", RUNS)
+@pytest.mark.parametrize("backend,order", grid.RUNS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", grid.CASES, ids=grid.case_id)
 def test_kernel_equals_simulator_bitwise(case, causal, backend, order):
     (q, k, v), sim = simulated(case, causal)
     _, _, _, _, _, Br, Bc = case
@@ -53,7 +31,7 @@ def test_kernel_equals_simulator_bitwise(case, causal, backend, order):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", grid.CASES, ids=grid.case_id)
 def test_accuracy_against_float64(case, causal):
     (q, k, v), sim = simulated(case, causal)
     o_ref, lse_ref = attention_ref(q, k, v, causal)
@@ -118,5 +96,5 @@ def test_repeated_calls_are_identical():
 def test_auto_backend_and_backend_list():
     assert "emu" in pyfa.backends()
     q, k, v = make_inputs((1, 1, 8, 4), (1, 1, 8, 4), seed=1)
-    expected = "cuda" if HAS_CUDA else "emu"
+    expected = "cuda" if grid.HAS_CUDA else "emu"
     assert same_bits(pyfa.attention(q, k, v), pyfa.attention(q, k, v, backend=expected))

@@ -6,10 +6,7 @@
 #include <cstring>
 #include <string>
 
-#include "kernels/fa1_backward.cuh"
-#include "kernels/fa1_forward.cuh"
-#include "kernels/fa2_backward.cuh"
-#include "kernels/fa2_forward.cuh"
+#include "kernels/registry.cuh"
 #include "launch/internal.h"
 
 namespace pyfa {
@@ -26,20 +23,6 @@ pyfa_status cuda_fail(const char* what, cudaError_t err) {
         const cudaError_t err_ = (call);                         \
         if (err_ != cudaSuccess) return cuda_fail(#call, err_); \
     } while (0)
-
-using KernelFn = void (*)(AttentionParams);
-
-KernelFn kernel_fn(int kernel) {
-    switch (kernel) {
-        case PYFA_KERNEL_FA2_FORWARD: return PYFA_KERNELS::fa2_forward_kernel;
-        case PYFA_KERNEL_FA1_FORWARD: return PYFA_KERNELS::fa1_forward_kernel;
-        case PYFA_KERNEL_FA1_BACKWARD: return PYFA_KERNELS::fa1_backward_kernel;
-        case PYFA_KERNEL_FA2_BACKWARD_PREPROCESS: return PYFA_KERNELS::fa2_backward_preprocess_kernel;
-        case PYFA_KERNEL_FA2_BACKWARD_DKDV: return PYFA_KERNELS::fa2_backward_dkdv_kernel;
-        case PYFA_KERNEL_FA2_BACKWARD_DQ: return PYFA_KERNELS::fa2_backward_dq_kernel;
-        default: return nullptr;
-    }
-}
 
 }  // namespace
 
@@ -97,7 +80,7 @@ pyfa_status cuda_synchronize() {
 }
 
 pyfa_status cuda_launch(int kernel, const AttentionParams& p, const LaunchShape& shape, void* stream) {
-    const KernelFn fn = kernel_fn(kernel);
+    const PYFA_KERNELS::KernelFn fn = PYFA_KERNELS::kernel_fn(kernel);
     if (!fn) return fail(PYFA_ERROR_INTERNAL, std::string("cuda: no kernel ") + kernel_name(kernel));
     // Above 48 KiB of dynamic shared memory a kernel must opt in.
     PYFA_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,

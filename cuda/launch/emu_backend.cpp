@@ -3,31 +3,10 @@
 #include <cstring>
 #include <string>
 
-#include "kernels/fa1_backward.cuh"
-#include "kernels/fa1_forward.cuh"
-#include "kernels/fa2_backward.cuh"
-#include "kernels/fa2_forward.cuh"
+#include "kernels/registry.cuh"
 #include "launch/internal.h"
 
 namespace pyfa {
-
-namespace {
-
-using KernelFn = void (*)(AttentionParams);
-
-KernelFn kernel_fn(int kernel) {
-    switch (kernel) {
-        case PYFA_KERNEL_FA2_FORWARD: return PYFA_KERNELS::fa2_forward_kernel;
-        case PYFA_KERNEL_FA1_FORWARD: return PYFA_KERNELS::fa1_forward_kernel;
-        case PYFA_KERNEL_FA1_BACKWARD: return PYFA_KERNELS::fa1_backward_kernel;
-        case PYFA_KERNEL_FA2_BACKWARD_PREPROCESS: return PYFA_KERNELS::fa2_backward_preprocess_kernel;
-        case PYFA_KERNEL_FA2_BACKWARD_DKDV: return PYFA_KERNELS::fa2_backward_dkdv_kernel;
-        case PYFA_KERNEL_FA2_BACKWARD_DQ: return PYFA_KERNELS::fa2_backward_dq_kernel;
-        default: return nullptr;
-    }
-}
-
-}  // namespace
 
 pyfa_status emu_profile(pyfa_device_profile* profile) {
     std::memset(profile, 0, sizeof(*profile));
@@ -40,7 +19,7 @@ pyfa_status emu_profile(pyfa_device_profile* profile) {
 
 pyfa_status emu_launch(int kernel, const AttentionParams& p, const LaunchShape& shape,
                        const pyfa_config& config) {
-    const KernelFn fn = kernel_fn(kernel);
+    const PYFA_KERNELS::KernelFn fn = PYFA_KERNELS::kernel_fn(kernel);
     if (!fn) return fail(PYFA_ERROR_INTERNAL, std::string("emulator: no kernel ") + kernel_name(kernel));
     pyfa_emu::LaunchOptions options;
     options.order = config.emu_order;
