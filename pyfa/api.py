@@ -7,7 +7,7 @@ C-contiguous float32 when needed) and never written.
 import numpy as np
 
 from . import _lib
-from .sim.inputs import as_4d, check_qkv, check_tile, resolve_scale, restore_rank
+from .sim.inputs import check_qkv, check_tile, resolve_scale, restore_rank
 from .sim.inputs import check_like, check_rows
 
 BACKENDS = {"auto": 0, "cuda": 1, "emu": 2}

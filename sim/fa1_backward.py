@@ -102,46 +102,32 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, scale=None, block_r=None
             A = Tr - a
 
             # S = scale * Q_i K_j^T, -inf if masked; P_ij = exp(S - m_i) / l_i, 0 where l_i = 0.
-            s = np.zeros((BH, A, Wr, Wc), F32)
-            for x in range(d):
-                s = s + Q_a[:, :, :, x, None] * Kj[:, None, None, :, x]
-            s = s * scale
             cols = col0 + np.arange(Wc)
             hidden = cols[None, None, :] >= Nk  # padding columns
             if causal:
                 hidden = hidden | causal_masked(rows[a:, :, None], cols[None, None, :], Nq, Nk)
-            S = np.where(hidden[None], NEG_INF, s)
+            S = nx.scores(Q_a, Kj[:, None], scale, hidden[None])
             with np.errstate(divide="ignore", invalid="ignore"):
                 P = np.where(l_a[..., None] == 0, F32(0),
                              nx.exp(S - nx.safe_max(m_a)[..., None]) / l_a[..., None])
 
             # dP_ij = dO_i V_j^T and D_i = rowsum(dO_i o O_i), x in order.
-            dP = np.zeros((BH, A, Wr, Wc), F32)
-            for x in range(d):
-                dP = dP + dO_a[:, :, :, x, None] * Vj[:, None, None, :, x]
-            D = np.zeros((BH, A, Wr), F32)
-            for x in range(d):
-                D = D + dO_a[..., x] * O_a[..., x]
+            dP = nx.dot_rows(dO_a, Vj[:, None])
+            D = nx.dot(dO_a, O_a)
             dS = P * (dP - D[..., None])
 
             # dV~_j = dV~_j + P_ij^T dO_i: the product per tile (r in order), then the
             # tiles added in increasing i, as the kernel's inner loop does.
-            t = np.zeros((BH, A, Wc, d), F32)
-            for r in range(Wr):
-                t = t + P[:, :, r, :, None] * dO_a[:, :, r, None, :]
+            t = nx.dot_rows(np.swapaxes(P, -1, -2), np.swapaxes(dO_a, -1, -2))
             for n in range(A):
                 dVj = dVj + t[:, n]
 
             # dQ_i = dQ_i + scale * dS_ij K_j (c in order), in HBM.
-            t = np.zeros((BH, A, Wr, d), F32)
-            for c in range(Wc):
-                t = t + dS[..., c, None] * Kj[:, None, None, c, :]
+            t = nx.dot_rows(dS, np.swapaxes(Kj, -1, -2)[:, None])
             dQ[:, a:] = dQ[:, a:] + scale * t
 
             # dK~_j = dK~_j + scale * dS_ij^T Q_i (r in order), tiles in increasing i.
-            t = np.zeros((BH, A, Wc, d), F32)
-            for r in range(Wr):
-                t = t + dS[:, :, r, :, None] * Q_a[:, :, r, None, :]
+            t = nx.dot_rows(np.swapaxes(dS, -1, -2), np.swapaxes(Q_a, -1, -2))
             for n in range(A):
                 dKj = dKj + scale * t[:, n]
 

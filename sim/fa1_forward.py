@@ -86,15 +86,11 @@ def fa1_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None
 
         # S_ij[r, c] = scale * sum_x Q_i[r, x] K_j[c, x], x in order.
         Q_a = Qi[:, a:]
-        s = np.zeros((BH, Tr - a, Wr, Wc), F32)
-        for x in range(d):
-            s = s + Q_a[:, :, :, x, None] * Kj[:, None, None, :, x]
-        s = s * scale
         cols = col0 + np.arange(Wc)
         hidden = cols[None, None, :] >= Nk  # padding columns
         if causal:
             hidden = hidden | causal_masked(rows[a:, :, None], cols[None, None, :], Nq, Nk)
-        S = np.where(hidden[None], NEG_INF, s)
+        S = nx.scores(Q_a, Kj[:, None], scale, hidden[None])
 
         # m~_ij = max(-inf, S[r, 0], ...); P~_ij = exp(S_ij - m~_ij); l~_ij = rowsum.
         mt = np.full((BH, Tr - a, Wr), NEG_INF, F32)

@@ -42,22 +42,6 @@ def _pad_rows(x, rows):
     return out
 
 
-def _dot_rows(A, B):
-    """T[..., r, c] = sum_x A[..., r, x] * B[..., c, x], x in order from +0.
-
-    A: (BH, X, R, n), B: (BH, Y, C, n), X and Y broadcastable. Every term is rounded, then
-    added, as in the kernel; the x axis is moved to the front only so that each step
-    reads contiguous slices, and the products go through one reused buffer."""
-    At = np.ascontiguousarray(np.moveaxis(A, -1, 0))[..., :, None]  # (n, BH, X, R, 1)
-    Bt = np.ascontiguousarray(np.moveaxis(B, -1, 0))[..., None, :]  # (n, BH, Y, 1, C)
-    shape = np.broadcast_shapes(At.shape[1:], Bt.shape[1:])
-    total, term = np.zeros(shape, F32), np.empty(shape, F32)
-    for x in range(A.shape[-1]):
-        np.multiply(At[x], Bt[x], out=term)
-        np.add(total, term, out=total)
-    return total
-
-
 def _p_ds(Qi, dOi, LSEi, Di, Kj, Vj, masked, pad, scale):
     """fa2_backward_p_ds on whole tiles: P_ij and dS_ij of shape (..., Br, Bc).
 
@@ -65,24 +49,20 @@ def _p_ds(Qi, dOi, LSEi, Di, Kj, Vj, masked, pad, scale):
     broadcastable; masked, pad: (X or Y, Br, Bc), True where the causal mask hides the
     score, and where the row or column is padding. Padding gets P = dS = +0 outright, so
     that it adds exactly +0 to the sums whatever the real inputs hold."""
-    s = _dot_rows(Qi, Kj) * scale
-    S = np.where(masked[None], NEG_INF, s)
+    S = nx.scores(Qi, Kj, scale, masked[None])
     no_key = (LSEi == NEG_INF)[..., None]
     # The kernel selects P = 0 for LSE = -inf; the 0 subtracted here instead keeps
     # -inf - (-inf) out of the arithmetic and is never selected.
     lse = np.where(no_key, F32(0), LSEi[..., None])
     P = np.where(no_key, F32(0), nx.exp(S - lse))
-    dS = P * (_dot_rows(dOi, Vj) - Di[..., None])
+    dS = P * (nx.dot_rows(dOi, Vj) - Di[..., None])
     return np.where(pad[None], F32(0), P), np.where(pad[None], F32(0), dS)
 
 
 def _preprocess(O, dO, io):
     """D[r] = sum_x dO[r, x] * O[r, x], x in order. O, dO: (BH, Nq, d)."""
     BH, Nq, d = O.shape
-    prod = dO * O
-    D = np.zeros((BH, Nq), F32)
-    for x in range(d):
-        D = D + prod[..., x]
+    D = nx.dot(dO, O)
     io.read("O", BH * Nq * d * 4)
     io.read("dO", BH * Nq * d * 4)
     io.write("D", BH * Nq * 4)
@@ -129,8 +109,8 @@ def _dkdv(Q, K, V, dO, LSE, D, Br, Bc, scale, causal, io):
 
         # dV_j += P^T dO_i, dK_j += dS^T Q_i, each summed r = 0 .. br-1 in order (padded
         # rows add +0).
-        dv = _dot_rows(np.swapaxes(P, -1, -2), np.swapaxes(dOi, -1, -2))
-        dk = _dot_rows(np.swapaxes(dS, -1, -2), np.swapaxes(Qi, -1, -2))
+        dv = nx.dot_rows(np.swapaxes(P, -1, -2), np.swapaxes(dOi, -1, -2))
+        dk = nx.dot_rows(np.swapaxes(dS, -1, -2), np.swapaxes(Qi, -1, -2))
         dVj[:, active] = dVj[:, active] + dv
         dKj[:, active] = dKj[:, active] + dk
 
@@ -179,7 +159,7 @@ def _dq(Q, K, V, dO, LSE, D, Br, Bc, scale, causal, io):
                       masked, pad, scale)
 
         # dQ_i += dS_ij K_j, summed c = 0 .. bc-1 in order (padded columns add +0).
-        dq = _dot_rows(dS, np.swapaxes(Kj, -1, -2))
+        dq = nx.dot_rows(dS, np.swapaxes(Kj, -1, -2))
         dQi[:, active] = dQi[:, active] + dq
 
     dQ = (dQi * scale).reshape(BH, Tr * Br, d)[:, :Nq]

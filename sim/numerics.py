@@ -227,3 +227,33 @@ def safe_max(m):
     seen no visible key yet, is taken as 0 so that exp(-inf - m) is 0, never NaN."""
     m = np.asarray(m, dtype=np.float32)
     return np.where(m == -_INF, _ZERO, m)
+
+
+def dot(a, b):
+    """Row by row pyfa_dot: out[...] = sum_x a[..., x] * b[..., x], x in order from +0."""
+    out = np.zeros(np.broadcast_shapes(a.shape[:-1], b.shape[:-1]), np.float32)
+    for x in range(a.shape[-1]):
+        out = out + a[..., x] * b[..., x]
+    return out
+
+
+def dot_rows(A, B):
+    """All inner products of rows of A with rows of B, each summed like pyfa_dot:
+    out[..., r, c] = sum_x A[..., r, x] * B[..., c, x], x in order from +0, every product
+    rounded, then added. A: (..., R, n), B: (..., C, n), leading axes broadcast; returns
+    (..., R, C) float32. The x axis is moved to the front only so that each step reads
+    contiguous slices; the products go through one reused buffer."""
+    At = np.ascontiguousarray(np.moveaxis(A, -1, 0))[..., :, None]  # (n, ..., R, 1)
+    Bt = np.ascontiguousarray(np.moveaxis(B, -1, 0))[..., None, :]  # (n, ..., 1, C)
+    shape = np.broadcast_shapes(At.shape[1:], Bt.shape[1:])
+    total, term = np.zeros(shape, np.float32), np.empty(shape, np.float32)
+    for x in range(A.shape[-1]):
+        np.multiply(At[x], Bt[x], out=term)
+        np.add(total, term, out=total)
+    return total
+
+
+def scores(Q, K, scale, hidden):
+    """S = scale * Q K^T, -inf where `hidden` (numerics.h attention_score), with Q, K
+    shaped as dot_rows takes them and `hidden` broadcasting against the result."""
+    return np.where(hidden, -_INF, dot_rows(Q, K) * np.float32(scale))

@@ -188,3 +188,19 @@ PYFA_HD float pyfa_log(float x) {
 // The row max to subtract before exp: a row that has seen no visible key yet has
 // m = -inf and subtracts 0 instead, so exp(-inf - m) is exp(-inf) = 0, never exp(NaN).
 PYFA_HD float safe_max(float m) { return m == -INFINITY ? 0.0f : m; }
+
+// Every inner product of the library: sum_x a[x] * b[x], x = 0 .. n-1 in order from +0,
+// each product rounded, then added. NumPy twin: sim/numerics.py dot_rows.
+PYFA_HD float pyfa_dot(const float* a, const float* b, int64_t n) {
+    float s = 0.0f;
+    for (int64_t x = 0; x < n; ++x) s = s + a[x] * b[x];
+    return s;
+}
+
+// The score S[r,c] = scale * (Q_r . K_c), or -inf where the causal mask hides key c from
+// query r. Every kernel forms S this way, so a backward pass recomputes the very bits its
+// forward pass saw. NumPy twin: sim/numerics.py scores.
+PYFA_HD float attention_score(const float* Q_r, const float* K_c, int64_t d, float scale,
+                              bool masked) {
+    return masked ? -INFINITY : pyfa_dot(Q_r, K_c, d) * scale;
+}

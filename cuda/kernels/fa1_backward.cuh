@@ -101,21 +101,15 @@ __global__ void fa1_backward_kernel(const AttentionParams p) {
             // dP_ij[r, c] = sum_x dO_i[r, x] V_j[c, x]. Both sums x = 0 .. d-1 in order.
             for (int64_t e = tid; e < br * bc; e += nthreads) {
                 const int64_t r = e / bc, c = e % bc;
-                float s = 0.0f;
-                for (int64_t x = 0; x < d; ++x) s = s + Qi[r * d + x] * Kj[c * d + x];
-                s = s * p.scale;
-                if (p.causal && causal_masked(row0 + r, col0 + c, Nq, Nk)) s = -INFINITY;
+                const bool masked = p.causal && causal_masked(row0 + r, col0 + c, Nq, Nk);
+                const float s = attention_score(Qi + r * d, Kj + c * d, d, p.scale, masked);
                 const float lr = li[r];
                 Pij[r * Bc + c] = lr == 0.0f ? 0.0f : pyfa_exp(s - safe_max(mi[r])) / lr;
-                float dp = 0.0f;
-                for (int64_t x = 0; x < d; ++x) dp = dp + dOi[r * d + x] * Vj[c * d + x];
-                dSij[r * Bc + c] = dp;
+                dSij[r * Bc + c] = pyfa_dot(dOi + r * d, Vj + c * d, d);
             }
             // D_i[r] = sum_x dO_i[r, x] O_i[r, x], x in order.
             for (int64_t r = tid; r < br; r += nthreads) {
-                float D = 0.0f;
-                for (int64_t x = 0; x < d; ++x) D = D + dOi[r * d + x] * O[(row0 + r) * d + x];
-                Di[r] = D;
+                Di[r] = pyfa_dot(dOi + r * d, O + (row0 + r) * d, d);
             }
             __syncthreads();
 

@@ -30,19 +30,15 @@ namespace PYFA_KERNELS {
 
 // P[r,c] and dS[r,c] of one score, shared by the dK/dV and dQ kernels so that both
 // recompute the very same bits. Q_r, dO_r: row r of Q_i, dO_i; K_c, V_c: row c of K_j, V_j.
-// S is formed exactly as in the forward (sum, then scale, then the mask), so that
-// exp(S - LSE) uses the S the forward's LSE was computed from. A row that sees no key has
+// S is formed by attention_score, as in the forward, so that exp(S - LSE) uses the very
+// S the forward's LSE was computed from. A row that sees no key has
 // LSE = -inf, and P = 0 is chosen outright there instead of exp(S + inf).
 PYFA_HD void fa2_backward_p_ds(const float* Q_r, const float* dO_r, const float* K_c,
                                const float* V_c, int64_t d, float scale, bool masked, float lse,
                                float D_r, float* P_rc, float* dS_rc) {
-    float s = 0.0f;
-    for (int64_t x = 0; x < d; ++x) s = s + Q_r[x] * K_c[x];
-    s = s * scale;
-    if (masked) s = -INFINITY;
+    const float s = attention_score(Q_r, K_c, d, scale, masked);
     const float P = lse == -INFINITY ? 0.0f : pyfa_exp(s - lse);
-    float dp = 0.0f;
-    for (int64_t x = 0; x < d; ++x) dp = dp + dO_r[x] * V_c[x];
+    const float dp = pyfa_dot(dO_r, V_c, d);
     *P_rc = P;
     *dS_rc = P * (dp - D_r);
 }

@@ -73,11 +73,8 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
         // S_ij[r, c] = scale * sum_x Q_i[r, x] K_j[c, x], summed x = 0 .. d-1 in order.
         for (int64_t e = tid; e < br * bc; e += nthreads) {
             const int64_t r = e / bc, c = e % bc;
-            float s = 0.0f;
-            for (int64_t x = 0; x < d; ++x) s = s + Qi[r * d + x] * Kj[c * d + x];
-            s = s * p.scale;
-            if (p.causal && causal_masked(row0 + r, col0 + c, Nq, Nk)) s = -INFINITY;
-            Sij[r * Bc + c] = s;
+            const bool masked = p.causal && causal_masked(row0 + r, col0 + c, Nq, Nk);
+            Sij[r * Bc + c] = attention_score(Qi + r * d, Kj + c * d, d, p.scale, masked);
         }
         __syncthreads();
 
