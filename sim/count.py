@@ -10,9 +10,9 @@ per-row statistics (LSE, m, l, D) at 4 bytes, since implementations keep them in
 whatever the tensors' type. With dtype_bytes=4 the counts equal the simulator's.
 """
 
-from .inputs import MAX_HEAD_DIM, check_tile
+from .inputs import check_count_args, check_tile
 from .io import IORecord
-from .tiles import default_tiles
+from .tiles import resolve_tiles
 from .tiling import ceil_div, kv_tile_end, q_tile_begin
 
 STAT_BYTES = 4
@@ -20,8 +20,9 @@ STAT_BYTES = 4
 
 def _tiles(kernel, d, block_r, block_c):
     # kernel None: a model without tiles (the unfused standard attention ignores Br, Bc).
-    Br, Bc = (None, None) if kernel is None else default_tiles(kernel, d)
-    return (check_tile("block_r", block_r) or Br, check_tile("block_c", block_c) or Bc)
+    if kernel is None:
+        return check_tile("block_r", block_r), check_tile("block_c", block_c)
+    return resolve_tiles(kernel, d, block_r, block_c)
 
 
 def fa2_forward_io(Nq, Nk, d, Br, Bc, causal, e):
@@ -147,14 +148,8 @@ def count_io(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, head_d
     emulated device profile (sim.tiles.default_tiles)."""
     if algo not in algorithms():
         raise ValueError(f"algo: unknown algorithm {algo!r}; known: {algorithms()}")
-    if passes not in ("forward", "backward", "both"):
-        raise ValueError(f"passes: expected 'forward', 'backward' or 'both', got {passes!r}")
-    for name, value in (("batch", batch), ("heads", heads), ("seqlen_q", seqlen_q),
-                        ("seqlen_k", seqlen_k), ("head_dim", head_dim), ("dtype_bytes", dtype_bytes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
-    if head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim: must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    check_count_args(passes, batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                     head_dim=head_dim, dtype_bytes=dtype_bytes)
     wanted = ["forward", "backward"] if passes == "both" else [passes]
     record = IORecord()
     for p in wanted:

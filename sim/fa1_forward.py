@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import numerics as nx
-from .inputs import check_qkv, check_tile, resolve_scale, restore_rank
+from .inputs import check_qkv, resolve_scale, restore_rank
 from .io import IORecord
-from .tiles import default_tiles
+from .tiles import resolve_tiles
 from .tiling import causal_masked, ceil_div, q_tile_begin
 
 F32 = np.float32
@@ -36,9 +36,7 @@ def fa1_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None
     B, H, Nq, d = q4.shape
     Nk = k4.shape[2]
     scale = resolve_scale(scale, d)
-    Br, Bc = default_tiles("fa1_forward", d)
-    Br = check_tile("block_r", block_r) or Br
-    Bc = check_tile("block_c", block_c) or Bc
+    Br, Bc = resolve_tiles("fa1_forward", d, block_r, block_c)
     causal = bool(causal)
 
     BH, Tr, Tc = B * H, ceil_div(Nq, Br), ceil_div(Nk, Bc)

@@ -98,3 +98,14 @@ def restore_rank(x, rank):
     """Drops the leading unit axes as_4d added to a tensor of the caller's rank."""
     drop = 4 - rank
     return x.reshape(x.shape[drop:])
+
+
+def check_count_args(passes, **sizes):
+    """The problem of an IO count: passes, and sizes that are ints >= 1 (head_dim <= 256)."""
+    if passes not in ("forward", "backward", "both"):
+        raise ValueError(f"passes: expected 'forward', 'backward' or 'both', got {passes!r}")
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    if sizes.get("head_dim", 1) > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim: must be in [1, {MAX_HEAD_DIM}], got {sizes['head_dim']}")

@@ -32,7 +32,7 @@ from typing import Optional
 
 import numpy as np
 
-from .inputs import MAX_HEAD_DIM, check_like, check_qkv, resolve_scale, restore_rank
+from .inputs import check_count_args, check_like, check_qkv, resolve_scale, restore_rank
 from .io import IORecord
 from .tiling import causal_masked
 
@@ -138,14 +138,8 @@ def count_standard_io(*, passes="forward", batch, heads, seqlen_q, seqlen_k, hea
                       dropout_pass=False):
     """count_io("standard", ...) with the optional elementwise passes. With no pass it
     equals count_io("standard", ...)."""
-    if passes not in ("forward", "backward", "both"):
-        raise ValueError(f"passes: expected 'forward', 'backward' or 'both', got {passes!r}")
-    for name, value in (("batch", batch), ("heads", heads), ("seqlen_q", seqlen_q),
-                        ("seqlen_k", seqlen_k), ("head_dim", head_dim), ("dtype_bytes", dtype_bytes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
-    if head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim: must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    check_count_args(passes, batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                     head_dim=head_dim, dtype_bytes=dtype_bytes)
     opts = dict(scale_pass=scale_pass, mask_pass=mask_pass, dropout_pass=dropout_pass)
     record = IORecord()
     if passes in ("forward", "both"):

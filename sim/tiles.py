@@ -7,6 +7,8 @@ tests/test_tiles.py checks every function here against the compiled library.
 from dataclasses import dataclass
 from functools import lru_cache
 
+from .inputs import check_tile
+
 FLOAT_BYTES = 4
 
 
@@ -110,6 +112,13 @@ def default_tiles(kernel, d, profile=EMU_PROFILE):
         Br //= 2
         Bc //= 2
     return Br, Bc
+
+
+def resolve_tiles(kernel, d, block_r, block_c):
+    """The tiles a kernel runs with: the caller's block_r, block_c where given (checked),
+    the kernel's default for the other; the C side's kernel_tiles does the same."""
+    Br, Bc = default_tiles(kernel, d)
+    return check_tile("block_r", block_r) or Br, check_tile("block_c", block_c) or Bc
 
 
 @lru_cache(maxsize=None)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 import pyfa.sim as sim  # noqa: E402  (pure NumPy: no compiled library needed)
 from pyfa.sim.count import STAT_BYTES, fa2_backward_dkdv_io, fa2_backward_preprocess_io  # noqa: E402
-from pyfa.sim.io import IORecord, format_bytes  # noqa: E402
+from pyfa.sim.io import format_bytes  # noqa: E402
 from pyfa.sim.tiling import ceil_div, kv_tile_end, q_tile_begin  # noqa: E402
 
 
