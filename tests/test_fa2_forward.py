@@ -98,3 +98,19 @@ def test_auto_backend_and_backend_list():
     q, k, v = make_inputs((1, 1, 8, 4), (1, 1, 8, 4), seed=1)
     expected = "cuda" if grid.HAS_CUDA else "emu"
     assert same_bits(pyfa.attention(q, k, v), pyfa.attention(q, k, v, backend=expected))
+
+
+def test_device_entry_point_and_c_default_scale():
+    # pyfa_fa2_forward_device on the emulator takes host buffers; with scale = 0 the C side
+    # picks 1/sqrt(d) itself, which must round exactly as Python's default does.
+    from pyfa import _lib
+    ffi, lib = _lib.load()
+    q, k, v = make_inputs((13, 24), (11, 24), seed=4)
+    o, lse = np.zeros((13, 24), np.float32), np.zeros(13, np.float32)
+    pr = ffi.new("pyfa_problem *", dict(batch=1, heads=1, seqlen_q=13, seqlen_k=11, head_dim=24,
+                                        scale=0.0, causal=1))
+    cfg = ffi.new("pyfa_config *", dict(backend=2, block_r=4, block_c=8))
+    ptr = lambda a: ffi.cast("float *", ffi.from_buffer(a))
+    _lib.check(lib.pyfa_fa2_forward_device(pr, cfg, ptr(q), ptr(k), ptr(v), ptr(o), ptr(lse), ffi.NULL))
+    sim = pyfa.sim.fa2_forward(q, k, v, causal=True, block_r=4, block_c=8)
+    assert same_bits(o, sim.o) and same_bits(lse, sim.lse)

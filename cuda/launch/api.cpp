@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -174,10 +176,9 @@ struct Scratch {
     }
 };
 
-pyfa_status run_op(const Op& op, const pyfa_problem* problem, const pyfa_config* config,
-                   const float* const* inputs, float* const* outputs, bool device_pointers,
-                   void* stream) {
-    clear_error();
+pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const pyfa_config* config,
+                             const float* const* inputs, float* const* outputs,
+                             bool device_pointers, void* stream) {
     pyfa_status st = check_problem(problem);
     if (st != PYFA_OK) return st;
     const pyfa_config cfg = config ? *config : pyfa_config{};
@@ -266,6 +267,23 @@ pyfa_status run_op(const Op& op, const pyfa_problem* problem, const pyfa_config*
         }
     }
     return PYFA_OK;
+}
+
+// No C++ exception may cross the C ABI (it would terminate the caller's process): an
+// allocation failure or any other throw becomes a status and a message.
+pyfa_status run_op(const Op& op, const pyfa_problem* problem, const pyfa_config* config,
+                   const float* const* inputs, float* const* outputs, bool device_pointers,
+                   void* stream) {
+    clear_error();
+    try {
+        return run_op_unguarded(op, problem, config, inputs, outputs, device_pointers, stream);
+    } catch (const std::bad_alloc&) {
+        return fail(PYFA_ERROR_OUT_OF_MEMORY, std::string(op.name) + ": out of host memory");
+    } catch (const std::exception& e) {
+        return fail(PYFA_ERROR_INTERNAL, std::string(op.name) + ": " + e.what());
+    } catch (...) {
+        return fail(PYFA_ERROR_INTERNAL, std::string(op.name) + ": unknown exception");
+    }
 }
 
 }  // namespace
