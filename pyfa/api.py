@@ -7,8 +7,7 @@ C-contiguous float32 when needed) and never written.
 import numpy as np
 
 from . import _lib
-from .sim.inputs import check_qkv, check_tile, resolve_scale, restore_rank
-from .sim.inputs import check_like, check_rows
+from .sim.inputs import check_like, check_qkv, check_rows, check_tile, resolve_scale, restore_rank
 
 BACKENDS = {"auto": 0, "cuda": 1, "emu": 2}
 EMU_ORDERS = {"forward": 0, "reverse": 1, "shuffled": 2}
@@ -86,7 +85,7 @@ def fa2_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_r=None,
     q4, k4, v4, rank = check_qkv(q, k, v)
     o4 = check_like("o", o, q4)
     do4 = check_like("do", do, q4)
-    lse3 = np.ascontiguousarray(check_rows("lse", lse, q4))
+    lse3 = check_rows("lse", lse, q4)
     problem = _problem(q4, k4, scale, causal)
     config = _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers)
     dq = np.empty_like(q4)
@@ -132,8 +131,9 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, scale=None, block_r=None
     return restore_rank(dq, rank), restore_rank(dk, rank), restore_rank(dv, rank)
 
 
-_FORWARD = {"fa2": lambda *a, **kw: fa2_forward(*a, **kw)[0]}
-_FORWARD["fa1"] = lambda *a, **kw: fa1_forward(*a, **kw)[0]
+# algo -> the forward pass returning O alone.
+_FORWARD = {"fa1": lambda *a, **kw: fa1_forward(*a, **kw)[0],
+            "fa2": lambda *a, **kw: fa2_forward(*a, **kw)[0]}
 
 
 def attention(q, k, v, *, causal=False, scale=None, algo="fa2", block_r=None, block_c=None,
@@ -150,20 +150,18 @@ def attention(q, k, v, *, causal=False, scale=None, algo="fa2", block_r=None, bl
               backend=backend, emu_order=emu_order, emu_seed=emu_seed, emu_workers=emu_workers)
 
 
-def _fa2_grad(q, k, v, do, **kw):
-    o, lse = fa2_forward(q, k, v, **kw)
-    return (o, *fa2_backward(q, k, v, o, lse, do, **kw))
-
-
-_GRAD = {"fa2": _fa2_grad}
-
-
 def _fa1_grad(q, k, v, do, **kw):
     o, m, l = fa1_forward(q, k, v, **kw)
     return (o, *fa1_backward(q, k, v, o, m, l, do, **kw))
 
 
-_GRAD["fa1"] = _fa1_grad
+def _fa2_grad(q, k, v, do, **kw):
+    o, lse = fa2_forward(q, k, v, **kw)
+    return (o, *fa2_backward(q, k, v, o, lse, do, **kw))
+
+
+# algo -> forward then backward, returning (o, dq, dk, dv).
+_GRAD = {"fa1": _fa1_grad, "fa2": _fa2_grad}
 
 
 def attention_grad(q, k, v, do, *, causal=False, scale=None, algo="fa2", block_r=None,
