@@ -89,11 +89,18 @@ def _cdef_from_header():
 
 
 def _candidates():
+    """(origin, path) in the order tried. PYFA_LIBRARY, when set, is the only place: a
+    library the caller named explicitly is never silently swapped for another one.
+    Otherwise the installed package, then a source checkout's CMake build folder."""
     env = os.environ.get("PYFA_LIBRARY")
     if env:
         yield "PYFA_LIBRARY", Path(env)
+        return
     for name in _library_names():
         yield "package", _HERE / name
+    if (_SOURCE_ROOT / "CMakeLists.txt").is_file():
+        for name in _library_names():
+            yield "source checkout build", _SOURCE_ROOT / "build" / name
 
 
 def load():

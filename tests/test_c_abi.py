@@ -48,3 +48,34 @@ def test_cuda_backend_compiled_when_nvcc_is_here():
     assert lib.pyfa_backend_compiled(2) == 1
     if shutil.which("nvcc"):
         assert lib.pyfa_backend_compiled(1) == 1
+
+
+def _load_in_subprocess(env_library):
+    import os
+    import sys
+    import pyfa
+    env = dict(os.environ, PYFA_LIBRARY=str(env_library),
+               PYTHONPATH=str(Path(pyfa.__file__).resolve().parents[1]))
+    return subprocess.run([sys.executable, "-c", "import pyfa; print(pyfa.backends())"],
+                          capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_pyfa_library_names_the_only_place_tried(tmp_path):
+    missing = tmp_path / "nowhere" / "libpyfa.so"
+    run = _load_in_subprocess(missing)
+    assert run.returncode != 0
+    assert "LibraryNotFoundError" in run.stderr and str(missing) in run.stderr
+    assert "PYFA_LIBRARY: no such file" in run.stderr
+
+
+def test_a_file_that_is_not_a_library_is_reported_with_the_loader_message(tmp_path):
+    bogus = tmp_path / "libpyfa.so"
+    bogus.write_text("not a shared library\n")
+    run = _load_in_subprocess(bogus)
+    assert run.returncode != 0
+    assert str(bogus) in run.stderr and "PYFA_LIBRARY:" in run.stderr
+
+
+def test_pyfa_library_selects_the_library(tmp_path):
+    run = _load_in_subprocess(_lib.library_path())
+    assert run.returncode == 0 and "emu" in run.stdout
