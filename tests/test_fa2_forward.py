@@ -114,3 +114,14 @@ def test_device_entry_point_and_c_default_scale():
     _lib.check(lib.pyfa_fa2_forward_device(pr, cfg, ptr(q), ptr(k), ptr(v), ptr(o), ptr(lse), ffi.NULL))
     sim = pyfa.sim.fa2_forward(q, k, v, causal=True, block_r=4, block_c=8)
     assert same_bits(o, sim.o) and same_bits(lse, sim.lse)
+
+
+def test_read_only_and_broadcast_inputs():
+    q, k, v = make_inputs((9, 8), (9, 8), seed=12)
+    ref = pyfa.attention(q, k, v, backend="emu")
+    q_ro = q.copy()
+    q_ro.setflags(write=False)
+    assert same_bits(pyfa.attention(q_ro, k, v, backend="emu"), ref)
+    row = np.broadcast_to(v[3], v.shape)  # every key's value is the same row
+    o = pyfa.attention(q, k, row, backend="emu")
+    assert np.allclose(o, v[3], rtol=1e-6, atol=1e-6)
