@@ -32,6 +32,7 @@ class Fa1BackwardResult:
     io: IORecord
 
 
+@nx.ieee_arithmetic
 def fa1_backward(q, k, v, o, m, l, do, *, causal=False, scale=None, block_r=None,
                  block_c=None):
     q4, k4, v4, rank = check_qkv(q, k, v)

@@ -31,6 +31,7 @@ class Fa1ForwardResult:
     io: IORecord
 
 
+@nx.ieee_arithmetic
 def fa1_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None):
     q4, k4, v4, rank = check_qkv(q, k, v)
     B, H, Nq, d = q4.shape

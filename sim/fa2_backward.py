@@ -167,6 +167,7 @@ def _dq(Q, K, V, dO, LSE, D, Br, Bc, scale, causal, io):
     return dQ
 
 
+@nx.ieee_arithmetic
 def fa2_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_r=None, block_c=None):
     """dQ, dK, dV of O = softmax(scale * Q K^T [causal]) V from the forward's O and LSE
     (pyfa.sim.fa2_forward) and dO; .io counts every HBM byte of the three kernels."""

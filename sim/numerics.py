@@ -257,3 +257,8 @@ def scores(Q, K, scale, hidden):
     """S = scale * Q K^T, -inf where `hidden` (numerics.h attention_score), with Q, K
     shaped as dot_rows takes them and `hidden` broadcasting against the result."""
     return np.where(hidden, -_INF, dot_rows(Q, K) * np.float32(scale))
+
+
+# The simulators' arithmetic runs under this: like the kernels, they turn Inf and NaN
+# inputs into Inf and NaN results, which NumPy would otherwise report as warnings.
+ieee_arithmetic = np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore")
