@@ -1,5 +1,3 @@
-import pytest
-
 import pyfa
 
 
@@ -11,15 +9,6 @@ def _cuda_usable():
 
 
 HAS_CUDA = _cuda_usable()
-
-# The backends every kernel test runs on: the emulator always, CUDA when a GPU is here.
-BACKENDS = [
-    "emu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="no usable CUDA GPU here")),
-]
-
-# Thread orders of the emulator: a missing __syncthreads shows up as different bits.
-EMU_ORDERS = ["forward", "reverse"]
 
 
 def pytest_report_header(config):

@@ -28,6 +28,11 @@ RUNS = [("emu", "forward"), ("emu", "reverse"),
                      marks=pytest.mark.skipif(not HAS_CUDA, reason="no usable CUDA GPU here"))]
 
 
+# The backends alone, for tests that do not vary the thread order.
+BACKENDS = ["emu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA,
+                                                                 reason="no usable CUDA GPU here"))]
+
+
 def case_id(case):
     B, H, Nq, Nk, d, Br, Bc = case
     return f"B{B}H{H}-Nq{Nq}-Nk{Nk}-d{d}-Br{Br}-Bc{Bc}"

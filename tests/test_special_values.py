@@ -4,8 +4,8 @@ for bit (NaN as NaN), nothing crashes, and the simulators raise no NumPy warning
 import numpy as np
 import pytest
 
+import grid
 import pyfa
-from conftest import BACKENDS
 from reference import same_bits
 
 SPECIALS = np.array([np.nan, np.inf, -np.inf, 3e38, -3e38, 1e-45], np.float32)
@@ -21,7 +21,7 @@ def poisoned_inputs(seed):
 
 
 @pytest.mark.filterwarnings("error")
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", grid.BACKENDS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_every_kernel_matches_its_simulator_on_special_values(seed, causal, backend):
