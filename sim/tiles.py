@@ -35,41 +35,48 @@ KERNELS = {
 }
 
 
+def padded(row):
+    """smem.h padded: a row stride one float longer, so that the rows a warp reads at the
+    same column fall in different shared-memory banks."""
+    return row + 1
+
+
 def fa2_forward_smem(Br, Bc, d):
     """Terms (name, floats) in memory order: cuda/common/smem.h fa2_forward_smem."""
-    return [("Q_i", Br * d), ("K_j", Bc * d), ("V_j", Bc * d), ("S_ij", Br * Bc),
-            ("O_i", Br * d), ("m_i", Br), ("l_i", Br), ("alpha", Br)]
+    return [("Q_i", Br * d), ("K_j", Bc * padded(d)), ("V_j", Bc * d),
+            ("S_ij", Br * padded(Bc)), ("O_i", Br * d), ("m_i", Br), ("l_i", Br), ("alpha", Br)]
 
 
 def fa2_backward_preprocess_smem(Br, Bc, d):
     """cuda/common/smem.h fa2_backward_preprocess_smem (Bc unused)."""
-    return [("dO_i*O_i", Br * d)]
+    return [("dO_i*O_i", Br * padded(d))]
 
 
 def fa2_backward_dkdv_smem(Br, Bc, d):
     """cuda/common/smem.h fa2_backward_dkdv_smem."""
-    return [("K_j", Bc * d), ("V_j", Bc * d), ("dK_j", Bc * d), ("dV_j", Bc * d),
-            ("Q_i", Br * d), ("dO_i", Br * d), ("P_ij", Br * Bc), ("dS_ij", Br * Bc),
-            ("LSE_i", Br), ("D_i", Br)]
+    return [("K_j", Bc * padded(d)), ("V_j", Bc * padded(d)), ("dK_j", Bc * d),
+            ("dV_j", Bc * d), ("Q_i", Br * d), ("dO_i", Br * d), ("P_ij", Br * Bc),
+            ("dS_ij", Br * Bc), ("LSE_i", Br), ("D_i", Br)]
 
 
 def fa2_backward_dq_smem(Br, Bc, d):
     """cuda/common/smem.h fa2_backward_dq_smem."""
-    return [("Q_i", Br * d), ("dO_i", Br * d), ("dQ_i", Br * d), ("K_j", Bc * d),
-            ("V_j", Bc * d), ("dS_ij", Br * Bc), ("LSE_i", Br), ("D_i", Br)]
+    return [("Q_i", Br * d), ("dO_i", Br * d), ("dQ_i", Br * d), ("K_j", Bc * padded(d)),
+            ("V_j", Bc * padded(d)), ("dS_ij", Br * Bc), ("LSE_i", Br), ("D_i", Br)]
 
 
 def fa1_forward_smem(Br, Bc, d):
     """Terms (name, floats) in memory order: cuda/common/smem.h fa1_forward_smem."""
-    return [("K_j", Bc * d), ("V_j", Bc * d), ("Q_i", Br * d), ("S_ij", Br * Bc),
-            ("m~_ij", Br), ("l_new", Br), ("o_scale", Br), ("pv_scale", Br)]
+    return [("K_j", Bc * padded(d)), ("V_j", Bc * d), ("Q_i", Br * d),
+            ("S_ij", Br * padded(Bc)), ("m~_ij", Br), ("l_new", Br), ("o_scale", Br),
+            ("pv_scale", Br)]
 
 
 def fa1_backward_smem(Br, Bc, d):
     """Terms (name, floats) in memory order: cuda/common/smem.h fa1_backward_smem."""
-    return [("K_j", Bc * d), ("V_j", Bc * d), ("dK_j", Bc * d), ("dV_j", Bc * d),
-            ("Q_i", Br * d), ("dO_i", Br * d), ("P_ij", Br * Bc), ("dS_ij", Br * Bc),
-            ("m_i", Br), ("l_i", Br), ("D_i", Br)]
+    return [("K_j", Bc * padded(d)), ("V_j", Bc * padded(d)), ("dK_j", Bc * d),
+            ("dV_j", Bc * d), ("Q_i", Br * d), ("dO_i", Br * padded(d)), ("P_ij", Br * Bc),
+            ("dS_ij", Br * Bc), ("m_i", Br), ("l_i", Br), ("D_i", Br)]
 
 
 SMEM_LAYOUTS = {

@@ -13,7 +13,7 @@ from pyfa import _lib
 from reference import attention_grad_ref, attention_ref, make_inputs, rel_err, same_bits
 
 # The shared grid (tests/grid.py), plus Br > Bc with Nq > Nk, and the default tiles
-# (None: 64 x 129 at d = 64, 36 x 36 at d = 256).
+# (None: 64 x 128 at d = 64, 36 x 36 at d = 256).
 CASES = grid.CASES + [
     (1, 1, 30, 12, 8, 4, 2),
     (1, 2, 150, 140, 64, None, None),

@@ -26,6 +26,13 @@ struct SmemLayout {
     PYFA_HD int64_t bytes() const { return total_floats * static_cast<int64_t>(sizeof(float)); }
 };
 
+// Row stride of a shared-memory tile whose rows the threads of a warp read at the same
+// column, one row per thread (K_j in S = Q K^T, S_ij in the row max): one float of
+// padding per row. With a stride that is a multiple of 32 floats (d = 64, Bc = 64, ...)
+// all 32 rows sit in one bank and the warp's 32 reads are serialized; with an odd stride
+// they sit in 32 different banks. Tiles read along rows only keep their plain stride.
+PYFA_HD int64_t padded(int64_t row) { return row + 1; }
+
 // Threads per block. Fixed, so that Br and Bc stay free runtime choices: every loop in
 // the kernels strides by blockDim.x over the tile's elements or rows.
 constexpr int kFa2ForwardThreads = 128;
@@ -36,9 +43,9 @@ enum Fa2ForwardTerm { FA2F_Qi, FA2F_Kj, FA2F_Vj, FA2F_Sij, FA2F_Oi, FA2F_mi, FA2
 PYFA_HD SmemLayout fa2_forward_smem(int64_t Br, int64_t Bc, int64_t d) {
     SmemLayout L;
     L.add("Q_i", Br * d);   // loaded once per block, reused against every K_j
-    L.add("K_j", Bc * d);
+    L.add("K_j", Bc * padded(d));
     L.add("V_j", Bc * d);
-    L.add("S_ij", Br * Bc); // scores, overwritten in place by P~_ij = exp(S_ij - m_i)
+    L.add("S_ij", Br * padded(Bc));  // scores, overwritten in place by P~_ij = exp(S_ij - m_i)
     L.add("O_i", Br * d);   // unnormalized accumulator, divided by l_i once at the end
     L.add("m_i", Br);       // running row max
     L.add("l_i", Br);       // running row sum
@@ -54,7 +61,7 @@ enum Fa2BackwardPreprocessTerm { FA2P_dOOi };
 
 PYFA_HD SmemLayout fa2_backward_preprocess_smem(int64_t Br, int64_t /*Bc*/, int64_t d) {
     SmemLayout L;
-    L.add("dO_i*O_i", Br * d);  // the products, loaded coalesced, then summed along rows
+    L.add("dO_i*O_i", Br * padded(d));  // the products, loaded coalesced, then summed along rows
     return L;
 }
 
@@ -65,8 +72,8 @@ enum Fa2BackwardDkdvTerm {
 
 PYFA_HD SmemLayout fa2_backward_dkdv_smem(int64_t Br, int64_t Bc, int64_t d) {
     SmemLayout L;
-    L.add("K_j", Bc * d);    // loaded once per block
-    L.add("V_j", Bc * d);
+    L.add("K_j", Bc * padded(d));  // loaded once per block
+    L.add("V_j", Bc * padded(d));
     L.add("dK_j", Bc * d);   // accumulated over every i, written once
     L.add("dV_j", Bc * d);
     L.add("Q_i", Br * d);    // reloaded for every (j, i)
@@ -86,8 +93,8 @@ PYFA_HD SmemLayout fa2_backward_dq_smem(int64_t Br, int64_t Bc, int64_t d) {
     L.add("Q_i", Br * d);    // loaded once per block
     L.add("dO_i", Br * d);
     L.add("dQ_i", Br * d);   // accumulated over every j, written once
-    L.add("K_j", Bc * d);    // reloaded for every (i, j)
-    L.add("V_j", Bc * d);
+    L.add("K_j", Bc * padded(d));  // reloaded for every (i, j)
+    L.add("V_j", Bc * padded(d));
     L.add("dS_ij", Br * Bc); // recomputed as in the dK/dV kernel
     L.add("LSE_i", Br);
     L.add("D_i", Br);
@@ -102,10 +109,10 @@ enum Fa1ForwardTerm { FA1F_Kj, FA1F_Vj, FA1F_Qi, FA1F_Sij, FA1F_mtij, FA1F_lnew,
 
 PYFA_HD SmemLayout fa1_forward_smem(int64_t Br, int64_t Bc, int64_t d) {
     SmemLayout L;
-    L.add("K_j", Bc * d);      // outer loop: loaded once, used against every Q_i
+    L.add("K_j", Bc * padded(d));  // outer loop: loaded once, used against every Q_i
     L.add("V_j", Bc * d);
     L.add("Q_i", Br * d);      // inner loop: reloaded for every (j, i); O_i, l_i, m_i go to registers
-    L.add("S_ij", Br * Bc);    // scores, overwritten in place by P~_ij = exp(S_ij - m~_ij)
+    L.add("S_ij", Br * padded(Bc));  // scores, overwritten in place by P~_ij = exp(S_ij - m~_ij)
     L.add("m~_ij", Br);        // row max of this tile
     L.add("l_new", Br);        // the row sum after this tile
     L.add("o_scale", Br);      // l_i exp(m_i - m_new): the weight of the old O_i
@@ -122,12 +129,12 @@ enum Fa1BackwardTerm {
 
 PYFA_HD SmemLayout fa1_backward_smem(int64_t Br, int64_t Bc, int64_t d) {
     SmemLayout L;
-    L.add("K_j", Bc * d);      // outer loop: loaded once
-    L.add("V_j", Bc * d);
+    L.add("K_j", Bc * padded(d));  // outer loop: loaded once
+    L.add("V_j", Bc * padded(d));
     L.add("dK_j", Bc * d);     // accumulated over the inner loop, written once per j
     L.add("dV_j", Bc * d);
     L.add("Q_i", Br * d);      // inner loop: reloaded for every (j, i)
-    L.add("dO_i", Br * d);
+    L.add("dO_i", Br * padded(d));
     L.add("P_ij", Br * Bc);
     L.add("dS_ij", Br * Bc);   // dP_ij = dO_i V_j^T, overwritten in place by dS_ij
     L.add("m_i", Br);

@@ -51,12 +51,13 @@ __global__ void fa1_backward_kernel(const AttentionParams p) {
     PYFA_DYNAMIC_SMEM(smem_raw);
     float* smem = reinterpret_cast<float*>(smem_raw);
     const SmemLayout L = fa1_backward_smem(Br, Bc, d);
-    float* Kj = smem + L.offset[FA1B_Kj];     // (bc, d)
-    float* Vj = smem + L.offset[FA1B_Vj];     // (bc, d)
+    const int64_t ld = padded(d);              // row stride of K_j, V_j, dO_i, see smem.h
+    float* Kj = smem + L.offset[FA1B_Kj];     // (bc, d), row stride ld
+    float* Vj = smem + L.offset[FA1B_Vj];     // (bc, d), row stride ld
     float* dKj = smem + L.offset[FA1B_dKj];   // (bc, d)  dK~_j
     float* dVj = smem + L.offset[FA1B_dVj];   // (bc, d)  dV~_j
     float* Qi = smem + L.offset[FA1B_Qi];     // (br, d)
-    float* dOi = smem + L.offset[FA1B_dOi];   // (br, d)
+    float* dOi = smem + L.offset[FA1B_dOi];   // (br, d), row stride ld
     float* Pij = smem + L.offset[FA1B_Pij];   // (br, Bc), row stride Bc
     float* dSij = smem + L.offset[FA1B_dSij]; // (br, Bc), row stride Bc
     float* mi = smem + L.offset[FA1B_mi];     // (br)
@@ -75,8 +76,8 @@ __global__ void fa1_backward_kernel(const AttentionParams p) {
         // the previous tile's write-out, and each element of dK~_j, dV~_j is zeroed by the
         // thread that wrote it out (the same e loop).
         for (int64_t e = tid; e < bc * d; e += nthreads) {
-            Kj[e] = K[col0 * d + e];
-            Vj[e] = V[col0 * d + e];
+            Kj[(e / d) * ld + e % d] = K[col0 * d + e];
+            Vj[(e / d) * ld + e % d] = V[col0 * d + e];
             dKj[e] = 0.0f;
             dVj[e] = 0.0f;
         }
@@ -88,7 +89,7 @@ __global__ void fa1_backward_kernel(const AttentionParams p) {
             __syncthreads();  // the previous Q tile's readers of Q_i, dO_i, P_ij, dS_ij, D_i are done
             for (int64_t e = tid; e < br * d; e += nthreads) {
                 Qi[e] = Q[row0 * d + e];
-                dOi[e] = dO[row0 * d + e];
+                dOi[(e / d) * ld + e % d] = dO[row0 * d + e];
             }
             for (int64_t r = tid; r < br; r += nthreads) {
                 mi[r] = m[row0 + r];
@@ -102,14 +103,14 @@ __global__ void fa1_backward_kernel(const AttentionParams p) {
             for (int64_t e = tid; e < br * bc; e += nthreads) {
                 const int64_t r = e / bc, c = e % bc;
                 const bool masked = p.causal && causal_masked(row0 + r, col0 + c, Nq, Nk);
-                const float s = attention_score(Qi + r * d, Kj + c * d, d, p.scale, masked);
+                const float s = attention_score(Qi + r * d, Kj + c * ld, d, p.scale, masked);
                 const float lr = li[r];
                 Pij[r * Bc + c] = lr == 0.0f ? 0.0f : pyfa_exp(s - safe_max(mi[r])) / lr;
-                dSij[r * Bc + c] = pyfa_dot(dOi + r * d, Vj + c * d, d);
+                dSij[r * Bc + c] = pyfa_dot(dOi + r * ld, Vj + c * ld, d);
             }
             // D_i[r] = sum_x dO_i[r, x] O_i[r, x], x in order.
             for (int64_t r = tid; r < br; r += nthreads) {
-                Di[r] = pyfa_dot(dOi + r * d, O + (row0 + r) * d, d);
+                Di[r] = pyfa_dot(dOi + r * ld, O + (row0 + r) * d, d);
             }
             __syncthreads();
 
@@ -122,7 +123,7 @@ __global__ void fa1_backward_kernel(const AttentionParams p) {
             for (int64_t e = tid; e < bc * d; e += nthreads) {
                 const int64_t c = e / d, x = e % d;
                 float t = 0.0f;
-                for (int64_t r = 0; r < br; ++r) t = t + Pij[r * Bc + c] * dOi[r * d + x];
+                for (int64_t r = 0; r < br; ++r) t = t + Pij[r * Bc + c] * dOi[r * ld + x];
                 dVj[e] = dVj[e] + t;
             }
             __syncthreads();
@@ -132,7 +133,7 @@ __global__ void fa1_backward_kernel(const AttentionParams p) {
             for (int64_t e = tid; e < br * d; e += nthreads) {
                 const int64_t r = e / d, x = e % d;
                 float t = 0.0f;
-                for (int64_t c = 0; c < bc; ++c) t = t + dSij[r * Bc + c] * Kj[c * d + x];
+                for (int64_t c = 0; c < bc; ++c) t = t + dSij[r * Bc + c] * Kj[c * ld + x];
                 dQ[row0 * d + e] = dQ[row0 * d + e] + p.scale * t;
             }
             // dK~_j = dK~_j + scale * dS_ij^T Q_i, the product summed r = 0 .. br-1 in order.

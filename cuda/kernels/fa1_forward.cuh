@@ -45,10 +45,11 @@ __global__ void fa1_forward_kernel(const AttentionParams p) {
     PYFA_DYNAMIC_SMEM(smem_raw);
     float* smem = reinterpret_cast<float*>(smem_raw);
     const SmemLayout L = fa1_forward_smem(Br, Bc, d);
-    float* Kj = smem + L.offset[FA1F_Kj];             // (bc, d)
+    const int64_t ldk = padded(d), lds = padded(Bc);  // row strides, see smem.h
+    float* Kj = smem + L.offset[FA1F_Kj];             // (bc, d), row stride ldk
     float* Vj = smem + L.offset[FA1F_Vj];             // (bc, d)
     float* Qi = smem + L.offset[FA1F_Qi];             // (br, d)
-    float* Sij = smem + L.offset[FA1F_Sij];           // (br, Bc), row stride Bc
+    float* Sij = smem + L.offset[FA1F_Sij];           // (br, bc), row stride lds
     float* mt = smem + L.offset[FA1F_mtij];           // (br)  m~_ij
     float* lnew = smem + L.offset[FA1F_lnew];         // (br)  l_new
     float* oscale = smem + L.offset[FA1F_oscale];     // (br)  l_i exp(m_i - m_new)
@@ -68,7 +69,7 @@ __global__ void fa1_forward_kernel(const AttentionParams p) {
         const int64_t bc = min64(Bc, Nk - col0);
         __syncthreads();  // the previous K/V tile's readers are done (first: O, l, m are set)
         for (int64_t e = tid; e < bc * d; e += nthreads) {
-            Kj[e] = K[col0 * d + e];
+            Kj[(e / d) * ldk + e % d] = K[col0 * d + e];
             Vj[e] = V[col0 * d + e];
         }
 
@@ -85,14 +86,14 @@ __global__ void fa1_forward_kernel(const AttentionParams p) {
             for (int64_t e = tid; e < br * bc; e += nthreads) {
                 const int64_t r = e / bc, c = e % bc;
                 const bool masked = p.causal && causal_masked(row0 + r, col0 + c, Nq, Nk);
-                Sij[r * Bc + c] = attention_score(Qi + r * d, Kj + c * d, d, p.scale, masked);
+                Sij[r * lds + c] = attention_score(Qi + r * d, Kj + c * ldk, d, p.scale, masked);
             }
             __syncthreads();
 
             // m~_ij = max(-inf, S_ij[r, 0], ..., S_ij[r, bc-1]).
             for (int64_t r = tid; r < br; r += nthreads) {
                 float mx = -INFINITY;
-                for (int64_t c = 0; c < bc; ++c) mx = pyfa_max(mx, Sij[r * Bc + c]);
+                for (int64_t c = 0; c < bc; ++c) mx = pyfa_max(mx, Sij[r * lds + c]);
                 mt[r] = mx;
             }
             __syncthreads();
@@ -100,7 +101,7 @@ __global__ void fa1_forward_kernel(const AttentionParams p) {
             // P~_ij = exp(S_ij - m~_ij), in place.
             for (int64_t e = tid; e < br * bc; e += nthreads) {
                 const int64_t r = e / bc, c = e % bc;
-                Sij[r * Bc + c] = pyfa_exp(Sij[r * Bc + c] - safe_max(mt[r]));
+                Sij[r * lds + c] = pyfa_exp(Sij[r * lds + c] - safe_max(mt[r]));
             }
             __syncthreads();
 
@@ -108,7 +109,7 @@ __global__ void fa1_forward_kernel(const AttentionParams p) {
             // from HBM and written back.
             for (int64_t r = tid; r < br; r += nthreads) {
                 float lt = 0.0f;
-                for (int64_t c = 0; c < bc; ++c) lt = lt + Sij[r * Bc + c];
+                for (int64_t c = 0; c < bc; ++c) lt = lt + Sij[r * lds + c];
                 const float m_old = m[row0 + r];
                 const float l_old = l[row0 + r];
                 const float m_new = pyfa_max(m_old, mt[r]);
@@ -130,7 +131,7 @@ __global__ void fa1_forward_kernel(const AttentionParams p) {
             for (int64_t e = tid; e < br * d; e += nthreads) {
                 const int64_t r = e / d, x = e % d;
                 float pv = 0.0f;
-                for (int64_t c = 0; c < bc; ++c) pv = pv + Sij[r * Bc + c] * Vj[c * d + x];
+                for (int64_t c = 0; c < bc; ++c) pv = pv + Sij[r * lds + c] * Vj[c * d + x];
                 const float o_old = O[row0 * d + e];
                 const float num = oscale[r] * o_old + pvscale[r] * pv;
                 const float ln = lnew[r];

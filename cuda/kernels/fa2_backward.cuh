@@ -61,14 +61,16 @@ __global__ void fa2_backward_preprocess_kernel(const AttentionParams p) {
     PYFA_DYNAMIC_SMEM(smem_raw);
     float* smem = reinterpret_cast<float*>(smem_raw);
     const SmemLayout L = fa2_backward_preprocess_smem(Br, p.block_c, d);
-    float* dOOi = smem + L.offset[FA2P_dOOi];  // (br, d): dO_i o O_i
+    const int64_t ld = padded(d);               // row stride, see smem.h
+    float* dOOi = smem + L.offset[FA2P_dOOi];  // (br, d): dO_i o O_i, row stride ld
 
     // The products are formed with coalesced loads; each row is then summed by one thread.
-    for (int64_t e = tid; e < br * d; e += nthreads) dOOi[e] = dO[row0 * d + e] * O[row0 * d + e];
+    for (int64_t e = tid; e < br * d; e += nthreads)
+        dOOi[(e / d) * ld + e % d] = dO[row0 * d + e] * O[row0 * d + e];
     __syncthreads();
     for (int64_t r = tid; r < br; r += nthreads) {
         float s = 0.0f;
-        for (int64_t x = 0; x < d; ++x) s = s + dOOi[r * d + x];
+        for (int64_t x = 0; x < d; ++x) s = s + dOOi[r * ld + x];
         D[row0 + r] = s;
     }
 }
@@ -95,8 +97,9 @@ __global__ void fa2_backward_dkdv_kernel(const AttentionParams p) {
     PYFA_DYNAMIC_SMEM(smem_raw);
     float* smem = reinterpret_cast<float*>(smem_raw);
     const SmemLayout L = fa2_backward_dkdv_smem(Br, Bc, d);
-    float* Kj = smem + L.offset[FA2KV_Kj];      // (bc, d)
-    float* Vj = smem + L.offset[FA2KV_Vj];      // (bc, d)
+    const int64_t ld = padded(d);               // row stride of K_j, V_j, see smem.h
+    float* Kj = smem + L.offset[FA2KV_Kj];      // (bc, d), row stride ld
+    float* Vj = smem + L.offset[FA2KV_Vj];      // (bc, d), row stride ld
     float* dKj = smem + L.offset[FA2KV_dKj];    // (bc, d), unscaled
     float* dVj = smem + L.offset[FA2KV_dVj];    // (bc, d)
     float* Qi = smem + L.offset[FA2KV_Qi];      // (br, d)
@@ -107,8 +110,8 @@ __global__ void fa2_backward_dkdv_kernel(const AttentionParams p) {
     float* Di = smem + L.offset[FA2KV_Di];      // (br)
 
     for (int64_t e = tid; e < bc * d; e += nthreads) {
-        Kj[e] = K[col0 * d + e];
-        Vj[e] = V[col0 * d + e];
+        Kj[(e / d) * ld + e % d] = K[col0 * d + e];
+        Vj[(e / d) * ld + e % d] = V[col0 * d + e];
         dKj[e] = 0.0f;
         dVj[e] = 0.0f;
     }
@@ -133,7 +136,7 @@ __global__ void fa2_backward_dkdv_kernel(const AttentionParams p) {
         for (int64_t e = tid; e < br * bc; e += nthreads) {
             const int64_t r = e / bc, c = e % bc;
             const bool masked = p.causal && causal_masked(row0 + r, col0 + c, Nq, Nk);
-            fa2_backward_p_ds(Qi + r * d, dOi + r * d, Kj + c * d, Vj + c * d, d, p.scale, masked,
+            fa2_backward_p_ds(Qi + r * d, dOi + r * d, Kj + c * ld, Vj + c * ld, d, p.scale, masked,
                               LSEi[r], Di[r], &Pij[r * Bc + c], &dSij[r * Bc + c]);
         }
         __syncthreads();
@@ -181,11 +184,12 @@ __global__ void fa2_backward_dq_kernel(const AttentionParams p) {
     PYFA_DYNAMIC_SMEM(smem_raw);
     float* smem = reinterpret_cast<float*>(smem_raw);
     const SmemLayout L = fa2_backward_dq_smem(Br, Bc, d);
+    const int64_t ld = padded(d);               // row stride of K_j, V_j, see smem.h
     float* Qi = smem + L.offset[FA2DQ_Qi];      // (br, d)
     float* dOi = smem + L.offset[FA2DQ_dOi];    // (br, d)
     float* dQi = smem + L.offset[FA2DQ_dQi];    // (br, d), unscaled
-    float* Kj = smem + L.offset[FA2DQ_Kj];      // (bc, d)
-    float* Vj = smem + L.offset[FA2DQ_Vj];      // (bc, d)
+    float* Kj = smem + L.offset[FA2DQ_Kj];      // (bc, d), row stride ld
+    float* Vj = smem + L.offset[FA2DQ_Vj];      // (bc, d), row stride ld
     float* dSij = smem + L.offset[FA2DQ_dSij];  // (br, Bc), row stride Bc
     float* LSEi = smem + L.offset[FA2DQ_LSEi];  // (br)
     float* Di = smem + L.offset[FA2DQ_Di];      // (br)
@@ -206,8 +210,8 @@ __global__ void fa2_backward_dq_kernel(const AttentionParams p) {
         const int64_t bc = min64(Bc, Nk - col0);
         __syncthreads();  // the previous step's readers of K_j and dS_ij are done
         for (int64_t e = tid; e < bc * d; e += nthreads) {
-            Kj[e] = K[col0 * d + e];
-            Vj[e] = V[col0 * d + e];
+            Kj[(e / d) * ld + e % d] = K[col0 * d + e];
+            Vj[(e / d) * ld + e % d] = V[col0 * d + e];
         }
         __syncthreads();
 
@@ -216,7 +220,7 @@ __global__ void fa2_backward_dq_kernel(const AttentionParams p) {
             const int64_t r = e / bc, c = e % bc;
             const bool masked = p.causal && causal_masked(row0 + r, col0 + c, Nq, Nk);
             float P_rc;
-            fa2_backward_p_ds(Qi + r * d, dOi + r * d, Kj + c * d, Vj + c * d, d, p.scale, masked,
+            fa2_backward_p_ds(Qi + r * d, dOi + r * d, Kj + c * ld, Vj + c * ld, d, p.scale, masked,
                               LSEi[r], Di[r], &P_rc, &dSij[r * Bc + c]);
         }
         __syncthreads();
@@ -225,7 +229,7 @@ __global__ void fa2_backward_dq_kernel(const AttentionParams p) {
         for (int64_t e = tid; e < br * d; e += nthreads) {
             const int64_t r = e / d, x = e % d;
             float dq = 0.0f;
-            for (int64_t c = 0; c < bc; ++c) dq = dq + dSij[r * Bc + c] * Kj[c * d + x];
+            for (int64_t c = 0; c < bc; ++c) dq = dq + dSij[r * Bc + c] * Kj[c * ld + x];
             dQi[e] = dQi[e] + dq;
         }
     }

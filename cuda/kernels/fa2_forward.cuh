@@ -41,10 +41,11 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
     PYFA_DYNAMIC_SMEM(smem_raw);
     float* smem = reinterpret_cast<float*>(smem_raw);
     const SmemLayout L = fa2_forward_smem(Br, Bc, d);
+    const int64_t ldk = padded(d), lds = padded(Bc);  // row strides, see smem.h
     float* Qi = smem + L.offset[FA2F_Qi];        // (br, d)
-    float* Kj = smem + L.offset[FA2F_Kj];        // (bc, d)
+    float* Kj = smem + L.offset[FA2F_Kj];        // (bc, d), row stride ldk
     float* Vj = smem + L.offset[FA2F_Vj];        // (bc, d)
-    float* Sij = smem + L.offset[FA2F_Sij];      // (br, Bc), row stride Bc
+    float* Sij = smem + L.offset[FA2F_Sij];      // (br, bc), row stride lds
     float* Oi = smem + L.offset[FA2F_Oi];        // (br, d)
     float* mi = smem + L.offset[FA2F_mi];        // (br)
     float* li = smem + L.offset[FA2F_li];        // (br)
@@ -65,7 +66,7 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
         const int64_t bc = min64(Bc, Nk - col0);
         __syncthreads();  // the previous step's readers of K_j, V_j and S_ij are done
         for (int64_t e = tid; e < bc * d; e += nthreads) {
-            Kj[e] = K[col0 * d + e];
+            Kj[(e / d) * ldk + e % d] = K[col0 * d + e];
             Vj[e] = V[col0 * d + e];
         }
         __syncthreads();
@@ -74,7 +75,7 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
         for (int64_t e = tid; e < br * bc; e += nthreads) {
             const int64_t r = e / bc, c = e % bc;
             const bool masked = p.causal && causal_masked(row0 + r, col0 + c, Nq, Nk);
-            Sij[r * Bc + c] = attention_score(Qi + r * d, Kj + c * d, d, p.scale, masked);
+            Sij[r * lds + c] = attention_score(Qi + r * d, Kj + c * ldk, d, p.scale, masked);
         }
         __syncthreads();
 
@@ -82,7 +83,7 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
         for (int64_t r = tid; r < br; r += nthreads) {
             const float m_old = mi[r];
             float m_new = m_old;
-            for (int64_t c = 0; c < bc; ++c) m_new = pyfa_max(m_new, Sij[r * Bc + c]);
+            for (int64_t c = 0; c < bc; ++c) m_new = pyfa_max(m_new, Sij[r * lds + c]);
             alpha[r] = pyfa_exp(m_old - safe_max(m_new));
             mi[r] = m_new;
         }
@@ -91,21 +92,21 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
         // P~_ij = exp(S_ij - m_new), in place.
         for (int64_t e = tid; e < br * bc; e += nthreads) {
             const int64_t r = e / bc, c = e % bc;
-            Sij[r * Bc + c] = pyfa_exp(Sij[r * Bc + c] - safe_max(mi[r]));
+            Sij[r * lds + c] = pyfa_exp(Sij[r * lds + c] - safe_max(mi[r]));
         }
         __syncthreads();
 
         // l_i = alpha * l_i + rowsum(P~_ij), the row sum taken c = 0 .. bc-1 in order.
         for (int64_t r = tid; r < br; r += nthreads) {
             float rowsum = 0.0f;
-            for (int64_t c = 0; c < bc; ++c) rowsum = rowsum + Sij[r * Bc + c];
+            for (int64_t c = 0; c < bc; ++c) rowsum = rowsum + Sij[r * lds + c];
             li[r] = alpha[r] * li[r] + rowsum;
         }
         // O_i = alpha * O_i + P~_ij V_j, the product summed c = 0 .. bc-1 in order.
         for (int64_t e = tid; e < br * d; e += nthreads) {
             const int64_t r = e / d, x = e % d;
             float pv = 0.0f;
-            for (int64_t c = 0; c < bc; ++c) pv = pv + Sij[r * Bc + c] * Vj[c * d + x];
+            for (int64_t c = 0; c < bc; ++c) pv = pv + Sij[r * lds + c] * Vj[c * d + x];
             Oi[e] = alpha[r] * Oi[e] + pv;
         }
     }
