@@ -20,6 +20,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* Bumped whenever a declaration between PYFA_CDEF_BEGIN and PYFA_CDEF_END changes. */
+#define PYFA_ABI_VERSION 2
+
 #if defined(_WIN32)
 #define PYFA_API __declspec(dllexport)
 #else
@@ -40,13 +43,15 @@ typedef enum pyfa_status {
     PYFA_ERROR_CUDA = 4,                /* a CUDA runtime call failed; the message says which */
     PYFA_ERROR_EMULATION = 5,           /* the emulator found a barrier divergence or deadlock */
     PYFA_ERROR_OUT_OF_MEMORY = 6,
-    PYFA_ERROR_INTERNAL = 7
+    PYFA_ERROR_INTERNAL = 7,
+    PYFA_ERROR_CANCELLED = 8            /* config->progress asked to stop; nothing was written */
 } pyfa_status;
 
 typedef enum pyfa_backend {
-    PYFA_BACKEND_AUTO = 0, /* CUDA when a usable GPU is present, else the emulator */
+    PYFA_BACKEND_AUTO = 0, /* CUDA when a usable GPU is present, else the native CPU backend */
     PYFA_BACKEND_CUDA = 1,
-    PYFA_BACKEND_EMU = 2   /* the same kernel source run on the CPU, threads as fibers */
+    PYFA_BACKEND_EMU = 2,  /* the same kernel source run on the CPU, threads as fibers */
+    PYFA_BACKEND_CPU = 3   /* native vectorised C++ on the host, bit-identical to the kernels */
 } pyfa_backend;
 
 typedef enum pyfa_emu_order {
@@ -82,6 +87,14 @@ typedef struct pyfa_config {
     int emu_order;     /* a pyfa_emu_order; used by the emulator only */
     uint64_t emu_seed; /* seed of PYFA_EMU_ORDER_SHUFFLED */
     int emu_workers;   /* OS threads the emulator spreads blocks over; 0 means one per core */
+    int threads;       /* OS threads of the cpu backend; 0 means one per core. Results never depend on it */
+    /* Called now and then while a call runs (from one library thread at a time, not
+       necessarily the caller's), with the work done so far and the total, in units of
+       the backend's choosing. A nonzero return cancels the call: it then returns
+       PYFA_ERROR_CANCELLED soon after, and nothing the caller owns has been written.
+       NULL: no callback. */
+    int (*progress)(void* user, int64_t done, int64_t total);
+    void* progress_user; /* passed to progress as is */
 } pyfa_config;
 
 /* What the kernels are sized against: the GPU's limits, or the emulated device's. */
@@ -93,6 +106,8 @@ typedef struct pyfa_device_profile {
 } pyfa_device_profile;
 
 PYFA_API const char* pyfa_version(void);
+/* PYFA_ABI_VERSION of the library: a loader checks it against the header it was built with. */
+PYFA_API int pyfa_abi_version(void);
 PYFA_API const char* pyfa_status_string(pyfa_status status);
 /* The message of the last failed call made by this thread ("" if none). */
 PYFA_API const char* pyfa_last_error(void);
@@ -101,6 +116,8 @@ PYFA_API const char* pyfa_last_error(void);
 PYFA_API int pyfa_backend_available(int backend);
 /* 1 when the backend was compiled into this library (CUDA: built with nvcc). */
 PYFA_API int pyfa_backend_compiled(int backend);
+/* Why the backend cannot run here ("" when it can), e.g. the CUDA driver's error. */
+PYFA_API const char* pyfa_backend_reason(int backend);
 PYFA_API pyfa_status pyfa_device_profile_get(int backend, pyfa_device_profile* profile);
 
 /* Bytes of dynamic shared memory the kernel needs for these tiles, 0 if out of range. */

@@ -296,6 +296,8 @@ extern "C" {
 
 PYFA_API const char* pyfa_version(void) { return PYFA_VERSION_STRING; }
 
+PYFA_API int pyfa_abi_version(void) { return PYFA_ABI_VERSION; }
+
 PYFA_API int pyfa_backend_available(int backend) {
     switch (backend) {
         case PYFA_BACKEND_EMU: return 1;
@@ -311,6 +313,13 @@ PYFA_API int pyfa_backend_compiled(int backend) {
         case PYFA_BACKEND_CUDA: return cuda_compiled() ? 1 : 0;
     }
     return 0;
+}
+
+PYFA_API const char* pyfa_backend_reason(int backend) {
+    if (pyfa_backend_available(backend)) return "";
+    if (backend == PYFA_BACKEND_CUDA)
+        return cuda_compiled() ? "no usable CUDA GPU was found" : "this libpyfa was built without nvcc";
+    return "unknown backend";
 }
 
 PYFA_API pyfa_status pyfa_device_profile_get(int backend, pyfa_device_profile* profile) {

@@ -17,8 +17,12 @@ int main(void) {
         v[i] = (float)(i % 13) - 6.0f;
     }
     for (int i = 0; i < N * D; ++i) k[i] = q[(i * 7) % (N * D)] * 0.5f;
-    pyfa_problem problem = {1, 1, N, N, D, 0.0f, 1};
-    pyfa_config config = {PYFA_BACKEND_EMU, 8, 4, PYFA_EMU_ORDER_REVERSE, 0, 1};
+    /* Designated initializers: fields added to the structs later start at zero, which
+       always means today's behaviour. */
+    pyfa_problem problem = {.batch = 1, .heads = 1, .seqlen_q = N, .seqlen_k = N, .head_dim = D,
+                            .scale = 0.0f, .causal = 1};
+    pyfa_config config = {.backend = PYFA_BACKEND_EMU, .block_r = 8, .block_c = 4,
+                          .emu_order = PYFA_EMU_ORDER_REVERSE, .emu_workers = 1};
     pyfa_status st = pyfa_fa2_forward(&problem, &config, q, k, v, o, lse);
     if (st != PYFA_OK) {
         fprintf(stderr, "pyfa_fa2_forward: %s: %s\n", pyfa_status_string(st), pyfa_last_error());
