@@ -8,22 +8,52 @@
 
 #include "common/device.h"
 
+// a * b for a, b >= 0, or -1 when either is negative or the product does not fit in
+// int64_t. The launcher sizes any tiles a caller asks for (up to 2^31 - 1 rows, and
+// pyfa_smem_bytes takes any head_dim), so a wrapped size would pass the device check
+// and the kernel would write past its buffer: every size here is exact or -1.
+PYFA_HD int64_t checked_mul(int64_t a, int64_t b) {
+    if (a < 0 || b < 0) return -1;
+#if defined(__CUDA_ARCH__)
+    // No 64-bit division on the device: the high half of the 128-bit product says it.
+    const unsigned long long ua = static_cast<unsigned long long>(a);
+    const unsigned long long ub = static_cast<unsigned long long>(b);
+    const unsigned long long lo = ua * ub;
+    if (__umul64hi(ua, ub) != 0 || lo > static_cast<unsigned long long>(INT64_MAX)) return -1;
+    return static_cast<int64_t>(lo);
+#else
+    int64_t r;
+    return __builtin_mul_overflow(a, b, &r) ? -1 : r;
+#endif
+}
+
+// a + b for a, b >= 0, or -1 as checked_mul.
+PYFA_HD int64_t checked_add(int64_t a, int64_t b) {
+    if (a < 0 || b < 0 || a > INT64_MAX - b) return -1;
+    return a + b;
+}
+
 struct SmemLayout {
     static constexpr int kMaxTerms = 12;
     const char* name[kMaxTerms];
     int64_t offset[kMaxTerms];  // in floats from the start of dynamic shared memory
-    int64_t floats[kMaxTerms];
+    int64_t floats[kMaxTerms];  // -1 for a term whose size overflows int64_t
     int count = 0;
-    int64_t total_floats = 0;
+    int64_t total_floats = 0;   // -1 once any term or the running total overflows
 
-    PYFA_HD void add(const char* term, int64_t n) {
+    // One term of rows x cols floats.
+    PYFA_HD void add(const char* term, int64_t rows, int64_t cols) {
+        const int64_t n = checked_mul(rows, cols);
         name[count] = term;
         offset[count] = total_floats;
         floats[count] = n;
         ++count;
-        total_floats += n;
+        total_floats = (total_floats < 0 || n < 0) ? -1 : checked_add(total_floats, n);
     }
-    PYFA_HD int64_t bytes() const { return total_floats * static_cast<int64_t>(sizeof(float)); }
+    // Bytes of the whole layout, or -1 when they do not fit in int64_t.
+    PYFA_HD int64_t bytes() const {
+        return checked_mul(total_floats, static_cast<int64_t>(sizeof(float)));
+    }
 };
 
 // Row stride of a shared-memory tile whose rows the threads of a warp read at the same
@@ -31,7 +61,7 @@ struct SmemLayout {
 // padding per row. With a stride that is a multiple of 32 floats (d = 64, Bc = 64, ...)
 // all 32 rows sit in one bank and the warp's 32 reads are serialized; with an odd stride
 // they sit in 32 different banks. Tiles read along rows only keep their plain stride.
-PYFA_HD int64_t padded(int64_t row) { return row + 1; }
+PYFA_HD int64_t padded(int64_t row) { return checked_add(row, 1); }
 
 // Threads per block. Fixed, so that Br and Bc stay free runtime choices: every loop in
 // the kernels strides by blockDim.x over the tile's elements or rows.
@@ -42,14 +72,14 @@ enum Fa2ForwardTerm { FA2F_Qi, FA2F_Kj, FA2F_Vj, FA2F_Sij, FA2F_Oi, FA2F_mi, FA2
 
 PYFA_HD SmemLayout fa2_forward_smem(int64_t Br, int64_t Bc, int64_t d) {
     SmemLayout L;
-    L.add("Q_i", Br * d);   // loaded once per block, reused against every K_j
-    L.add("K_j", Bc * padded(d));
-    L.add("V_j", Bc * d);
-    L.add("S_ij", Br * padded(Bc));  // scores, overwritten in place by P~_ij = exp(S_ij - m_i)
-    L.add("O_i", Br * d);   // unnormalized accumulator, divided by l_i once at the end
-    L.add("m_i", Br);       // running row max
-    L.add("l_i", Br);       // running row sum
-    L.add("alpha", Br);     // exp(m_old - m_new), the rescale of this step
+    L.add("Q_i", Br, d);   // loaded once per block, reused against every K_j
+    L.add("K_j", Bc, padded(d));
+    L.add("V_j", Bc, d);
+    L.add("S_ij", Br, padded(Bc));  // scores, overwritten in place by P~_ij = exp(S_ij - m_i)
+    L.add("O_i", Br, d);   // unnormalized accumulator, divided by l_i once at the end
+    L.add("m_i", Br, 1);       // running row max
+    L.add("l_i", Br, 1);       // running row sum
+    L.add("alpha", Br, 1);     // exp(m_old - m_new), the rescale of this step
     return L;
 }
 
@@ -61,7 +91,7 @@ enum Fa2BackwardPreprocessTerm { FA2P_dOOi };
 
 PYFA_HD SmemLayout fa2_backward_preprocess_smem(int64_t Br, int64_t /*Bc*/, int64_t d) {
     SmemLayout L;
-    L.add("dO_i*O_i", Br * padded(d));  // the products, loaded coalesced, then summed along rows
+    L.add("dO_i*O_i", Br, padded(d));  // the products, loaded coalesced, then summed along rows
     return L;
 }
 
@@ -72,16 +102,16 @@ enum Fa2BackwardDkdvTerm {
 
 PYFA_HD SmemLayout fa2_backward_dkdv_smem(int64_t Br, int64_t Bc, int64_t d) {
     SmemLayout L;
-    L.add("K_j", Bc * padded(d));  // loaded once per block
-    L.add("V_j", Bc * padded(d));
-    L.add("dK_j", Bc * d);   // accumulated over every i, written once
-    L.add("dV_j", Bc * d);
-    L.add("Q_i", Br * d);    // reloaded for every (j, i)
-    L.add("dO_i", Br * d);
-    L.add("P_ij", Br * Bc);  // exp(S_ij - LSE_i), recomputed
-    L.add("dS_ij", Br * Bc); // P_ij o (dP_ij - D_i)
-    L.add("LSE_i", Br);
-    L.add("D_i", Br);
+    L.add("K_j", Bc, padded(d));  // loaded once per block
+    L.add("V_j", Bc, padded(d));
+    L.add("dK_j", Bc, d);   // accumulated over every i, written once
+    L.add("dV_j", Bc, d);
+    L.add("Q_i", Br, d);    // reloaded for every (j, i)
+    L.add("dO_i", Br, d);
+    L.add("P_ij", Br, Bc);  // exp(S_ij - LSE_i), recomputed
+    L.add("dS_ij", Br, Bc); // P_ij o (dP_ij - D_i)
+    L.add("LSE_i", Br, 1);
+    L.add("D_i", Br, 1);
     return L;
 }
 
@@ -90,14 +120,14 @@ enum Fa2BackwardDqTerm { FA2DQ_Qi, FA2DQ_dOi, FA2DQ_dQi, FA2DQ_Kj, FA2DQ_Vj, FA2
 
 PYFA_HD SmemLayout fa2_backward_dq_smem(int64_t Br, int64_t Bc, int64_t d) {
     SmemLayout L;
-    L.add("Q_i", Br * d);    // loaded once per block
-    L.add("dO_i", Br * d);
-    L.add("dQ_i", Br * d);   // accumulated over every j, written once
-    L.add("K_j", Bc * padded(d));  // reloaded for every (i, j)
-    L.add("V_j", Bc * padded(d));
-    L.add("dS_ij", Br * Bc); // recomputed as in the dK/dV kernel
-    L.add("LSE_i", Br);
-    L.add("D_i", Br);
+    L.add("Q_i", Br, d);    // loaded once per block
+    L.add("dO_i", Br, d);
+    L.add("dQ_i", Br, d);   // accumulated over every j, written once
+    L.add("K_j", Bc, padded(d));  // reloaded for every (i, j)
+    L.add("V_j", Bc, padded(d));
+    L.add("dS_ij", Br, Bc); // recomputed as in the dK/dV kernel
+    L.add("LSE_i", Br, 1);
+    L.add("D_i", Br, 1);
     return L;
 }
 
@@ -109,14 +139,14 @@ enum Fa1ForwardTerm { FA1F_Kj, FA1F_Vj, FA1F_Qi, FA1F_Sij, FA1F_mtij, FA1F_lnew,
 
 PYFA_HD SmemLayout fa1_forward_smem(int64_t Br, int64_t Bc, int64_t d) {
     SmemLayout L;
-    L.add("K_j", Bc * padded(d));  // outer loop: loaded once, used against every Q_i
-    L.add("V_j", Bc * d);
-    L.add("Q_i", Br * d);      // inner loop: reloaded for every (j, i); O_i, l_i, m_i go to registers
-    L.add("S_ij", Br * padded(Bc));  // scores, overwritten in place by P~_ij = exp(S_ij - m~_ij)
-    L.add("m~_ij", Br);        // row max of this tile
-    L.add("l_new", Br);        // the row sum after this tile
-    L.add("o_scale", Br);      // l_i exp(m_i - m_new): the weight of the old O_i
-    L.add("pv_scale", Br);     // exp(m~_ij - m_new): the weight of P~_ij V_j
+    L.add("K_j", Bc, padded(d));  // outer loop: loaded once, used against every Q_i
+    L.add("V_j", Bc, d);
+    L.add("Q_i", Br, d);      // inner loop: reloaded for every (j, i); O_i, l_i, m_i go to registers
+    L.add("S_ij", Br, padded(Bc));  // scores, overwritten in place by P~_ij = exp(S_ij - m~_ij)
+    L.add("m~_ij", Br, 1);        // row max of this tile
+    L.add("l_new", Br, 1);        // the row sum after this tile
+    L.add("o_scale", Br, 1);      // l_i exp(m_i - m_new): the weight of the old O_i
+    L.add("pv_scale", Br, 1);     // exp(m~_ij - m_new): the weight of P~_ij V_j
     return L;
 }
 
@@ -129,16 +159,16 @@ enum Fa1BackwardTerm {
 
 PYFA_HD SmemLayout fa1_backward_smem(int64_t Br, int64_t Bc, int64_t d) {
     SmemLayout L;
-    L.add("K_j", Bc * padded(d));  // outer loop: loaded once
-    L.add("V_j", Bc * padded(d));
-    L.add("dK_j", Bc * d);     // accumulated over the inner loop, written once per j
-    L.add("dV_j", Bc * d);
-    L.add("Q_i", Br * d);      // inner loop: reloaded for every (j, i)
-    L.add("dO_i", Br * padded(d));
-    L.add("P_ij", Br * Bc);
-    L.add("dS_ij", Br * Bc);   // dP_ij = dO_i V_j^T, overwritten in place by dS_ij
-    L.add("m_i", Br);
-    L.add("l_i", Br);
-    L.add("D_i", Br);          // rowsum(dO_i o O_i), recomputed for every (j, i)
+    L.add("K_j", Bc, padded(d));  // outer loop: loaded once
+    L.add("V_j", Bc, padded(d));
+    L.add("dK_j", Bc, d);     // accumulated over the inner loop, written once per j
+    L.add("dV_j", Bc, d);
+    L.add("Q_i", Br, d);      // inner loop: reloaded for every (j, i)
+    L.add("dO_i", Br, padded(d));
+    L.add("P_ij", Br, Bc);
+    L.add("dS_ij", Br, Bc);   // dP_ij = dO_i V_j^T, overwritten in place by dS_ij
+    L.add("m_i", Br, 1);
+    L.add("l_i", Br, 1);
+    L.add("D_i", Br, 1);          // rowsum(dO_i o O_i), recomputed for every (j, i)
     return L;
 }

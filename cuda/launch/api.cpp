@@ -2,18 +2,25 @@
 //
 // Every public operation (FA2 forward, ...) is described once as an Op: the tensors it
 // reads and writes, its scratch tensors and its kernels in launch order. run_op checks
-// the arguments (naming the bad one), resolves the backend and the tiles, and runs the
-// kernels. The host-pointer entry points compute into library-owned buffers and copy the
-// outputs to the caller only once every kernel has succeeded, so a failure never leaves
-// the caller's memory half written.
+// the arguments (naming the bad one), resolves the backend and the tiles, checks every
+// kernel's launch before the first one runs, and runs the kernels. Outputs go to
+// library-owned buffers first wherever the library can stage them (every host entry
+// point, and the host-memory backends behind a *_device entry point) and are copied to
+// the caller only once every kernel has succeeded, so a failure never leaves the
+// caller's memory half written.
+//
+// No C++ exception may cross the C ABI (it would terminate the caller's process), and
+// reporting a failure must work when allocation does not: every extern "C" function runs
+// its body under guarded(), and no failure path allocates.
 #include <cmath>
+#include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <new>
-#include <string>
-#include <vector>
 
+#include "common/smem.h"
 #include "common/tiling.h"
 #include "launch/internal.h"
 
@@ -21,7 +28,7 @@ namespace pyfa {
 
 namespace {
 
-enum TensorId { T_Q, T_K, T_V, T_O, T_LSE, T_M, T_L, T_DO, T_DQ, T_DK, T_DV, T_D };
+enum TensorId { T_NONE, T_Q, T_K, T_V, T_O, T_LSE, T_M, T_L, T_DO, T_DQ, T_DK, T_DV, T_D };
 
 struct TensorSlot {
     const char* name;  // the argument's name, as in pyfa.h
@@ -30,14 +37,23 @@ struct TensorSlot {
 };
 
 const TensorSlot kTensors[] = {
-    {"q", false, false},  {"k", true, false},   {"v", true, false},   {"o", false, false},
-    {"lse", false, true}, {"m", false, true},   {"l", false, true},   {"do", false, false},
-    {"dq", false, false}, {"dk", true, false},  {"dv", true, false},  {"D", false, true},
+    {"", false, false},    {"q", false, false},  {"k", true, false},  {"v", true, false},
+    {"o", false, false},   {"lse", false, true}, {"m", false, true},  {"l", false, true},
+    {"do", false, false},  {"dq", false, false}, {"dk", true, false}, {"dv", true, false},
+    {"D", false, true},
 };
 
+// Elements of tensor t; exact, or -1 when B * H * rows * cols does not fit in int64_t.
 int64_t tensor_elems(TensorId t, const pyfa_problem& pr) {
     const TensorSlot& s = kTensors[t];
-    return pr.batch * pr.heads * (s.key_rows ? pr.seqlen_k : pr.seqlen_q) * (s.per_row ? 1 : pr.head_dim);
+    int64_t n = checked_mul(pr.batch, pr.heads);
+    n = checked_mul(n, s.key_rows ? pr.seqlen_k : pr.seqlen_q);
+    return s.per_row ? n : checked_mul(n, pr.head_dim);
+}
+
+// Bytes of tensor t; check_problem has made sure they fit.
+size_t tensor_bytes(TensorId t, const pyfa_problem& pr) {
+    return sizeof(float) * static_cast<size_t>(tensor_elems(t, pr));
 }
 
 float*& param_slot(AttentionParams& p, TensorId t) {
@@ -54,26 +70,46 @@ float*& param_slot(AttentionParams& p, TensorId t) {
         case T_DK: return p.dk;
         case T_DV: return p.dv;
         case T_D: return p.drow;
+        case T_NONE: break;
     }
     return p.o;
 }
 
+// Fixed-size lists, ended by T_NONE (the zero the aggregate fills in), so that the
+// operation table needs no allocation, not even when the library is loaded.
+constexpr int kMaxInputs = 8, kMaxOutputs = 4, kMaxScratch = 2, kMaxKernels = 4;
+constexpr int kMaxOwned = kMaxInputs + kMaxOutputs + kMaxScratch;
+
+template <int N>
+int count(const TensorId (&list)[N]) {
+    int n = 0;
+    while (n < N && list[n] != T_NONE) ++n;
+    return n;
+}
+
 struct Op {
     const char* name;
-    std::vector<TensorId> inputs, outputs, scratch;
-    std::vector<int> kernels;
+    TensorId inputs[kMaxInputs];
+    TensorId outputs[kMaxOutputs];
+    TensorId scratch[kMaxScratch];
+    int kernel_count;
+    int kernels[kMaxKernels];  // in launch order
 };
 
-const Op kFa2Forward = {"pyfa_fa2_forward", {T_Q, T_K, T_V}, {T_O, T_LSE}, {}, {PYFA_KERNEL_FA2_FORWARD}};
-const Op kFa1Forward = {"pyfa_fa1_forward", {T_Q, T_K, T_V}, {T_O, T_M, T_L}, {}, {PYFA_KERNEL_FA1_FORWARD}};
-const Op kFa1Backward = {"pyfa_fa1_backward", {T_Q, T_K, T_V, T_O, T_M, T_L, T_DO}, {T_DQ, T_DK, T_DV}, {},
+const Op kFa2Forward = {"pyfa_fa2_forward", {T_Q, T_K, T_V}, {T_O, T_LSE}, {}, 1, {PYFA_KERNEL_FA2_FORWARD}};
+const Op kFa1Forward = {"pyfa_fa1_forward", {T_Q, T_K, T_V}, {T_O, T_M, T_L}, {}, 1, {PYFA_KERNEL_FA1_FORWARD}};
+const Op kFa1Backward = {"pyfa_fa1_backward", {T_Q, T_K, T_V, T_O, T_M, T_L, T_DO}, {T_DQ, T_DK, T_DV}, {}, 1,
                          {PYFA_KERNEL_FA1_BACKWARD}};
-const Op kFa2Backward = {"pyfa_fa2_backward", {T_Q, T_K, T_V, T_O, T_LSE, T_DO}, {T_DQ, T_DK, T_DV}, {T_D},
+const Op kFa2Backward = {"pyfa_fa2_backward", {T_Q, T_K, T_V, T_O, T_LSE, T_DO}, {T_DQ, T_DK, T_DV}, {T_D}, 3,
                          {PYFA_KERNEL_FA2_BACKWARD_PREPROCESS, PYFA_KERNEL_FA2_BACKWARD_DKDV,
                           PYFA_KERNEL_FA2_BACKWARD_DQ}};
 
 constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxGridX = 0x7fffffff;
 constexpr int64_t kMaxGridYZ = 65535;
+// The kernels index every tensor in int64_t and the library sizes it in bytes, so a
+// tensor's byte count must fit in int64_t (and so in size_t).
+constexpr int64_t kMaxTensorElems = INT64_MAX / static_cast<int64_t>(sizeof(float));
 
 pyfa_status check_problem(const pyfa_problem* pr) {
     if (!pr) return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem: null pointer");
@@ -83,53 +119,90 @@ pyfa_status check_problem(const pyfa_problem* pr) {
         {"problem->head_dim", pr->head_dim}};
     for (const auto& dim : dims)
         if (dim.value < 1)
-            return fail(PYFA_ERROR_INVALID_ARGUMENT,
-                        std::string(dim.name) + ": must be >= 1, got " + std::to_string(dim.value));
+            return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: must be >= 1, got %lld", dim.name,
+                        static_cast<long long>(dim.value));
     if (pr->head_dim > kMaxHeadDim)
-        return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->head_dim: must be in [1, 256], got " +
-                                                     std::to_string(pr->head_dim));
-    if (pr->batch > kMaxGridYZ || pr->heads > kMaxGridYZ)
-        return fail(PYFA_ERROR_INVALID_ARGUMENT,
-                    std::string(pr->batch > kMaxGridYZ ? "problem->batch" : "problem->heads") +
-                        ": at most 65535 (a grid dimension), got " +
-                        std::to_string(pr->batch > kMaxGridYZ ? pr->batch : pr->heads));
-    // Every tensor's element count must fit comfortably in int64 and size_t.
-    const double elems = static_cast<double>(pr->batch) * static_cast<double>(pr->heads) *
-                         static_cast<double>(pr->seqlen_q > pr->seqlen_k ? pr->seqlen_q : pr->seqlen_k) *
-                         static_cast<double>(pr->head_dim);
-    if (elems > 1e17)
-        return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem: tensors of over 1e17 elements");
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->head_dim: must be in [1, 256], got %lld",
+                    static_cast<long long>(pr->head_dim));
+    if (pr->batch > kMaxGridYZ || pr->heads > kMaxGridYZ) {
+        const bool b = pr->batch > kMaxGridYZ;
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: at most 65535 (a grid dimension), got %lld",
+                    b ? "problem->batch" : "problem->heads", static_cast<long long>(b ? pr->batch : pr->heads));
+    }
+    // Exact: q and o (rows Nq), k and v (rows Nk) are the largest tensors.
+    const struct { TensorId t; const char* shape; } big[] = {{T_Q, "B*H*Nq*d"}, {T_K, "B*H*Nk*d"}};
+    for (const auto& x : big) {
+        const int64_t n = tensor_elems(x.t, *pr);
+        if (n < 0 || n > kMaxTensorElems)
+            return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                        "problem: %s elements (of %s) exceed 2^61 - 1, the most a tensor may hold", x.shape,
+                        kTensors[x.t].name);
+    }
     if (!std::isfinite(pr->scale))
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->scale: must be finite (0 means 1/sqrt(d))");
     return PYFA_OK;
 }
 
-pyfa_status resolve_backend(const pyfa_config& cfg, int* backend) {
-    switch (cfg.backend) {
-        case PYFA_BACKEND_AUTO: *backend = cuda_available() ? PYFA_BACKEND_CUDA : PYFA_BACKEND_EMU; return PYFA_OK;
+// The backend a call runs on. On a *_device entry point AUTO means CUDA or an error,
+// never a host-memory backend: the pointers are the GPU's.
+pyfa_status resolve_backend(int asked, bool device_pointers, int* backend) {
+    switch (asked) {
+        case PYFA_BACKEND_AUTO:
+            if (cuda_available()) {
+                *backend = PYFA_BACKEND_CUDA;
+                return PYFA_OK;
+            }
+            if (device_pointers)
+                return fail(PYFA_ERROR_BACKEND_UNAVAILABLE,
+                            "config->backend: AUTO on a *_device entry point needs CUDA (device "
+                            "pointers), but CUDA is unavailable: %s",
+                            cuda_unavailable_reason());
+            *backend = PYFA_BACKEND_EMU;
+            return PYFA_OK;
         case PYFA_BACKEND_EMU: *backend = PYFA_BACKEND_EMU; return PYFA_OK;
         case PYFA_BACKEND_CUDA:
-            if (!cuda_compiled())
-                return fail(PYFA_ERROR_BACKEND_UNAVAILABLE, "config->backend: CUDA asked for, but this libpyfa was built without nvcc");
             if (!cuda_available())
-                return fail(PYFA_ERROR_BACKEND_UNAVAILABLE, "config->backend: CUDA asked for, but no usable GPU was found");
+                return fail(PYFA_ERROR_BACKEND_UNAVAILABLE, "config->backend: CUDA asked for, but %s",
+                            cuda_unavailable_reason());
             *backend = PYFA_BACKEND_CUDA;
             return PYFA_OK;
+        case PYFA_BACKEND_CPU:
+            return fail(PYFA_ERROR_BACKEND_UNAVAILABLE,
+                        "config->backend: the cpu backend is not part of this libpyfa yet");
     }
-    return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->backend: unknown backend " + std::to_string(cfg.backend));
+    return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->backend: unknown backend %d", asked);
 }
 
+// Backends that run on host memory (the emulator; the cpu backend to come) read the
+// inputs in place and have their outputs staged by run_op.
+bool host_memory(int backend) { return backend != PYFA_BACKEND_CUDA; }
+
 pyfa_status profile_of(int backend, pyfa_device_profile* profile) {
-    return backend == PYFA_BACKEND_CUDA ? cuda_profile(profile) : emu_profile(profile);
+    switch (backend) {
+        case PYFA_BACKEND_CUDA: return cuda_profile(profile);
+        case PYFA_BACKEND_EMU: return emu_profile(profile);
+    }
+    return fail(PYFA_ERROR_INTERNAL, "no device profile for backend %d", backend);
+}
+
+pyfa_status launch_kernel(int backend, int kernel, const AttentionParams& p, const LaunchShape& shape,
+                          const pyfa_config& cfg, void* stream) {
+    switch (backend) {
+        case PYFA_BACKEND_CUDA: return cuda_launch(kernel, p, shape, stream);
+        case PYFA_BACKEND_EMU: return emu_launch(kernel, p, shape, cfg);
+    }
+    return fail(PYFA_ERROR_INTERNAL, "no launcher for backend %d", backend);
 }
 
 // Tiles for one kernel: the caller's, else the default; checked against the device.
 pyfa_status kernel_tiles(int kernel, const pyfa_config& cfg, int64_t d,
                          const pyfa_device_profile& profile, int* Br, int* Bc) {
     if (cfg.block_r < 0)
-        return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->block_r: must be >= 1 (0 for the default), got " + std::to_string(cfg.block_r));
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->block_r: must be >= 1 (0 for the default), got %d",
+                    cfg.block_r);
     if (cfg.block_c < 0)
-        return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->block_c: must be >= 1 (0 for the default), got " + std::to_string(cfg.block_c));
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->block_c: must be >= 1 (0 for the default), got %d",
+                    cfg.block_c);
     int r = 0, c = 0;
     if (cfg.block_r == 0 || cfg.block_c == 0) {
         const pyfa_status st = default_tiles(kernel, d, profile, &r, &c);
@@ -137,14 +210,21 @@ pyfa_status kernel_tiles(int kernel, const pyfa_config& cfg, int64_t d,
     }
     r = cfg.block_r ? cfg.block_r : r;
     c = cfg.block_c ? cfg.block_c : c;
-    const int64_t need = smem_bytes(kernel, r, c, d);
-    if (need > profile.smem_per_block)
+    if (!smem_fits(kernel, r, c, d, profile.smem_per_block)) {
+        char terms[512];
+        smem_breakdown(kernel, r, c, d, terms, sizeof(terms));
+        const int64_t need = smem_bytes(kernel, r, c, d);
+        char need_text[48];
+        if (need >= 0)
+            std::snprintf(need_text, sizeof(need_text), "%lld", static_cast<long long>(need));
+        else
+            std::snprintf(need_text, sizeof(need_text), "more than 2^63 - 1");
         return fail(PYFA_ERROR_TILE_TOO_LARGE,
-                    std::string(kernel_name(kernel)) + ": block_r=" + std::to_string(r) + ", block_c=" +
-                        std::to_string(c) + " at head_dim=" + std::to_string(d) + " need " +
-                        std::to_string(need) + " bytes of shared memory (" +
-                        smem_breakdown(kernel, r, c, d) + "), but " + profile.name + " allows " +
-                        std::to_string(profile.smem_per_block) + " per block");
+                    "%s: block_r=%d, block_c=%d at head_dim=%lld need %s bytes of shared memory (%s), "
+                    "but %s allows %lld per block",
+                    kernel_name(kernel), r, c, static_cast<long long>(d), need_text, terms, profile.name,
+                    static_cast<long long>(profile.smem_per_block));
+    }
     *Br = r;
     *Bc = c;
     return PYFA_OK;
@@ -154,27 +234,53 @@ pyfa_status kernel_tiles(int kernel, const pyfa_config& cfg, int64_t d,
 struct Scratch {
     int backend = PYFA_BACKEND_EMU;
     void* stream = nullptr;
-    std::vector<void*> owned;
+    void* owned[kMaxOwned] = {};
+    int count = 0;
     pyfa_status alloc(size_t bytes, float** out) {
+        if (count == kMaxOwned) return fail(PYFA_ERROR_INTERNAL, "more than %d buffers in one call", kMaxOwned);
         void* ptr = nullptr;
         if (backend == PYFA_BACKEND_CUDA) {
             const pyfa_status st = cuda_malloc(&ptr, bytes, stream);
             if (st != PYFA_OK) return st;
         } else {
             ptr = std::malloc(bytes ? bytes : 1);
-            if (!ptr) return fail(PYFA_ERROR_OUT_OF_MEMORY, "out of host memory for " + std::to_string(bytes) + " bytes");
+            if (!ptr) return fail(PYFA_ERROR_OUT_OF_MEMORY, "out of host memory for %zu bytes", bytes);
         }
-        owned.push_back(ptr);
+        owned[count++] = ptr;
         *out = static_cast<float*>(ptr);
         return PYFA_OK;
     }
-    ~Scratch() {
-        for (void* ptr : owned) {
-            if (backend == PYFA_BACKEND_CUDA) cuda_free(ptr, stream);
-            else std::free(ptr);
+    // Frees every buffer; the first failure (CUDA only) is the status.
+    pyfa_status release() {
+        pyfa_status first = PYFA_OK;
+        for (int n = 0; n < count; ++n) {
+            if (backend == PYFA_BACKEND_CUDA) {
+                const pyfa_status st = cuda_free(owned[n], stream);
+                if (first == PYFA_OK) first = st;
+            } else {
+                std::free(owned[n]);
+            }
         }
+        count = 0;
+        return first;
+    }
+    // Only a failed call leaves buffers here; its message stays the one reported.
+    ~Scratch() {
+        if (count == 0) return;
+        char kept[kMaxErrorLength];
+        std::snprintf(kept, sizeof(kept), "%s", pyfa_last_error());
+        release();
+        fail(PYFA_OK, "%s", kept);
     }
 };
+
+// config->progress for the CUDA backend, in kernels: a nonzero return cancels the call.
+pyfa_status poll_progress(const pyfa_config& cfg, int64_t done, int64_t total) {
+    if (cfg.progress && cfg.progress(cfg.progress_user, done, total) != 0)
+        return fail(PYFA_ERROR_CANCELLED, "cancelled by config->progress after %lld of %lld kernels",
+                    static_cast<long long>(done), static_cast<long long>(total));
+    return PYFA_OK;
+}
 
 pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const pyfa_config* config,
                              const float* const* inputs, float* const* outputs,
@@ -182,17 +288,20 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     pyfa_status st = check_problem(problem);
     if (st != PYFA_OK) return st;
     const pyfa_config cfg = config ? *config : pyfa_config{};
-    for (size_t t = 0; t < op.inputs.size(); ++t)
-        if (!inputs[t]) return fail(PYFA_ERROR_INVALID_ARGUMENT, std::string(kTensors[op.inputs[t]].name) + ": null pointer");
-    for (size_t t = 0; t < op.outputs.size(); ++t)
-        if (!outputs[t]) return fail(PYFA_ERROR_INVALID_ARGUMENT, std::string(kTensors[op.outputs[t]].name) + ": null pointer");
+    const int n_in = count(op.inputs), n_out = count(op.outputs), n_scratch = count(op.scratch);
+    for (int t = 0; t < n_in; ++t)
+        if (!inputs[t]) return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: null pointer", kTensors[op.inputs[t]].name);
+    for (int t = 0; t < n_out; ++t)
+        if (!outputs[t]) return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: null pointer", kTensors[op.outputs[t]].name);
     if (cfg.emu_order < PYFA_EMU_ORDER_FORWARD || cfg.emu_order > PYFA_EMU_ORDER_SHUFFLED)
-        return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->emu_order: unknown order " + std::to_string(cfg.emu_order));
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->emu_order: unknown order %d", cfg.emu_order);
     if (cfg.emu_workers < 0)
-        return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->emu_workers: must be >= 0, got " + std::to_string(cfg.emu_workers));
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->emu_workers: must be >= 0, got %d", cfg.emu_workers);
+    if (cfg.threads < 0)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->threads: must be >= 0, got %d", cfg.threads);
 
     int backend = PYFA_BACKEND_EMU;
-    if ((st = resolve_backend(cfg, &backend)) != PYFA_OK) return st;
+    if ((st = resolve_backend(cfg.backend, device_pointers, &backend)) != PYFA_OK) return st;
     pyfa_device_profile profile;
     if ((st = profile_of(backend, &profile)) != PYFA_OK) return st;
 
@@ -205,85 +314,128 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     base.scale = problem->scale != 0.0f ? problem->scale : 1.0f / std::sqrt(static_cast<float>(problem->head_dim));
     base.causal = problem->causal != 0;
 
-    std::vector<AttentionParams> launches;
-    std::vector<LaunchShape> shapes;
-    for (int kernel : op.kernels) {
+    // Every kernel's tiles and launch are checked before anything is allocated or
+    // launched, so that a configuration error never follows a kernel that has written.
+    int tiles[kMaxKernels][2];
+    LaunchShape shapes[kMaxKernels];
+    for (int n = 0; n < op.kernel_count; ++n) {
+        const int kernel = op.kernels[n];
         AttentionParams p = base;
         if ((st = kernel_tiles(kernel, cfg, p.head_dim, profile, &p.block_r, &p.block_c)) != PYFA_OK) return st;
-        if (ceil_div(p.seqlen_q, p.block_r) > 0x7fffffff || ceil_div(p.seqlen_k, p.block_c) > 0x7fffffff)
+        if (ceil_div(p.seqlen_q, p.block_r) > kMaxGridX || ceil_div(p.seqlen_k, p.block_c) > kMaxGridX)
             return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem: more than 2^31-1 tiles along a sequence");
-        launches.push_back(p);
-        shapes.push_back(launch_shape(kernel, p));
+        tiles[n][0] = p.block_r;
+        tiles[n][1] = p.block_c;
+        shapes[n] = launch_shape(kernel, p);
+        if (backend == PYFA_BACKEND_CUDA && (st = cuda_check_launch(kernel, shapes[n])) != PYFA_OK) return st;
     }
 
-    // Bind tensors. Host entry points: inputs are copied to the GPU (the emulator reads
-    // them in place); outputs always go to owned buffers first.
+    // Host entry points on CUDA work on the library's own stream.
+    if (backend == PYFA_BACKEND_CUDA && !device_pointers && (st = cuda_library_stream(&stream)) != PYFA_OK)
+        return st;
+
+    // Bind tensors. Inputs: copied to the GPU for a host entry point on CUDA, else read in
+    // place. Outputs: staged in owned buffers unless they are the GPU's own (a *_device
+    // entry point on CUDA, where the stream orders everything).
     Scratch owned;
     owned.backend = backend;
     owned.stream = stream;
     AttentionParams bound = base;
-    const bool staged_inputs = !device_pointers && backend == PYFA_BACKEND_CUDA;
-    for (size_t t = 0; t < op.inputs.size(); ++t) {
+    const bool stage_inputs = !device_pointers && backend == PYFA_BACKEND_CUDA;
+    const bool stage_outputs = !device_pointers || host_memory(backend);
+    for (int t = 0; t < n_in; ++t) {
         float*& slot = param_slot(bound, op.inputs[t]);
         slot = const_cast<float*>(inputs[t]);
-        if (staged_inputs) {
-            const size_t bytes = sizeof(float) * static_cast<size_t>(tensor_elems(op.inputs[t], *problem));
+        if (stage_inputs) {
+            const size_t bytes = tensor_bytes(op.inputs[t], *problem);
             if ((st = owned.alloc(bytes, &slot)) != PYFA_OK) return st;
-            if ((st = cuda_copy_to_device(slot, inputs[t], bytes)) != PYFA_OK) return st;
+            if ((st = cuda_copy_to_device(slot, inputs[t], bytes, stream)) != PYFA_OK) return st;
         }
     }
-    for (size_t t = 0; t < op.outputs.size(); ++t) {
+    for (int t = 0; t < n_out; ++t) {
         float*& slot = param_slot(bound, op.outputs[t]);
         slot = outputs[t];
-        if (!device_pointers) {
-            const size_t bytes = sizeof(float) * static_cast<size_t>(tensor_elems(op.outputs[t], *problem));
-            if ((st = owned.alloc(bytes, &slot)) != PYFA_OK) return st;
-        }
+        if (stage_outputs && (st = owned.alloc(tensor_bytes(op.outputs[t], *problem), &slot)) != PYFA_OK)
+            return st;
     }
-    for (TensorId t : op.scratch) {
-        const size_t bytes = sizeof(float) * static_cast<size_t>(tensor_elems(t, *problem));
-        if ((st = owned.alloc(bytes, &param_slot(bound, t))) != PYFA_OK) return st;
-    }
+    for (int t = 0; t < n_scratch; ++t)
+        if ((st = owned.alloc(tensor_bytes(op.scratch[t], *problem), &param_slot(bound, op.scratch[t]))) != PYFA_OK)
+            return st;
 
-    for (size_t n = 0; n < op.kernels.size(); ++n) {
+    // The CUDA backend asks config->progress before each launch. On the library's stream
+    // (host entry points) it first waits for the kernels already launched, so that `done`
+    // counts finished kernels and a cancel takes effect between them. Work enqueued on the
+    // caller's stream cannot be taken back, so a *_device call asks once, before any launch.
+    const bool cuda_polls = backend == PYFA_BACKEND_CUDA && cfg.progress;
+    for (int n = 0; n < op.kernel_count; ++n) {
+        if (cuda_polls && (n == 0 || !device_pointers)) {
+            if (n > 0 && (st = cuda_synchronize(stream)) != PYFA_OK) return st;
+            if ((st = poll_progress(cfg, n, op.kernel_count)) != PYFA_OK) return st;
+        }
         AttentionParams p = bound;
-        p.block_r = launches[n].block_r;
-        p.block_c = launches[n].block_c;
-        st = backend == PYFA_BACKEND_CUDA ? cuda_launch(op.kernels[n], p, shapes[n], stream)
-                                          : emu_launch(op.kernels[n], p, shapes[n], cfg);
-        if (st != PYFA_OK) return st;
+        p.block_r = tiles[n][0];
+        p.block_c = tiles[n][1];
+        if ((st = launch_kernel(backend, op.kernels[n], p, shapes[n], cfg, stream)) != PYFA_OK) return st;
     }
 
-    if (!device_pointers) {
-        if (backend == PYFA_BACKEND_CUDA && (st = cuda_synchronize()) != PYFA_OK) return st;
-        for (size_t t = 0; t < op.outputs.size(); ++t) {
-            const size_t bytes = sizeof(float) * static_cast<size_t>(tensor_elems(op.outputs[t], *problem));
-            const float* src = param_slot(bound, op.outputs[t]);
-            if (backend == PYFA_BACKEND_CUDA) {
-                if ((st = cuda_copy_to_host(outputs[t], src, bytes)) != PYFA_OK) return st;
-            } else {
-                std::memcpy(outputs[t], src, bytes);
-            }
+    if (!stage_outputs) return owned.release();
+    if (backend == PYFA_BACKEND_CUDA) {
+        if ((st = cuda_synchronize(stream)) != PYFA_OK) return st;
+        if (cuda_polls && (st = poll_progress(cfg, op.kernel_count, op.kernel_count)) != PYFA_OK) return st;
+    }
+    for (int t = 0; t < n_out; ++t) {
+        const size_t bytes = tensor_bytes(op.outputs[t], *problem);
+        const float* src = param_slot(bound, op.outputs[t]);
+        if (backend == PYFA_BACKEND_CUDA) {
+            if ((st = cuda_copy_to_host(outputs[t], src, bytes, stream)) != PYFA_OK) return st;
+        } else {
+            std::memcpy(outputs[t], src, bytes);
         }
     }
-    return PYFA_OK;
+    if (backend == PYFA_BACKEND_CUDA && (st = cuda_synchronize(stream)) != PYFA_OK) return st;
+    return owned.release();
 }
 
-// No C++ exception may cross the C ABI (it would terminate the caller's process): an
-// allocation failure or any other throw becomes a status and a message.
+// Runs body() and turns anything it throws into a status; the handlers allocate nothing.
+template <class Body>
+pyfa_status guarded(const char* where, Body&& body) noexcept {
+    try {
+        return body();
+    } catch (const std::bad_alloc&) {
+        return fail(PYFA_ERROR_OUT_OF_MEMORY, "%s: out of host memory", where);
+    } catch (const std::exception& e) {
+        return fail(PYFA_ERROR_INTERNAL, "%s: %s", where, e.what());
+    } catch (...) {
+        return fail(PYFA_ERROR_INTERNAL, "%s: unknown exception", where);
+    }
+}
+
+// The same for a function that returns a value: `failed` when body() throws.
+template <class T, class Body>
+T guarded_value(const char* where, T failed, Body&& body) noexcept {
+    T result = failed;
+    const pyfa_status st = guarded(where, [&] {
+        result = body();
+        return PYFA_OK;
+    });
+    return st == PYFA_OK ? result : failed;
+}
+
 pyfa_status run_op(const Op& op, const pyfa_problem* problem, const pyfa_config* config,
                    const float* const* inputs, float* const* outputs, bool device_pointers,
-                   void* stream) {
+                   void* stream) noexcept {
     clear_error();
-    try {
+    return guarded(op.name, [&] {
         return run_op_unguarded(op, problem, config, inputs, outputs, device_pointers, stream);
-    } catch (const std::bad_alloc&) {
-        return fail(PYFA_ERROR_OUT_OF_MEMORY, std::string(op.name) + ": out of host memory");
-    } catch (const std::exception& e) {
-        return fail(PYFA_ERROR_INTERNAL, std::string(op.name) + ": " + e.what());
-    } catch (...) {
-        return fail(PYFA_ERROR_INTERNAL, std::string(op.name) + ": unknown exception");
-    }
+    });
+}
+
+pyfa_status device_profile_get(int backend, pyfa_device_profile* profile) {
+    if (!profile) return fail(PYFA_ERROR_INVALID_ARGUMENT, "profile: null pointer");
+    int resolved = PYFA_BACKEND_EMU;
+    const pyfa_status st = resolve_backend(backend, false, &resolved);
+    if (st != PYFA_OK) return st;
+    return profile_of(resolved, profile);
 }
 
 }  // namespace
@@ -299,53 +451,62 @@ PYFA_API const char* pyfa_version(void) { return PYFA_VERSION_STRING; }
 PYFA_API int pyfa_abi_version(void) { return PYFA_ABI_VERSION; }
 
 PYFA_API int pyfa_backend_available(int backend) {
-    switch (backend) {
-        case PYFA_BACKEND_EMU: return 1;
-        case PYFA_BACKEND_CUDA: return cuda_available() ? 1 : 0;
-        case PYFA_BACKEND_AUTO: return 1;
-    }
-    return 0;
+    return guarded_value("pyfa_backend_available", 0, [&] {
+        switch (backend) {
+            case PYFA_BACKEND_EMU: return 1;
+            case PYFA_BACKEND_CUDA: return cuda_available() ? 1 : 0;
+            case PYFA_BACKEND_AUTO: return 1;
+        }
+        return 0;
+    });
 }
 
 PYFA_API int pyfa_backend_compiled(int backend) {
-    switch (backend) {
-        case PYFA_BACKEND_EMU: return 1;
-        case PYFA_BACKEND_CUDA: return cuda_compiled() ? 1 : 0;
-    }
-    return 0;
+    return guarded_value("pyfa_backend_compiled", 0, [&] {
+        switch (backend) {
+            case PYFA_BACKEND_EMU: return 1;
+            case PYFA_BACKEND_CUDA: return cuda_compiled() ? 1 : 0;
+        }
+        return 0;
+    });
 }
 
 PYFA_API const char* pyfa_backend_reason(int backend) {
-    if (pyfa_backend_available(backend)) return "";
-    if (backend == PYFA_BACKEND_CUDA)
-        return cuda_compiled() ? "no usable CUDA GPU was found" : "this libpyfa was built without nvcc";
-    return "unknown backend";
+    return guarded_value<const char*>("pyfa_backend_reason", "the reason could not be determined", [&] {
+        switch (backend) {
+            case PYFA_BACKEND_EMU:
+            case PYFA_BACKEND_AUTO: return "";
+            case PYFA_BACKEND_CUDA: return cuda_unavailable_reason();
+            case PYFA_BACKEND_CPU: return "the cpu backend is not part of this libpyfa yet";
+        }
+        return "unknown backend";
+    });
 }
 
 PYFA_API pyfa_status pyfa_device_profile_get(int backend, pyfa_device_profile* profile) {
     clear_error();
-    if (!profile) return fail(PYFA_ERROR_INVALID_ARGUMENT, "profile: null pointer");
-    pyfa_config cfg{};
-    cfg.backend = backend;
-    int resolved = PYFA_BACKEND_EMU;
-    const pyfa_status st = resolve_backend(cfg, &resolved);
-    if (st != PYFA_OK) return st;
-    return profile_of(resolved, profile);
+    return guarded("pyfa_device_profile_get", [&] { return device_profile_get(backend, profile); });
 }
 
 PYFA_API int64_t pyfa_smem_bytes(int kernel, int block_r, int block_c, int64_t head_dim) {
-    return smem_bytes(kernel, block_r, block_c, head_dim);
+    return guarded_value<int64_t>("pyfa_smem_bytes", 0, [&] {
+        const int64_t bytes = smem_bytes(kernel, block_r, block_c, head_dim);
+        return bytes > 0 ? bytes : 0;
+    });
 }
 
 PYFA_API pyfa_status pyfa_default_tiles(int kernel, int64_t head_dim, int backend, int* block_r, int* block_c) {
     clear_error();
-    if (!block_r || !block_c) return fail(PYFA_ERROR_INVALID_ARGUMENT, "block_r, block_c: null pointer");
-    if (head_dim < 1 || head_dim > kMaxHeadDim)
-        return fail(PYFA_ERROR_INVALID_ARGUMENT, "head_dim: must be in [1, 256], got " + std::to_string(head_dim));
-    pyfa_device_profile profile;
-    const pyfa_status st = pyfa_device_profile_get(backend, &profile);
-    if (st != PYFA_OK) return st;
-    return default_tiles(kernel, head_dim, profile, block_r, block_c);
+    return guarded("pyfa_default_tiles", [&] {
+        if (!block_r || !block_c) return fail(PYFA_ERROR_INVALID_ARGUMENT, "block_r, block_c: null pointer");
+        if (head_dim < 1 || head_dim > kMaxHeadDim)
+            return fail(PYFA_ERROR_INVALID_ARGUMENT, "head_dim: must be in [1, 256], got %lld",
+                        static_cast<long long>(head_dim));
+        pyfa_device_profile profile;
+        const pyfa_status st = device_profile_get(backend, &profile);
+        if (st != PYFA_OK) return st;
+        return default_tiles(kernel, head_dim, profile, block_r, block_c);
+    });
 }
 
 PYFA_API pyfa_status pyfa_fa2_forward(const pyfa_problem* problem, const pyfa_config* config,

@@ -1,6 +1,7 @@
 // tiles.cpp: launch geometry, shared-memory sizes and default tiles of every kernel.
 // sim/tiles.py mirrors the default-tile rules; tests/test_tiles.py holds them equal.
-#include <string>
+#include <cstdint>
+#include <cstdio>
 
 #include "common/smem.h"
 #include "common/tiling.h"
@@ -38,19 +39,31 @@ const char* kernel_name(int kernel) {
 
 int64_t smem_bytes(int kernel, int64_t Br, int64_t Bc, int64_t d) {
     SmemLayout L;
-    if (Br < 1 || Bc < 1 || d < 1 || !layout_of(kernel, Br, Bc, d, &L)) return 0;
+    if (Br < 1 || Bc < 1 || d < 1 || !layout_of(kernel, Br, Bc, d, &L)) return -1;
     return L.bytes();
 }
 
-std::string smem_breakdown(int kernel, int64_t Br, int64_t Bc, int64_t d) {
+bool smem_fits(int kernel, int64_t Br, int64_t Bc, int64_t d, int64_t limit) {
+    const int64_t need = smem_bytes(kernel, Br, Bc, d);
+    return need >= 0 && need <= limit;
+}
+
+void smem_breakdown(int kernel, int64_t Br, int64_t Bc, int64_t d, char* buf, size_t size) {
     SmemLayout L;
-    if (!layout_of(kernel, Br, Bc, d, &L)) return "";
-    std::string s;
-    for (int t = 0; t < L.count; ++t) {
-        if (t) s += " + ";
-        s += std::string(L.name[t]) + " " + std::to_string(L.floats[t] * 4);
+    if (!size) return;
+    buf[0] = '\0';
+    if (!layout_of(kernel, Br, Bc, d, &L)) return;
+    size_t used = 0;
+    for (int t = 0; t < L.count && used < size; ++t) {
+        const int64_t bytes = checked_mul(L.floats[t], static_cast<int64_t>(sizeof(float)));
+        const int n = bytes >= 0
+                          ? std::snprintf(buf + used, size - used, "%s%s %lld", t ? " + " : "",
+                                          L.name[t], static_cast<long long>(bytes))
+                          : std::snprintf(buf + used, size - used, "%s%s over 2^63 - 1", t ? " + " : "",
+                                          L.name[t]);
+        if (n < 0) return;
+        used += static_cast<size_t>(n);
     }
-    return s;
 }
 
 // FA1's rule (Dao et al. 2022, Algorithms 1 and 4): Bc = ceil(M / 4d), Br = min(Bc, d),
@@ -59,17 +72,18 @@ std::string smem_breakdown(int kernel, int64_t Br, int64_t Bc, int64_t d) {
 // time, Br following it down whenever it would exceed Bc, until the layout fits.
 static pyfa_status fa1_default_tiles(int kernel, int64_t d, const pyfa_device_profile& profile,
                                      int* Br, int* Bc) {
-    const int64_t M = profile.smem_per_block / static_cast<int64_t>(sizeof(float));
-    int64_t c = max64(1, ceil_div(M, 4 * d));
+    const int64_t limit = profile.smem_per_block;
+    const int64_t M = limit / static_cast<int64_t>(sizeof(float));
+    // Bc may not exceed what a pyfa_config can hold; far below that it no longer fits.
+    int64_t c = min64(max64(1, ceil_div(M, 4 * d)), INT32_MAX);
     int64_t r = min64(c, d);
-    while (c > 1 && smem_bytes(kernel, r, c, d) > profile.smem_per_block) {
+    while (c > 1 && !smem_fits(kernel, r, c, d, limit)) {
         --c;
         r = min64(r, c);
     }
-    if (smem_bytes(kernel, r, c, d) > profile.smem_per_block)
-        return fail(PYFA_ERROR_TILE_TOO_LARGE, std::string(kernel_name(kernel)) +
-                                                   ": even 1 x 1 tiles do not fit in " +
-                                                   std::to_string(profile.smem_per_block) + " bytes");
+    if (!smem_fits(kernel, r, c, d, limit))
+        return fail(PYFA_ERROR_TILE_TOO_LARGE, "%s: even 1 x 1 tiles at head_dim=%lld do not fit in %lld bytes",
+                    kernel_name(kernel), static_cast<long long>(d), static_cast<long long>(limit));
     *Br = static_cast<int>(r);
     *Bc = static_cast<int>(c);
     return PYFA_OK;
@@ -80,18 +94,20 @@ pyfa_status default_tiles(int kernel, int64_t d, const pyfa_device_profile& prof
                           int* Bc) {
     SmemLayout L;
     if (!layout_of(kernel, 1, 1, 1, &L))
-        return fail(PYFA_ERROR_INVALID_ARGUMENT, "kernel: unknown kernel " + std::to_string(kernel));
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "kernel: unknown kernel %d", kernel);
+    if (d < 1)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "head_dim: must be >= 1, got %lld", static_cast<long long>(d));
     if (kernel == PYFA_KERNEL_FA1_FORWARD || kernel == PYFA_KERNEL_FA1_BACKWARD)
         return fa1_default_tiles(kernel, d, profile, Br, Bc);
+    const int64_t limit = profile.smem_per_block;
     int r = 64, c = 64;
-    while (r > 1 && smem_bytes(kernel, r, c, d) > profile.smem_per_block) {
+    while (r > 1 && !smem_fits(kernel, r, c, d, limit)) {
         r /= 2;
         c /= 2;
     }
-    if (smem_bytes(kernel, r, c, d) > profile.smem_per_block)
-        return fail(PYFA_ERROR_TILE_TOO_LARGE, std::string(kernel_name(kernel)) +
-                                                   ": even 1 x 1 tiles do not fit in " +
-                                                   std::to_string(profile.smem_per_block) + " bytes");
+    if (!smem_fits(kernel, r, c, d, limit))
+        return fail(PYFA_ERROR_TILE_TOO_LARGE, "%s: even 1 x 1 tiles at head_dim=%lld do not fit in %lld bytes",
+                    kernel_name(kernel), static_cast<long long>(d), static_cast<long long>(limit));
     *Br = r;
     *Bc = c;
     return PYFA_OK;
