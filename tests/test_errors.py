@@ -108,3 +108,78 @@ def test_c_abi_success_clears_last_error():
     assert status == 1 and message
     status, message, o, _ = _c_call({})
     assert status == 0 and message == "" and np.allclose(o, 1.0)
+
+
+def _device_call(backend, block_r=0):
+    """pyfa_fa2_forward_device on host buffers; returns (status, message, o, lse)."""
+    ffi, lib = _lib.load()
+    pr = ffi.new("pyfa_problem *", dict(batch=1, heads=1, seqlen_q=4, seqlen_k=4, head_dim=8))
+    cfg = ffi.new("pyfa_config *", dict(backend=backend, block_r=block_r, emu_workers=1))
+    x = np.ones((4, 8), np.float32)
+    o = np.full((4, 8), 7.0, np.float32)
+    lse = np.full(4, 7.0, np.float32)
+    ptr = lambda a: ffi.cast("float *", ffi.from_buffer(a))
+    status = lib.pyfa_fa2_forward_device(pr, cfg, ptr(x), ptr(x), ptr(x), ptr(o), ptr(lse), ffi.NULL)
+    return status, ffi.string(lib.pyfa_last_error()).decode(), o, lse
+
+
+@pytest.mark.skipif("cuda" in pyfa.backends(), reason="this machine has a usable GPU")
+def test_auto_on_a_device_entry_point_never_runs_the_emulator():
+    # The pointers of a *_device call are the GPU's: without CUDA, AUTO is an error that
+    # says why CUDA is unavailable, and nothing is written.
+    _, lib = _lib.load()
+    status, message, o, lse = _device_call(backend=0)
+    assert status == 3, message
+    assert "*_device" in message and _lib.load()[0].string(lib.pyfa_backend_reason(1)).decode() in message
+    assert np.all(o == 7.0) and np.all(lse == 7.0)
+
+
+def test_emu_on_a_device_entry_point_takes_host_pointers():
+    status, message, o, lse = _device_call(backend=2)
+    assert status == 0 and message == ""
+    assert np.allclose(o, 1.0) and np.all(np.isfinite(lse))
+    # A failure there writes nothing either.
+    status, message, o, lse = _device_call(backend=2, block_r=1 << 30)
+    assert status == 2 and "block_r=1073741824" in message
+    assert np.all(o == 7.0) and np.all(lse == 7.0)
+
+
+def test_cpu_backend_is_reported_unavailable_with_a_reason():
+    ffi, lib = _lib.load()
+    pr = ffi.new("pyfa_problem *", dict(batch=1, heads=1, seqlen_q=4, seqlen_k=4, head_dim=8))
+    cfg = ffi.new("pyfa_config *", dict(backend=3))
+    x = np.ones((4, 8), np.float32)
+    o = np.full((4, 8), 7.0, np.float32)
+    lse = np.full(4, 7.0, np.float32)
+    ptr = lambda a: ffi.cast("float *", ffi.from_buffer(a))
+    if lib.pyfa_backend_available(3):
+        pytest.skip("this libpyfa has the cpu backend")
+    assert lib.pyfa_fa2_forward(pr, cfg, ptr(x), ptr(x), ptr(x), ptr(o), ptr(lse)) == 3
+    assert "config->backend: the cpu backend" in ffi.string(lib.pyfa_last_error()).decode()
+    assert ffi.string(lib.pyfa_backend_reason(3)).decode()
+    assert np.all(o == 7.0) and np.all(lse == 7.0)
+
+
+def test_backend_reason_says_why_and_is_empty_when_usable():
+    ffi, lib = _lib.load()
+    assert ffi.string(lib.pyfa_backend_reason(2)).decode() == ""
+    cuda_reason = ffi.string(lib.pyfa_backend_reason(1)).decode()
+    if lib.pyfa_backend_available(1):
+        assert cuda_reason == ""
+    elif not lib.pyfa_backend_compiled(1):
+        assert "without nvcc" in cuda_reason
+    else:
+        # The runtime's own words: an error name such as cudaErrorNoDevice.
+        assert "cudaError" in cuda_reason or "0 devices" in cuda_reason
+    assert ffi.string(lib.pyfa_backend_reason(42)).decode() == "unknown backend"
+
+
+def test_c_abi_rejects_negative_threads():
+    ffi, lib = _lib.load()
+    pr = ffi.new("pyfa_problem *", dict(batch=1, heads=1, seqlen_q=4, seqlen_k=4, head_dim=8))
+    cfg = ffi.new("pyfa_config *", dict(backend=2, threads=-1))
+    x = np.ones((4, 8), np.float32)
+    p = ffi.cast("float *", ffi.from_buffer(x))
+    assert lib.pyfa_fa2_forward(pr, cfg, p, p, p, p, p) == 1
+    assert "config->threads" in ffi.string(lib.pyfa_last_error()).decode()
+

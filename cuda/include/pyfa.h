@@ -2,8 +2,30 @@
  * pyfa.h: the public C ABI of libpyfa (FlashAttention-1 and -2, fp32, forward and backward).
  *
  * Plain C99 and C++; needs no CUDA header. Every function returns a pyfa_status and
- * never exits or aborts; on failure pyfa_last_error() holds a message for the calling
- * thread, and nothing the caller owns has been written.
+ * never exits, aborts or lets a C++ exception out, also when memory runs out (that is
+ * PYFA_ERROR_OUT_OF_MEMORY); on failure pyfa_last_error() holds a message for the
+ * calling thread, and nothing the caller owns has been written (for the *_device entry
+ * points, see below).
+ *
+ * The host entry points (pyfa_fa2_forward, ...) take host pointers. On CUDA they copy
+ * through the GPU on a non-blocking stream of the library's own (one per device) and
+ * wait for that stream alone: they never synchronize the device or the caller's streams.
+ * They return once the outputs are in place, and write the outputs only after every
+ * kernel has succeeded.
+ *
+ * The *_device entry points take device pointers and enqueue the kernels on the caller's
+ * stream. Before enqueuing anything they check the arguments, the tiles, each kernel's
+ * launch configuration against the device and the scratch allocation; a failure there
+ * means nothing was enqueued or written. Once the kernels are enqueued they return
+ * PYFA_OK without waiting: a fault while the kernels run (a bad pointer, say) is not
+ * reported by the call but by later CUDA calls on that stream or context, and the
+ * outputs are then undefined. Should the runtime refuse a launch after an earlier kernel
+ * of the same call was enqueued (the configuration was checked, so only e.g. a sticky
+ * error left by earlier work), the call returns that error and the earlier kernels may
+ * write their outputs: for pyfa_fa2_backward_device, dK and dV (its second kernel)
+ * without dQ (its third). Scratch is freed stream-ordered (cudaFreeAsync); on a device
+ * without memory pools it is cudaMalloc'ed and cudaFree'd, and cudaFree waits for the
+ * device's pending work.
  *
  * Tensors are dense, row-major (C-contiguous) float32:
  *   q, o, dq, do       (B, H, Nq, d)
@@ -48,7 +70,8 @@ typedef enum pyfa_status {
 } pyfa_status;
 
 typedef enum pyfa_backend {
-    PYFA_BACKEND_AUTO = 0, /* CUDA when a usable GPU is present, else the native CPU backend */
+    PYFA_BACKEND_AUTO = 0, /* host entry points: CUDA when usable, else the emulator;
+                              *_device entry points: CUDA, or PYFA_ERROR_BACKEND_UNAVAILABLE */
     PYFA_BACKEND_CUDA = 1,
     PYFA_BACKEND_EMU = 2,  /* the same kernel source run on the CPU, threads as fibers */
     PYFA_BACKEND_CPU = 3   /* native vectorised C++ on the host, bit-identical to the kernels */
@@ -92,7 +115,11 @@ typedef struct pyfa_config {
        necessarily the caller's), with the work done so far and the total, in units of
        the backend's choosing. A nonzero return cancels the call: it then returns
        PYFA_ERROR_CANCELLED soon after, and nothing the caller owns has been written.
-       NULL: no callback. */
+       NULL: no callback. On CUDA the units are kernels: a host entry point asks before
+       each kernel, after waiting for the ones before it, and once more when all are
+       done (done == total) before it copies the outputs; a *_device entry point asks
+       once, before it enqueues anything (done == 0), since enqueued work cannot be
+       taken back. */
     int (*progress)(void* user, int64_t done, int64_t total);
     void* progress_user; /* passed to progress as is */
 } pyfa_config;
@@ -116,11 +143,14 @@ PYFA_API const char* pyfa_last_error(void);
 PYFA_API int pyfa_backend_available(int backend);
 /* 1 when the backend was compiled into this library (CUDA: built with nvcc). */
 PYFA_API int pyfa_backend_compiled(int backend);
-/* Why the backend cannot run here ("" when it can), e.g. the CUDA driver's error. */
+/* Why the backend cannot run here ("" when it can). For CUDA compiled in but not
+   usable: the error name and string the runtime gave when it was initialised (decided
+   once per process). The string stays valid for the life of the library. */
 PYFA_API const char* pyfa_backend_reason(int backend);
 PYFA_API pyfa_status pyfa_device_profile_get(int backend, pyfa_device_profile* profile);
 
-/* Bytes of dynamic shared memory the kernel needs for these tiles, 0 if out of range. */
+/* Bytes of dynamic shared memory the kernel needs for these tiles, exactly; 0 for an
+   unknown kernel, an argument below 1, or a size beyond INT64_MAX. */
 PYFA_API int64_t pyfa_smem_bytes(int kernel, int block_r, int block_c, int64_t head_dim);
 /* Tiles the kernel uses when pyfa_config asks for 0, for this head_dim on this backend. */
 PYFA_API pyfa_status pyfa_default_tiles(int kernel, int64_t head_dim, int backend,
@@ -133,8 +163,9 @@ PYFA_API pyfa_status pyfa_fa2_forward(const pyfa_problem* problem, const pyfa_co
                                       const float* v,  /* (B, H, Nk, d) */
                                       float* o,        /* (B, H, Nq, d) */
                                       float* lse);     /* (B, H, Nq) */
-/* Same on device pointers (host pointers for the emulator), enqueued on stream
-   (a cudaStream_t, NULL for the default stream). */
+/* Same on device pointers, enqueued on stream (a cudaStream_t, NULL for the default
+   stream); see the top of this file for what it promises. With PYFA_BACKEND_EMU the
+   pointers are host pointers and the call behaves as the host entry point. */
 PYFA_API pyfa_status pyfa_fa2_forward_device(const pyfa_problem* problem, const pyfa_config* config,
                                              const float* q, const float* k, const float* v,
                                              float* o, float* lse, void* stream);
