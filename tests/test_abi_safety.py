@@ -239,3 +239,162 @@ def test_failed_allocations_on_fresh_threads(tmp_path):
 @pytest.mark.xfail(strict=True, reason=EMU_TERMINATES)
 def test_failed_allocations_with_emulator_workers(tmp_path):
     _run_driver(tmp_path, workers=2, mode="cold")
+
+
+# ---- the CUDA paths of the C ABI, without a GPU ----
+# tests/c/fake_cuda.cpp stands in for cuda_backend.cu: linked with the C ABI's own
+# sources, it runs run_op's CUDA paths on host memory and logs every step.
+
+FAKE_CUDA_SCRIPT = """
+    import json, re, sys
+    import cffi
+    import numpy as np
+    header, library = sys.argv[1], sys.argv[2]
+    text = open(header).read()
+    cdef = text.split("/* PYFA_CDEF_BEGIN */")[1].split("/* PYFA_CDEF_END */")[0]
+    cdef = re.sub(r"PYFA_API ", "", cdef)
+    ffi = cffi.FFI()
+    ffi.cdef(cdef + "void fake_cuda_reset(int, int); const char* fake_cuda_log(void); int fake_cuda_live(void);")
+    lib = ffi.dlopen(library)
+    B, H, N, D = 1, 2, 8, 4
+    p = lambda a: ffi.cast("float *", ffi.from_buffer(a))
+    calls = []
+
+    @ffi.callback("int(void*, int64_t, int64_t)")
+    def progress(user, done, total):
+        calls.append([done, total])
+        return 1 if [done, total] == stop[0] else 0
+
+    stop = [None]
+    results = []
+    for case in json.loads(sys.argv[3]):
+        lib.fake_cuda_reset(case.get("fail_check", -1), case.get("fail_launch", -1))
+        calls.clear()
+        stop[0] = case.get("cancel_at")
+        pr = ffi.new("pyfa_problem *", dict(batch=B, heads=H, seqlen_q=N, seqlen_k=N, head_dim=D))
+        cfg = ffi.new("pyfa_config *", dict(backend=case.get("backend", 1), block_r=4, block_c=4))
+        if case.get("progress", True):
+            cfg.progress = progress
+        x = np.ones((B, H, N, D), np.float32)
+        row = np.ones((B, H, N), np.float32)
+        outs = [np.zeros((B, H, N, D), np.float32) for _ in range(3)]
+        stream = ffi.cast("void *", 0x1234) if case["device"] else None
+        if case["op"] == "fa2_backward":
+            args = [pr, cfg] + [p(a) for a in (x, x, x, x, row, x)] + [p(o) for o in outs]
+            fn = lib.pyfa_fa2_backward_device if case["device"] else lib.pyfa_fa2_backward
+        else:
+            outs = [outs[0], np.zeros((B, H, N), np.float32)]
+            args = [pr, cfg, p(x), p(x), p(x), p(outs[0]), p(outs[1])]
+            fn = lib.pyfa_fa2_forward_device if case["device"] else lib.pyfa_fa2_forward
+        status = fn(*(args + [stream] if case["device"] else args))
+        results.append(dict(status=status, message=ffi.string(lib.pyfa_last_error()).decode(),
+                            log=ffi.string(lib.fake_cuda_log()).decode().split(chr(10))[:-1],
+                            progress=list(calls), live=lib.fake_cuda_live(),
+                            outs=[sorted(set(o.ravel().tolist())) for o in outs]))
+    print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_cuda_library(tmp_path_factory):
+    cxx = next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    pytest.importorskip("cffi")
+    out = tmp_path_factory.mktemp("fake_cuda") / "libpyfa_fake_cuda.so"
+    launch = ROOT / "cuda" / "launch"
+    subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-O1", "-Wall", "-Wextra",
+                    "-Werror", f"-I{ROOT / 'cuda'}", f"-I{ROOT / 'cuda' / 'include'}",
+                    '-DPYFA_VERSION_STRING="fake"', str(launch / "api.cpp"), str(launch / "errors.cpp"),
+                    str(launch / "tiles.cpp"), str(HERE / "c" / "fake_cuda.cpp"), "-o", str(out)], check=True)
+    return out
+
+
+def fake_cuda(library, *cases):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(FAKE_CUDA_SCRIPT),
+                          str(ROOT / "cuda" / "include" / "pyfa.h"), str(library), json.dumps(list(cases))],
+                         capture_output=True, text=True, env=env, timeout=120)
+    return json_result(run)
+
+
+def launches(result):
+    return [e for e in result["log"] if e.startswith("launch")]
+
+
+def test_cuda_host_entry_runs_on_the_library_stream_and_reports_progress(fake_cuda_library):
+    (r,) = fake_cuda(fake_cuda_library, dict(op="fa2_backward", device=False))
+    assert r["status"] == 0, r["message"]
+    assert launches(r) == ["launch fa2_backward_preprocess library", "launch fa2_backward_dkdv library",
+                           "launch fa2_backward_dq library"]
+    # Everything on the library's stream, which is the only one waited for.
+    assert all(e.endswith(" library") for e in r["log"] if not e.startswith("check")), r["log"]
+    # Each kernel's launch configuration is checked before anything is allocated.
+    assert [e for e in r["log"][:3]] == ["check fa2_backward_preprocess", "check fa2_backward_dkdv",
+                                         "check fa2_backward_dq"]
+    # Progress in kernels: before each, after waiting for the ones before, and at the end.
+    assert r["progress"] == [[0, 3], [1, 3], [2, 3], [3, 3]]
+    log = r["log"]
+    assert log.index("sync library") < log.index("launch fa2_backward_dkdv library")
+    first_copy = log.index("d2h library")
+    assert first_copy > log.index("launch fa2_backward_dq library")
+    assert "sync library" in log[log.index("launch fa2_backward_dq library"):first_copy]
+    assert r["outs"] == [[8.0], [6.0], [7.0]] and r["live"] == 0
+
+
+@pytest.mark.parametrize("cancel_at", [[0, 3], [1, 3], [2, 3], [3, 3]])
+def test_cuda_host_entry_cancelled_writes_nothing(fake_cuda_library, cancel_at):
+    (r,) = fake_cuda(fake_cuda_library, dict(op="fa2_backward", device=False, cancel_at=cancel_at))
+    assert r["status"] == 8 and "cancelled" in r["message"], r
+    assert len(launches(r)) == cancel_at[0]
+    assert "d2h library" not in r["log"] and r["outs"] == [[0.0]] * 3 and r["live"] == 0
+
+
+@pytest.mark.parametrize("fail_launch", [0, 1, 2])
+def test_cuda_host_entry_failed_launch_writes_nothing(fake_cuda_library, fail_launch):
+    (r,) = fake_cuda(fake_cuda_library, dict(op="fa2_backward", device=False, fail_launch=fail_launch))
+    assert r["status"] == 4 and "refused" in r["message"]
+    assert "d2h library" not in r["log"] and r["outs"] == [[0.0]] * 3 and r["live"] == 0
+
+
+def test_cuda_configuration_errors_come_before_any_launch(fake_cuda_library):
+    # The dQ kernel's configuration is refused: neither entry point has launched dK/dV.
+    for device in (False, True):
+        (r,) = fake_cuda(fake_cuda_library, dict(op="fa2_backward", device=device, fail_check=5))
+        assert r["status"] == 2 and "fa2_backward_dq" in r["message"]
+        assert not launches(r) and not [e for e in r["log"] if e.startswith("malloc")]
+        assert r["outs"] == [[0.0]] * 3 and r["progress"] == []
+
+
+def test_cuda_device_entry_runs_on_the_callers_stream_and_never_waits(fake_cuda_library):
+    (r,) = fake_cuda(fake_cuda_library, dict(op="fa2_backward", device=True))
+    assert r["status"] == 0, r["message"]
+    assert launches(r) == ["launch fa2_backward_preprocess caller", "launch fa2_backward_dkdv caller",
+                           "launch fa2_backward_dq caller"]
+    assert not [e for e in r["log"] if e.startswith(("sync", "h2d", "d2h"))], r["log"]
+    # Scratch D only, stream-ordered on the caller's stream.
+    assert [e for e in r["log"] if e.startswith(("malloc", "free"))] == ["malloc caller", "free caller"]
+    assert r["progress"] == [[0, 3]] and r["outs"] == [[8.0], [6.0], [7.0]] and r["live"] == 0
+
+
+def test_cuda_device_entry_cancel_before_enqueueing(fake_cuda_library):
+    (r,) = fake_cuda(fake_cuda_library, dict(op="fa2_backward", device=True, cancel_at=[0, 3]))
+    assert r["status"] == 8 and not launches(r) and r["outs"] == [[0.0]] * 3 and r["live"] == 0
+
+
+def test_cuda_device_entry_late_launch_failure_is_as_documented(fake_cuda_library):
+    # pyfa.h: a launch refused after earlier kernels were enqueued leaves their outputs:
+    # for pyfa_fa2_backward_device, dK and dV without dQ.
+    (r,) = fake_cuda(fake_cuda_library, dict(op="fa2_backward", device=True, fail_launch=2))
+    assert r["status"] == 4
+    assert r["outs"] == [[0.0], [6.0], [7.0]] and r["live"] == 0
+
+
+def test_auto_is_cuda_on_both_entry_points_when_cuda_is_usable(fake_cuda_library):
+    host, device = fake_cuda(fake_cuda_library, dict(op="fa2_forward", device=False, backend=0),
+                             dict(op="fa2_forward", device=True, backend=0, progress=False))
+    assert host["status"] == device["status"] == 0
+    assert launches(host) == ["launch fa2_forward library"]
+    assert launches(device) == ["launch fa2_forward caller"]
+    assert host["outs"] == device["outs"] == [[1.0], [2.0]]
