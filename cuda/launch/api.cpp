@@ -143,9 +143,9 @@ pyfa_status check_problem(const pyfa_problem* pr) {
     return PYFA_OK;
 }
 
-// The backend a call runs on. On a *_device entry point AUTO means CUDA or an error,
-// never a host-memory backend: the pointers are the GPU's.
-pyfa_status resolve_backend(int asked, bool device_pointers, int* backend) {
+// The backend a call runs on; `arg` names the argument in messages. On a *_device entry
+// point AUTO means CUDA or an error, never a host-memory backend: the pointers are the GPU's.
+pyfa_status resolve_backend(int asked, bool device_pointers, const char* arg, int* backend) {
     switch (asked) {
         case PYFA_BACKEND_AUTO:
             if (cuda_available()) {
@@ -154,23 +154,23 @@ pyfa_status resolve_backend(int asked, bool device_pointers, int* backend) {
             }
             if (device_pointers)
                 return fail(PYFA_ERROR_BACKEND_UNAVAILABLE,
-                            "config->backend: AUTO on a *_device entry point needs CUDA (device "
-                            "pointers), but CUDA is unavailable: %s",
-                            cuda_unavailable_reason());
+                            "%s: AUTO on a *_device entry point needs CUDA (device pointers), but CUDA "
+                            "is unavailable: %s",
+                            arg, cuda_unavailable_reason());
             *backend = PYFA_BACKEND_EMU;
             return PYFA_OK;
         case PYFA_BACKEND_EMU: *backend = PYFA_BACKEND_EMU; return PYFA_OK;
         case PYFA_BACKEND_CUDA:
             if (!cuda_available())
-                return fail(PYFA_ERROR_BACKEND_UNAVAILABLE, "config->backend: CUDA asked for, but %s",
+                return fail(PYFA_ERROR_BACKEND_UNAVAILABLE, "%s: CUDA asked for, but %s", arg,
                             cuda_unavailable_reason());
             *backend = PYFA_BACKEND_CUDA;
             return PYFA_OK;
         case PYFA_BACKEND_CPU:
-            return fail(PYFA_ERROR_BACKEND_UNAVAILABLE,
-                        "config->backend: the cpu backend is not part of this libpyfa yet");
+            return fail(PYFA_ERROR_BACKEND_UNAVAILABLE, "%s: the cpu backend is not part of this libpyfa yet",
+                        arg);
     }
-    return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->backend: unknown backend %d", asked);
+    return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: unknown backend %d", arg, asked);
 }
 
 // Backends that run on host memory (the emulator; the cpu backend to come) read the
@@ -301,7 +301,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->threads: must be >= 0, got %d", cfg.threads);
 
     int backend = PYFA_BACKEND_EMU;
-    if ((st = resolve_backend(cfg.backend, device_pointers, &backend)) != PYFA_OK) return st;
+    if ((st = resolve_backend(cfg.backend, device_pointers, "config->backend", &backend)) != PYFA_OK) return st;
     pyfa_device_profile profile;
     if ((st = profile_of(backend, &profile)) != PYFA_OK) return st;
 
@@ -433,7 +433,7 @@ pyfa_status run_op(const Op& op, const pyfa_problem* problem, const pyfa_config*
 pyfa_status device_profile_get(int backend, pyfa_device_profile* profile) {
     if (!profile) return fail(PYFA_ERROR_INVALID_ARGUMENT, "profile: null pointer");
     int resolved = PYFA_BACKEND_EMU;
-    const pyfa_status st = resolve_backend(backend, false, &resolved);
+    const pyfa_status st = resolve_backend(backend, false, "backend", &resolved);
     if (st != PYFA_OK) return st;
     return profile_of(resolved, profile);
 }
