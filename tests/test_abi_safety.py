@@ -27,13 +27,21 @@ KERNELS = {"fa1_forward": 0, "fa2_forward": 1, "fa1_backward": 2, "fa2_backward_
            "fa2_backward_dkdv": 4, "fa2_backward_dq": 5}
 
 
-def run_python(code, timeout=300):
-    """Runs `code` in a fresh interpreter that imports this checkout's pyfa; returns the
-    completed process (a crash shows as a negative returncode)."""
+def child_env():
+    """The environment of a child interpreter that imports the pyfa this test imported."""
+    import pyfa
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    here = str(Path(pyfa.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def run_python(code, timeout=300):
+    """Runs `code` in a fresh interpreter; returns the completed process (a crash shows as
+    a negative returncode)."""
+    env = child_env()
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=str(ROOT))
+                          env=env, timeout=timeout)
 
 
 def json_result(run):
@@ -44,7 +52,7 @@ def json_result(run):
 def exact_or_zero(kernel, Br, Bc, d):
     """What pyfa_smem_bytes promises: the exact size (Python ints do not wrap), or 0 when
     it does not fit in int64."""
-    from sim import tiles
+    from pyfa.sim import tiles
     n = tiles.smem_bytes(kernel, Br, Bc, d)
     return n if n <= INT64_MAX else 0
 
@@ -63,7 +71,7 @@ def largest_fitting(f, lo, hi):
 def smem_cases(seed=20261130, per_kernel=400):
     """(kernel, Br, Bc, d) cases: uniform and log-uniform tiles in [1, 2^31 - 1], head dims
     in [1, 256], the tiles on either side of int64's limit, and the issue's regressions."""
-    from sim import tiles
+    from pyfa.sim import tiles
     rng = random.Random(seed)
     cases = []
     for kernel in KERNELS:
@@ -311,8 +319,7 @@ def fake_cuda_library(tmp_path_factory):
 
 
 def fake_cuda(library, *cases):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env = child_env()
     run = subprocess.run([sys.executable, "-c", textwrap.dedent(FAKE_CUDA_SCRIPT),
                           str(ROOT / "cuda" / "include" / "pyfa.h"), str(library), json.dumps(list(cases))],
                          capture_output=True, text=True, env=env, timeout=120)

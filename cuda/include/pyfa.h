@@ -11,7 +11,8 @@
  * through the GPU on a non-blocking stream of the library's own (one per device) and
  * wait for that stream alone: they never synchronize the device or the caller's streams.
  * They return once the outputs are in place, and write the outputs only after every
- * kernel has succeeded.
+ * kernel has succeeded (only a CUDA failure while the outputs are copied back, such as a
+ * lost device, can leave some of them written).
  *
  * The *_device entry points take device pointers and enqueue the kernels on the caller's
  * stream. Before enqueuing anything they check the arguments, the tiles, each kernel's
