@@ -182,6 +182,7 @@ def fa2_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_r=None,
     BH = B * H
     Q, K, V = q4.reshape(BH, Nq, d), k4.reshape(BH, Nk, d), v4.reshape(BH, Nk, d)
     O, dO, LSE = o4.reshape(BH, Nq, d), do4.reshape(BH, Nq, d), lse3.reshape(BH, Nq)
+    launch_tiles("fa2_backward_preprocess", d, block_r, block_c)  # refused first, as in the library
     Br_kv, Bc_kv = launch_tiles("fa2_backward_dkdv", d, block_r, block_c)
     Br_q, Bc_q = launch_tiles("fa2_backward_dq", d, block_r, block_c)
     io = IORecord(label=f"FA2 backward (simulated), dK/dV Br={Br_kv}, Bc={Bc_kv}; "
