@@ -54,8 +54,9 @@ def _load_in_subprocess(env_library):
     import os
     import sys
     import pyfa
-    env = dict(os.environ, PYFA_LIBRARY=str(env_library),
-               PYTHONPATH=str(Path(pyfa.__file__).resolve().parents[1]))
+    # PYTHONPATH prepended, never replaced: on the GPU machine cffi is found only through it.
+    path = [str(Path(pyfa.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]
+    env = dict(os.environ, PYFA_LIBRARY=str(env_library), PYTHONPATH=os.pathsep.join(p for p in path if p))
     return subprocess.run([sys.executable, "-c", "import pyfa; print(pyfa.backends())"],
                           capture_output=True, text=True, env=env, timeout=60)
 
