@@ -96,7 +96,7 @@ def _warn_if_auto_falls_back(lib):
     if lib.pyfa_backend_compiled(cuda) and not lib.pyfa_backend_available(cuda):
         warnings.warn(f"pyfa: backend='auto' falls back to the CPU: this libpyfa has a CUDA "
                       f"backend, but it cannot run here ({_reason(lib, cuda)})",
-                      RuntimeWarning, stacklevel=4)
+                      RuntimeWarning, stacklevel=5)
 
 
 def _reason(lib, backend):
