@@ -57,8 +57,10 @@ def _load_in_subprocess(env_library):
     # PYTHONPATH prepended, never replaced: on the GPU machine cffi is found only through it.
     path = [str(Path(pyfa.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]
     env = dict(os.environ, PYFA_LIBRARY=str(env_library), PYTHONPATH=os.pathsep.join(p for p in path if p))
+    # From the imported pyfa's parent: a checkout's pyfa/ in the current directory would
+    # come first on sys.path and shadow an installed pyfa under test.
     return subprocess.run([sys.executable, "-c", "import pyfa; print(pyfa.backends())"],
-                          capture_output=True, text=True, env=env, timeout=60)
+                          capture_output=True, text=True, env=env, timeout=60, cwd=path[0])
 
 
 def test_pyfa_library_names_the_only_place_tried(tmp_path):

@@ -17,6 +17,8 @@ import pytest
 
 import pyfa
 
+# The children run from here, with it first on PYTHONPATH: they import the pyfa under test
+# (`python -c` puts the current directory first on sys.path).
 ROOT = Path(pyfa.__file__).resolve().parents[1]
 
 # A child that starts an emulated FA1 forward of several seconds, reports when it is in
@@ -53,7 +55,7 @@ def child_env():
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child needs POSIX")
 def test_ctrl_c_interrupts_a_long_call_and_the_library_stays_usable():
     child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=child_env())
+                             stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT)
     try:
         assert child.stdout.readline().strip() == "calling", child.stderr.read()
         time.sleep(0.5)  # well inside the call
@@ -129,7 +131,7 @@ def test_ctrl_c_with_a_stand_in_call():
         print("second call ok", flush=True)
     """)
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=child_env())
+                             stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT)
     try:
         assert child.stdout.readline().strip() == "calling", child.stderr.read()
         time.sleep(0.3)
@@ -225,7 +227,7 @@ def test_auto_says_once_why_cuda_is_not_used():
             print(w.category.__name__, w.message)
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         env=child_env())
+                         env=child_env(), cwd=ROOT)
     assert run.returncode == 0, run.stderr
     ffi, lib = pyfa._lib.load()
     lines = run.stdout.splitlines()

@@ -14,7 +14,8 @@ import pytest
 import pyfa
 from pyfa import _lib
 
-ROOT = Path(pyfa.__file__).resolve().parents[1]
+ROOT = Path(pyfa.__file__).resolve().parents[1]   # where the pyfa under test lives
+REPO = Path(__file__).resolve().parents[1]         # the checkout these tests belong to
 
 
 def python_env(**extra):
@@ -25,10 +26,12 @@ def python_env(**extra):
     return env
 
 
-def load_with(library, cwd=None):
+def load_with(library):
+    # Run from ROOT: `python -c` puts the current directory first on sys.path, and a
+    # checkout's pyfa/ there would shadow an installed pyfa under test.
     code = "import pyfa; print(pyfa._lib.library_path()); print(pyfa.backends())"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env=python_env(PYFA_LIBRARY=library), cwd=cwd)
+                          env=python_env(PYFA_LIBRARY=library), cwd=ROOT)
 
 
 def declared_functions():
@@ -108,10 +111,10 @@ def test_a_checkout_without_a_build_finds_the_installed_library(tmp_path):
     # current directory's pyfa/ (no library, no build/) is imported, and the library is
     # the one pip put in site-packages, found through the distribution's file list.
     checkout, site = tmp_path / "clone", tmp_path / "site"
-    shutil.copytree(ROOT / "pyfa", checkout / "pyfa", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    shutil.copytree(ROOT / "sim", checkout / "sim", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "pyfa", checkout / "pyfa", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    shutil.copytree(REPO / "sim", checkout / "sim", ignore=shutil.ignore_patterns("__pycache__"))
     (checkout / "cuda" / "include").mkdir(parents=True)
-    shutil.copy(_lib.header_path(), checkout / "cuda" / "include" / "pyfa.h")
+    shutil.copy(REPO / "cuda" / "include" / "pyfa.h", checkout / "cuda" / "include" / "pyfa.h")
     (checkout / "CMakeLists.txt").write_text("# a checkout\n")
     lib_name = _lib.library_path().name
     (site / "pyfa").mkdir(parents=True)
