@@ -38,6 +38,8 @@ def main(argv=None):
     shape = (args.batch, args.heads, args.seqlen, args.head_dim)
     q, k, v = (rng.standard_normal(shape, dtype=np.float32) for _ in range(3))
     backend = args.backend if args.backend != "auto" else pyfa.backends()[0]
+    if backend not in pyfa.backends():
+        ap.error(f"argument --backend: {backend} cannot run here: {pyfa.unavailable_backends()[backend]}")
     print(f"pyfa {pyfa.__version__} (library {pyfa.library_version()}), backends here: {pyfa.backends()}")
     for name, why in pyfa.unavailable_backends().items():
         print(f"  {name} unavailable: {why}")
