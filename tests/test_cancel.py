@@ -151,7 +151,8 @@ def test_ctrl_c_with_a_stand_in_call():
 
 
 def test_progress_sees_the_work_advance():
-    q = np.random.default_rng(1).standard_normal((1, 2, 512, 64), dtype=np.float32)
+    # About a second of emulation: progress is called "now and then", not at every step.
+    q = np.random.default_rng(1).standard_normal((1, 2, 1024, 64), dtype=np.float32)
     seen = []
     o, m, l = pyfa.fa1_forward(q, q, q, backend="emu", progress=lambda done, total: seen.append((done, total)))
     assert seen, "progress was never called"
@@ -185,7 +186,7 @@ def test_an_exception_in_progress_reaches_the_caller():
         raise LookupError("from progress")
 
     with pytest.raises(LookupError, match="from progress"):
-        pyfa.fa2_forward(q, q, q, backend="emu", progress=broken)
+        pyfa.fa1_forward(q, q, q, backend="emu", progress=broken)
 
 
 def test_calls_from_other_threads_run_there():
