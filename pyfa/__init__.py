@@ -28,23 +28,23 @@ def _attach_simulator():
 
 _attach_simulator()
 
-from . import sim  # noqa: E402
-from ._lib import (  # noqa: E402
-    BackendUnavailableError, CudaError, EmulationError, LibraryNotFoundError, PyfaError,
-    TileTooLargeError,
-)
-from .api import (  # noqa: E402
-    attention, backends, default_tiles, device_profile, fa2_forward, library_version, smem_bytes,
-)
-from .api import attention_grad, fa2_backward  # noqa: E402
-from .api import fa1_backward, fa1_forward  # noqa: E402
-
 __version__ = "0.1.0"
 
+from . import sim  # noqa: E402
+from ._lib import (  # noqa: E402
+    BackendUnavailableError, CancelledError, CudaError, EmulationError, InvalidArgumentError,
+    LibraryNotFoundError, OutOfMemoryError, PyfaError,
+)
+from .api import (  # noqa: E402
+    attention, attention_grad, backends, default_tiles, device_profile, fa1_backward,
+    fa1_forward, fa2_backward, fa2_forward, library_version, smem_bytes, unavailable_backends,
+)
+from .sim.tiles import TileTooLargeError  # noqa: E402  (the library's errors derive from it)
+
 __all__ = [
-    "BackendUnavailableError", "CudaError", "EmulationError", "LibraryNotFoundError",
-    "PyfaError", "TileTooLargeError", "attention", "backends", "default_tiles",
-    "device_profile", "fa2_forward", "library_version", "sim", "smem_bytes",
-    "attention_grad", "fa2_backward",
-    "fa1_backward", "fa1_forward",
+    "BackendUnavailableError", "CancelledError", "CudaError", "EmulationError",
+    "InvalidArgumentError", "LibraryNotFoundError", "OutOfMemoryError", "PyfaError",
+    "TileTooLargeError", "attention", "attention_grad", "backends", "default_tiles",
+    "device_profile", "fa1_backward", "fa1_forward", "fa2_backward", "fa2_forward",
+    "library_version", "sim", "smem_bytes", "unavailable_backends",
 ]

@@ -10,21 +10,39 @@ import numpy as np
 import pyfa
 
 
+def int_in(lo, hi=None):
+    """An argparse type: an int in [lo, hi], refused with a usage error otherwise."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo or (hi is not None and value > hi):
+            bounds = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
+        return value
+    return parse
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m pyfa", description=__doc__)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seqlen", type=int, default=256)
-    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--batch", type=int_in(1), default=1)
+    ap.add_argument("--heads", type=int_in(1), default=4)
+    ap.add_argument("--seqlen", type=int_in(1), default=256)
+    ap.add_argument("--head-dim", type=int_in(1, pyfa.sim.inputs.MAX_HEAD_DIM), default=64)
     ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "emu"])
+    ap.add_argument("--backend", default="auto", choices=list(pyfa.api.BACKENDS))
     args = ap.parse_args(argv)
 
     rng = np.random.default_rng(0)
     shape = (args.batch, args.heads, args.seqlen, args.head_dim)
     q, k, v = (rng.standard_normal(shape, dtype=np.float32) for _ in range(3))
     backend = args.backend if args.backend != "auto" else pyfa.backends()[0]
+    if backend not in pyfa.backends():
+        ap.error(f"argument --backend: {backend} cannot run here: {pyfa.unavailable_backends()[backend]}")
     print(f"pyfa {pyfa.__version__} (library {pyfa.library_version()}), backends here: {pyfa.backends()}")
+    for name, why in pyfa.unavailable_backends().items():
+        print(f"  {name} unavailable: {why}")
     print(f"FA2 forward, B={args.batch} H={args.heads} N={args.seqlen} d={args.head_dim} "
           f"causal={args.causal}, tiles {pyfa.default_tiles('fa2_forward', args.head_dim, backend)} "
           f"on {backend} ({pyfa.device_profile(backend)['name']})")

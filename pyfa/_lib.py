@@ -1,7 +1,11 @@
-"""Loading libpyfa through cffi (ABI mode) and turning its statuses into exceptions.
+"""Loading libpyfa through cffi (ABI mode), checking that it is the library the header
+describes, and calling it: statuses become exceptions, and long calls stay cancellable.
 
 The declarations come from the public header itself (the part between PYFA_CDEF_BEGIN
-and PYFA_CDEF_END), so the Python side cannot drift from the C ABI.
+and PYFA_CDEF_END), so the Python side cannot drift from the C ABI. ABI mode resolves
+symbols lazily and cannot see a function's signature, so load() resolves every declared
+name at once and compares the library's pyfa_abi_version() with the header's
+PYFA_ABI_VERSION: any other shared library is refused there, not at its first call.
 """
 
 import os
@@ -9,6 +13,8 @@ import re
 import sys
 import threading
 from pathlib import Path
+
+from .sim.tiles import TileTooLargeError
 
 _HERE = Path(__file__).resolve().parent
 _SOURCE_ROOT = _HERE.parent
@@ -27,41 +33,47 @@ class PyfaError(RuntimeError):
 
 
 class LibraryNotFoundError(PyfaError, ImportError):
-    """libpyfa could not be found or loaded."""
+    """libpyfa could not be found or loaded, or the file found is not this pyfa's libpyfa."""
+
+
+class InvalidArgumentError(PyfaError, ValueError):
+    """The library refused an argument; the message names it."""
+
+
+class LibraryTileTooLargeError(PyfaError, TileTooLargeError):
+    """TileTooLargeError as libpyfa reports it (a PyfaError too); catch it, and the
+    simulator's, as pyfa.TileTooLargeError."""
 
 
 class BackendUnavailableError(PyfaError):
     """The backend asked for cannot run here (e.g. CUDA without a GPU)."""
 
 
-class TileTooLargeError(PyfaError, ValueError):
-    """The tiles need more shared memory than the device has."""
+class CudaError(PyfaError):
+    """A CUDA runtime call failed."""
 
 
 class EmulationError(PyfaError):
     """The emulator found a barrier divergence or a deadlock in a kernel."""
 
 
-class CudaError(PyfaError):
-    """A CUDA runtime call failed."""
+class OutOfMemoryError(PyfaError, MemoryError):
+    """The library could not allocate host or device memory."""
+
+
+class CancelledError(PyfaError):
+    """The call was cancelled by its progress callback; nothing the caller owns was written."""
 
 
 _STATUS_ERRORS = {
-    1: lambda msg, st: _InvalidArgument(msg, st),
-    2: TileTooLargeError,
+    1: InvalidArgumentError,
+    2: LibraryTileTooLargeError,
     3: BackendUnavailableError,
     4: CudaError,
     5: EmulationError,
-    6: lambda msg, st: _OutOfMemory(msg, st),
+    6: OutOfMemoryError,
+    8: CancelledError,
 }
-
-
-class _InvalidArgument(PyfaError, ValueError):
-    pass
-
-
-class _OutOfMemory(PyfaError, MemoryError):
-    pass
 
 
 def _header_paths():
@@ -76,22 +88,46 @@ def _library_names():
     return ["libpyfa.so"]
 
 
-def _cdef_from_header():
+def _read_header():
+    """(path, cdef text, PYFA_ABI_VERSION) of the first header found."""
     for path in _header_paths():
         if path.is_file():
             text = path.read_text()
             m = re.search(r"/\* PYFA_CDEF_BEGIN \*/(.*)/\* PYFA_CDEF_END \*/", text, re.S)
             if not m:
                 raise LibraryNotFoundError(f"{path}: no PYFA_CDEF_BEGIN/END section")
-            return m.group(1).replace("PYFA_API ", "")
+            abi = re.search(r"^#define PYFA_ABI_VERSION (\d+)\s*$", text, re.M)
+            if not abi:
+                raise LibraryNotFoundError(f"{path}: no '#define PYFA_ABI_VERSION <number>' line")
+            return path, m.group(1).replace("PYFA_API ", ""), int(abi.group(1))
     tried = ", ".join(str(p) for p in _header_paths())
     raise LibraryNotFoundError(f"pyfa.h not found; tried {tried}")
+
+
+def _installed_libraries():
+    """The libraries pip installed with the pyfa distribution, when this package is not
+    that installation: `python -m pyfa` at a checkout's root imports the checkout's pyfa/
+    (the current directory comes first on sys.path), which has no library of its own."""
+    try:
+        from importlib import metadata
+        dist = metadata.distribution("pyfa")
+        files = dist.files or []
+    except Exception:  # not installed, or metadata unreadable: nothing to add
+        return []
+    found = []
+    for f in files:
+        if f.name in _library_names() and f.parent.name == "pyfa":
+            path = Path(dist.locate_file(f)).resolve()
+            if path.parent != _HERE:
+                found.append(path)
+    return found
 
 
 def _candidates():
     """(origin, path) in the order tried. PYFA_LIBRARY, when set, is the only place: a
     library the caller named explicitly is never silently swapped for another one.
-    Otherwise the installed package, then a source checkout's CMake build folder."""
+    Otherwise the package's own folder, then a source checkout's CMake build folder, then
+    the library of an installed pyfa (see _installed_libraries)."""
     env = os.environ.get("PYFA_LIBRARY")
     if env:
         yield "PYFA_LIBRARY", Path(env)
@@ -101,11 +137,34 @@ def _candidates():
     if (_SOURCE_ROOT / "CMakeLists.txt").is_file():
         for name in _library_names():
             yield "source checkout build", _SOURCE_ROOT / "build" / name
+        for path in _installed_libraries():
+            yield "installed pyfa", path
+
+
+def _mismatch(ffi, lib, header, abi):
+    """Why `lib` is not the library `header` describes, or None when it is."""
+    missing = []
+    for name in dir(lib):
+        try:
+            getattr(lib, name)
+        except AttributeError:
+            missing.append(name)
+    if missing:
+        return (f"not libpyfa for {header}: {len(missing)} declared symbols do not resolve "
+                f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''})")
+    got = lib.pyfa_abi_version()
+    if got != abi:
+        return f"ABI version {got}, but {header} declares PYFA_ABI_VERSION {abi}"
+    from . import __version__
+    version = ffi.string(lib.pyfa_version()).decode("utf-8", "replace")
+    if version != __version__:
+        return f"library version {version}, but the pyfa package is {__version__}"
+    return None
 
 
 def load():
-    """The (ffi, lib) pair, loaded once per process."""
-    global _loaded
+    """The (ffi, lib) pair, loaded and checked once per process."""
+    global _loaded, _loaded_path
     with _lock:
         if _loaded is not None:
             return _loaded
@@ -114,10 +173,14 @@ def load():
         except ImportError as e:
             raise LibraryNotFoundError("pyfa needs the 'cffi' package to load libpyfa "
                                        "(pip install cffi)") from e
+        header, cdef, abi = _read_header()
         ffi = cffi.FFI()
-        ffi.cdef(_cdef_from_header())
+        ffi.cdef(cdef)
         tried = []
         for origin, path in _candidates():
+            if path.is_dir():
+                tried.append(f"{path} ({origin}: is a directory, not a library file)")
+                continue
             if not path.is_file():
                 tried.append(f"{path} ({origin}: no such file)")
                 continue
@@ -126,9 +189,13 @@ def load():
             except OSError as e:
                 tried.append(f"{path} ({origin}: {e})")
                 continue
-            _loaded = (ffi, lib)
-            global _loaded_path
-            _loaded_path = path
+            why = _mismatch(ffi, lib, header, abi)
+            if why:
+                ffi.dlclose(lib)
+                tried.append(f"{path} ({origin}: {why})")
+                continue
+            _init_progress(ffi)
+            _loaded, _loaded_path = (ffi, lib), path
             return _loaded
         raise LibraryNotFoundError(
             "libpyfa could not be loaded; tried: " + "; ".join(tried) +
@@ -149,12 +216,117 @@ def header_path():
     return None
 
 
-def check(status):
-    """Raises the exception for a pyfa_status other than PYFA_OK, with the library's message."""
-    if status == 0:
-        return
+def error(status, message):
+    """The exception for a pyfa_status other than PYFA_OK and the library's message."""
     ffi, lib = load()
-    message = ffi.string(lib.pyfa_last_error()).decode("utf-8", "replace")
     name = ffi.string(lib.pyfa_status_string(status)).decode()
     text = f"{message} [{name}]" if message else name
-    raise _STATUS_ERRORS.get(status, PyfaError)(text, status)
+    return _STATUS_ERRORS.get(status, PyfaError)(text, status)
+
+
+def last_error():
+    """pyfa_last_error() of the calling thread (the message is per thread)."""
+    ffi, lib = load()
+    return ffi.string(lib.pyfa_last_error()).decode("utf-8", "replace")
+
+
+def check(status):
+    """Raises the exception for a pyfa_status other than PYFA_OK, with the library's message.
+    Call it on the thread that made the failed call."""
+    if status != 0:
+        raise error(status, last_error())
+
+
+# ---- calls that can be cancelled
+
+# How often the waiting thread wakes to see a Ctrl-C: Python runs signal handlers only
+# between bytecodes of the main thread, and a join with a timeout lets it do so.
+_POLL_S = 0.02
+
+_progress_callback = None
+
+
+class _Progress:
+    """One call's progress state, reached from the library's threads through a handle."""
+
+    def __init__(self, user):
+        self.user = user
+        self.cancel = False
+        self.error = None
+
+    def __call__(self, done, total):
+        if self.cancel:
+            return 1
+        if self.user is not None:
+            try:
+                if self.user(done, total) is True:
+                    self.cancel = True
+            except BaseException as e:  # re-raised on the caller's thread
+                self.error = e
+                self.cancel = True
+        return 1 if self.cancel else 0
+
+
+def _init_progress(ffi):
+    global _progress_callback
+
+    # error=1: should the callback itself fail, the call is cancelled rather than left running.
+    @ffi.callback("int(void *, int64_t, int64_t)", error=1)
+    def on_progress(user, done, total):
+        return ffi.from_handle(user)(done, total)
+
+    _progress_callback = on_progress
+
+
+def call(fn, config, *args, progress=None):
+    """fn(*args), a libpyfa entry point whose pyfa_config is `config`, raising its status.
+
+    progress(done, total) is called now and then while the call runs (on some library
+    thread); returning True cancels the call, which then raises CancelledError. On the
+    main thread the call runs on a helper thread while this one waits in short joins, so
+    that Ctrl-C is seen at once: it cancels the call through the progress callback, waits
+    for the library to stop (it writes nothing of the caller's then), and raises
+    KeyboardInterrupt. Elsewhere the call runs on the calling thread.
+    """
+    ffi, _ = load()
+    state = _Progress(progress)
+    handle = ffi.new_handle(state)
+    config.progress = _progress_callback
+    config.progress_user = handle
+    result = {}
+
+    def run():
+        try:
+            status = fn(*args)
+        except BaseException as e:  # e.g. cffi refusing an argument: raised on the caller's thread
+            result["exception"] = e
+            return
+        result["status"] = status
+        if status != 0:
+            result["message"] = last_error()
+
+    if threading.current_thread() is not threading.main_thread():
+        run()
+    else:
+        worker = threading.Thread(target=run, name="pyfa call", daemon=True)
+        worker.start()
+        try:
+            while worker.is_alive():
+                worker.join(_POLL_S)
+        except KeyboardInterrupt:
+            state.cancel = True
+            while worker.is_alive():
+                try:
+                    worker.join(_POLL_S)
+                except KeyboardInterrupt:  # pressed again: the call is stopping already
+                    pass
+            raise
+    if state.error is not None:
+        raise state.error
+    if "exception" in result:
+        raise result["exception"]
+    status = result.get("status")
+    if status is None:
+        raise PyfaError("the library call ended without a status")
+    if status != 0:
+        raise error(status, result.get("message", ""))

@@ -10,7 +10,7 @@ per-row statistics (LSE, m, l, D) at 4 bytes, since implementations keep them in
 whatever the tensors' type. With dtype_bytes=4 the counts equal the simulator's.
 """
 
-from .inputs import check_count_args, check_tile
+from .inputs import check_causal, check_count_args, check_tile
 from .io import IORecord
 from .tiles import resolve_tiles
 from .tiling import ceil_div, kv_tile_end, q_tile_begin
@@ -150,6 +150,7 @@ def count_io(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, head_d
         raise ValueError(f"algo: unknown algorithm {algo!r}; known: {algorithms()}")
     check_count_args(passes, batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                      head_dim=head_dim, dtype_bytes=dtype_bytes)
+    causal = check_causal(causal)
     wanted = ["forward", "backward"] if passes == "both" else [passes]
     record = IORecord()
     for p in wanted:
@@ -157,7 +158,7 @@ def count_io(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, head_d
             raise ValueError(f"passes: {algo} has no {p} pass in this version")
         for kernel, walker in WALKERS[(algo, p)]:
             Br, Bc = _tiles(kernel, head_dim, block_r, block_c)
-            record = record + walker(seqlen_q, seqlen_k, head_dim, Br, Bc, bool(causal), dtype_bytes)
+            record = record + walker(seqlen_q, seqlen_k, head_dim, Br, Bc, causal, dtype_bytes)
     out = record.scaled(batch * heads)
     out.label = f"{algo} {passes}"
     return out

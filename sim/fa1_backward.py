@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import numerics as nx
-from .inputs import check_like, check_qkv, check_rows, resolve_scale, restore_rank
+from .inputs import check_causal, check_like, check_qkv, check_rows, resolve_scale, restore_rank
 from .io import IORecord
-from .tiles import resolve_tiles
+from .tiles import launch_tiles
 from .tiling import causal_masked, ceil_div, q_tile_begin
 
 F32 = np.float32
@@ -43,8 +43,8 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, scale=None, block_r=None
     B, H, Nq, d = q4.shape
     Nk = k4.shape[2]
     scale = resolve_scale(scale, d)
-    Br, Bc = resolve_tiles("fa1_backward", d, block_r, block_c)
-    causal = bool(causal)
+    Br, Bc = launch_tiles("fa1_backward", d, block_r, block_c)
+    causal = check_causal(causal)
 
     BH, Tr, Tc = B * H, ceil_div(Nq, Br), ceil_div(Nk, Bc)
     # Array widths: a tile never holds more rows than Nq or more columns than Nk (a tile

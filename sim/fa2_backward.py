@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import numerics as nx
-from .inputs import check_like, check_qkv, check_rows, resolve_scale, restore_rank
+from .inputs import check_causal, check_like, check_qkv, check_rows, resolve_scale, restore_rank
 from .io import IORecord
-from .tiles import resolve_tiles
+from .tiles import launch_tiles
 from .tiling import causal_masked, ceil_div, kv_tile_end, q_tile_begin
 
 F32 = np.float32
@@ -178,12 +178,13 @@ def fa2_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_r=None,
     B, H, Nq, d = q4.shape
     Nk = k4.shape[2]
     scale = resolve_scale(scale, d)
-    causal = bool(causal)
+    causal = check_causal(causal)
     BH = B * H
     Q, K, V = q4.reshape(BH, Nq, d), k4.reshape(BH, Nk, d), v4.reshape(BH, Nk, d)
     O, dO, LSE = o4.reshape(BH, Nq, d), do4.reshape(BH, Nq, d), lse3.reshape(BH, Nq)
-    Br_kv, Bc_kv = resolve_tiles("fa2_backward_dkdv", d, block_r, block_c)
-    Br_q, Bc_q = resolve_tiles("fa2_backward_dq", d, block_r, block_c)
+    launch_tiles("fa2_backward_preprocess", d, block_r, block_c)  # refused first, as in the library
+    Br_kv, Bc_kv = launch_tiles("fa2_backward_dkdv", d, block_r, block_c)
+    Br_q, Bc_q = launch_tiles("fa2_backward_dq", d, block_r, block_c)
     io = IORecord(label=f"FA2 backward (simulated), dK/dV Br={Br_kv}, Bc={Bc_kv}; "
                         f"dQ Br={Br_q}, Bc={Bc_q}")
 

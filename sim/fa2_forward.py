@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import numerics as nx
-from .inputs import check_qkv, resolve_scale, restore_rank
+from .inputs import check_causal, check_qkv, resolve_scale, restore_rank
 from .io import IORecord
-from .tiles import resolve_tiles
+from .tiles import launch_tiles
 from .tiling import causal_masked, ceil_div, kv_tile_end
 
 F32 = np.float32
@@ -34,8 +34,8 @@ def fa2_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None
     B, H, Nq, d = q4.shape
     Nk = k4.shape[2]
     scale = resolve_scale(scale, d)
-    Br, Bc = resolve_tiles("fa2_forward", d, block_r, block_c)
-    causal = bool(causal)
+    Br, Bc = launch_tiles("fa2_forward", d, block_r, block_c)
+    causal = check_causal(causal)
 
     BH, Tr, Tc = B * H, ceil_div(Nq, Br), ceil_div(Nk, Bc)
     io = IORecord(label=f"FA2 forward (simulated), Br={Br}, Bc={Bc}")

@@ -69,28 +69,61 @@ def check_rows(name, x, q4):
     return np.ascontiguousarray(x).reshape(rows)
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def resolve_scale(scale, d):
     """scale, or the default 1/sqrt(d), as float32 (the same rounding as the library)."""
     if scale is None:
         return np.float32(1.0) / np.sqrt(np.float32(d))
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale: expected a real number or None, got {type(scale).__name__}")
-    if not math.isfinite(scale) or scale == 0:
+    try:
+        x = float(scale)
+    except OverflowError:  # an int beyond any float
+        raise ValueError(f"scale: {scale} is not representable as a finite nonzero float32") from None
+    if not math.isfinite(x) or x == 0:
         raise ValueError(f"scale: must be finite and nonzero, got {scale}")
-    s = np.float32(scale)
-    if not np.isfinite(s) or s == 0:
+    # Checked before the cast, which would round it to inf with a NumPy warning.
+    if abs(x) > FLOAT32_MAX:
+        raise ValueError(f"scale: {scale} is not representable as a finite nonzero float32")
+    s = np.float32(x)
+    if s == 0:
         raise ValueError(f"scale: {scale} is not representable as a finite nonzero float32")
     return s
 
 
+def check_causal(causal):
+    """causal as a bool: True, False, a NumPy bool, or the ints 0 and 1; anything else
+    ("False", None, 0.5, [0], an array) is a TypeError rather than its truth value."""
+    if isinstance(causal, (bool, np.bool_)):
+        return bool(causal)
+    if isinstance(causal, numbers.Integral) and causal in (0, 1):
+        return bool(causal)
+    raise TypeError(f"causal: expected a bool, got {causal!r}")
+
+
+def check_int(name, value, lo, hi):
+    """An int in [lo, hi] (NumPy integers too, never a bool or a float), as a Python int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an int in [{lo}, {hi}], got {type(value).__name__} {value!r}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}: must be in [{lo}, {hi}], got {value}")
+    return int(value)
+
+
+MAX_TILE = 1 << 20
+
+
 def check_tile(name, value):
-    """A tile size given by the caller: None (the default) or an int >= 1."""
+    """A tile size given by the caller: None (the default) or an int in [1, MAX_TILE];
+    whether the tiles fit in shared memory is sim.tiles.check_fit's question."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}: expected an int >= 1 or None, got {type(value).__name__}")
-    if value < 1 or value > 1 << 20:
-        raise ValueError(f"{name}: must be in [1, {1 << 20}], got {value}")
+    if value < 1 or value > MAX_TILE:
+        raise ValueError(f"{name}: must be in [1, {MAX_TILE}], got {value}")
     return int(value)
 
 
@@ -102,7 +135,7 @@ def restore_rank(x, rank):
 
 def check_count_args(passes, **sizes):
     """The problem of an IO count: passes, and sizes that are ints >= 1 (head_dim <= 256)."""
-    if passes not in ("forward", "backward", "both"):
+    if not isinstance(passes, str) or passes not in ("forward", "backward", "both"):
         raise ValueError(f"passes: expected 'forward', 'backward' or 'both', got {passes!r}")
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:

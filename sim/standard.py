@@ -32,7 +32,7 @@ from typing import Optional
 
 import numpy as np
 
-from .inputs import check_count_args, check_like, check_qkv, resolve_scale, restore_rank
+from .inputs import check_causal, check_count_args, check_like, check_qkv, resolve_scale, restore_rank
 from .io import IORecord
 from .tiling import causal_masked
 
@@ -140,6 +140,7 @@ def count_standard_io(*, passes="forward", batch, heads, seqlen_q, seqlen_k, hea
     equals count_io("standard", ...)."""
     check_count_args(passes, batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                      head_dim=head_dim, dtype_bytes=dtype_bytes)
+    causal = check_causal(causal)
     opts = dict(scale_pass=scale_pass, mask_pass=mask_pass, dropout_pass=dropout_pass)
     record = IORecord()
     if passes in ("forward", "both"):
@@ -196,6 +197,7 @@ def standard_forward(q, k, v, *, causal=False, scale=None, mask_pass=False, scal
     B, H, Nq, d = q4.shape
     Nk = k4.shape[2]
     scale = resolve_scale(scale, d)
+    causal = check_causal(causal)
 
     s = np.matmul(q4, k4.swapaxes(-1, -2)) * scale
     s = np.where(_hidden(bool(causal), Nq, Nk), NEG_INF, s).astype(F32)
@@ -233,6 +235,7 @@ def standard_backward(q, k, v, o, p, do, *, causal=False, scale=None, mask_pass=
     B, H, Nq, d = q4.shape
     Nk = k4.shape[2]
     scale = resolve_scale(scale, d)
+    check_causal(causal)
     check_like("o", o, q4)
     do4 = check_like("do", do, q4)
     p4 = check_like("p", p, np.broadcast_to(F32(0), (B, H, Nq, Nk)))  # shape only

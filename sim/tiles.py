@@ -24,15 +24,12 @@ class DeviceProfile:
 # 1024 threads per block, 132 SMs), so the emulator sizes tiles as that GPU would.
 EMU_PROFILE = DeviceProfile("pyfa emulator (H200 profile)", 227 * 1024, 1024, 132)
 
-# The C enum pyfa_kernel.
-KERNELS = {
-    "fa1_forward": 0,
-    "fa2_forward": 1,
-    "fa1_backward": 2,
-    "fa2_backward_preprocess": 3,
-    "fa2_backward_dkdv": 4,
-    "fa2_backward_dq": 5,
-}
+
+
+class TileTooLargeError(ValueError):
+    """The tiles need more shared memory than the device has. The simulator raises it for
+    the tiles the library would refuse; pyfa.TileTooLargeError is this class, so one
+    except clause catches both."""
 
 
 def padded(row):
@@ -121,11 +118,36 @@ def default_tiles(kernel, d, profile=EMU_PROFILE):
     return Br, Bc
 
 
+def check_fit(kernel, Br, Bc, d, profile=EMU_PROFILE):
+    """Raises TileTooLargeError, worded as the library's, when the tiles do not fit."""
+    need = smem_bytes(kernel, Br, Bc, d)
+    if need > profile.smem_per_block:
+        terms = " + ".join(f"{name} {FLOAT_BYTES * n}" for name, n in smem_terms(kernel, Br, Bc, d))
+        raise TileTooLargeError(
+            f"{kernel}: block_r={Br}, block_c={Bc} at head_dim={d} need {need} bytes of shared "
+            f"memory ({terms}), but {profile.name} allows {profile.smem_per_block} per block")
+
+
 def resolve_tiles(kernel, d, block_r, block_c):
     """The tiles a kernel runs with: the caller's block_r, block_c where given (checked),
-    the kernel's default for the other; the C side's kernel_tiles does the same."""
-    Br, Bc = default_tiles(kernel, d)
-    return check_tile("block_r", block_r) or Br, check_tile("block_c", block_c) or Bc
+    the kernel's default for the other; the C side's kernel_tiles does the same. The IO
+    model (count_io) takes them as they are, fitting or not; launch_tiles is what a kernel
+    accepts."""
+    Br = check_tile("block_r", block_r)
+    Bc = check_tile("block_c", block_c)
+    if Br is None or Bc is None:
+        default_r, default_c = default_tiles(kernel, d)
+        Br, Bc = Br or default_r, Bc or default_c
+    return Br, Bc
+
+
+def launch_tiles(kernel, d, block_r, block_c):
+    """resolve_tiles, refused with TileTooLargeError, as the library refuses them, when
+    they do not fit the emulated device's shared memory: the simulator runs what the
+    library runs, and never allocates tiles no kernel could hold."""
+    Br, Bc = resolve_tiles(kernel, d, block_r, block_c)
+    check_fit(kernel, Br, Bc, d)
+    return Br, Bc
 
 
 @lru_cache(maxsize=None)

@@ -54,10 +54,13 @@ def _load_in_subprocess(env_library):
     import os
     import sys
     import pyfa
-    env = dict(os.environ, PYFA_LIBRARY=str(env_library),
-               PYTHONPATH=str(Path(pyfa.__file__).resolve().parents[1]))
+    # PYTHONPATH prepended, never replaced: on the GPU machine cffi is found only through it.
+    path = [str(Path(pyfa.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]
+    env = dict(os.environ, PYFA_LIBRARY=str(env_library), PYTHONPATH=os.pathsep.join(p for p in path if p))
+    # From the imported pyfa's parent: a checkout's pyfa/ in the current directory would
+    # come first on sys.path and shadow an installed pyfa under test.
     return subprocess.run([sys.executable, "-c", "import pyfa; print(pyfa.backends())"],
-                          capture_output=True, text=True, env=env, timeout=60)
+                          capture_output=True, text=True, env=env, timeout=60, cwd=path[0])
 
 
 def test_pyfa_library_names_the_only_place_tried(tmp_path):
@@ -79,3 +82,25 @@ def test_a_file_that_is_not_a_library_is_reported_with_the_loader_message(tmp_pa
 def test_pyfa_library_selects_the_library(tmp_path):
     run = _load_in_subprocess(_lib.library_path())
     assert run.returncode == 0 and "emu" in run.stdout
+
+
+def test_the_op_table_matches_the_c_declarations_and_the_python_functions():
+    import inspect
+
+    import pyfa
+    ffi, lib = _lib.load()
+    declared = {n for n in dir(lib) if n.startswith("pyfa_") and n.endswith(("_forward", "_backward"))}
+    assert {op.c_function for op in pyfa.api.OPS.values()} == declared
+    for name, op in pyfa.api.OPS.items():
+        tensors = len(op.inputs) + len(op.outputs)
+        host = ffi.typeof(getattr(lib, op.c_function))
+        assert [a.cname for a in host.args] == ["pyfa_problem *", "pyfa_config *"] + ["float *"] * tensors, name
+        device = ffi.typeof(getattr(lib, op.device_function))
+        assert [a.cname for a in device.args] == [a.cname for a in host.args] + ["void *"], name
+        assert set(op.inputs + op.outputs) <= set(pyfa.api.TENSOR_KINDS)
+        assert set(op.kernels) <= set(pyfa.api.KERNELS) and op.algo + "_" + op.pass_ == name
+        # The Python function takes the inputs in C order, so callers may go by the table.
+        params = [p.name for p in inspect.signature(getattr(pyfa, name)).parameters.values()
+                  if p.kind == p.POSITIONAL_OR_KEYWORD]
+        assert params == list(op.inputs), name
+    assert sorted(k for op in pyfa.api.OPS.values() for k in op.kernels) == sorted(pyfa.api.KERNELS)

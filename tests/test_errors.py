@@ -183,3 +183,127 @@ def test_c_abi_rejects_negative_threads():
     assert lib.pyfa_fa2_forward(pr, cfg, p, p, p, p, p) == 1
     assert "config->threads" in ffi.string(lib.pyfa_last_error()).decode()
 
+
+BAD_CAUSAL = ["False", None, 2, 0.5, [0], np.array([1, 0]), 1.0]
+
+
+def _every_causal_taker():
+    """(name, call(causal)) for every function that takes causal: the library's, the
+    simulator's and the IO counts."""
+    q, k, v = Q, K, V
+    do = Q.copy()
+    rows = np.zeros(Q.shape[:3], np.float32)
+    sizes = dict(batch=1, heads=2, seqlen_q=16, seqlen_k=12, head_dim=8)
+    calls = {
+        "pyfa.attention": lambda c: pyfa.attention(q, k, v, causal=c, backend="emu"),
+        "pyfa.attention_grad": lambda c: pyfa.attention_grad(q, k, v, do, causal=c, backend="emu"),
+        "pyfa.fa2_forward": lambda c: pyfa.fa2_forward(q, k, v, causal=c, backend="emu"),
+        "pyfa.fa1_forward": lambda c: pyfa.fa1_forward(q, k, v, causal=c, backend="emu"),
+        "pyfa.fa2_backward": lambda c: pyfa.fa2_backward(q, k, v, q, rows, do, causal=c, backend="emu"),
+        "pyfa.fa1_backward": lambda c: pyfa.fa1_backward(q, k, v, q, rows, rows, do, causal=c, backend="emu"),
+        "sim.fa2_forward": lambda c: pyfa.sim.fa2_forward(q, k, v, causal=c),
+        "sim.fa1_forward": lambda c: pyfa.sim.fa1_forward(q, k, v, causal=c),
+        "sim.fa2_backward": lambda c: pyfa.sim.fa2_backward(q, k, v, q, rows, do, causal=c),
+        "sim.fa1_backward": lambda c: pyfa.sim.fa1_backward(q, k, v, q, rows, rows, do, causal=c),
+        "sim.standard_forward": lambda c: pyfa.sim.standard_forward(q, k, v, causal=c),
+        "sim.standard_backward": lambda c: pyfa.sim.standard_backward(
+            q, k, v, q, np.zeros((1, 2, 16, 12), np.float32), do, causal=c),
+        "sim.count_standard_io": lambda c: pyfa.sim.count_standard_io(causal=c, **sizes),
+    }
+    for algo in pyfa.sim.count.algorithms():
+        calls[f"sim.count_io({algo})"] = lambda c, a=algo: pyfa.sim.count_io(a, causal=c, **sizes)
+    return sorted(calls.items())
+
+
+@pytest.mark.parametrize("name,call", _every_causal_taker(), ids=lambda x: x if isinstance(x, str) else "")
+def test_causal_is_checked_alike_everywhere(name, call):
+    for bad in BAD_CAUSAL:
+        with pytest.raises(TypeError, match="causal"):
+            call(bad)
+    for good in (True, False, np.True_, 0, 1):
+        call(good)
+
+
+@pytest.mark.parametrize("kwargs,exc,needle", [
+    (dict(emu_workers=2**31), ValueError, "emu_workers"),
+    (dict(emu_workers=-1), ValueError, "emu_workers"),
+    (dict(emu_workers=2.0), TypeError, "emu_workers"),
+    (dict(emu_seed=2**64), ValueError, "emu_seed"),
+    (dict(scale=10**400), ValueError, "scale"),
+    (dict(scale=-10**400), ValueError, "scale"),
+    (dict(scale=1e39), ValueError, "scale"),
+    (dict(scale=1e-50), ValueError, "scale"),
+    (dict(block_r=2**31), ValueError, "block_r"),
+    (dict(progress=3), TypeError, "progress"),
+])
+def test_out_of_range_numbers_name_the_argument_and_never_warn(kwargs, exc, needle):
+    import warnings
+    sim_kwargs = {k: v for k, v in kwargs.items() if k in ("scale", "block_r")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(exc, match=needle):
+            pyfa.fa2_forward(Q, K, V, backend="emu", **kwargs)
+        if sim_kwargs:  # the simulator takes these too, and must refuse them alike
+            with pytest.raises(exc, match=needle):
+                pyfa.sim.fa2_forward(Q, K, V, **sim_kwargs)
+
+
+@pytest.mark.parametrize("call,exc,needle", [
+    (lambda: pyfa.smem_bytes("fa2_forward", 2**31, 4, 8), ValueError, "block_r"),
+    (lambda: pyfa.smem_bytes("fa2_forward", 4, 2**31, 8), ValueError, "block_c"),
+    (lambda: pyfa.smem_bytes("fa2_forward", 4, 4, 2**63), ValueError, "head_dim"),
+    (lambda: pyfa.smem_bytes("fa2_forward", 4.0, 4, 8), TypeError, "block_r"),
+    (lambda: pyfa.smem_bytes("fa9", 4, 4, 8), ValueError, "kernel"),
+    (lambda: pyfa.default_tiles("fa2_forward", 2.5), TypeError, "head_dim"),
+    (lambda: pyfa.default_tiles("fa2_forward", "64"), TypeError, "head_dim"),
+    (lambda: pyfa.default_tiles("fa2_forward", 0), ValueError, "head_dim"),
+    (lambda: pyfa.default_tiles("fa2_forward", 257), ValueError, "head_dim"),
+    (lambda: pyfa.default_tiles("fa2_forward", 64, backend="gpu"), ValueError, "backend"),
+])
+def test_query_functions_name_the_argument(call, exc, needle):
+    with pytest.raises(exc, match=needle):
+        call()
+
+
+def test_smem_bytes_of_sizes_in_range_is_the_library_s_answer():
+    assert pyfa.smem_bytes("fa2_forward", 64, 64, 64) == pyfa.sim.smem_bytes("fa2_forward", 64, 64, 64)
+    assert pyfa.smem_bytes("fa2_forward", 0, 64, 64) == 0  # out of the library's range: 0, as pyfa.h says
+
+
+def test_error_classes_are_public_and_both_kinds():
+    assert issubclass(pyfa.InvalidArgumentError, (pyfa.PyfaError, ValueError))
+    assert issubclass(pyfa.InvalidArgumentError, ValueError)
+    assert issubclass(pyfa.OutOfMemoryError, pyfa.PyfaError) and issubclass(pyfa.OutOfMemoryError, MemoryError)
+    assert issubclass(pyfa.CancelledError, pyfa.PyfaError)
+    assert issubclass(pyfa.TileTooLargeError, ValueError)
+    assert pyfa.TileTooLargeError is pyfa.sim.TileTooLargeError
+    status, message, _, _ = _c_call({"head_dim": 0})
+    err = _lib.error(status, message)
+    assert type(err) is pyfa.InvalidArgumentError and "problem->head_dim" in str(err) and err.status == 1
+    for status, cls in ((2, pyfa.TileTooLargeError), (6, pyfa.OutOfMemoryError), (8, pyfa.CancelledError)):
+        err = _lib.error(status, "")
+        assert isinstance(err, cls) and isinstance(err, pyfa.PyfaError), (status, type(err))
+
+
+def test_invalid_argument_from_the_library_is_public():
+    # block_r above what the API allows never reaches the library; a C-level refusal does.
+    ffi, lib = _lib.load()
+    with pytest.raises(pyfa.InvalidArgumentError, match="head_dim"):
+        _lib.check(lib.pyfa_default_tiles(1, 0, 2, ffi.new("int *"), ffi.new("int *")))
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--seqlen", "0"], "--seqlen: must be >= 1"),
+    (["--batch", "-1"], "--batch: must be >= 1"),
+    (["--heads", "x"], "--heads: expected an integer"),
+    (["--head-dim", "300"], "--head-dim: must be in [1, 256]"),
+    (["--backend", "cuda"], "--backend: cuda cannot run here"),
+])
+def test_demo_arguments_are_usage_errors(argv, needle, capsys):
+    if argv[0] == "--backend" and argv[1] in pyfa.backends():
+        pytest.skip(f"{argv[1]} can run here")
+    from pyfa.__main__ import main
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert needle in capsys.readouterr().err

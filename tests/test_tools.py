@@ -1,11 +1,10 @@
 """tools/: the CPU benchmark, the GPU check's dry run and its plumbing, the ptxas report.
 
 The GPU path of tools/device_check.sh cannot run without a GPU; what can is checked here:
-its dry run, the parsing of pyfa.h, ncu and compute-sanitizer output, and gpu_bench's
+its dry run and budget, the parsing of ncu and compute-sanitizer output, and gpu_bench's
 steps end to end on the emulator, with stand-in `ncu` and `compute-sanitizer` scripts.
 """
 
-import importlib.util
 import json
 import os
 import re
@@ -20,16 +19,9 @@ import pyfa
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ROOT / "tools"
+sys.path.insert(0, str(TOOLS))
 
-
-def load_tool(name):
-    spec = importlib.util.spec_from_file_location(f"pyfa_tools_{name}", TOOLS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_bench = load_tool("gpu_bench")
+from gpucheck import common, ncu, sanitize  # noqa: E402
 
 
 def tool_env(extra_path=None):
@@ -64,58 +56,52 @@ def test_bench_smoke_prints_ratios_on_its_last_line():
     assert "BITS DIFFER" not in p.stdout
 
 
-def test_device_check_dry_run_lists_every_step(tmp_path):
+def test_device_check_dry_run_lists_every_step_within_its_budget(tmp_path):
     p = run(["bash", str(TOOLS / "device_check.sh"), "--dry-run", str(tmp_path)], timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
-    steps = re.findall(r"^== step (\w+) \(timeout \d+s\): (.+)$", p.stdout, re.M)
-    names = [name for name, _ in steps]
-    assert names == ["wheels", "info", "build", "tests", "sanitizer", "bench", "ncu", "ptxas"]
-    commands = dict(steps)
+    steps = re.findall(r"^== step (\w+) \(timeout (\d+)s\): (.+)$", p.stdout, re.M)
+    names = [name for name, _, _ in steps]
+    assert names == ["wheels", "info", "build", "tests", "sanitizer", "bench", "ncu"]
+    budget = re.search(r"^budget: step timeouts .* = (\d+)s: fits in (\d+)s$", p.stdout, re.M)
+    assert budget, p.stdout
+    total, limit = int(budget.group(1)), int(budget.group(2))
+    assert total == sum(int(t) for _, t, _ in steps) + 15 and total <= limit <= 430
+    commands = {name: cmd for name, _, cmd in steps}
     assert "pip install" in commands["wheels"] and "--no-index" in commands["wheels"]
     assert "-DCMAKE_CUDA_ARCHITECTURES=" in commands["build"]
-    assert "pytest" in commands["tests"]
-    for op in gpu_bench.host_ops():  # each op under each tool, and in the bench plan
+    assert "pytest" in commands["tests"] and "-k cuda" in commands["tests"]
+    assert "ptxas" not in p.stdout
+    for op in pyfa.api.OPS:  # each op under each tool, and in the bench plan
         assert re.search(rf"compute-sanitizer --tool memcheck .*drive --ops \S*{op}", p.stdout)
         assert re.search(rf"compute-sanitizer --tool racecheck .*drive --ops \S*{op}", p.stdout)
         assert re.search(rf"ncu --metrics dram__bytes_read.sum,dram__bytes_write.sum .*--ops {op} ", p.stdout)
-    for op in gpu_bench.device_entry_points(gpu_bench.header_text()):
         assert re.search(rf"would time B=4 H=8 N=8192 d=128 tiles=32x32: .*{op}", p.stdout)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["mode"] == "dry-run"
     assert [s["step"] for s in summary["steps"]] == names
     assert (tmp_path / "summary.md").is_file() and (tmp_path / "device_check.log").is_file()
+    # The summary comes last, its step table first: it is what the output's tail keeps.
+    assert p.stdout.rstrip().endswith((tmp_path / "summary.md").read_text().rstrip())
+    assert len(p.stdout) < 12000
 
 
-def test_entry_points_are_read_from_the_header():
-    ops = gpu_bench.device_entry_points(gpu_bench.header_text())
-    assert ops["fa2_forward"] == [("problem", "problem"), ("config", "config"), ("q", "in"), ("k", "in"),
-                                  ("v", "in"), ("o", "out"), ("lse", "out"), ("stream", "stream")]
-    for op, params in ops.items():
-        assert not [n for n, role in params if role == "unknown"], f"{op}: {params}"
-        for name, role in params:
-            if role in ("in", "out"):
-                assert gpu_bench.tensor_shape(gpu_bench.canonical(name), 1, 2, 3, 4, 5), f"{op}: tensor {name}"
-    # How the backward entry points may spell their tensors.
-    text = ("/* PYFA_CDEF_BEGIN */ PYFA_API pyfa_status pyfa_fa9_backward_device(const pyfa_problem* problem,"
-            " const pyfa_config* config, const float* q, const float* k, const float* v, const float* o,"
-            " const float* m, const float* l, const float* dO, float* dq, float* dk, float* dv, float* D,"
-            " void* stream); /* PYFA_CDEF_END */")
-    params = gpu_bench.device_entry_points(text)["fa9_backward"]
-    assert [gpu_bench.canonical(n) for n, _ in params[2:-1]] == \
-        ["q", "k", "v", "o", "m", "l", "do", "dq", "dk", "dv", "D"]
-    assert [r for _, r in params] == ["problem", "config"] + ["in"] * 7 + ["out"] * 4 + ["stream"]
+def test_a_budget_the_steps_overrun_fails_the_dry_run(tmp_path):
+    env = tool_env()
+    env["PYFA_CHECK_BUDGET_S"] = "300"
+    p = run(["bash", str(TOOLS / "device_check.sh"), "--dry-run", str(tmp_path)], timeout=60, env=env)
+    assert p.returncode == 1 and "DOES NOT FIT in 300s" in p.stdout
 
 
 def test_tool_output_parsers():
     clean = "========= COMPUTE-SANITIZER\ndrive: done, 4 calls\n========= ERROR SUMMARY: 0 errors\n"
-    assert gpu_bench.classify_sanitizer("memcheck", 0, clean) == ("clean", 0)
+    assert sanitize.classify_sanitizer("memcheck", 0, clean) == ("clean", 0)
     bad = "drive: done\n========= Invalid __global__ write of size 4\n========= ERROR SUMMARY: 3 errors\n"
-    assert gpu_bench.classify_sanitizer("memcheck", 86, bad) == ("errors found", 3)
+    assert sanitize.classify_sanitizer("memcheck", 86, bad) == ("errors found", 3)
     race = "drive: done\n========= RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)\n"
-    assert gpu_bench.classify_sanitizer("racecheck", 86, race) == ("errors found", 1)
+    assert sanitize.classify_sanitizer("racecheck", 86, race) == ("errors found", 1)
     broken = "========= Error: Device not supported\n========= Target application returned an error\n"
-    assert gpu_bench.classify_sanitizer("memcheck", 1, broken)[0] == "tool not working here"
-    assert gpu_bench.classify_sanitizer("memcheck", None, "")[0] == "timeout"
+    assert sanitize.classify_sanitizer("memcheck", 1, broken)[0] == "tool not working here"
+    assert sanitize.classify_sanitizer("memcheck", None, "")[0] == "timeout"
 
     head = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
             '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
@@ -125,7 +111,7 @@ def test_tool_output_parsers():
                      row.format(id=0, k="fa2_forward", m="dram__bytes_read.sum", v="1,000"),
                      row.format(id=0, k="fa2_forward", m="dram__bytes_write.sum", v="500"),
                      row.format(id=1, k="fa2_forward", m="dram__bytes_read.sum", v="2,000")])
-    got = gpu_bench.parse_ncu_csv(out)
+    got = ncu.parse_ncu_csv(out)
     assert got == {"fa2_forward": {"launches": 2, "dram__bytes_read.sum": 3000.0, "dram__bytes_write.sum": 500.0}}
 
 
@@ -178,7 +164,7 @@ def test_gpu_steps_run_on_the_emulator_with_stand_in_tools(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     records = json.loads((tmp_path / "bench.json").read_text())["records"]
     timed = {(r["op"], r["tiles"]) for r in records if r["status"] == "ok"}
-    for op in gpu_bench.device_entry_points(gpu_bench.header_text()):
+    for op in pyfa.api.OPS:
         assert {(op, "default"), (op, "32x32")} <= timed, records
 
     (tmp_path / "steps.tsv").write_text("bench\tok\t0\t1\t150\tpython3 tools/gpu_bench.py bench\n")
@@ -189,7 +175,7 @@ def test_gpu_steps_run_on_the_emulator_with_stand_in_tools(tmp_path):
     assert "- memcheck: clean" in md and "| fa2_forward | forward | fa2_forward | 1.23 kB | 99 B |" in md
 
 
-@pytest.mark.skipif(gpu_bench.find_tool("nvcc", ["/usr/local/cuda/bin/nvcc"]) is None, reason="nvcc not found")
+@pytest.mark.skipif(common.find_tool("nvcc", ["/usr/local/cuda/bin/nvcc"]) is None, reason="nvcc not found")
 def test_ptxas_report_has_a_row_per_kernel_and_no_spills(tmp_path):
     p = run([sys.executable, str(TOOLS / "ptxas_report.py"), "--json", str(tmp_path / "ptxas.json")])
     assert p.returncode == 0, p.stdout + p.stderr

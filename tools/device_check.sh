@@ -1,48 +1,63 @@
 #!/usr/bin/env bash
-# device_check.sh: everything pyfa needs a GPU for, in one run of under 8 minutes.
+# device_check.sh: everything pyfa needs a GPU for, in one run of 7 minutes.
 #
-#   tools/device_check.sh OUTDIR             # on a machine with a CUDA GPU
-#   tools/device_check.sh --dry-run OUTDIR   # anywhere: prints every step and command
+#   tools/device_check.sh --prepare-wheels     # once, on a machine with pip: cffi and
+#                                              # pycparser for the GPU machine, into .whl/
+#   tools/device_check.sh --dry-run OUTDIR     # anywhere: every step and command, and
+#                                              # whether the step timeouts fit the budget
+#   tools/device_check.sh OUTDIR               # on the GPU machine (tools/README.md)
 #
-# Steps, in order: install the carried cffi/pycparser wheels; print the GPU, driver, nvcc
-# and tools; build libpyfa with CMake for the GPU present; run the test suite (each kernel
-# on the cuda backend bit for bit against the simulator); compute-sanitizer memcheck and
-# racecheck on small problems; time every forward and backward entry point with CUDA
-# events beside PyTorch's SDPA; DRAM bytes per kernel with ncu beside pyfa.sim.count_io;
-# the ptxas report; then OUTDIR/summary.json and OUTDIR/summary.md (OUTDIR also gets
-# device_check.log and pytest.xml).
+# Steps, in order: cffi and pycparser importable (else installed from the carried wheels);
+# the GPU, driver, nvcc and tools; libpyfa built with CMake for the GPU present; the tests
+# that run on the cuda backend (each kernel bit for bit against the simulator);
+# compute-sanitizer memcheck and racecheck on small problems; every op's device entry
+# point timed with CUDA events beside PyTorch's SDPA; DRAM bytes per kernel with ncu
+# beside pyfa.sim.count_io. OUTDIR gets summary.md (printed last, its tables first),
+# summary.json, device_check.log (every step's full output) and pytest.xml: four files.
 #
-# Every step has a timeout, and all of them share one budget (PYFA_CHECK_BUDGET_S, 450 s),
+# Every step has a timeout, and all of them share one budget (PYFA_CHECK_BUDGET_S, 420 s),
 # so the whole run ends in time; a step that fails or times out is recorded in the summary
-# and the next one runs. The GPU machine reaches no package registry: see WHEEL_HELP below
-# and tools/README.md for how the wheels are prepared and carried.
+# and the next one runs. Standard output stays short (a line per step, the end of a failed
+# step's output, then the summary), since the device tool returns only its last 12,000
+# characters.
 set -u -o pipefail
 
-usage() { echo "usage: $0 [--dry-run] OUTDIR" >&2; exit 2; }
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+WHEELS=$ROOT/.whl
+PY=${PYTHON:-python3}
+# The wheels the GPU machine's Python (3.12, x86-64, no registry) needs; .whl/ is git-ignored.
+WHEEL_SPECS="cffi==2.0.0 pycparser==3.0"
+PREPARE_CMD="$PY -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+-d $WHEELS $WHEEL_SPECS"
+
+usage() { echo "usage: $0 [--dry-run] OUTDIR | --prepare-wheels" >&2; exit 2; }
 DRY=0
 OUTDIR=""
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
+    --prepare-wheels) echo "+ $PREPARE_CMD"; exec bash -c "$PREPARE_CMD" ;;
     -*) usage ;;
     *) [ -z "$OUTDIR" ] || usage; OUTDIR=$arg ;;
   esac
 done
 [ -n "$OUTDIR" ] || usage
 
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUTDIR" && OUTDIR=$(cd "$OUTDIR" && pwd) || exit 2
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/pyfa-device-check.XXXXXX") || exit 2
 trap 'rm -rf "$WORK"' EXIT   # its contents end up in OUTDIR/summary.json
 LOG=$OUTDIR/device_check.log
 : >"$LOG"
 : >"$WORK/steps.tsv"
-PY=${PYTHON:-python3}
 BUILD=${PYFA_BUILD_DIR:-$ROOT/build-device}
 SITE=${PYFA_SITE:-/tmp/pyfa-site}
-WHEELS=$ROOT/.whl
-BUDGET=${PYFA_CHECK_BUDGET_S:-450}
-SUMMARY_RESERVE=20   # seconds kept back so the summary is always written
+BUDGET=${PYFA_CHECK_BUDGET_S:-420}
+SUMMARY_RESERVE=15   # seconds kept back so the summary is always written
+# Each step's timeout; together with the reserve they must fit the budget (the dry run
+# checks), so that no step is cut short by an earlier one overrunning.
+declare -A LIMIT=([wheels]=15 [info]=15 [build]=110 [tests]=90 [sanitizer]=55 [bench]=80 [ncu]=40)
+STEPS="wheels info build tests sanitizer bench ncu"
 START=$(date +%s)
 FAILED=0
 # nvcc, ncu and compute-sanitizer live here on CUDA images whose PATH lacks them.
@@ -52,14 +67,9 @@ export PYTHONUNBUFFERED=1
 cd "$ROOT" || exit 2
 
 WHEEL_HELP="cffi and pycparser are needed (pyfa loads libpyfa through cffi) and this machine
-cannot install them from a registry. Prepare them as wheels for the GPU machine's Python
-(3.12) on a machine with pip, in the repository root:
-    echo /.whl/ >> .git/info/exclude
-    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
-        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \\
-        --platform manylinux2014_x86_64 -d .whl cffi==2.0.0 pycparser==3.0
-then carry .whl with the run (the device tool: carry [\".whl\"]). This script installs them with
-    $PY -m pip install --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE .whl/*.whl"
+cannot install them from a registry. On a machine with pip, in the repository root, run
+    tools/device_check.sh --prepare-wheels
+and carry .whl with the run (the device tool: carry [\".whl\"]); see tools/README.md."
 
 say() { echo "$*" | tee -a "$LOG"; }
 
@@ -67,11 +77,14 @@ record() {  # record NAME STATUS RC SECONDS TIMEOUT COMMAND
   printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$5" "$(echo "$6" | tr '\t\n' '  ')" >>"$WORK/steps.tsv"
 }
 
-# step NAME TIMEOUT COMMAND [DRY_COMMAND]
-# Runs COMMAND under `timeout`, its output into the log; in a dry run prints it instead and
-# runs DRY_COMMAND, if any, which lists what the step would do (it needs no GPU).
+# step NAME COMMAND [DRY_COMMAND]
+# Runs COMMAND under `timeout` (LIMIT[NAME], cut to what is left of the budget), its full
+# output into the log and, when it fails, its last lines onto standard output. A dry run
+# prints the command instead and runs DRY_COMMAND, if any, which lists what the step
+# would do (it needs no GPU).
 step() {
-  local name=$1 limit=$2 cmd=$3 dry=${4:-}
+  local name=$1 cmd=$2 dry=${3:-}
+  local limit=${LIMIT[$name]}
   local left=$((START + BUDGET - SUMMARY_RESERVE - $(date +%s)))
   ((limit > left)) && limit=$left
   if ((DRY)); then
@@ -89,22 +102,25 @@ step() {
     FAILED=1
     return 1
   fi
-  say ""
   say "== step $name (timeout ${limit}s): $cmd"
   local t0 rc status
   t0=$(date +%s)
   # The Python steps stop starting new work a few seconds before the hard timeout.
   export PYFA_STEP_DEADLINE=$((t0 + limit - 5))
-  timeout --kill-after=10 "$limit" bash -c "$cmd" 2>&1 | tee -a "$LOG"
-  rc=${PIPESTATUS[0]}
+  timeout --kill-after=5 "$limit" bash -c "$cmd" >"$WORK/step.out" 2>&1
+  rc=$?
+  cat "$WORK/step.out" >>"$LOG"
   case $rc in
     0) status=ok ;;
     124 | 137) status=timeout ;;
     *) status=failed ;;
   esac
   record "$name" "$status" "$rc" $(($(date +%s) - t0)) "$limit" "$cmd"
+  if ((rc != 0)); then
+    tail -n 15 "$WORK/step.out"
+    FAILED=1
+  fi
   say "== step $name: $status (rc $rc, $(($(date +%s) - t0)) s)"
-  ((rc == 0)) || FAILED=1
   return "$rc"
 }
 
@@ -117,13 +133,23 @@ skip() {  # skip NAME REASON
 summarize() {
   local mode=gpu
   ((DRY)) && mode=dry-run
-  say ""
-  say "== step summary: $PY tools/gpu_bench.py summarize --work $WORK --out $OUTDIR --mode $mode"
-  "$PY" tools/gpu_bench.py summarize --work "$WORK" --out "$OUTDIR" --mode "$mode" 2>&1 | tee -a "$LOG"
+  echo "== summary ($PY tools/gpu_bench.py summarize --work $WORK --out $OUTDIR --mode $mode)" >>"$LOG"
+  "$PY" tools/gpu_bench.py summarize --work "$WORK" --out "$OUTDIR" --mode "$mode" >"$WORK/summary.out" 2>&1
+  cat "$WORK/summary.out" >>"$LOG"
+  echo ""
+  cat "$WORK/summary.out"
 }
 
 say "pyfa device check$( ((DRY)) && echo ' (dry run: nothing is built, run or measured)'), $(date -u +%FT%TZ)"
 say "repo $ROOT, outputs $OUTDIR, scratch $WORK, budget ${BUDGET}s, python $PY"
+
+if ((DRY)); then
+  total=$SUMMARY_RESERVE
+  for s in $STEPS; do total=$((total + LIMIT[$s])); done
+  fits=$( ((total <= BUDGET)) && echo "fits" || echo "DOES NOT FIT" )
+  say "budget: step timeouts $(for s in $STEPS; do printf '%s %ss + ' "$s" "${LIMIT[$s]}"; done)summary reserve ${SUMMARY_RESERVE}s = ${total}s: ${fits} in ${BUDGET}s"
+  ((total <= BUDGET)) || exit 1
+fi
 
 # The GPU's compute capability picks the one architecture to build (90 on an H100/H200).
 ARCH=""
@@ -135,20 +161,19 @@ case $ARCH in
     if ((DRY)); then ARCH=90; say "(dry run: assuming compute capability 9.0; the real run reads nvidia-smi)"
     else ARCH=native; fi ;;
 esac
-PTX_ARCH=sm_$ARCH
-[ "$ARCH" = native ] && PTX_ARCH=sm_90
 
-# 1. cffi and pycparser: importable already, or from the carried wheels, or stop here.
+# 1. cffi and pycparser: importable already (the device call installs them), or from the
+# carried wheels, or stop here.
 WHEELS_CMD="if $PY -c 'import cffi, pycparser' 2>/dev/null; then echo 'cffi and pycparser: already importable'; \
 else $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE $WHEELS/*.whl \
 && PYTHONPATH=$SITE $PY -c 'import cffi, pycparser; print(\"cffi\", cffi.__version__, \"and pycparser\", pycparser.__version__, \"installed in $SITE\")'; fi"
 have_wheels() { ls "$WHEELS"/cffi-*.whl "$WHEELS"/pycparser-*.whl >/dev/null 2>&1; }
 if ((DRY)); then
-  step wheels 60 "$WHEELS_CMD"
+  step wheels "$WHEELS_CMD"
   if have_wheels; then
     say "wheels ready in $WHEELS: $(cd "$WHEELS" && echo cffi-*.whl pycparser-*.whl)"
   else
-    say "wheels MISSING in $WHEELS: unless the GPU machine's python can import cffi, the real run stops here with:"
+    say "wheels MISSING in $WHEELS: unless the GPU machine's python can import cffi, the real run stops here."
     say "$WHEEL_HELP"
   fi
 elif ! "$PY" -c 'import cffi, pycparser' 2>/dev/null && ! have_wheels; then
@@ -157,48 +182,41 @@ elif ! "$PY" -c 'import cffi, pycparser' 2>/dev/null && ! have_wheels; then
   summarize
   exit 3
 else
-  step wheels 60 "$WHEELS_CMD" || { say "$WHEEL_HELP"; summarize; exit 3; }
+  step wheels "$WHEELS_CMD" || { say "$WHEEL_HELP"; summarize; exit 3; }
 fi
-export PYTHONPATH=$SITE:$PYTHONPATH
+export PYTHONPATH=$PYTHONPATH:$SITE
 
 # 2. What we run on.
-step info 30 "$PY tools/gpu_bench.py info --out $WORK/info.json"
+step info "$PY tools/gpu_bench.py info --out $WORK/info.json"
 
 # 3. Build for this GPU, then make sure the library sees it.
 BUILD_CMD="cmake -S . -B $BUILD -DCMAKE_BUILD_TYPE=Release -DPYFA_WITH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$ARCH \
 && cmake --build $BUILD -j $(nproc) \
-&& PYFA_LIBRARY=$BUILD/libpyfa.so $PY -c 'import pyfa; b = pyfa.backends(); print(\"backends:\", b); \
-assert \"cuda\" in b, \"libpyfa sees no usable GPU (built without nvcc?)\"; print(pyfa.device_profile(\"cuda\"))'"
-if step build 150 "$BUILD_CMD"; then
+&& PYFA_LIBRARY=$BUILD/libpyfa.so $PY -c 'import pyfa; b = pyfa.backends(); print(\"backends:\", b, pyfa.unavailable_backends()); \
+assert \"cuda\" in b, \"libpyfa sees no usable GPU\"; print(pyfa.device_profile(\"cuda\"))'"
+if step build "$BUILD_CMD"; then
   export PYFA_LIBRARY=$BUILD/libpyfa.so
   BUILT=1
 else
   BUILT=0
 fi
 
-# 4-7. On the GPU.
-XDIST=""
-"$PY" -c 'import xdist' 2>/dev/null && XDIST="-n 8"
-TEST_CMD="$PY -m pytest -q -rfEs -p no:cacheprovider $XDIST --junitxml=$OUTDIR/pytest.xml tests"
+# 4-7. On the GPU. Only the tests that run the cuda backend: the rest need no GPU and
+# run everywhere else.
+TEST_CMD="$PY -m pytest -q -rfE -p no:cacheprovider -k cuda --junitxml=$OUTDIR/pytest.xml tests"
 if ((BUILT || DRY)); then
-  step tests 120 "$TEST_CMD"
-  step sanitizer 90 "$PY tools/gpu_bench.py sanitize --out $WORK/sanitize.json" \
+  step tests "$TEST_CMD"
+  step sanitizer "$PY tools/gpu_bench.py sanitize --out $WORK/sanitize.json" \
     "$PY tools/gpu_bench.py sanitize --dry-run"
-  step bench 150 "$PY tools/gpu_bench.py bench --out $WORK/bench.json" \
+  step bench "$PY tools/gpu_bench.py bench --out $WORK/bench.json" \
     "$PY tools/gpu_bench.py bench --dry-run"
-  step ncu 90 "$PY tools/gpu_bench.py ncu --out $WORK/ncu.json" \
+  step ncu "$PY tools/gpu_bench.py ncu --out $WORK/ncu.json" \
     "$PY tools/gpu_bench.py ncu --dry-run"
 else
   for s in tests sanitizer bench ncu; do skip "$s" "the build failed"; done
 fi
 
-# 8. Registers and spills: needs nvcc only.
-step ptxas 45 "$PY tools/ptxas_report.py --arch $PTX_ARCH --json $WORK/ptxas.json"
-
+say "device_check: $( ((DRY)) && echo 'dry run done; on a GPU these steps would run as listed' || { ((FAILED)) && echo 'some steps failed or were skipped' || echo 'all steps ok'; }); outputs in $OUTDIR"
 summarize
-if ((DRY)); then
-  say "device_check: dry run done; on a GPU these steps would run as listed"
-  exit 0
-fi
-say "device_check: $( ((FAILED)) && echo 'some steps failed or were skipped' || echo 'all steps ok'); outputs in $OUTDIR"
+((DRY)) && exit 0
 exit "$FAILED"

@@ -1,0 +1,85 @@
+"""gpu_bench.py sanitize: compute-sanitizer memcheck and racecheck over `drive`."""
+
+import re
+import time
+
+from .common import TOOL_NOT_WORKING, find_sanitizer, left_s, ops, run_cmd, write_json
+from .drive import DRIVE_SIZES, drive_cmd
+
+SANITIZER_TOOLS = ["memcheck", "racecheck"]
+SANITIZER_SIZES = {"memcheck": "small", "racecheck": "race"}
+
+
+def classify_sanitizer(tool, rc, out):
+    """(status, error count) of one compute-sanitizer run over `drive`."""
+    errors = None
+    m = re.search(r"ERROR SUMMARY: (\d+) errors?", out)
+    if m:
+        errors = int(m.group(1))
+    m = re.search(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?, (\d+) warnings?\)", out)
+    if m:
+        errors = int(m.group(1))
+    done = "drive: done" in out
+    if rc is None:
+        return "timeout", errors
+    if errors:
+        return "errors found", errors
+    if any(p in out for p in TOOL_NOT_WORKING) or (not done and errors is None):
+        return "tool not working here", errors
+    if done and rc == 0:
+        return "clean", errors or 0
+    return "failed (see output)", errors
+
+
+def cmd_sanitize(args):
+    tool_path = find_sanitizer() or "compute-sanitizer"
+    names = [op.name for op in ops()]
+    result = {"tool": tool_path, "ops": names,
+              "cases": {t: DRIVE_SIZES[s] for t, s in SANITIZER_SIZES.items()}, "runs": []}
+    for index, tool in enumerate(SANITIZER_TOOLS):
+        cmd = [tool_path, "--tool", tool, "--error-exitcode", "86", "--print-limit", "20",
+               *drive_cmd(names, SANITIZER_SIZES[tool], args.backend)]
+        if args.dry_run:
+            print("  would run: " + " ".join(cmd))
+            continue
+        if not find_sanitizer():
+            result["runs"].append({"tool": tool, "status": "not installed", "command": cmd})
+            continue
+        if left_s() < 10:
+            result["runs"].append({"tool": tool, "status": "skipped: time budget", "command": cmd})
+            continue
+        t0 = time.time()
+        # An equal share of what is left for this and each later tool.
+        share = (left_s() - 5) / (len(SANITIZER_TOOLS) - index)
+        rc, out = run_cmd(cmd, min(args.timeout, share))
+        status, errors = classify_sanitizer(tool, rc, out)
+        run = {"tool": tool, "status": status, "errors": errors, "rc": rc,
+               "seconds": round(time.time() - t0, 1), "command": cmd, "output_tail": out[-3000:]}
+        result["runs"].append(run)
+        print(f"compute-sanitizer {tool}: {status}" + (f", {errors} errors" if errors else "")
+              + f" ({run['seconds']} s, ops {', '.join(names)})")
+        if status != "clean":
+            print(out[-2000:])
+        write_json(args.out, result)
+        if status == "tool not working here":
+            # The same tool fails the same way on every run; spend the time elsewhere.
+            for rest in SANITIZER_TOOLS[index + 1:]:
+                result["runs"].append({"tool": rest, "status": "skipped: the tool does not work here"})
+            break
+    if args.dry_run:
+        print(f"  ops: {', '.join(names)}; memcheck {len(DRIVE_SIZES['small'])} small cases each (B=1 H=2, "
+              "Nq/Nk 70/90 and 90/70, d 64 and 128, default and 16x32 tiles, causal or not), "
+              f"racecheck {len(DRIVE_SIZES['race'])} of them at d=64")
+        return 0
+    write_json(args.out, result)
+    return 1 if any(r["status"] in ("errors found", "failed (see output)") for r in result["runs"]) else 0
+
+
+def add_parser(sub):
+    p = sub.add_parser("sanitize", help="compute-sanitizer memcheck and racecheck over drive")
+    p.add_argument("--out")
+    p.add_argument("--timeout", type=float, default=120, help="seconds per tool run")
+    p.add_argument("--backend", choices=["cuda", "emu"], default="cuda",
+                   help="backend of the driven program (emu: to try the plumbing without a GPU)")
+    p.add_argument("--dry-run", action="store_true")
+    p.set_defaults(run=cmd_sanitize)
