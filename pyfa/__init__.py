@@ -29,6 +29,7 @@ def _attach_simulator():
 _attach_simulator()
 
 from . import sim  # noqa: E402
+from ._config import get_include, get_library  # noqa: E402
 from ._lib import (  # noqa: E402
     BackendUnavailableError, CudaError, EmulationError, LibraryNotFoundError, PyfaError,
     TileTooLargeError,
@@ -39,7 +40,7 @@ from .api import (  # noqa: E402
 from .api import attention_grad, fa2_backward  # noqa: E402
 from .api import fa1_backward, fa1_forward  # noqa: E402
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402
 
 __all__ = [
     "BackendUnavailableError", "CudaError", "EmulationError", "LibraryNotFoundError",
@@ -47,4 +48,5 @@ __all__ = [
     "device_profile", "fa2_forward", "library_version", "sim", "smem_bytes",
     "attention_grad", "fa2_backward",
     "fa1_backward", "fa1_forward",
+    "get_include", "get_library",
 ]

@@ -8,9 +8,13 @@ import time
 import numpy as np
 
 import pyfa
+from pyfa import _config
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if _config.wanted(argv):
+        return _config.main(argv)
     ap = argparse.ArgumentParser(prog="python -m pyfa", description=__doc__)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=4)
