@@ -10,12 +10,10 @@ Both describe the library found on disk; PYFA_LIBRARY, which only steers the Pyt
 loader, is not consulted.
 """
 
-from __future__ import annotations
-
 import argparse
 import sys
 from pathlib import Path
-from typing import NamedTuple, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 from ._lib import LibraryNotFoundError
 
@@ -41,7 +39,7 @@ def _library_name() -> str:
     return "libpyfa.so"
 
 
-def _candidates() -> list[Layout]:
+def _candidates() -> List[Layout]:
     name = _library_name()
     out = [Layout(_HERE / name, _HERE / "include", _HERE / "cmake", "package")]
     if (_SOURCE_ROOT / "CMakeLists.txt").is_file():
