@@ -1,16 +1,18 @@
 """Where a C or C++ program finds libpyfa and its headers: `pyfa.get_include()`,
 `pyfa.get_library()` and `python -m pyfa --cflags | --libs | --cmake-dir`.
 
-Two layouts, tried in the loader's order:
-- the installed package (pip): pyfa/libpyfa.so, pyfa/include/{pyfa.h, pyfa_export.h},
-  pyfa/cmake/pyfaConfig.cmake;
-- a source checkout's CMake build folder (build/): build/libpyfa.so, build/include (the
-  headers as installed, staged by CMake), build/pyfaConfig.cmake.
-Both describe the library found on disk; PYFA_LIBRARY, which only steers the Python
-loader, is not consulted.
+Two layouts:
+- "package", the installed package (pip): pyfa/libpyfa.so, pyfa/include/{pyfa.h,
+  pyfa_export.h}, pyfa/cmake/pyfaConfig.cmake;
+- "build", a CMake build folder: libpyfa.so, include/ (the headers as installed, staged
+  by CMake) and pyfaConfig.cmake in the folder itself.
+They are looked for where the Python loader looks (pyfa/_lib.py), in its order, so that
+a program links against the library Python loads: PYFA_LIBRARY alone when set (its
+folder, in either layout), else the package, else a source checkout's build/.
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import List, NamedTuple, Optional, Sequence
@@ -27,7 +29,8 @@ class Layout(NamedTuple):
     library: Path      # the file a program links against (libpyfa.so)
     include_dir: Path  # holds pyfa.h and pyfa_export.h
     cmake_dir: Path    # holds pyfaConfig.cmake
-    origin: str        # "package" or "source checkout build"
+    kind: str          # "package" or "build"
+    origin: str        # where it was looked for, for messages
 
 
 def _library_name() -> str:
@@ -39,12 +42,22 @@ def _library_name() -> str:
     return "libpyfa.so"
 
 
+def _in_folder(library: Path, origin: str) -> Layout:
+    folder = library.parent
+    if (folder / "cmake" / "pyfaConfig.cmake").is_file():
+        return Layout(library, folder / "include", folder / "cmake", "package", origin)
+    return Layout(library, folder / "include", folder, "build", origin)
+
+
 def _candidates() -> List[Layout]:
     name = _library_name()
-    out = [Layout(_HERE / name, _HERE / "include", _HERE / "cmake", "package")]
+    env = os.environ.get("PYFA_LIBRARY")
+    if env:
+        return [_in_folder(Path(env), "PYFA_LIBRARY")]
+    out = [Layout(_HERE / name, _HERE / "include", _HERE / "cmake", "package", "package")]
     if (_SOURCE_ROOT / "CMakeLists.txt").is_file():
         build = _SOURCE_ROOT / "build"
-        out.append(Layout(build / name, build / "include", build, "source checkout build"))
+        out.append(Layout(build / name, build / "include", build, "build", "source checkout build"))
     return out
 
 
@@ -90,8 +103,12 @@ def cflags() -> str:
 def libs() -> str:
     # The rpath lets the program start without LD_LIBRARY_PATH: it finds the library
     # under its SONAME in the folder it was linked from.
-    folder = layout().library.parent
-    return f"-L{folder} -lpyfa -Wl,-rpath,{folder}"
+    library = layout().library
+    folder = library.parent
+    # A PYFA_LIBRARY of another name (say libpyfa.so.0.1.0) is linked by its path, so
+    # that -lpyfa cannot pick a different file in the same folder.
+    link = f"-L{folder} -lpyfa" if library.name == _library_name() else str(library)
+    return f"{link} -Wl,-rpath,{folder}"
 
 
 def main(argv: Sequence[str]) -> int:

@@ -90,8 +90,7 @@ def test_printed_paths_hold_the_library_the_loader_uses(tmp_path):
     # The header C programs compile against is the one the Python loader declares from,
     # and the library they link is the one it loads.
     assert (include / "pyfa.h").read_text() == _lib.header_path().read_text()
-    if "PYFA_LIBRARY" not in os.environ:
-        assert os.path.samefile(library, _lib.library_path())
+    assert os.path.samefile(library, _lib.library_path())
 
 
 def test_unknown_flag_beside_a_build_flag_is_an_error(tmp_path):
@@ -108,6 +107,7 @@ def test_a_package_without_its_library_says_so(tmp_path):
     if not (tmp_path / "pyfa" / "sim").is_dir():
         shutil.copytree(ROOT / "sim", tmp_path / "sim")
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    env.pop("PYFA_LIBRARY", None)
     run = subprocess.run([sys.executable, "-m", "pyfa", "--libs"], cwd=tmp_path, env=env,
                          capture_output=True, text=True)
     assert run.returncode == 1 and run.stdout == ""
@@ -149,7 +149,7 @@ def test_package_library_soname():
     library = Path(pyfa.get_library())
     (soname,) = dynamic_entries(library, "SONAME")
     _, lib = _lib.load()
-    if _config.layout().origin == "package":
+    if _config.layout().kind == "package":
         # A wheel holds one file and no symlinks: its SONAME is its own name.
         assert soname == library.name
     else:
@@ -158,8 +158,9 @@ def test_package_library_soname():
 
 
 @pytest.fixture(scope="module")
-def install_prefix(tmp_path_factory):
-    """`cmake --install` of an emulator-only build of this source tree into a prefix.
+def cmake_build(tmp_path_factory):
+    """An emulator-only CMake build of this source tree, and its `cmake --install` into a
+    prefix: (build folder, prefix).
     Unoptimised: what is checked here is the layout and linking, and -O0 builds it in
     less than half the time."""
     cmake = need("cmake")
@@ -171,7 +172,24 @@ def install_prefix(tmp_path_factory):
        "-DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG=-O0 "
        f"&& {q(cmake)} --build {q(str(build))} -j2 "
        f"&& {q(cmake)} --install {q(str(build))} --prefix {q(str(prefix))}", cwd=tmp)
-    return prefix
+    return build, prefix
+
+
+@pytest.fixture(scope="module")
+def install_prefix(cmake_build):
+    return cmake_build[1]
+
+
+def test_pyfa_library_names_the_build_folder_programs_use(cmake_build, tmp_path):
+    # The loader takes PYFA_LIBRARY alone when set; so do the flags, from its folder.
+    build = cmake_build[0]
+    real = build / f"libpyfa.so.{pyfa.__version__}"
+    out = sh(f"{PY} -m pyfa --cflags --libs --cmake-dir", cwd=tmp_path,
+             PYFA_LIBRARY=str(build / "libpyfa.so"))
+    assert out.split() == [f"-I{build / 'include'}", f"-L{build}", "-lpyfa",
+                           f"-Wl,-rpath,{build}", str(build)]
+    out = sh(f"{PY} -m pyfa --libs", cwd=tmp_path, PYFA_LIBRARY=str(real))
+    assert out.split() == [str(real), f"-Wl,-rpath,{build}"]
 
 
 def installed_libdir(prefix):
