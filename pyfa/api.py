@@ -307,5 +307,6 @@ def smem_bytes(kernel, block_r, block_c, head_dim):
 
 
 def library_version():
+    """The version of the loaded libpyfa (pyfa_version()); equals pyfa.__version__."""
     ffi, lib = _lib.load()
     return ffi.string(lib.pyfa_version()).decode()

@@ -140,9 +140,11 @@ def dynamic_smem(kernel, head_dims):
 def compile_report(nvcc, arch, source, flags):
     """Runs nvcc once; returns (kernels dict, PTX text, the command, nvcc's output)."""
     with tempfile.TemporaryDirectory(prefix="pyfa-ptxas-") as tmp:
+        # pyfa.h includes the export header CMake generates; device code needs none of it.
+        Path(tmp, "pyfa_export.h").write_text("#define PYFA_API\n")
         # -cubin skips the host compile; -keep leaves the PTX of the same compile beside it.
         cmd = [nvcc, "-cubin", f"-arch={arch}", "-Xptxas", "-v", "-keep", "-keep-dir", tmp,
-               *flags, "-I", "cuda", "-I", "cuda/include",
+               *flags, "-I", "cuda", "-I", "cuda/include", "-I", tmp,
                '-DPYFA_VERSION_STRING="ptxas-report"', "-o", str(Path(tmp, "kernels.cubin")), source]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         log = proc.stdout + proc.stderr
