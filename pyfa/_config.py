@@ -6,9 +6,8 @@ Two layouts:
   pyfa_export.h}, pyfa/cmake/pyfaConfig.cmake;
 - "build", a CMake build folder: libpyfa.so, include/ (the headers as installed, staged
   by CMake) and pyfaConfig.cmake in the folder itself.
-They are looked for where the Python loader looks (pyfa/_lib.py), in its order, so that
-a program links against the library Python loads: PYFA_LIBRARY alone when set (its
-folder, in either layout), else the package, else a source checkout's build/.
+The layout is the folder of the library the Python loader loads (pyfa/_lib.py decides
+which), so that a program links against the very file Python uses.
 """
 
 import argparse
@@ -17,10 +16,8 @@ import sys
 from pathlib import Path
 from typing import List, NamedTuple, Optional, Sequence
 
+from . import _lib
 from ._lib import LibraryNotFoundError
-
-_HERE = Path(__file__).resolve().parent
-_SOURCE_ROOT = _HERE.parent
 
 FLAGS = ("--cflags", "--libs", "--cmake-dir")
 
@@ -30,7 +27,6 @@ class Layout(NamedTuple):
     include_dir: Path  # holds pyfa.h and pyfa_export.h
     cmake_dir: Path    # holds pyfaConfig.cmake
     kind: str          # "package" or "build"
-    origin: str        # where it was looked for, for messages
 
 
 def _library_name() -> str:
@@ -42,23 +38,11 @@ def _library_name() -> str:
     return "libpyfa.so"
 
 
-def _in_folder(library: Path, origin: str) -> Layout:
+def _in_folder(library: Path) -> Layout:
     folder = library.parent
     if (folder / "cmake" / "pyfaConfig.cmake").is_file():
-        return Layout(library, folder / "include", folder / "cmake", "package", origin)
-    return Layout(library, folder / "include", folder, "build", origin)
-
-
-def _candidates() -> List[Layout]:
-    name = _library_name()
-    env = os.environ.get("PYFA_LIBRARY")
-    if env:
-        return [_in_folder(Path(env), "PYFA_LIBRARY")]
-    out = [Layout(_HERE / name, _HERE / "include", _HERE / "cmake", "package", "package")]
-    if (_SOURCE_ROOT / "CMakeLists.txt").is_file():
-        build = _SOURCE_ROOT / "build"
-        out.append(Layout(build / name, build / "include", build, "build", "source checkout build"))
-    return out
+        return Layout(library, folder / "include", folder / "cmake", "package")
+    return Layout(library, folder / "include", folder, "build")
 
 
 def _missing(layout: Layout) -> Optional[Path]:
@@ -70,20 +54,17 @@ def _missing(layout: Layout) -> Optional[Path]:
 
 
 def layout() -> Layout:
-    """The first complete layout; LibraryNotFoundError naming what each one lacks."""
-    tried = []
-    for candidate in _candidates():
-        missing = _missing(candidate)
-        if missing is None:
-            return candidate
-        if candidate.library.is_file():
-            tried.append(f"{candidate.origin}: {missing} is missing")
-        else:
-            tried.append(f"{candidate.origin}: no {candidate.library}")
-    raise LibraryNotFoundError(
-        "no libpyfa with its headers and CMake package was found (" + "; ".join(tried) +
-        "). Install pyfa with 'pip install .', or in a source checkout build it with "
-        "'cmake -S . -B build && cmake --build build'.")
+    """The library the Python loader loads (pyfa/_lib.py picks it), with the headers and
+    CMake package beside it; LibraryNotFoundError naming what is missing."""
+    _library_name()  # refuses the platforms where linking is unsupported
+    found = _in_folder(Path(_lib.library_path()))
+    missing = _missing(found)
+    if missing is not None:
+        raise LibraryNotFoundError(
+            f"libpyfa is loaded from {found.library}, but {missing} is missing beside it. "
+            "Install pyfa with 'pip install .', or in a source checkout build it with "
+            "'cmake -S . -B build && cmake --build build'.")
+    return found
 
 
 def get_include() -> str:
