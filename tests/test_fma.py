@@ -48,7 +48,8 @@ def c_side(tmp_path_factory):
 
     def run(fn, *arrays):
         inp, out = d / f"{fn}.in", d / f"{fn}.out"
-        np.concatenate([np.ascontiguousarray(a, np.float32).reshape(-1) for a in arrays]).tofile(inp)
+        flat = [np.ascontiguousarray(a, np.float32).reshape(-1) for a in arrays]
+        np.concatenate(flat).tofile(inp)
         subprocess.run([str(exe), fn, str(inp), str(out)], check=True)
         return np.fromfile(out, dtype=np.float32)
 

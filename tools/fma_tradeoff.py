@@ -37,7 +37,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import pyfa.sim as sim  # noqa: E402
 from pyfa.sim import numerics as nx  # noqa: E402
-from ptxas_report import cuda_flags_from_cmake, demangle, find_nvcc, kernel_key, ptx_sections  # noqa: E402
+from ptxas_report import (cuda_flags_from_cmake, demangle, find_nvcc, kernel_key,  # noqa: E402
+                          ptx_sections)
 from reference import attention_grad_ref, attention_ref  # noqa: E402
 
 F32 = np.float32
@@ -210,14 +211,16 @@ def main(argv=None):
             print("1. PTX: nvcc not found, skipped")
         else:
             table = ptx_table(nvcc)
-            print("1. PTX float instructions per kernel (sm_90, -fmad=false): fused (shipped) / unfused")
+            print("1. PTX float instructions per kernel (sm_90, -fmad=false): "
+                  "fused (shipped) / unfused")
             print("| kernel | fma.rn.f32 | mul.rn.f32 | add+sub.rn.f32 | mul->add |")
             print("|---|---|---|---|---|")
             fused, unfused = table["fused (shipped)"], table["unfused"]
             for kernel in fused:
                 f, u = fused[kernel], unfused.get(kernel, {})
-                print(f"| {kernel} | " + " | ".join(f"{f[op]} / {u.get(op, '?')}"
-                                                    for op in ("fma", "mul", "add+sub", "mul->add")) + " |")
+                cells = [f"{f[op]} / {u.get(op, '?')}"
+                         for op in ("fma", "mul", "add+sub", "mul->add")]
+                print(f"| {kernel} | " + " | ".join(cells) + " |")
 
     print("\n2. NumPy, one inner-product step (fastest of 15 interleaved rounds of 50)")
     for shape in ((64, 64), (256, 256)):
@@ -225,10 +228,11 @@ def main(argv=None):
         print(f"   {shape[0]}x{shape[1]}: s + a*b {unfused_s * 1e6:7.1f} us, "
               f"fma32 {fused_s * 1e6:7.1f} us: {fused_s / unfused_s:.1f}x")
 
-    print("\n3. Simulators, B=1 H=4 N=256 d=64 (tools/bench.py --quick), fastest of 3 interleaved rounds")
+    print("\n3. Simulators, B=1 H=4 N=256 d=64 (tools/bench.py --quick), "
+          "fastest of 3 interleaved rounds")
     for name, (unfused_s, fused_s) in sim_times((1, 4, 256, 64)).items():
-        print(f"   {name:13s} multiply-then-add {unfused_s * 1e3:8.1f} ms, fma32 {fused_s * 1e3:8.1f} ms: "
-              f"{fused_s / unfused_s:.1f}x")
+        print(f"   {name:13s} multiply-then-add {unfused_s * 1e3:8.1f} ms, "
+              f"fma32 {fused_s * 1e3:8.1f} ms: {fused_s / unfused_s:.1f}x")
 
     if not args.skip_accuracy:
         for shape, causal in (((1, 2, 256, 64), False), ((1, 2, 256, 64), True),
