@@ -267,8 +267,8 @@ class _FmaScratch:
 
 def _fma_step(c64, out, w):
     """out = fmaf(a, b, c) given w.p = a*b (float64, exact) and c64 = c (float64, exactly a
-    float32 value), all of one shape; also leaves w.r = float64(out). Must run under
-    np.errstate(all="ignore")."""
+    float32 value), all C-contiguous and of one shape; also leaves w.r = float64(out). Must
+    run under np.errstate(all="ignore")."""
     s = w.s
     np.add(w.p, c64, out=s)
     np.copyto(out, s, casting="same_kind")  # the float32 rounding: nearest, ties to even
@@ -280,17 +280,18 @@ def _fma_step(c64, out, w):
     np.not_equal(s, w.r, out=w.inexact)
     np.logical_and(w.cand, w.inexact, out=w.cand)
     if w.cand.any():
-        _settle_midpoints(s, w.p, c64, w.cand)
-        out[w.cand] = s[w.cand]
-        w.r[w.cand] = out[w.cand]
+        # Flat indices, found once: the candidates are few, the arrays are not.
+        idx = np.flatnonzero(w.cand)
+        ss = _settle_midpoints(s.reshape(-1)[idx], w.p.reshape(-1)[idx], c64.reshape(-1)[idx])
+        fixed = ss.astype(np.float32)
+        out.reshape(-1)[idx] = fixed
+        w.r.reshape(-1)[idx] = fixed
 
 
-def _settle_midpoints(s, p, c64, candidates):
-    """Moves each candidate sum that sits on a float32 midpoint the exact sum is not on one
-    float64 ulp toward the exact sum, so that the float32 cast rounds it the right way."""
-    ss = s[candidates]
-    pp = p[candidates]
-    cc = c64[candidates]
+def _settle_midpoints(ss, pp, cc):
+    """The candidate sums ss = pp + cc (float64, rounded once), each that sits on a float32
+    midpoint the exact sum is not on moved one float64 ulp toward the exact sum, so that the
+    float32 cast rounds it the right way."""
     # TwoSum: err = (pp + cc) - ss exactly.
     b_virtual = ss - pp
     err = (pp - (ss - b_virtual)) + (cc - b_virtual)
@@ -304,7 +305,7 @@ def _settle_midpoints(s, p, c64, candidates):
     # bits + 1 moves away from zero, bits - 1 toward it, for either sign.
     away = (err > 0) == (ss > 0)
     bits = np.where(move, bits + np.where(away, _U64_ONE, _U64_MINUS_ONE), bits)
-    s[candidates] = bits.view(np.float64)
+    return bits.view(np.float64)
 
 
 def fma32(a, b, c):
