@@ -59,8 +59,10 @@ def mul_feeding_add(ptx):
 def kernel_ptx(nvcc, cuda_dir, flags):
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "k.ptx"
+        # pyfa.h includes the export header CMake generates; device code needs none of it.
+        Path(tmp, "pyfa_export.h").write_text("#define PYFA_API\n")
         subprocess.run([nvcc, "-arch=sm_90", "-ptx", "-std=c++17", *flags, "-I", str(cuda_dir),
-                        "-I", str(cuda_dir / "include"),
+                        "-I", str(cuda_dir / "include"), "-I", tmp,
                         str(cuda_dir / "launch" / "cuda_backend.cu"), "-o", str(out)],
                        check=True, capture_output=True, text=True)
         return out.read_text()
