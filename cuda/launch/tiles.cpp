@@ -130,9 +130,9 @@ LaunchShape launch_shape(int kernel, const AttentionParams& p) {
             s.grid[2] = static_cast<unsigned>(p.batch);
             s.threads = kFa1ForwardThreads;
             break;
-        case PYFA_KERNEL_FA1_BACKWARD:
+        case PYFA_KERNEL_FA1_BACKWARD:  // one block per (K/V head, batch): it serves the head's group
             s.grid[0] = 1;
-            s.grid[1] = static_cast<unsigned>(p.heads);
+            s.grid[1] = static_cast<unsigned>(p.heads_kv);
             s.grid[2] = static_cast<unsigned>(p.batch);
             s.threads = kFa1BackwardThreads;
             break;
@@ -143,9 +143,9 @@ LaunchShape launch_shape(int kernel, const AttentionParams& p) {
             s.grid[2] = static_cast<unsigned>(p.batch);
             s.threads = kFa2BackwardThreads;
             break;
-        case PYFA_KERNEL_FA2_BACKWARD_DKDV:  // one block per K/V column block
+        case PYFA_KERNEL_FA2_BACKWARD_DKDV:  // one block per (K/V column block, K/V head)
             s.grid[0] = static_cast<unsigned>(ceil_div(p.seqlen_k, p.block_c));
-            s.grid[1] = static_cast<unsigned>(p.heads);
+            s.grid[1] = static_cast<unsigned>(p.heads_kv);
             s.grid[2] = static_cast<unsigned>(p.batch);
             s.threads = kFa2BackwardThreads;
             break;
