@@ -140,14 +140,18 @@ def _run(op_name, inputs, *, causal, scale, block_r, block_c, backend, emu_order
     outputs {name: fresh array}."""
     op = OPS[op_name]
     q4, k4 = inputs["q"], inputs["k"]
+    if k4.shape[1] != q4.shape[1]:
+        raise ValueError(f"k: {k4.shape[1]} heads differ from q's {q4.shape[1]}; this library "
+                         f"build has no grouped-query attention")
     problem = _problem(q4, k4, scale, causal)
     config = _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers)
     progress = _check_progress(progress)
     ffi, lib = _lib.load()
     outputs = {name: np.empty(shape, np.float32)
                for name, shape in op.output_shapes(*q4.shape[:3], k4.shape[2], q4.shape[3]).items()}
-    pointers = [ffi.cast("float *", ffi.from_buffer(x))
-                for x in [inputs[n] for n in op.inputs] + [outputs[n] for n in op.outputs]]
+    # Contiguous copies of strided views, held here until the call returns.
+    dense = [np.ascontiguousarray(inputs[n]) for n in op.inputs] + [outputs[n] for n in op.outputs]
+    pointers = [ffi.cast("float *", ffi.from_buffer(x)) for x in dense]
     _lib.call(getattr(lib, op.c_function), config, problem, config, *pointers, progress=progress)
     return outputs
 
@@ -159,7 +163,7 @@ def fa2_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None
 
     progress: None, or a callable(done, total) called now and then from a library
     thread; returning True cancels the call (CancelledError). Ctrl-C cancels it too."""
-    q4, k4, v4, rank = check_qkv(q, k, v)
+    q4, k4, v4, rank, _ = check_qkv(q, k, v)
     out = _run("fa2_forward", dict(q=q4, k=k4, v=v4), causal=causal, scale=scale,
                block_r=block_r, block_c=block_c, backend=backend, emu_order=emu_order,
                emu_seed=emu_seed, emu_workers=emu_workers, progress=progress)
@@ -171,7 +175,7 @@ def fa2_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_r=None,
     """FlashAttention-2 backward from the forward's saved o and lse (fa2_forward) and the
     incoming gradient do (like o). Returns (dq, dk, dv), shaped like q, k, v. causal and
     scale must be the forward's. Deterministic: the same inputs give the same bits."""
-    q4, k4, v4, rank = check_qkv(q, k, v)
+    q4, k4, v4, rank, _ = check_qkv(q, k, v)
     inputs = dict(q=q4, k=k4, v=v4, o=check_like("o", o, q4), lse=check_rows("lse", lse, q4),
                   do=check_like("do", do, q4))
     out = _run("fa2_backward", inputs, causal=causal, scale=scale, block_r=block_r,
@@ -186,7 +190,7 @@ def fa1_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None
     o like q; m (row max of the scaled scores) and l (sum of exp(score - m)) q's shape
     without d, as the paper keeps them for the backward; a row with no visible key gets
     o = 0, m = -inf, l = 0."""
-    q4, k4, v4, rank = check_qkv(q, k, v)
+    q4, k4, v4, rank, _ = check_qkv(q, k, v)
     out = _run("fa1_forward", dict(q=q4, k=k4, v=v4), causal=causal, scale=scale,
                block_r=block_r, block_c=block_c, backend=backend, emu_order=emu_order,
                emu_seed=emu_seed, emu_workers=emu_workers, progress=progress)
@@ -199,7 +203,7 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, scale=None, block_r=None
     """FlashAttention-1 backward (the paper's Algorithm 4) from the forward's saved o, m, l
     (fa1_forward) and the incoming gradient do (like o). Returns (dq, dk, dv), shaped like
     q, k, v. causal and scale must be the forward's. Deterministic: no atomics."""
-    q4, k4, v4, rank = check_qkv(q, k, v)
+    q4, k4, v4, rank, _ = check_qkv(q, k, v)
     inputs = dict(q=q4, k=k4, v=v4, o=check_like("o", o, q4), m=check_rows("m", m, q4),
                   l=check_rows("l", l, q4), do=check_like("do", do, q4))
     out = _run("fa1_backward", inputs, causal=causal, scale=scale, block_r=block_r,
@@ -253,7 +257,7 @@ def attention_grad(q, k, v, do, *, causal=False, scale=None, algo="fa2", block_r
     fn = _GRAD.get(algo) if isinstance(algo, str) else None
     if fn is None:
         raise ValueError(f"algo: expected one of {sorted(_GRAD)}, got {algo!r}")
-    q4, _, _, _ = check_qkv(q, k, v)
+    q4, _, _, _, _ = check_qkv(q, k, v)
     check_like("do", do, q4)
     return fn(q, k, v, do, causal=causal, scale=scale, block_r=block_r, block_c=block_c,
               backend=backend, emu_order=emu_order, emu_seed=emu_seed, emu_workers=emu_workers,

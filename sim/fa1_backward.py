@@ -35,7 +35,7 @@ class Fa1BackwardResult:
 @nx.ieee_arithmetic
 def fa1_backward(q, k, v, o, m, l, do, *, causal=False, scale=None, block_r=None,
                  block_c=None):
-    q4, k4, v4, rank = check_qkv(q, k, v)
+    q4, k4, v4, rank, _ = check_qkv(q, k, v)
     o4 = check_like("o", o, q4)
     do4 = check_like("do", do, q4)
     m3 = check_rows("m", m, q4)

@@ -171,7 +171,7 @@ def _dq(Q, K, V, dO, LSE, D, Br, Bc, scale, causal, io):
 def fa2_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_r=None, block_c=None):
     """dQ, dK, dV of O = softmax(scale * Q K^T [causal]) V from the forward's O and LSE
     (pyfa.sim.fa2_forward) and dO; .io counts every HBM byte of the three kernels."""
-    q4, k4, v4, rank = check_qkv(q, k, v)
+    q4, k4, v4, rank, _ = check_qkv(q, k, v)
     o4 = check_like("o", o, q4)
     do4 = check_like("do", do, q4)
     lse3 = check_rows("lse", lse, q4)

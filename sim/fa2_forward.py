@@ -30,7 +30,7 @@ class Fa2ForwardResult:
 
 @nx.ieee_arithmetic
 def fa2_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None):
-    q4, k4, v4, rank = check_qkv(q, k, v)
+    q4, k4, v4, rank, _ = check_qkv(q, k, v)
     B, H, Nq, d = q4.shape
     Nk = k4.shape[2]
     scale = resolve_scale(scale, d)

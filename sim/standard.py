@@ -193,7 +193,7 @@ def standard_forward(q, k, v, *, causal=False, scale=None, mask_pass=False, scal
     FlashAttention kernels only: the unfused pipeline saves P, not LSE, and its bytes are
     not counted.
     """
-    q4, k4, v4, rank = check_qkv(q, k, v)
+    q4, k4, v4, rank, _ = check_qkv(q, k, v)
     B, H, Nq, d = q4.shape
     Nk = k4.shape[2]
     scale = resolve_scale(scale, d)
@@ -231,7 +231,7 @@ def standard_backward(q, k, v, o, p, do, *, causal=False, scale=None, mask_pass=
     (masked entries of P are 0, so their gradients are 0) and is kept for symmetry with
     standard_forward. Plain NumPy float32, not bit-exact with anything.
     """
-    q4, k4, v4, rank = check_qkv(q, k, v)
+    q4, k4, v4, rank, _ = check_qkv(q, k, v)
     B, H, Nq, d = q4.shape
     Nk = k4.shape[2]
     scale = resolve_scale(scale, d)
