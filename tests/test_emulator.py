@@ -7,6 +7,7 @@ import subprocess
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+EMU_SOURCES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "cuda" / "emu").glob("*.cpp"))
 
 
 def test_emulator_selftest(tmp_path):
@@ -17,7 +18,7 @@ def test_emulator_selftest(tmp_path):
     build = subprocess.run(
         [
             gxx, "-std=c++17", "-O2", "-ffp-contract=off", "-pthread", "-I", "cuda",
-            "tests/emu/emu_selftest.cpp", "cuda/emu/emu_runtime.cpp", "-o", str(exe),
+            "tests/emu/emu_selftest.cpp", *EMU_SOURCES, "-o", str(exe),
         ],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )

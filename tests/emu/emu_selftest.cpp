@@ -29,8 +29,10 @@ bool run(dim3 grid, dim3 block, size_t smem, int order, const std::function<void
     opt.order = order;
     opt.seed = seed;
     opt.workers = workers;
-    std::string local;
-    return pyfa_emu::launch(grid, block, smem, opt, body, err ? err : &local);
+    pyfa_emu::LaunchResult result;
+    const bool ok = pyfa_emu::launch(grid, block, smem, opt, body, &result) == pyfa_emu::Error::None;
+    if (err) *err = result.message;
+    return ok;
 }
 
 bool contains(const std::string& s, const std::string& part) {
