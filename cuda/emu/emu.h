@@ -51,15 +51,17 @@ uint32_t shfl(uint32_t mask, uint32_t value, int lane_arg, int width, ShflMode m
 // filled with NaN (0xFFFFFFFF words) before every block so reads before writes show.
 unsigned char* dynamic_smem();
 
-// At most this many OS workers per launch. Each holds a fiber stack per thread of the
-// block and its own shared memory, and blocks run one per worker, so workers beyond the
-// host's cores cost memory and buy nothing; 256 is above the core count of most hosts
-// while bounding a launch's stack reservations (see context.cpp) to a few GiB of
-// address space.
+// At most this many OS workers per launch. Blocks run one per worker, so workers beyond
+// the host's cores buy nothing, and each costs an OS thread, a fiber stack per thread of
+// the block and its own shared memory (500 workers took 210 MB). 256 is above the core
+// count of most hosts and bounds one launch to 256 x 1024 guarded stacks.
 constexpr int kMaxWorkers = 256;
 
-// Usable stack of each emulated thread, in bytes. See context.cpp for the guard below it.
-constexpr size_t kFiberStackBytes = 128 * 1024;
+// Usable stack of each emulated thread, in bytes; a guard region lies below it
+// (context.cpp). The library's kernels use at most 1.6 KiB of it, in optimised, -O0 and
+// AddressSanitizer builds alike (tests/emu/emu_faults.cpp, "stack"); the rest is a margin
+// that costs address space, not memory, since untouched pages are never backed.
+constexpr size_t kFiberStackBytes = 64 * 1024;
 
 struct LaunchOptions {
     int order = 0;          // 0 forward, 1 reverse, 2 shuffled (see pyfa_emu_order)
@@ -97,6 +99,10 @@ Error launch(dim3 grid, dim3 block, size_t smem_bytes, const LaunchOptions& opti
 // Diagnostics: mean cost in ns of one fiber context switch, from a ping-pong of
 // `switches`; a negative value when no fiber stack could be had.
 double context_switch_ns(long switches) noexcept;
+
+// Frees the workers at rest (kept between launches with their fiber stacks and shared
+// memory); later launches make new ones.
+void release_workers() noexcept;
 
 // Diagnostics: deepest stack use in bytes of any emulated thread so far, over the
 // workers at rest (kept between launches).

@@ -490,6 +490,22 @@ Error check_launch(dim3 grid, dim3 block, size_t smem_bytes, const LaunchOptions
 }  // namespace
 }  // namespace detail
 
+void release_workers() noexcept {
+    using namespace detail;
+    Worker* list;
+    {
+        PoolLock lock;
+        list = g_pool.head;
+        g_pool.head = nullptr;
+        g_pool.count = 0;
+    }
+    while (list) {
+        Worker* next = list->next_free;
+        delete list;
+        list = next;
+    }
+}
+
 size_t stack_high_water() noexcept {
     using namespace detail;
     PoolLock lock;
