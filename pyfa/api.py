@@ -220,9 +220,10 @@ def _cuda_stream(args, place, stream):
     return handle
 
 
-def _intake(args, stream, outs=None):
+def _intake(args, stream, backend, outs=None):
     """Checks the tensor arguments {name: caller's array} (and the given outputs' place):
-    all on one device, float32, shapes as the op needs."""
+    all on one device, float32, shapes as the op needs; for CUDA arrays, that the backend
+    can run them, before anything is exported."""
     place = _arrays.common_place({**args, **{f"out ({n})": x for n, x in (outs or {}).items()}})
     kind = _arrays.library_of(args["q"])
     if place.kind == "cpu":
@@ -236,6 +237,7 @@ def _intake(args, stream, outs=None):
                 tensors[name] = (check_rows(name, x, q4) if TENSOR_KINDS[name] == "row"
                                  else check_like(name, x, q4))
         return _Intake(place, kind, tensors, (*q4.shape[:3], k4.shape[2], q4.shape[3]), rank, 0)
+    _check_cuda_backend(backend, place)
     handle = _cuda_stream({**args, **(outs or {})}, place, stream)
     tensors = {n: _arrays.device_tensor(n, x, handle) for n, x in args.items()}
     dims, rank = _check_device_shapes(tensors)
@@ -302,6 +304,7 @@ def _run_host(op, intake, outs, problem, config, progress):
 
 
 def _check_cuda_backend(backend, place):
+    _choice("backend", backend, BACKENDS)
     if backend == "emu":
         raise ValueError(f"backend: 'emu' runs on host memory, but the arrays are on {place}; "
                          f"use 'auto' or 'cuda'")
@@ -366,13 +369,12 @@ def _run(op_name, args, *, out, stream, causal, scale, block_r, block_c, backend
     out= arrays given). CPU arrays take the host entry point, CUDA arrays the device one."""
     op = OPS[op_name]
     outs = _out_dict(op_name, op.outputs, out)
-    intake = _intake(args, stream, outs)
+    intake = _intake(args, stream, backend, outs)
     problem = _problem(intake.dims, scale, causal)
     config = _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers)
     progress = _check_progress(progress)
     if intake.place.kind == "cpu":
         return _run_host(op, intake, outs, problem, config, progress)
-    _check_cuda_backend(backend, intake.place)
     return _run_device(op, intake, outs, problem, config, progress)
 
 
@@ -494,7 +496,7 @@ def attention_grad(q: ArrayLike, k: ArrayLike, v: ArrayLike, do: ArrayLike, *,
     each of the two calls in turn. out: (o, dq, dk, dv), each None to allocate it."""
     _algo(algo)
     outs = _out_dict("attention_grad", ("o", "dq", "dk", "dv"), out)
-    _intake(dict(q=q, k=k, v=v, do=do), stream, outs)
+    _intake(dict(q=q, k=k, v=v, do=do), stream, backend, outs)
     kw = dict(causal=causal, scale=scale, block_r=block_r, block_c=block_c, backend=backend,
               emu_order=emu_order, emu_seed=emu_seed, emu_workers=emu_workers,
               progress=progress, stream=stream)
