@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -224,7 +224,8 @@ def _intake(args, stream, backend, outs=None):
     """Checks the tensor arguments {name: caller's array} (and the given outputs' place):
     all on one device, float32, shapes as the op needs; for CUDA arrays, that the backend
     can run them, before anything is exported."""
-    place = _arrays.common_place({**args, **{f"out ({n})": x for n, x in (outs or {}).items()}})
+    labelled = {**args, **{f"out ({n})": x for n, x in (outs or {}).items()}}
+    place = _arrays.common_place(labelled)
     kind = _arrays.library_of(args["q"])
     if place.kind == "cpu":
         if stream is not None:
@@ -238,7 +239,7 @@ def _intake(args, stream, backend, outs=None):
                                  else check_like(name, x, q4))
         return _Intake(place, kind, tensors, (*q4.shape[:3], k4.shape[2], q4.shape[3]), rank, 0)
     _check_cuda_backend(backend, place)
-    handle = _cuda_stream({**args, **(outs or {})}, place, stream)
+    handle = _cuda_stream(labelled, place, stream)
     tensors = {n: _arrays.device_tensor(n, x, handle) for n, x in args.items()}
     dims, rank = _check_device_shapes(tensors)
     return _Intake(place, kind, tensors, dims, rank, handle)
@@ -514,14 +515,14 @@ for _f in (fa2_forward, fa2_backward, fa1_forward, fa1_backward, attention, atte
 del _f
 
 
-def backends():
+def backends() -> List[str]:
     """The backends that can run here, best first ("cuda" only with a usable GPU);
     unavailable_backends() says why the others cannot."""
     _, lib = _lib.load()
     return [name for name, b in BACKENDS.items() if name != "auto" and lib.pyfa_backend_available(b)]
 
 
-def unavailable_backends():
+def unavailable_backends() -> Dict[str, str]:
     """{backend: why it cannot run here} for each backend that cannot, e.g.
     {"cuda": "this libpyfa was built without nvcc"}; the reason is the library's own
     (pyfa_backend_reason), the CUDA driver's error where there is one."""
@@ -530,7 +531,7 @@ def unavailable_backends():
             if name != "auto" and not lib.pyfa_backend_available(b)}
 
 
-def device_profile(backend="auto"):
+def device_profile(backend: str = "auto") -> Dict[str, Union[str, int]]:
     """The limits the kernels are sized against: a dict with name, smem_per_block,
     max_threads_per_block, sm_count."""
     ffi, lib = _lib.load()
@@ -540,7 +541,7 @@ def device_profile(backend="auto"):
             "max_threads_per_block": prof.max_threads_per_block, "sm_count": prof.sm_count}
 
 
-def default_tiles(kernel, head_dim, backend="auto"):
+def default_tiles(kernel: str, head_dim: int, backend: str = "auto") -> Tuple[int, int]:
     """(Br, Bc) the library uses for `kernel` (e.g. "fa2_forward") at this head dim."""
     ffi, lib = _lib.load()
     kernel_id = _choice("kernel", kernel, KERNELS)
@@ -550,7 +551,7 @@ def default_tiles(kernel, head_dim, backend="auto"):
     return br[0], bc[0]
 
 
-def smem_bytes(kernel, block_r, block_c, head_dim):
+def smem_bytes(kernel: str, block_r: int, block_c: int, head_dim: int) -> int:
     """Bytes of dynamic shared memory `kernel` needs for these tiles; 0 when the library
     has no size for them (a value out of its range)."""
     _, lib = _lib.load()
@@ -560,6 +561,7 @@ def smem_bytes(kernel, block_r, block_c, head_dim):
                                check_int("head_dim", head_dim, -INT64_MAX - 1, INT64_MAX))
 
 
-def library_version():
+def library_version() -> str:
+    """The version libpyfa reports (pyfa_version)."""
     ffi, lib = _lib.load()
     return ffi.string(lib.pyfa_version()).decode()
