@@ -260,14 +260,15 @@ def _out_dict(op_name, names, out):
 
 
 def _host_outputs(op, intake, outs):
-    """{name: (caller's object or None, NumPy array the library writes)}. A given output
-    is written directly when it is a C-contiguous float32 array sharing no memory with
-    the others; otherwise through a fresh array copied into it after success."""
+    """{name: (caller's object or None, its NumPy view or None, the NumPy array the library
+    writes)}. A given output is written directly when it is C-contiguous and shares no
+    memory with the other tensors; otherwise through a fresh array copied into it after
+    success."""
     result = {}
     for name in op.outputs:
         shape, given = intake.shape(name), outs[name]
         if given is None:
-            result[name] = (None, np.empty(shape, np.float32))
+            result[name] = (None, None, np.empty(shape, np.float32))
             continue
         label = f"out ({name})"
         a = _arrays.host_array(label, given)
@@ -279,9 +280,9 @@ def _host_outputs(op, intake, outs):
             raise ValueError(f"{label}: expected shape {shape}, got {a.shape}")
         if not a.flags.writeable:
             raise ValueError(f"{label}: is read-only")
-        others = list(intake.tensors.values()) + [w for _, w in result.values()]
+        others = list(intake.tensors.values()) + [w for _, _, w in result.values()]
         direct = a.flags.c_contiguous and not any(np.may_share_memory(a, o) for o in others)
-        result[name] = (given, a if direct else np.empty(shape, np.float32))
+        result[name] = (given, a, a if direct else np.empty(shape, np.float32))
     return result
 
 
@@ -289,17 +290,15 @@ def _run_host(op, intake, outs, problem, config, progress):
     ffi, lib = _lib.load()
     targets = _host_outputs(op, intake, outs)
     pointers = [ffi.cast("float *", ffi.from_buffer(x))
-                for x in [intake.tensors[n] for n in op.inputs] + [w for _, w in targets.values()]]
+                for x in [intake.tensors[n] for n in op.inputs] + [w for _, _, w in targets.values()]]
     _lib.call(getattr(lib, op.c_function), config, problem, config, *pointers, progress=progress)
     results = []
-    for name in op.outputs:
-        given, written = targets[name]
+    for given, view, written in targets.values():
         if given is None:
             results.append(_arrays.as_kind(intake.kind, written))
             continue
-        target = _arrays.host_array(name, given)
-        if target.__array_interface__["data"][0] != written.__array_interface__["data"][0]:
-            np.copyto(target, written)
+        if view is not written:
+            np.copyto(view, written)
         results.append(given)
     return tuple(results)
 

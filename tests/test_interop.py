@@ -360,6 +360,14 @@ def cai_arrays():
     return dict(o=values(o))
 results["cai_arrays"] = case(cai_arrays)
 
+def cancelled():
+    o = FakeCuda(np.full((B, H, N, D), 9.0, np.float32))
+    try:
+        pyfa.attention(q, k, v, out=o, progress=lambda done, total: True, block_r=4, block_c=4)
+    except pyfa.CancelledError as e:
+        return dict(error=str(e), o=values(o))
+results["cancelled"] = case(cancelled)
+
 errors = {
     "cai_stream_mismatch": lambda: pyfa.attention(FakeCuda(q.a, cai_stream=5), k, v, stream=6),
     "non_contiguous": lambda: pyfa.attention(FakeCuda(np.zeros((B, N, H, D), np.float32).transpose(0, 2, 1, 3)), k, v),
@@ -446,6 +454,13 @@ def test_fake_cuda_array_interface(fake_cuda_pyfa):
     assert r["error"] is None, r["error"]
     assert r["value"]["o"] == [1.0]
     assert launches(r) == ["launch fa2_forward caller"]  # the stream the interface names
+
+
+def test_fake_cuda_cancelled_before_enqueuing_writes_nothing(fake_cuda_pyfa):
+    r = fake_cuda_pyfa["cancelled"]
+    assert r["error"] is None and r["value"] is not None, r
+    assert "cancelled" in r["value"]["error"] and r["value"]["o"] == [9.0]
+    assert launches(r) == [] and not [e for e in r["log"] if e.startswith("malloc")], r["log"]
 
 
 @pytest.mark.parametrize("name, message", [
