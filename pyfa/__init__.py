@@ -28,9 +28,9 @@ def _attach_simulator():
 
 _attach_simulator()
 
-__version__ = "0.1.0"
-
+from ._version import __version__  # noqa: E402  (the loader compares it with the library's)
 from . import sim  # noqa: E402
+from ._config import get_include, get_library  # noqa: E402
 from ._lib import (  # noqa: E402
     BackendUnavailableError, CancelledError, CudaError, EmulationError, InvalidArgumentError,
     LibraryNotFoundError, OutOfMemoryError, PyfaError,
@@ -46,5 +46,6 @@ __all__ = [
     "InvalidArgumentError", "LibraryNotFoundError", "OutOfMemoryError", "PyfaError",
     "TileTooLargeError", "attention", "attention_grad", "backends", "default_tiles",
     "device_profile", "fa1_backward", "fa1_forward", "fa2_backward", "fa2_forward",
-    "library_version", "sim", "smem_bytes", "unavailable_backends",
+    "get_include", "get_library", "library_version", "sim", "smem_bytes",
+    "unavailable_backends",
 ]

@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 import pyfa
+from pyfa import _config
 
 
 def int_in(lo, hi=None):
@@ -25,6 +26,9 @@ def int_in(lo, hi=None):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if _config.wanted(argv):
+        return _config.main(argv)
     ap = argparse.ArgumentParser(prog="python -m pyfa", description=__doc__)
     ap.add_argument("--batch", type=int_in(1), default=1)
     ap.add_argument("--heads", type=int_in(1), default=4)

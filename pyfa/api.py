@@ -561,6 +561,6 @@ def smem_bytes(kernel: str, block_r: int, block_c: int, head_dim: int) -> int:
 
 
 def library_version() -> str:
-    """The version libpyfa reports (pyfa_version)."""
+    """The version of the loaded libpyfa (pyfa_version()); equals pyfa.__version__."""
     ffi, lib = _lib.load()
     return ffi.string(lib.pyfa_version()).decode()

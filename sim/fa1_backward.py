@@ -121,17 +121,17 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, scale=None, block_r=None
             for n in range(A):
                 dVj = dVj + t[:, n]
 
-            # dQ_i = dQ_i + scale * dS_ij K_j (c in order), in HBM.
+            # dQ_i = fma(scale, dS_ij K_j, dQ_i) (c in order), in HBM.
             t = nx.dot_rows(dS, np.swapaxes(Kj, -1, -2)[:, None])
-            dQ[:, a:] = dQ[:, a:] + scale * t
+            dQ[:, a:] = nx.canonical_nan(nx.fma32(F32(scale), t, dQ[:, a:]))
 
-            # dK~_j = dK~_j + scale * dS_ij^T Q_i (r in order), tiles in increasing i.
+            # dK~_j = fma(scale, dS_ij^T Q_i, dK~_j) (r in order), tiles in increasing i.
             t = nx.dot_rows(np.swapaxes(dS, -1, -2), np.swapaxes(Q_a, -1, -2))
             for n in range(A):
-                dKj = dKj + scale * t[:, n]
+                dKj = nx.fma32(F32(scale), t[:, n], dKj)
 
-        dK[:, col0:col0 + bc] = dKj[:, :bc]
-        dV[:, col0:col0 + bc] = dVj[:, :bc]
+        dK[:, col0:col0 + bc] = nx.canonical_nan(dKj[:, :bc])
+        dV[:, col0:col0 + bc] = nx.canonical_nan(dVj[:, :bc])
         io.write("dK", BH * nbytes(bc))
         io.write("dV", BH * nbytes(bc))
 

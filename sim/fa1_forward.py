@@ -105,16 +105,17 @@ def fa1_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None
         alpha = nx.exp(m_old - nx.safe_max(m_new))  # exp(m_i - m_new)
         beta = nx.exp(mt - nx.safe_max(m_new))      # exp(m~_ij - m_new)
         o_scale = l_old * alpha
-        l_new = o_scale + beta * lt
+        l_new = nx.fma32(beta, lt, o_scale)
 
-        pv = np.zeros((BH, Tr - a, Wr, d), F32)
-        for c in range(Wc):
-            pv = pv + P[..., c, None] * Vj[:, None, None, c, :]
-        num = o_scale[..., None] * O[:, a:] + beta[..., None] * pv
+        # pv[r, x] = sum_c P~_ij[r, c] V_j[c, x], c in order, one fma per step.
+        pv = nx.dot_rows(P, np.swapaxes(Vj, -1, -2)[:, None])
+        num = nx.fma32(o_scale[..., None], O[:, a:], beta[..., None] * pv)
         with np.errstate(divide="ignore", invalid="ignore"):
             O_new = np.where(l_new[..., None] == 0, F32(0), num / l_new[..., None])
 
-        O[:, a:], m[:, a:], l[:, a:] = O_new, m_new, l_new
+        # Stored to HBM, so NaNs canonical (docs/numerics.md); l_new above is the on-chip value.
+        O[:, a:] = nx.canonical_nan(O_new)
+        m[:, a:], l[:, a:] = nx.canonical_nan(m_new), nx.canonical_nan(l_new)
         io.write("O", BH * nbytes(n_rows))
         io.write("m", BH * n_rows * 4)
         io.write("l", BH * n_rows * 4)

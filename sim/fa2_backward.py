@@ -60,9 +60,9 @@ def _p_ds(Qi, dOi, LSEi, Di, Kj, Vj, masked, pad, scale):
 
 
 def _preprocess(O, dO, io):
-    """D[r] = sum_x dO[r, x] * O[r, x], x in order. O, dO: (BH, Nq, d)."""
+    """D[r] = pyfa_dot(dO[r], O[r]), x in order, stored canonical. O, dO: (BH, Nq, d)."""
     BH, Nq, d = O.shape
-    D = nx.dot(dO, O)
+    D = nx.canonical_nan(nx.dot(dO, O))
     io.read("O", BH * Nq * d * 4)
     io.read("dO", BH * Nq * d * 4)
     io.write("D", BH * Nq * 4)
@@ -114,8 +114,8 @@ def _dkdv(Q, K, V, dO, LSE, D, Br, Bc, scale, causal, io):
         dVj[:, active] = dVj[:, active] + dv
         dKj[:, active] = dKj[:, active] + dk
 
-    dK = (dKj * scale).reshape(BH, Tc * Bc, d)[:, :Nk]
-    dV = dVj.reshape(BH, Tc * Bc, d)[:, :Nk]
+    dK = nx.canonical_nan((dKj * scale).reshape(BH, Tc * Bc, d)[:, :Nk])
+    dV = nx.canonical_nan(dVj.reshape(BH, Tc * Bc, d)[:, :Nk])
     io.write("dK", BH * Nk * d * 4)
     io.write("dV", BH * Nk * d * 4)
     return dK, dV
@@ -162,7 +162,7 @@ def _dq(Q, K, V, dO, LSE, D, Br, Bc, scale, causal, io):
         dq = nx.dot_rows(dS, np.swapaxes(Kj, -1, -2))
         dQi[:, active] = dQi[:, active] + dq
 
-    dQ = (dQi * scale).reshape(BH, Tr * Br, d)[:, :Nq]
+    dQ = nx.canonical_nan((dQi * scale).reshape(BH, Tr * Br, d)[:, :Nq])
     io.write("dQ", BH * Nq * d * 4)
     return dQ
 

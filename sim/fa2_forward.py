@@ -89,19 +89,18 @@ def fa2_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None
         rowsum = np.zeros_like(m_new)
         for c in range(Bc):
             rowsum = rowsum + P[..., c]
-        l_new = alpha * li[:, a:] + rowsum
-        pv = np.zeros((BH, Tr - a, Br, d), F32)
-        for c in range(Bc):
-            pv = pv + P[..., c, None] * Vj[:, None, None, c, :]
-        O_new = alpha[..., None] * Oi[:, a:] + pv
+        l_new = nx.fma32(alpha, li[:, a:], rowsum)
+        # pv[r, x] = sum_c P[r, c] V_j[c, x], c in order, one fma per step.
+        pv = nx.dot_rows(P, np.swapaxes(Vj, -1, -2)[:, None])
+        O_new = nx.fma32(alpha[..., None], Oi[:, a:], pv)
 
         mi[:, a:], li[:, a:], Oi[:, a:] = m_new, l_new, O_new
 
     with np.errstate(divide="ignore", invalid="ignore"):
         O = np.where(li[..., None] == 0, F32(0), Oi / li[..., None])
         LSE = np.where(li == 0, NEG_INF, mi + nx.log(li))
-    O = O.reshape(BH, Tr * Br, d)[:, :Nq].reshape(B, H, Nq, d)
-    LSE = LSE.reshape(BH, Tr * Br)[:, :Nq].reshape(B, H, Nq)
+    O = nx.canonical_nan(O.reshape(BH, Tr * Br, d)[:, :Nq].reshape(B, H, Nq, d))
+    LSE = nx.canonical_nan(LSE.reshape(BH, Tr * Br)[:, :Nq].reshape(B, H, Nq))
     io.write("O", BH * nbytes(Nq))
     io.write("LSE", BH * Nq * 4)
     return Fa2ForwardResult(restore_rank(O, rank), LSE.reshape(q.shape[:-1]), io)

@@ -2,11 +2,13 @@
 
 Every function performs exactly the float32 operations of its C/CUDA twin, in the same
 order, vectorized over arrays, so that the simulator reproduces the kernels' bits.
-Rules that keep it that way (see the shared README, "Bit-exact fp32"):
+Rules that keep it that way (docs/numerics.md, "1. Arithmetic"):
 
 * every constant is an np.float32 made from the same hex literal as in the header, and
-  every intermediate stays float32 (a float64 operand would silently promote);
-* one NumPy ufunc per C operation, so nothing is fused and nothing is reassociated;
+  every intermediate stays float32 (a float64 operand would silently promote); the one
+  exception is fma32, which computes in float64 internally and returns float32;
+* one NumPy ufunc per C operation, and fma32 exactly where the C side calls pyfa_fma, so
+  nothing is fused that C does not fuse and nothing is reassociated;
 * np.exp / np.log / np.maximum are never used: they differ from the C side;
 * bit manipulation goes through .view(np.int32) / .view(np.uint32).
 
@@ -16,7 +18,7 @@ np.where, exactly as the C code does with ?:. Imports only numpy.
 
 import numpy as np
 
-__all__ = ["exp", "log", "maximum", "check_float_environment"]
+__all__ = ["exp", "log", "maximum", "fma32", "canonical_nan", "check_float_environment"]
 
 
 def _c(hex_literal):
@@ -229,27 +231,150 @@ def safe_max(m):
     return np.where(m == -_INF, _ZERO, m)
 
 
+# ------------------------------------------------------------------------------------- fma
+# fma32 mirrors pyfa_fma (fmaf: a*b + c rounded once). The product of two float32 numbers is
+# exact in float64 (24 + 24 significant bits < 53), so p + c rounded to float64 and then to
+# float32 rounds twice. That second rounding goes wrong only when the first one lands
+# exactly on a midpoint between two adjacent float32 numbers while the exact sum was not
+# there: the cast then breaks a tie that is not one. Those sums are found by their bits and
+# moved one float64 ulp toward the exact sum (its TwoSum residual says which way), so the
+# cast rounds them the right way. A zero residual is a true tie, which the cast already
+# rounds to even.
+_U64_ONE = np.uint64(1)
+_U64_MINUS_ONE = np.uint64(0xFFFFFFFFFFFFFFFF)  # adding it subtracts one, modulo 2^64
+_U64_ZERO = np.uint64(0)
+# Every float32 midpoint has its low 28 float64 significand bits zero: in the float32 normal
+# range a float32 ulp is 2^29 float64 ulps and a midpoint's low 29 bits are exactly 1 << 28;
+# below 2^-126 midpoints are odd multiples of 2^-150, coarser still.
+_LOW28 = np.uint64((1 << 28) - 1)
+_LOW29 = np.uint64((1 << 29) - 1)
+_HALF29 = np.uint64(1 << 28)
+_F64_MIN_NORMAL32 = 2.0 ** -126
+_F64_TWO_POW_150 = 2.0 ** 150
+
+
+class _FmaScratch:
+    """The buffers of one fma32 step, allocated once per loop and reused at every step."""
+
+    def __init__(self, shape):
+        self.p = np.empty(shape, np.float64)   # the exact products, filled by the caller
+        self.s = np.empty(shape, np.float64)   # p + c, rounded once
+        self.r = np.empty(shape, np.float64)   # the float32 result, widened (exact)
+        self.u = np.empty(shape, np.uint64)
+        self.cand = np.empty(shape, bool)
+        self.inexact = np.empty(shape, bool)
+
+
+def _fma_step(c64, out, w):
+    """out = fmaf(a, b, c) given w.p = a*b (float64, exact) and c64 = c (float64, exactly a
+    float32 value), all C-contiguous and of one shape; also leaves w.r = float64(out). Must
+    run under np.errstate(all="ignore")."""
+    s = w.s
+    np.add(w.p, c64, out=s)
+    np.copyto(out, s, casting="same_kind")  # the float32 rounding: nearest, ties to even
+    np.copyto(w.r, out)
+    # Candidates for a false tie: sums with their low 28 bits zero that the cast rounded.
+    # Zeros and other exact float32 values, common in padded tiles, are not candidates.
+    np.bitwise_and(s.view(np.uint64), _LOW28, out=w.u)
+    np.equal(w.u, _U64_ZERO, out=w.cand)
+    np.not_equal(s, w.r, out=w.inexact)
+    np.logical_and(w.cand, w.inexact, out=w.cand)
+    if w.cand.any():
+        # Flat indices, found once: the candidates are few, the arrays are not.
+        idx = np.flatnonzero(w.cand)
+        ss = _settle_midpoints(s.reshape(-1)[idx], w.p.reshape(-1)[idx], c64.reshape(-1)[idx])
+        fixed = ss.astype(np.float32)
+        out.reshape(-1)[idx] = fixed
+        w.r.reshape(-1)[idx] = fixed
+
+
+def _settle_midpoints(ss, pp, cc):
+    """The candidate sums ss = pp + cc (float64, rounded once), each that sits on a float32
+    midpoint the exact sum is not on moved one float64 ulp toward the exact sum, so that the
+    float32 cast rounds it the right way."""
+    # TwoSum: err = (pp + cc) - ss exactly.
+    b_virtual = ss - pp
+    err = (pp - (ss - b_virtual)) + (cc - b_virtual)
+    bits = ss.view(np.uint64)
+    mag = np.abs(ss)
+    scaled = mag * _F64_TWO_POW_150  # exact; an odd integer iff |ss| is a subnormal midpoint
+    sub_mid = (scaled == np.floor(scaled)) & (np.fmod(scaled, 2.0) == 1.0)
+    normal_mid = (bits & _LOW29) == _HALF29
+    mid = np.where(mag < _F64_MIN_NORMAL32, sub_mid, normal_mid)
+    move = mid & (err != 0) & np.isfinite(ss)
+    # bits + 1 moves away from zero, bits - 1 toward it, for either sign.
+    away = (err > 0) == (ss > 0)
+    bits = np.where(move, bits + np.where(away, _U64_ONE, _U64_MINUS_ONE), bits)
+    return bits.view(np.float64)
+
+
+def fma32(a, b, c):
+    """pyfa_fma, bit for bit: a*b + c rounded once to float32 (C's fmaf), elementwise with
+    broadcasting; float32 in, float32 out (scalars give an np.float32). A NaN result is a
+    NaN; its payload is not part of the contract (see canonical_nan)."""
+    a, sa = _prepare(a)
+    b, sb = _prepare(b)
+    c, sc = _prepare(c)
+    shape = np.broadcast_shapes(a.shape, b.shape, c.shape)
+    a, b, c = (np.ascontiguousarray(np.broadcast_to(x, shape)).reshape(-1) for x in (a, b, c))
+    out = np.empty(a.size, np.float32)
+    w = _FmaScratch(min(a.size, _CHUNK))
+    with np.errstate(all="ignore"):
+        for start in range(0, a.size, _CHUNK):
+            n = min(_CHUNK, a.size - start)
+            if n != w.p.size:
+                w = _FmaScratch(n)
+            part = slice(start, start + n)
+            np.multiply(a[part], b[part], out=w.p, dtype=np.float64)
+            _fma_step(c[part].astype(np.float64), out[part], w)
+    return _finish(out.reshape(shape), sa and sb and sc)
+
+
+_CANONICAL_NAN_BITS = np.uint32(0x7FC00000)
+
+
+def canonical_nan(x):
+    """pyfa_canonical_nan: every NaN becomes the one quiet NaN 0x7FC00000, anything else is
+    kept. The kernels pass every float they store to global memory through it: a GPU's
+    arithmetic returns its own canonical NaN where x86 and NumPy keep operand payloads, so
+    only canonical NaNs compare bit for bit across backends."""
+    x, scalar = _prepare(x)
+    y = np.where(x != x, _CANONICAL_NAN_BITS.view(np.float32), x)
+    return _finish(y, scalar)
+
+
 def dot(a, b):
-    """Row by row pyfa_dot: out[...] = sum_x a[..., x] * b[..., x], x in order from +0."""
-    out = np.zeros(np.broadcast_shapes(a.shape[:-1], b.shape[:-1]), np.float32)
-    for x in range(a.shape[-1]):
-        out = out + a[..., x] * b[..., x]
-    return out
+    """Row by row pyfa_dot: out[...] = sum_x a[..., x] * b[..., x], x in order from +0, each
+    step one fma: s = fma32(a[x], b[x], s)."""
+    a64 = np.ascontiguousarray(np.moveaxis(a, -1, 0), np.float64)  # (n, ...)
+    b64 = np.ascontiguousarray(np.moveaxis(b, -1, 0), np.float64)
+    shape = np.broadcast_shapes(a.shape[:-1], b.shape[:-1])
+    return _fma_sum(a64, b64, shape)
 
 
 def dot_rows(A, B):
     """All inner products of rows of A with rows of B, each summed like pyfa_dot:
-    out[..., r, c] = sum_x A[..., r, x] * B[..., c, x], x in order from +0, every product
-    rounded, then added. A: (..., R, n), B: (..., C, n), leading axes broadcast; returns
-    (..., R, C) float32. The x axis is moved to the front only so that each step reads
-    contiguous slices; the products go through one reused buffer."""
-    At = np.ascontiguousarray(np.moveaxis(A, -1, 0))[..., :, None]  # (n, ..., R, 1)
-    Bt = np.ascontiguousarray(np.moveaxis(B, -1, 0))[..., None, :]  # (n, ..., 1, C)
+    out[..., r, c] = sum_x A[..., r, x] * B[..., c, x], x in order from +0, each step one
+    fma: s = fma32(A[r, x], B[c, x], s). A: (..., R, n), B: (..., C, n), leading axes
+    broadcast; returns (..., R, C) float32. The x axis is moved to the front only so that
+    each step reads contiguous slices; the operands are widened to float64 once (exactly),
+    and every step works in the same reused buffers."""
+    At = np.ascontiguousarray(np.moveaxis(A, -1, 0), np.float64)[..., :, None]  # (n, ..., R, 1)
+    Bt = np.ascontiguousarray(np.moveaxis(B, -1, 0), np.float64)[..., None, :]  # (n, ..., 1, C)
     shape = np.broadcast_shapes(At.shape[1:], Bt.shape[1:])
-    total, term = np.zeros(shape, np.float32), np.empty(shape, np.float32)
-    for x in range(A.shape[-1]):
-        np.multiply(At[x], Bt[x], out=term)
-        np.add(total, term, out=total)
+    return _fma_sum(At, Bt, shape)
+
+
+def _fma_sum(a64, b64, shape):
+    """s = +0; for x in order: s = fma32(a64[x], b64[x], s); a64, b64 float64 (exactly
+    float32 values) broadcasting to `shape` after their first axis."""
+    total, w = np.zeros(shape, np.float32), _FmaScratch(shape)
+    c64 = np.zeros(shape, np.float64)
+    with np.errstate(all="ignore"):
+        for x in range(a64.shape[0]):
+            np.multiply(a64[x], b64[x], out=w.p)
+            _fma_step(c64, total, w)
+            c64, w.r = w.r, c64  # the result is the next step's addend
     return total
 
 

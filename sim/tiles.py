@@ -46,7 +46,7 @@ def fa2_forward_smem(Br, Bc, d):
 
 def fa2_backward_preprocess_smem(Br, Bc, d):
     """cuda/common/smem.h fa2_backward_preprocess_smem (Bc unused)."""
-    return [("dO_i*O_i", Br * padded(d))]
+    return [("dO_i", Br * padded(d))]
 
 
 def fa2_backward_dkdv_smem(Br, Bc, d):

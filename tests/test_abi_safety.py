@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import pyfa
 from pyfa import _lib
 
 HERE = Path(__file__).resolve().parent
@@ -200,7 +201,7 @@ def _build_fault_tools(tmp_path):
     subprocess.run([cc, "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror",
                     str(HERE / "c" / "fault_shim.c"), "-o", str(shim)], check=True)
     subprocess.run([cc, "-std=c99", "-O1", "-Wall", "-Wextra", "-Werror", "-pthread",
-                    f"-I{_lib.header_path().parent}", f'-DPYFA_VERSION_EXPECTED="{version}"',
+                    f"-I{pyfa.get_include()}", f'-DPYFA_VERSION_EXPECTED="{version}"',
                     str(HERE / "c" / "fault_driver.c"), "-o", str(driver), str(lib),
                     f"-Wl,-rpath,{lib.parent}"], check=True)
     return shim, driver
@@ -312,7 +313,7 @@ def fake_cuda_library(tmp_path_factory):
     out = tmp_path_factory.mktemp("fake_cuda") / "libpyfa_fake_cuda.so"
     launch = ROOT / "cuda" / "launch"
     subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-O1", "-Wall", "-Wextra",
-                    "-Werror", f"-I{ROOT / 'cuda'}", f"-I{ROOT / 'cuda' / 'include'}",
+                    "-Werror", f"-I{ROOT / 'cuda'}", f"-I{pyfa.get_include()}",
                     '-DPYFA_VERSION_STRING="fake"', str(launch / "api.cpp"), str(launch / "errors.cpp"),
                     str(launch / "tiles.cpp"), str(HERE / "c" / "fake_cuda.cpp"), "-o", str(out)], check=True)
     return out

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import pyfa
 from pyfa import _lib
 
 HERE = Path(__file__).resolve().parent
@@ -22,7 +23,7 @@ def compiler(*names):
 def test_c99_program_links_and_checks_a_result(tmp_path):
     cc = compiler("cc", "gcc", "clang")
     lib = _lib.library_path()
-    include = _lib.header_path().parent
+    include = pyfa.get_include()
     exe = tmp_path / "smoke"
     subprocess.run([cc, "-std=c99", "-Wall", "-Wextra", "-Werror", "-pedantic", f"-I{include}",
                     str(HERE / "c" / "smoke.c"), "-o", str(exe), str(lib),
@@ -34,7 +35,7 @@ def test_c99_program_links_and_checks_a_result(tmp_path):
 
 def test_header_compiles_as_cpp(tmp_path):
     cxx = compiler("c++", "g++", "clang++")
-    include = _lib.header_path().parent
+    include = pyfa.get_include()
     src = tmp_path / "h.cpp"
     src.write_text('#include "pyfa.h"\nint main() { pyfa_problem p{}; return p.causal; }\n')
     subprocess.run([cxx, "-std=c++11", "-Wall", "-Werror", f"-I{include}", "-fsyntax-only", str(src)],

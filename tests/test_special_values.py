@@ -1,14 +1,29 @@
 """Inputs holding NaN, +-Inf and huge values: every kernel still equals its simulator bit
-for bit (NaN as NaN), nothing crashes, and the simulators raise no NumPy warnings."""
+for bit, NaNs included (every NaN a kernel stores is the canonical 0x7FC00000,
+docs/numerics.md), nothing crashes, and the simulators raise no NumPy warnings."""
 
 import numpy as np
 import pytest
 
 import grid
 import pyfa
-from reference import same_bits
 
-SPECIALS = np.array([np.nan, np.inf, -np.inf, 3e38, -3e38, 1e-45], np.float32)
+CANONICAL_NAN = 0x7FC00000
+
+
+def same_bits(a, b):
+    """The same float32 bits everywhere, NaN payloads included, and every NaN canonical."""
+    a = np.ascontiguousarray(a, np.float32)
+    b = np.ascontiguousarray(b, np.float32)
+    if a.shape != b.shape or not np.array_equal(a.view(np.uint32), b.view(np.uint32)):
+        return False
+    return bool(np.all(a.view(np.uint32)[np.isnan(a)] == CANONICAL_NAN))
+
+# NaNs with payloads and either sign (a GPU would return its own NaN for them), infinities,
+# huge values and the smallest subnormal.
+SPECIALS = np.concatenate([
+    np.array([0x7FC00000, 0xFFC00000, 0x7FC01234, 0xFFA12345], np.uint32).view(np.float32),
+    np.array([np.inf, -np.inf, 3e38, -3e38, 1e-45], np.float32)])
 
 
 def poisoned_inputs(seed):

@@ -1,14 +1,14 @@
-// numerics.h: pyfa's own float32 max, exp and log.
+// numerics.h: pyfa's own float32 fma, max, exp and log, the inner product and the NaN rule.
 //
 // The kernels (under nvcc and under g++ for the emulator) and the NumPy simulator
 // (sim/numerics.py) must produce identical float32 bits. libm, CUDA's expf/__expf and
 // NumPy's exp/log all differ from one another, so these functions are built only from
 // operations that IEEE 754 rounds the same way everywhere: float32 add, sub, mul, div,
-// comparisons and selects, integer arithmetic on exponent bits, and int->float conversion
-// of small integers. No fmaf, and the library is compiled with nvcc -fmad=false and
-// g++ -ffp-contract=off so that no multiply-add is fused behind our back. Every step below
-// is mirrored, in the same order, by sim/numerics.py. Algorithms, constants and measured
-// accuracy: docs/numerics_exp_log.md.
+// fused multiply-add (one rounding), comparisons and selects, integer arithmetic on
+// exponent bits, and int->float conversion of small integers. Every fusion is written as
+// pyfa_fma; the library is compiled with nvcc -fmad=false and g++ -ffp-contract=off so that
+// nothing else is fused behind our back. Every step below is mirrored, in the same order,
+// by sim/numerics.py. The contract: docs/numerics.md; exp and log: docs/numerics_exp_log.md.
 #pragma once
 
 #include <cmath>
@@ -38,6 +38,22 @@ PYFA_HD float pyfa_bits_float(uint32_t u) {
     return f;
 #endif
 }
+
+// a*b + c rounded once (IEEE fusedMultiplyAdd). The one fused operation of the library:
+// docs/numerics.md lists every place that uses it. NumPy twin: sim/numerics.py fma32.
+PYFA_HD float pyfa_fma(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+    return __fmaf_rn(a, b, c);
+#else
+    return std::fmaf(a, b, c);
+#endif
+}
+
+// Every float a kernel stores to global memory goes through this: a GPU's arithmetic
+// returns its own canonical NaN while x86 keeps an operand's payload, so the one NaN
+// pattern 0x7FC00000 is what makes CUDA, the emulator and the simulator agree bit for bit.
+// NumPy twin: sim/numerics.py canonical_nan.
+PYFA_HD float pyfa_canonical_nan(float x) { return (x != x) ? pyfa_bits_float(0x7FC00000u) : x; }
 
 // The project's max: NaN in b is ignored, NaN in a propagates, ties (including -0 vs +0)
 // keep a. NumPy twin: np.where(b > a, b, a). Not fmaxf and not np.maximum, which disagree
@@ -189,11 +205,11 @@ PYFA_HD float pyfa_log(float x) {
 // m = -inf and subtracts 0 instead, so exp(-inf - m) is exp(-inf) = 0, never exp(NaN).
 PYFA_HD float safe_max(float m) { return m == -INFINITY ? 0.0f : m; }
 
-// Every inner product of the library: sum_x a[x] * b[x], x = 0 .. n-1 in order from +0,
-// each product rounded, then added. NumPy twin: sim/numerics.py dot_rows.
+// Every inner product over the head dimension: sum_x a[x] * b[x], x = 0 .. n-1 in order
+// from +0, one fma per step. NumPy twins: sim/numerics.py dot, dot_rows.
 PYFA_HD float pyfa_dot(const float* a, const float* b, int64_t n) {
     float s = 0.0f;
-    for (int64_t x = 0; x < n; ++x) s = s + a[x] * b[x];
+    for (int64_t x = 0; x < n; ++x) s = pyfa_fma(a[x], b[x], s);
     return s;
 }
 

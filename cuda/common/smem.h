@@ -91,7 +91,7 @@ enum Fa2BackwardPreprocessTerm { FA2P_dOOi };
 
 PYFA_HD SmemLayout fa2_backward_preprocess_smem(int64_t Br, int64_t /*Bc*/, int64_t d) {
     SmemLayout L;
-    L.add("dO_i*O_i", Br, padded(d));  // the products, loaded coalesced, then summed along rows
+    L.add("dO_i", Br, padded(d));  // loaded coalesced, then each row dotted with O_i by one thread
     return L;
 }
 

@@ -12,8 +12,8 @@
 //     dP_ij  = dO_i V_j^T
 //     D_i    = rowsum(dO_i o O_i)                              (recomputed per (j, i))
 //     dS_ij  = P_ij o (dP_ij - D_i)
-//     dQ_i   = dQ_i + scale * dS_ij K_j                        (written back to HBM)
-//     dK~_j  = dK~_j + scale * dS_ij^T Q_i
+//     dQ_i   = dQ_i + scale * dS_ij K_j                        (one fma, written back to HBM)
+//     dK~_j  = dK~_j + scale * dS_ij^T Q_i                     (one fma)
 // and after the inner loop writes dK_j = dK~_j, dV_j = dV~_j once. The paper also zeroes
 // dK and dV in HBM first; every tile of them is written whole at the end of its outer
 // step, so that initialization is left out. O_i and dQ_i go from HBM into the registers of
@@ -123,31 +123,31 @@ __global__ void fa1_backward_kernel(const AttentionParams p) {
             for (int64_t e = tid; e < bc * d; e += nthreads) {
                 const int64_t c = e / d, x = e % d;
                 float t = 0.0f;
-                for (int64_t r = 0; r < br; ++r) t = t + Pij[r * Bc + c] * dOi[r * ld + x];
+                for (int64_t r = 0; r < br; ++r) t = pyfa_fma(Pij[r * Bc + c], dOi[r * ld + x], t);
                 dVj[e] = dVj[e] + t;
             }
             __syncthreads();
 
-            // dQ_i = dQ_i + scale * dS_ij K_j, the product summed c = 0 .. bc-1 in order;
+            // dQ_i = fma(scale, dS_ij K_j, dQ_i), the product summed c = 0 .. bc-1 in order;
             // read from and written back to HBM.
             for (int64_t e = tid; e < br * d; e += nthreads) {
                 const int64_t r = e / d, x = e % d;
                 float t = 0.0f;
-                for (int64_t c = 0; c < bc; ++c) t = t + dSij[r * Bc + c] * Kj[c * ld + x];
-                dQ[row0 * d + e] = dQ[row0 * d + e] + p.scale * t;
+                for (int64_t c = 0; c < bc; ++c) t = pyfa_fma(dSij[r * Bc + c], Kj[c * ld + x], t);
+                dQ[row0 * d + e] = pyfa_canonical_nan(pyfa_fma(p.scale, t, dQ[row0 * d + e]));
             }
-            // dK~_j = dK~_j + scale * dS_ij^T Q_i, the product summed r = 0 .. br-1 in order.
+            // dK~_j = fma(scale, dS_ij^T Q_i, dK~_j), the product summed r = 0 .. br-1 in order.
             for (int64_t e = tid; e < bc * d; e += nthreads) {
                 const int64_t c = e / d, x = e % d;
                 float t = 0.0f;
-                for (int64_t r = 0; r < br; ++r) t = t + dSij[r * Bc + c] * Qi[r * d + x];
-                dKj[e] = dKj[e] + p.scale * t;
+                for (int64_t r = 0; r < br; ++r) t = pyfa_fma(dSij[r * Bc + c], Qi[r * d + x], t);
+                dKj[e] = pyfa_fma(p.scale, t, dKj[e]);
             }
         }
         __syncthreads();  // dK~_j and dV~_j are complete; K_j and V_j are free for the next tile
         for (int64_t e = tid; e < bc * d; e += nthreads) {
-            dK[col0 * d + e] = dKj[e];
-            dV[col0 * d + e] = dVj[e];
+            dK[col0 * d + e] = pyfa_canonical_nan(dKj[e]);
+            dV[col0 * d + e] = pyfa_canonical_nan(dVj[e]);
         }
     }
 }

@@ -116,26 +116,26 @@ __global__ void fa1_forward_kernel(const AttentionParams p) {
                 const float alpha = pyfa_exp(m_old - safe_max(m_new));  // exp(m_i - m_new)
                 const float beta = pyfa_exp(mt[r] - safe_max(m_new));   // exp(m~_ij - m_new)
                 const float os = l_old * alpha;
-                const float l_new = os + beta * lt;
+                const float l_new = pyfa_fma(beta, lt, os);
                 oscale[r] = os;
                 pvscale[r] = beta;
                 lnew[r] = l_new;
-                m[row0 + r] = m_new;
-                l[row0 + r] = l_new;
+                m[row0 + r] = pyfa_canonical_nan(m_new);
+                l[row0 + r] = pyfa_canonical_nan(l_new);
             }
             __syncthreads();
 
-            // O_i = (o_scale * O_i + pv_scale * P~_ij V_j) / l_new, the product summed
+            // O_i = fma(o_scale, O_i, pv_scale * P~_ij V_j) / l_new, the product summed
             // c = 0 .. bc-1 in order. A row with no visible key so far has l_new = 0 and
             // keeps O = 0 rather than 0/0.
             for (int64_t e = tid; e < br * d; e += nthreads) {
                 const int64_t r = e / d, x = e % d;
                 float pv = 0.0f;
-                for (int64_t c = 0; c < bc; ++c) pv = pv + Sij[r * lds + c] * Vj[c * d + x];
+                for (int64_t c = 0; c < bc; ++c) pv = pyfa_fma(Sij[r * lds + c], Vj[c * d + x], pv);
                 const float o_old = O[row0 * d + e];
-                const float num = oscale[r] * o_old + pvscale[r] * pv;
+                const float num = pyfa_fma(oscale[r], o_old, pvscale[r] * pv);
                 const float ln = lnew[r];
-                O[row0 * d + e] = ln == 0.0f ? 0.0f : num / ln;
+                O[row0 * d + e] = pyfa_canonical_nan(ln == 0.0f ? 0.0f : num / ln);
             }
         }
     }

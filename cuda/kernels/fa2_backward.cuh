@@ -43,7 +43,7 @@ PYFA_HD void fa2_backward_p_ds(const float* Q_r, const float* dO_r, const float*
     *dS_rc = P * (dp - D_r);
 }
 
-// D_i = rowsum(dO_i o O_i): D[r] = sum_x dO[r,x] * O[r,x], x = 0 .. d-1 in order.
+// D_i = rowsum(dO_i o O_i): D[r] = pyfa_dot(dO_r, O_r), x = 0 .. d-1 in order.
 __global__ void fa2_backward_preprocess_kernel(const AttentionParams p) {
     const int64_t d = p.head_dim, Nq = p.seqlen_q;
     const int64_t Br = p.block_r;
@@ -62,17 +62,13 @@ __global__ void fa2_backward_preprocess_kernel(const AttentionParams p) {
     float* smem = reinterpret_cast<float*>(smem_raw);
     const SmemLayout L = fa2_backward_preprocess_smem(Br, p.block_c, d);
     const int64_t ld = padded(d);               // row stride, see smem.h
-    float* dOOi = smem + L.offset[FA2P_dOOi];  // (br, d): dO_i o O_i, row stride ld
+    float* dOi = smem + L.offset[FA2P_dOOi];   // (br, d), row stride ld
 
-    // The products are formed with coalesced loads; each row is then summed by one thread.
-    for (int64_t e = tid; e < br * d; e += nthreads)
-        dOOi[(e / d) * ld + e % d] = dO[row0 * d + e] * O[row0 * d + e];
+    // dO_i is loaded coalesced; each row's inner product, fused, is then taken by one thread.
+    for (int64_t e = tid; e < br * d; e += nthreads) dOi[(e / d) * ld + e % d] = dO[row0 * d + e];
     __syncthreads();
-    for (int64_t r = tid; r < br; r += nthreads) {
-        float s = 0.0f;
-        for (int64_t x = 0; x < d; ++x) s = s + dOOi[r * ld + x];
-        D[row0 + r] = s;
-    }
+    for (int64_t r = tid; r < br; r += nthreads)
+        D[row0 + r] = pyfa_canonical_nan(pyfa_dot(dOi + r * ld, O + (row0 + r) * d, d));
 }
 
 __global__ void fa2_backward_dkdv_kernel(const AttentionParams p) {
@@ -147,8 +143,8 @@ __global__ void fa2_backward_dkdv_kernel(const AttentionParams p) {
             const int64_t c = e / d, x = e % d;
             float dv = 0.0f, dk = 0.0f;
             for (int64_t r = 0; r < br; ++r) {
-                dv = dv + Pij[r * Bc + c] * dOi[r * d + x];
-                dk = dk + dSij[r * Bc + c] * Qi[r * d + x];
+                dv = pyfa_fma(Pij[r * Bc + c], dOi[r * d + x], dv);
+                dk = pyfa_fma(dSij[r * Bc + c], Qi[r * d + x], dk);
             }
             dVj[e] = dVj[e] + dv;
             dKj[e] = dKj[e] + dk;
@@ -158,8 +154,8 @@ __global__ void fa2_backward_dkdv_kernel(const AttentionParams p) {
 
     // dK = scale * dK_j: the softmax scale of S = scale * Q K^T, applied once at the end.
     for (int64_t e = tid; e < bc * d; e += nthreads) {
-        dK[col0 * d + e] = dKj[e] * p.scale;
-        dV[col0 * d + e] = dVj[e];
+        dK[col0 * d + e] = pyfa_canonical_nan(dKj[e] * p.scale);
+        dV[col0 * d + e] = pyfa_canonical_nan(dVj[e]);
     }
 }
 
@@ -229,13 +225,14 @@ __global__ void fa2_backward_dq_kernel(const AttentionParams p) {
         for (int64_t e = tid; e < br * d; e += nthreads) {
             const int64_t r = e / d, x = e % d;
             float dq = 0.0f;
-            for (int64_t c = 0; c < bc; ++c) dq = dq + dSij[r * Bc + c] * Kj[c * ld + x];
+            for (int64_t c = 0; c < bc; ++c) dq = pyfa_fma(dSij[r * Bc + c], Kj[c * ld + x], dq);
             dQi[e] = dQi[e] + dq;
         }
     }
     __syncthreads();
 
-    for (int64_t e = tid; e < br * d; e += nthreads) dQ[row0 * d + e] = dQi[e] * p.scale;
+    for (int64_t e = tid; e < br * d; e += nthreads)
+        dQ[row0 * d + e] = pyfa_canonical_nan(dQi[e] * p.scale);
 }
 
 }  // namespace PYFA_KERNELS

@@ -7,8 +7,8 @@
 // unnormalized accumulator O_i in shared memory:
 //     m_new   = max(m_old, rowmax(S_ij))                 S_ij = scale * Q_i K_j^T
 //     P~_ij   = exp(S_ij - m_new)
-//     l_i     = exp(m_old - m_new) * l_i + rowsum(P~_ij)
-//     O_i     = exp(m_old - m_new) * O_i + P~_ij V_j
+//     l_i     = exp(m_old - m_new) * l_i + rowsum(P~_ij)     (one fma)
+//     O_i     = exp(m_old - m_new) * O_i + P~_ij V_j         (one fma)
 // and only at the end divides: O_i / l_i, LSE_i = m_i + log(l_i).
 #pragma once
 
@@ -96,18 +96,18 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
         }
         __syncthreads();
 
-        // l_i = alpha * l_i + rowsum(P~_ij), the row sum taken c = 0 .. bc-1 in order.
+        // l_i = fma(alpha, l_i, rowsum(P~_ij)), the row sum taken c = 0 .. bc-1 in order.
         for (int64_t r = tid; r < br; r += nthreads) {
             float rowsum = 0.0f;
             for (int64_t c = 0; c < bc; ++c) rowsum = rowsum + Sij[r * lds + c];
-            li[r] = alpha[r] * li[r] + rowsum;
+            li[r] = pyfa_fma(alpha[r], li[r], rowsum);
         }
-        // O_i = alpha * O_i + P~_ij V_j, the product summed c = 0 .. bc-1 in order.
+        // O_i = fma(alpha, O_i, P~_ij V_j), the product summed c = 0 .. bc-1 in order.
         for (int64_t e = tid; e < br * d; e += nthreads) {
             const int64_t r = e / d, x = e % d;
             float pv = 0.0f;
-            for (int64_t c = 0; c < bc; ++c) pv = pv + Sij[r * lds + c] * Vj[c * d + x];
-            Oi[e] = alpha[r] * Oi[e] + pv;
+            for (int64_t c = 0; c < bc; ++c) pv = pyfa_fma(Sij[r * lds + c], Vj[c * d + x], pv);
+            Oi[e] = pyfa_fma(alpha[r], Oi[e], pv);
         }
     }
     __syncthreads();
@@ -116,11 +116,11 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
     // it gets O = 0 and LSE = -inf rather than 0/0.
     for (int64_t e = tid; e < br * d; e += nthreads) {
         const float l = li[e / d];
-        O[row0 * d + e] = l == 0.0f ? 0.0f : Oi[e] / l;
+        O[row0 * d + e] = pyfa_canonical_nan(l == 0.0f ? 0.0f : Oi[e] / l);
     }
     for (int64_t r = tid; r < br; r += nthreads) {
         const float l = li[r];
-        LSE[row0 + r] = l == 0.0f ? -INFINITY : mi[r] + pyfa_log(l);
+        LSE[row0 + r] = pyfa_canonical_nan(l == 0.0f ? -INFINITY : mi[r] + pyfa_log(l));
     }
 }
 

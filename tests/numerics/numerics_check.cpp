@@ -1,8 +1,10 @@
-// numerics_check: applies pyfa_exp, pyfa_log or pyfa_max (cuda/common/numerics.h), as
-// compiled by the host C++ compiler, to raw float32 data, for tests/test_numerics.py.
+// numerics_check: applies pyfa_exp, pyfa_log, pyfa_canonical_nan, pyfa_max or pyfa_fma
+// (cuda/common/numerics.h), as compiled by the host C++ compiler, to raw float32 data, for
+// tests/test_numerics.py and tests/test_fma.py.
 //
-//   numerics_check exp|log IN OUT   OUT[i] = f(IN[i])
-//   numerics_check max IN OUT       IN holds a[0..n) then b[0..n); OUT[i] = pyfa_max(a[i], b[i])
+//   numerics_check exp|log|nan IN OUT  OUT[i] = f(IN[i])
+//   numerics_check max IN OUT   IN holds a[0..n) then b[0..n); OUT[i] = pyfa_max(a[i], b[i])
+//   numerics_check fma IN OUT   IN holds a, b, c, n each; OUT[i] = pyfa_fma(a[i], b[i], c[i])
 //
 // Files are raw native-endian float32. Exit status 0 on success, 2 on a usage or I/O error.
 #include <cstdio>
@@ -36,7 +38,7 @@ static bool write_all(const char* path, const std::vector<float>& v) {
 
 int main(int argc, char** argv) {
     if (argc != 4) {
-        std::fprintf(stderr, "usage: %s exp|log|max IN OUT\n", argv[0]);
+        std::fprintf(stderr, "usage: %s exp|log|nan|max|fma IN OUT\n", argv[0]);
         return 2;
     }
     std::vector<float> in;
@@ -51,12 +53,19 @@ int main(int argc, char** argv) {
     } else if (std::strcmp(argv[1], "log") == 0) {
         out.resize(in.size());
         for (size_t i = 0; i < in.size(); ++i) out[i] = pyfa_log(in[i]);
+    } else if (std::strcmp(argv[1], "nan") == 0) {
+        out.resize(in.size());
+        for (size_t i = 0; i < in.size(); ++i) out[i] = pyfa_canonical_nan(in[i]);
+    } else if (std::strcmp(argv[1], "fma") == 0 && in.size() % 3 == 0) {
+        const size_t n = in.size() / 3;
+        out.resize(n);
+        for (size_t i = 0; i < n; ++i) out[i] = pyfa_fma(in[i], in[n + i], in[2 * n + i]);
     } else if (std::strcmp(argv[1], "max") == 0 && in.size() % 2 == 0) {
         const size_t n = in.size() / 2;
         out.resize(n);
         for (size_t i = 0; i < n; ++i) out[i] = pyfa_max(in[i], in[n + i]);
     } else {
-        std::fprintf(stderr, "unknown function %s (or odd input length for max)\n", argv[1]);
+        std::fprintf(stderr, "unknown function %s (or bad input length)\n", argv[1]);
         return 2;
     }
     if (!write_all(argv[3], out)) {
