@@ -13,6 +13,7 @@ current stream of their device without a host copy. Needs torch (pip install
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Optional, Tuple
 
@@ -41,12 +42,18 @@ def _options(causal, window, scale, block_r, block_c, backend):
     return kw
 
 
+def _on_device_of(t):
+    # torch exports a CUDA tensor through DLPack only while its device is the current one.
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, options):
         # pyfa reads the tensors through DLPack, which refuses tensors that require grad.
         q, k, v = q.detach(), k.detach(), v.detach()
-        o, lse = api.fa2_forward(q, k, v, **options)
+        with _on_device_of(q):
+            o, lse = api.fa2_forward(q, k, v, **options)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.options = options
         return o
@@ -57,7 +64,8 @@ class _Attention(torch.autograd.Function):
         # o comes back from the graph requiring grad; DLPack exports only detached tensors.
         q, k, v, o, lse = (t.detach() for t in ctx.saved_tensors)
         # CUDA tensors must be C-contiguous (a gradient may come expanded or transposed).
-        dq, dk, dv = api.fa2_backward(q, k, v, o, lse, do.detach().contiguous(), **ctx.options)
+        with _on_device_of(q):
+            dq, dk, dv = api.fa2_backward(q, k, v, o, lse, do.detach().contiguous(), **ctx.options)
         return dq, dk, dv, None
 
 
