@@ -116,10 +116,13 @@ def host_array(name: str, x: Any) -> Any:
 
 @dataclass
 class DeviceTensor:
-    """A CUDA argument: its device pointer and shape, and what keeps its memory exported."""
+    """A CUDA argument: its device pointer, shape and element strides (None: C-contiguous;
+    C-contiguous ones only until the library takes strides, issue 11), and what keeps its
+    memory exported."""
     name: str
     ptr: int
     shape: Tuple[int, ...]
+    strides: Optional[Tuple[int, ...]]
     readonly: bool
     owner: Any  # the DLPack capsule or the array; held until the call has enqueued its kernels
 
@@ -244,7 +247,7 @@ def device_tensor(name: str, x: Any, stream: int) -> DeviceTensor:
         owner = x
     if ptr % 4:
         raise ValueError(f"{name}: its device pointer {ptr:#x} is not aligned to a float32")
-    return DeviceTensor(name, ptr, shape, readonly, owner)
+    return DeviceTensor(name, ptr, shape, strides, readonly, owner)
 
 
 def cai_stream(x: Any) -> Optional[int]:
