@@ -283,3 +283,38 @@ def test_bad_arguments_are_reported():
     assert proc.returncode == 2 and "fa9" in proc.stderr
     proc = _run_cli("report", "--standard-passes", "sideways")
     assert proc.returncode == 2 and "sideways" in proc.stderr
+
+
+@pytest.mark.parametrize("preset,want", [
+    ("gqa", dict(batch=1, heads=32, heads_kv=8, seqlen_q=4096, seqlen_k=4096, head_dim=128,
+                 causal=True)),
+    ("sliding-window", dict(batch=1, heads=32, heads_kv=8, seqlen_q=16384, seqlen_k=16384,
+                            head_dim=128, causal=True, window=(4096, None))),
+])
+def test_gqa_and_sliding_window_presets_are_count_io(preset, want):
+    r = report_model.build_report(report_model.PRESETS[preset]["setup"], preset=preset)
+    assert r["problem"]["heads_kv"] == 8
+    for a in r["algorithms"]:
+        rec = pyfa.sim.count_io(a["name"], passes="both", **want)
+        assert (a["reads"], a["writes"]) == (rec.reads, rec.writes), a["name"]
+    titles = [n["title"] for n in r["notes"]]
+    assert "Grouped-query attention" in titles and "Masking" in titles
+    text = report_render.render_text(r)
+    assert "Hkv=8" in text and "causal" in text
+
+
+def test_mask_and_heads_options_reach_the_report():
+    proc = _run_cli("report", "-N", "512", "-H", "4", "--heads-kv", "2", "--causal",
+                    "--window", "64,none", "--causal-align", "top_left", "--seqlen-q", "256",
+                    "--format", "json", "--algos", "fa2", "--passes", "forward")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    assert r["problem"]["window"] == [64, None] and r["problem"]["causal_align"] == "top_left"
+    want = pyfa.sim.count_io("fa2", batch=1, heads=4, heads_kv=2, seqlen_q=256, seqlen_k=512,
+                             head_dim=64, causal=True, window=(64, None), causal_align="top_left")
+    fa2 = next(a for a in r["algorithms"] if a["name"] == "fa2")
+    assert fa2["total"] == want.total
+    for args, word in ((["--window", "3"], "--window"), (["-H", "6", "--heads-kv", "4"], "heads_kv"),
+                       (["--window", "-1,2"], "window")):
+        proc = _run_cli("report", *args)
+        assert proc.returncode == 2 and word in proc.stderr, proc.stderr
