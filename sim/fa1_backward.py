@@ -81,20 +81,21 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, window=None, causal_alig
     for j in range(Tc):
         col0 = j * Bc
         bc = min(Bc, Nk - col0)
-        Kj = np.zeros((BHkv, Wc, d), F32)
-        Vj = np.zeros((BHkv, Wc, d), F32)
-        Kj[:, :bc] = K[:, col0:col0 + bc]
-        Vj[:, :bc] = V[:, col0:col0 + bc]
-        io.read("K", BHkv * nbytes(bc))
-        io.read("V", BHkv * nbytes(bc))
         dKj = np.zeros((BHkv, Wc, d), F32)
         dVj = np.zeros((BHkv, Wc, d), F32)
 
         # Q tiles i in [a, z) see some key of tile j; the others are skipped. Every query
-        # head g of the group walks them, g outer.
+        # head g of the group walks them, g outer. K_j, V_j are loaded only when some Q
+        # tile visits j; dK_j = dV_j = 0 are written all the same.
         a, z = mask.q_tiles(col0, bc, Br, Nq)
         n_rows = min(Nq, z * Br) - a * Br
         if a < z:
+            Kj = np.zeros((BHkv, Wc, d), F32)
+            Vj = np.zeros((BHkv, Wc, d), F32)
+            Kj[:, :bc] = K[:, col0:col0 + bc]
+            Vj[:, :bc] = V[:, col0:col0 + bc]
+            io.read("K", BHkv * nbytes(bc))
+            io.read("V", BHkv * nbytes(bc))
             for name in ("Q", "dO", "O", "dQ"):
                 io.read(name, BH * nbytes(n_rows))
             io.read("m", BH * n_rows * 4)

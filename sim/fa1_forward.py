@@ -69,17 +69,17 @@ def fa1_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_righ
     for j in range(Tc):
         col0 = j * Bc
         bc = min(Bc, Nk - col0)
+        # Q tiles i in [a, z) see some key of tile j; the others are skipped, and a tile
+        # no row sees is not even loaded.
+        a, z = mask.q_tiles(col0, bc, Br, Nq)
+        if a == z:
+            continue
         Kj = np.zeros((BH, Wc, d), F32)
         Vj = np.zeros((BH, Wc, d), F32)
         Kj[:, :bc] = K[:, col0:col0 + bc]
         Vj[:, :bc] = V[:, col0:col0 + bc]
         io.read("K", BH * nbytes(bc))
         io.read("V", BH * nbytes(bc))
-
-        # Q tiles i in [a, z) see some key of tile j; the others are skipped.
-        a, z = mask.q_tiles(col0, bc, Br, Nq)
-        if a == z:
-            continue
         n_rows = min(Nq, z * Br) - a * Br
         io.read("Q", BH * nbytes(n_rows))
         io.read("O", BH * nbytes(n_rows))

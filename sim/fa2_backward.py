@@ -80,13 +80,15 @@ def _dkdv(Q, K, V, dO, LSE, D, Br, Bc, scale, mask, io):
     Tr, Tc = ceil_div(Nq, Br), ceil_div(Nk, Bc)
     Kj = _pad_rows(K, Tc * Bc).reshape(BHkv, Tc, Bc, d)
     Vj = _pad_rows(V, Tc * Bc).reshape(BHkv, Tc, Bc, d)
-    io.read("K", BHkv * Nk * d * 4)
-    io.read("V", BHkv * Nk * d * 4)
     dKj = np.zeros((BHkv, Tc, Bc, d), F32)
     dVj = np.zeros((BHkv, Tc, Bc, d), F32)
 
     cols = np.arange(Tc)[:, None] * Bc + np.arange(Bc)[None, :]  # (Tc, Bc) key index
     bands = np.array([mask.q_tiles(j * Bc, min(Bc, Nk - j * Bc), Br, Nq) for j in range(Tc)])
+    # K_j, V_j are loaded only by the blocks j that some Q tile visits.
+    seen = sum(min(Bc, Nk - j * Bc) for j in range(Tc) if bands[j, 0] < bands[j, 1])
+    io.read("K", BHkv * seen * d * 4)
+    io.read("V", BHkv * seen * d * 4)
     for g in range(G):
         Qp, dOp = _pad_rows(Q[:, g], Tr * Br), _pad_rows(dO[:, g], Tr * Br)
         LSEp = np.full((BHkv, Tr * Br), NEG_INF, F32)
