@@ -7,8 +7,9 @@ rowsum(dO_i o O_i) recomputed at every (j, g, i); dQ_i read, updated and written
 HBM at every (j, g, i); dK~_j and dV~_j accumulated over (g, i) on chip and written once
 per j. The same fp32 operations in the same order (docs/numerics.md). Vectorized over
 heads, over the Q tiles of one j (independent except for the dK~_j, dV~_j accumulation,
-which is then done tile by tile, g outer, i inner) and over the elements of a tile. Padded rows have P = 0 and dO = 0, padded columns
-P = 0 and K = V = 0: they add only zeros to sums that started at +0, and are cut away.
+which is then done tile by tile, g outer, i inner) and over the elements of a tile.
+Padded rows have P = 0 and dO = 0, padded columns P = 0 and K = V = 0: they add only
+zeros to sums that started at +0, and are cut away.
 """
 
 from dataclasses import dataclass
@@ -108,7 +109,7 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, window=None, causal_alig
 
             # S = scale * Q_i K_j^T, -inf if masked; P_ij = exp(S - m_i) / l_i, 0 where l_i = 0.
             cols = col0 + np.arange(Wc)
-            hidden = (cols[None, None, :] >= Nk) | mask.masked(rows[a:z, :, None], cols[None, None, :])
+            hidden = (cols[None, None, :] >= Nk) | mask.masked(rows[a:z, :, None], cols[None, None])
             S = nx.scores(Q_a, Kg, scale, hidden[None, None])
             with np.errstate(divide="ignore", invalid="ignore"):
                 P = np.where(l_a[..., None] == 0, F32(0),

@@ -1,14 +1,14 @@
 """FlashAttention-2 backward, simulated: the twin of cuda/kernels/fa2_backward.cuh.
 
-Three kernels, as on the device: the preprocess (D = rowsum(dO o O), per query head), the
-dK/dV kernel (one block per (K/V column block j, K/V head), walking for each query head g
-of its group, in order, the Q row blocks i of its band) and the dQ kernel (one block per
-(Q row block i, query head), walking the K/V column blocks j of its band). Each keeps its kernel's loops
-and performs the same fp32 operations in the same order (docs/numerics.md, "FA2
-backward"); only independent work is vectorized: all heads and all blocks of the grid at
-once, and all elements of a tile. Rows past Nq and columns past Nk are padded (zero rows
-of Q, dO, K, V, and P = dS = +0 set outright), so they add exactly +0 to the sums, which
-leaves them unchanged; the padding is cut away at the end.
+Three kernels, as on the device: the preprocess (D = rowsum(dO o O), per query head),
+the dK/dV kernel (one block per (K/V column block j, K/V head), walking for each query
+head g of its group, in order, the Q row blocks i of its band) and the dQ kernel (one
+block per (Q row block i, query head), walking the K/V column blocks j of its band).
+Each keeps its kernel's loops and performs the same fp32 operations in the same order
+(docs/numerics.md, "FA2 backward"); only independent work is vectorized: all heads and
+all blocks of the grid at once, and all elements of a tile. Rows past Nq and columns
+past Nk are padded (zero rows of Q, dO, K, V, and P = dS = +0 set outright), so they add
+exactly +0 to the sums, which leaves them unchanged; the padding is cut away at the end.
 
 Each kernel takes its own default tiles unless block_r / block_c are given, as the
 library does (sim.tiles.default_tiles).

@@ -1,7 +1,8 @@
-"""The HBM-IO report (sim/report_model.py, report_render.py, report.py: `python -m pyfa.sim`): every registered algorithm's
-counts against its closed form, FA1's bytes against Bc, and the command line (presets,
-formats, sweeps, plot, progress bar). Whatever algorithms sim/count.py's WALKERS holds
-are tested; "standard" and "fa2" must be there."""
+"""The HBM-IO report (sim/report_model.py, report_render.py and report.py, the command
+line `python -m pyfa.sim`): every registered algorithm's counts against its closed form,
+FA1's bytes against Bc, the presets, and the command line (formats, sweeps, plot,
+progress bar). Whatever algorithms sim/count.py's WALKERS holds are tested; "standard"
+and "fa2" must be there."""
 
 import io
 import json
@@ -273,7 +274,8 @@ def test_sweep_writes_a_png(tmp_path):
 
 def test_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
-    sw = report_model.run_sweep(report_model.Setup(passes="forward", algos=["standard"]), "bc", [16, 32])
+    s = report_model.Setup(passes="forward", algos=["standard"])
+    sw = report_model.run_sweep(s, "bc", [16, 32])
     with pytest.raises(SystemExit, match=r'pip install "pyfa\[report\]"'):
         report_render.plot_sweep(sw, tmp_path / "x.png")
 
@@ -314,7 +316,7 @@ def test_mask_and_heads_options_reach_the_report():
                              head_dim=64, causal=True, window=(64, None), causal_align="top_left")
     fa2 = next(a for a in r["algorithms"] if a["name"] == "fa2")
     assert fa2["total"] == want.total
-    for args, word in ((["--window", "3"], "--window"), (["-H", "6", "--heads-kv", "4"], "heads_kv"),
-                       (["--window", "-1,2"], "window")):
+    for args, word in ((["--window", "3"], "--window"), (["--window", "-1,2"], "window"),
+                       (["-H", "6", "--heads-kv", "4"], "heads_kv")):
         proc = _run_cli("report", *args)
         assert proc.returncode == 2 and word in proc.stderr, proc.stderr

@@ -67,7 +67,8 @@ def test_mask_argument_errors_name_the_argument():
                      ((1, -3), ValueError)]:
         with pytest.raises(exc, match="window"):
             Mask.resolve(False, bad, "bottom_right", 4, 4)
-    for bad, exc in [("bottom-right", ValueError), ("", ValueError), (0, TypeError), (None, TypeError)]:
+    for bad, exc in [("bottom-right", ValueError), ("", ValueError), (0, TypeError),
+                     (None, TypeError)]:
         with pytest.raises(exc, match="causal_align"):
             Mask.resolve(False, None, bad, 4, 4)
     with pytest.raises(TypeError, match="causal"):
