@@ -37,6 +37,7 @@ import time
 import numpy as np
 
 import pyfa
+from pyfa.sim.mask import Mask
 
 PRESETS = {  # (batch, heads, seqlen, head_dim, repeats)
     "smoke": (1, 2, 64, 32, 3),
@@ -47,8 +48,9 @@ SAVED = ("o", "lse", "m", "l")  # forward results a backward pass may take
 
 
 def causal_hidden(nq, nk):
-    """True where key c is hidden from query r (bottom-right aligned, docs/numerics.md)."""
-    return np.arange(nk)[None, :] > np.arange(nq)[:, None] + (nk - nq)
+    """True where key c is hidden from query r (bottom-right aligned, pyfa.sim.mask)."""
+    mask = Mask.resolve(True, None, "bottom_right", nq, nk)
+    return mask.masked(np.arange(nq)[:, None], np.arange(nk)[None, :])
 
 
 def numpy_probs(q, k, causal, scale):
