@@ -9,7 +9,7 @@ import numpy as np
 from . import _lib
 from .sim.inputs import check_like, check_qkv, check_rows, check_tile, resolve_scale, restore_rank
 
-BACKENDS = {"auto": 0, "cuda": 1, "emu": 2}
+BACKENDS = {"auto": 0, "cuda": 1, "emu": 2, "cpu": 3}
 EMU_ORDERS = {"forward": 0, "reverse": 1, "shuffled": 2}
 KERNELS = {"fa1_forward": 0, "fa2_forward": 1, "fa1_backward": 2,
            "fa2_backward_preprocess": 3, "fa2_backward_dkdv": 4, "fa2_backward_dq": 5}
@@ -27,7 +27,7 @@ def _check_causal(causal):
     return bool(causal)
 
 
-def _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers):
+def _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers, threads=0):
     ffi, _ = _lib.load()
     cfg = ffi.new("pyfa_config *")
     cfg.backend = _choice("backend", backend, BACKENDS)
@@ -40,6 +40,9 @@ def _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers):
     if isinstance(emu_workers, bool) or not isinstance(emu_workers, (int, np.integer)) or emu_workers < 0:
         raise ValueError(f"emu_workers: expected an int >= 0, got {emu_workers!r}")
     cfg.emu_workers = int(emu_workers)
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or not 0 <= threads < 2**31:
+        raise ValueError(f"threads: expected an int >= 0 (0: one per core), got {threads!r}")
+    cfg.threads = int(threads)
     return cfg
 
 
@@ -65,12 +68,12 @@ def _run(fn_name, problem, config, inputs, outputs):
 
 
 def fa2_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None,
-                backend="auto", emu_order="forward", emu_seed=0, emu_workers=0):
+                backend="auto", emu_order="forward", emu_seed=0, emu_workers=0, threads=0):
     """FlashAttention-2 forward. Returns (o, lse): o like q, lse (log-sum-exp of each
     query row's scaled scores, -inf for a row with no visible key) q's shape without d."""
     q4, k4, v4, rank = check_qkv(q, k, v)
     problem = _problem(q4, k4, scale, causal)
-    config = _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers)
+    config = _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers, threads)
     o = np.empty_like(q4)
     lse = np.empty(q4.shape[:3], np.float32)
     _run("pyfa_fa2_forward", problem, config, (q4, k4, v4), (o, lse))
@@ -78,7 +81,7 @@ def fa2_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None
 
 
 def fa2_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_r=None, block_c=None,
-                 backend="auto", emu_order="forward", emu_seed=0, emu_workers=0):
+                 backend="auto", emu_order="forward", emu_seed=0, emu_workers=0, threads=0):
     """FlashAttention-2 backward from the forward's saved o and lse (fa2_forward) and the
     incoming gradient do (like o). Returns (dq, dk, dv), shaped like q, k, v. causal and
     scale must be the forward's. Deterministic: the same inputs give the same bits."""
@@ -87,7 +90,7 @@ def fa2_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_r=None,
     do4 = check_like("do", do, q4)
     lse3 = check_rows("lse", lse, q4)
     problem = _problem(q4, k4, scale, causal)
-    config = _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers)
+    config = _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers, threads)
     dq = np.empty_like(q4)
     dk = np.empty_like(k4)
     dv = np.empty_like(v4)
@@ -96,14 +99,14 @@ def fa2_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_r=None,
 
 
 def fa1_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None,
-                backend="auto", emu_order="forward", emu_seed=0, emu_workers=0):
+                backend="auto", emu_order="forward", emu_seed=0, emu_workers=0, threads=0):
     """FlashAttention-1 forward (the paper's Algorithm 1 as written). Returns (o, m, l):
     o like q; m (row max of the scaled scores) and l (sum of exp(score - m)) q's shape
     without d, as the paper keeps them for the backward; a row with no visible key gets
     o = 0, m = -inf, l = 0."""
     q4, k4, v4, rank = check_qkv(q, k, v)
     problem = _problem(q4, k4, scale, causal)
-    config = _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers)
+    config = _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers, threads)
     o = np.empty_like(q4)
     m = np.empty(q4.shape[:3], np.float32)
     l = np.empty(q4.shape[:3], np.float32)
@@ -113,7 +116,7 @@ def fa1_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None
 
 
 def fa1_backward(q, k, v, o, m, l, do, *, causal=False, scale=None, block_r=None, block_c=None,
-                 backend="auto", emu_order="forward", emu_seed=0, emu_workers=0):
+                 backend="auto", emu_order="forward", emu_seed=0, emu_workers=0, threads=0):
     """FlashAttention-1 backward (the paper's Algorithm 4) from the forward's saved o, m, l
     (fa1_forward) and the incoming gradient do (like o). Returns (dq, dk, dv), shaped like
     q, k, v. causal and scale must be the forward's. Deterministic: no atomics."""
@@ -123,7 +126,7 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, scale=None, block_r=None
     m3 = check_rows("m", m, q4)
     l3 = check_rows("l", l, q4)
     problem = _problem(q4, k4, scale, causal)
-    config = _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers)
+    config = _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers, threads)
     dq = np.empty_like(q4)
     dk = np.empty_like(k4)
     dv = np.empty_like(v4)
@@ -137,17 +140,20 @@ _FORWARD = {"fa1": lambda *a, **kw: fa1_forward(*a, **kw)[0],
 
 
 def attention(q, k, v, *, causal=False, scale=None, algo="fa2", block_r=None, block_c=None,
-              backend="auto", emu_order="forward", emu_seed=0, emu_workers=0):
+              backend="auto", emu_order="forward", emu_seed=0, emu_workers=0, threads=0):
     """O = softmax(scale * Q K^T [causal mask]) V by FlashAttention.
 
     q: (B, H, Nq, d), (H, Nq, d) or (Nq, d) float32; k, v: the same with Nk rows.
-    algo: "fa1" or "fa2"; backend: "auto" (CUDA when a GPU is usable, else the
-    emulator), "cuda" or "emu"; block_r, block_c: tiles Br, Bc (None: the default)."""
+    algo: "fa1" or "fa2"; backend: "auto" (CUDA when a GPU is usable, else "cpu"),
+    "cuda", "cpu" (native, vectorised, the same bits) or "emu" (the kernel source run by
+    the emulator); block_r, block_c: tiles Br, Bc (None: the default); threads: OS
+    threads of the cpu backend (0: one per core; the results never depend on it)."""
     fn = _FORWARD.get(algo) if isinstance(algo, str) else None
     if fn is None:
         raise ValueError(f"algo: expected one of {sorted(_FORWARD)}, got {algo!r}")
     return fn(q, k, v, causal=causal, scale=scale, block_r=block_r, block_c=block_c,
-              backend=backend, emu_order=emu_order, emu_seed=emu_seed, emu_workers=emu_workers)
+              backend=backend, emu_order=emu_order, emu_seed=emu_seed, emu_workers=emu_workers,
+              threads=threads)
 
 
 def _fa1_grad(q, k, v, do, **kw):
@@ -165,7 +171,7 @@ _GRAD = {"fa1": _fa1_grad, "fa2": _fa2_grad}
 
 
 def attention_grad(q, k, v, do, *, causal=False, scale=None, algo="fa2", block_r=None,
-                   block_c=None, backend="auto", emu_order="forward", emu_seed=0, emu_workers=0):
+                   block_c=None, backend="auto", emu_order="forward", emu_seed=0, emu_workers=0, threads=0):
     """The forward and backward of attention(q, k, v, ...) for the incoming gradient do
     (like the output): returns (o, dq, dk, dv), o like q and the gradients like q, k, v.
     Arguments as in attention(); do is checked before any kernel runs."""
@@ -175,13 +181,14 @@ def attention_grad(q, k, v, do, *, causal=False, scale=None, algo="fa2", block_r
     q4, _, _, _ = check_qkv(q, k, v)
     check_like("do", do, q4)
     return fn(q, k, v, do, causal=causal, scale=scale, block_r=block_r, block_c=block_c,
-              backend=backend, emu_order=emu_order, emu_seed=emu_seed, emu_workers=emu_workers)
+              backend=backend, emu_order=emu_order, emu_seed=emu_seed, emu_workers=emu_workers,
+              threads=threads)
 
 
 def backends():
     """The backends that can run here, best first ("cuda" only with a usable GPU)."""
     _, lib = _lib.load()
-    return [name for name in ("cuda", "emu") if lib.pyfa_backend_available(BACKENDS[name])]
+    return [name for name in ("cuda", "cpu", "emu") if lib.pyfa_backend_available(BACKENDS[name])]
 
 
 def device_profile(backend="auto"):

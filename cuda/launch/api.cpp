@@ -106,8 +106,9 @@ pyfa_status check_problem(const pyfa_problem* pr) {
 
 pyfa_status resolve_backend(const pyfa_config& cfg, int* backend) {
     switch (cfg.backend) {
-        case PYFA_BACKEND_AUTO: *backend = cuda_available() ? PYFA_BACKEND_CUDA : PYFA_BACKEND_EMU; return PYFA_OK;
+        case PYFA_BACKEND_AUTO: *backend = cuda_available() ? PYFA_BACKEND_CUDA : PYFA_BACKEND_CPU; return PYFA_OK;
         case PYFA_BACKEND_EMU: *backend = PYFA_BACKEND_EMU; return PYFA_OK;
+        case PYFA_BACKEND_CPU: *backend = PYFA_BACKEND_CPU; return PYFA_OK;
         case PYFA_BACKEND_CUDA:
             if (!cuda_compiled())
                 return fail(PYFA_ERROR_BACKEND_UNAVAILABLE, "config->backend: CUDA asked for, but this libpyfa was built without nvcc");
@@ -120,6 +121,7 @@ pyfa_status resolve_backend(const pyfa_config& cfg, int* backend) {
 }
 
 pyfa_status profile_of(int backend, pyfa_device_profile* profile) {
+    if (backend == PYFA_BACKEND_CPU) return cpu_profile(profile);
     return backend == PYFA_BACKEND_CUDA ? cuda_profile(profile) : emu_profile(profile);
 }
 
@@ -245,7 +247,16 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         if ((st = owned.alloc(bytes, &param_slot(bound, t))) != PYFA_OK) return st;
     }
 
-    for (size_t n = 0; n < op.kernels.size(); ++n) {
+    if (backend == PYFA_BACKEND_CPU) {
+        std::vector<AttentionParams> tiled(op.kernels.size(), bound);
+        for (size_t n = 0; n < tiled.size(); ++n) {
+            tiled[n].block_r = launches[n].block_r;
+            tiled[n].block_c = launches[n].block_c;
+        }
+        st = cpu_run(op.kernels.data(), tiled.data(), tiled.size(), cfg);
+        if (st != PYFA_OK) return st;
+    }
+    for (size_t n = 0; backend != PYFA_BACKEND_CPU && n < op.kernels.size(); ++n) {
         AttentionParams p = bound;
         p.block_r = launches[n].block_r;
         p.block_c = launches[n].block_c;
@@ -301,6 +312,7 @@ PYFA_API int pyfa_abi_version(void) { return PYFA_ABI_VERSION; }
 PYFA_API int pyfa_backend_available(int backend) {
     switch (backend) {
         case PYFA_BACKEND_EMU: return 1;
+        case PYFA_BACKEND_CPU: return 1;
         case PYFA_BACKEND_CUDA: return cuda_available() ? 1 : 0;
         case PYFA_BACKEND_AUTO: return 1;
     }
@@ -310,6 +322,7 @@ PYFA_API int pyfa_backend_available(int backend) {
 PYFA_API int pyfa_backend_compiled(int backend) {
     switch (backend) {
         case PYFA_BACKEND_EMU: return 1;
+        case PYFA_BACKEND_CPU: return 1;
         case PYFA_BACKEND_CUDA: return cuda_compiled() ? 1 : 0;
     }
     return 0;
