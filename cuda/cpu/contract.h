@@ -10,7 +10,10 @@
 #include <cstdint>
 #include <cstring>
 
+// The switch. A build may also pass -DPYFA_CPU_CONTRACT=2 to try version 2 early.
+#ifndef PYFA_CPU_CONTRACT
 #define PYFA_CPU_CONTRACT 1
+#endif
 
 // static: each instruction-set file gets its own copy compiled with its own flags, so the
 // linker can never hand the portable path an AVX-512 body of the same inline function.

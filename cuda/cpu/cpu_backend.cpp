@@ -114,9 +114,9 @@ public:
     // time, reports to config->progress.
     void done_one() {
         const int64_t done = done_.fetch_add(1) + 1;
-        if (!cfg_.progress || !poll_.try_lock()) return;
+        if (!cfg_.progress || stop_ || !poll_.try_lock()) return;
         const auto now = std::chrono::steady_clock::now();
-        if (!polled_ || now - last_ >= std::chrono::milliseconds(50)) {
+        if (!stop_ && (!polled_ || now - last_ >= std::chrono::milliseconds(50))) {
             polled_ = true;
             last_ = now;
             if (cfg_.progress(cfg_.progress_user, done, total_) != 0) {

@@ -40,8 +40,15 @@ constexpr int RJ = PYFA_CPU_RJ;
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
 
-inline vf splat(float a) { return vf{} + a; }
-inline vi splati(int32_t a) { return vi{} + a; }
+// Broadcasts. Not `vf{} + a`: that is an IEEE addition (+0 + -0 = +0), not a copy.
+inline vf splat(float a) {
+    const vf v = {a};
+    return __builtin_shuffle(v, vi{});
+}
+inline vi splati(int32_t a) {
+    const vi v = {a};
+    return __builtin_shuffle(v, vi{});
+}
 // Every buffer a vector is loaded from is 64-byte aligned with rows a multiple of W.
 inline vf ld(const float* p) { return *reinterpret_cast<const vf*>(p); }
 inline void st(float* p, vf v) { *reinterpret_cast<vf*>(p) = v; }
