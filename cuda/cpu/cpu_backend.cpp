@@ -15,6 +15,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
 #include "common/tiling.h"
 #include "cpu/cpu_kernels.h"
 #include "launch/internal.h"
@@ -67,6 +71,15 @@ pyfa_status pick_isa(const Isa** isa) {
                 "PYFA_CPU_ISA: expected avx512, avx2, portable or auto, got '" + want + "'");
 }
 
+// Cores this process may run on (its affinity mask where the OS has one).
+int cores() {
+#if defined(__linux__)
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+#endif
+    return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
 // One phase: `items` independent work items; the next phase starts when all are done.
 struct Phase {
     int64_t items;
@@ -80,6 +93,10 @@ public:
     // Runs every phase in order; false when progress asked to stop.
     bool run(const std::vector<Phase>& phases, size_t ws_floats) {
         // Each thread's workspace starts on a 64-byte boundary.
+        // No more threads than the largest phase has items.
+        int64_t most = 1;
+        for (const Phase& ph : phases) most = std::max(most, ph.items);
+        threads_ = static_cast<int>(std::min<int64_t>(threads_, most));
         const size_t stride = (ws_floats + 15) / 16 * 16;
         std::vector<float> buf(stride * static_cast<size_t>(threads_) + 16);
         float* base = buf.data();
@@ -193,7 +210,7 @@ pyfa_status cpu_run(const int* kernels, const AttentionParams* params, size_t co
     pyfa_status st = pick_isa(&isa);
     if (st != PYFA_OK) return st;
     int threads = cfg.threads;
-    if (threads == 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    if (threads == 0) threads = cores();
 
     const AttentionParams& p0 = params[0];
     const int64_t BH = p0.batch * p0.heads;

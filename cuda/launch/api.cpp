@@ -248,21 +248,22 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     }
 
     if (backend == PYFA_BACKEND_CPU) {
+        // The cpu backend takes the whole op at once: it may fuse the op's kernels.
         std::vector<AttentionParams> tiled(op.kernels.size(), bound);
         for (size_t n = 0; n < tiled.size(); ++n) {
             tiled[n].block_r = launches[n].block_r;
             tiled[n].block_c = launches[n].block_c;
         }
-        st = cpu_run(op.kernels.data(), tiled.data(), tiled.size(), cfg);
-        if (st != PYFA_OK) return st;
-    }
-    for (size_t n = 0; backend != PYFA_BACKEND_CPU && n < op.kernels.size(); ++n) {
-        AttentionParams p = bound;
-        p.block_r = launches[n].block_r;
-        p.block_c = launches[n].block_c;
-        st = backend == PYFA_BACKEND_CUDA ? cuda_launch(op.kernels[n], p, shapes[n], stream)
-                                          : emu_launch(op.kernels[n], p, shapes[n], cfg);
-        if (st != PYFA_OK) return st;
+        if ((st = cpu_run(op.kernels.data(), tiled.data(), tiled.size(), cfg)) != PYFA_OK) return st;
+    } else {
+        for (size_t n = 0; n < op.kernels.size(); ++n) {
+            AttentionParams p = bound;
+            p.block_r = launches[n].block_r;
+            p.block_c = launches[n].block_c;
+            st = backend == PYFA_BACKEND_CUDA ? cuda_launch(op.kernels[n], p, shapes[n], stream)
+                                              : emu_launch(op.kernels[n], p, shapes[n], cfg);
+            if (st != PYFA_OK) return st;
+        }
     }
 
     if (!device_pointers) {
