@@ -332,13 +332,16 @@ def sweep_worker(spec):
             return numpy_backward(q, k, v, o, do, causal, scale)
     rss_inputs = peak_rss_mib()
     times = {"fwd": [], "fwd+bwd": []}
+    cpu_times = {"fwd": [], "fwd+bwd": []}
     for label, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
         fn()
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             fn()
             times[label].append((time.perf_counter() - t0) * 1e3)
-    print(json.dumps({"times": times, "rss_inputs_mib": rss_inputs, "peak_rss_mib": peak_rss_mib(),
+            cpu_times[label].append((time.process_time() - c0) * 1e3)
+    print(json.dumps({"times": times, "cpu_times": cpu_times, "rss_inputs_mib": rss_inputs,
+                      "peak_rss_mib": peak_rss_mib(),
                       "threads_note": torch.get_num_threads() if name == "torch" else threads}))
     return 0
 
@@ -373,13 +376,16 @@ def sweep(args):
           f"numpy {np.__version__} (BLAS {blas_name()}); torch {torch.__version__ if torch else 'not used'}; "
           f"PYFA_CPU_ISA={os.environ.get('PYFA_CPU_ISA', 'auto')}")
     print("GFLOP/s: forward 4*B*H*N^2*d (halved if causal), forward+backward 3.5x that; "
-          "ms: median over all timed calls (min beside it); RSS: the process's peak, and above its inputs")
+          "ms: median over all timed calls (min beside it); RSS: the process's peak, and above its inputs; "
+          "cpu: the process's CPU ms per call (all its threads), the steadier figure on a busy machine")
     print(f"{'N':>5} {'d':>4} {'causal':>6} {'thr':>3} {'contender':9} {'fwd ms':>9} {'min':>8} {'GFLOP/s':>8} "
-          f"{'f+b ms':>9} {'min':>8} {'GFLOP/s':>8} {'RSS MiB':>8} {'+MiB':>6}")
+          f"{'f+b ms':>9} {'min':>8} {'GFLOP/s':>8} {'RSS MiB':>8} {'+MiB':>6} {'fwd cpu':>9} {'f+b cpu':>9}")
     ratios = {c: [] for c in contenders if c != "cpu"}
+    cpu_ratios = {c: [] for c in contenders if c != "cpu"}
     for n, d, causal, threads in configs:
         flops = flops_forward(args.batch, args.heads, n, d, causal)
         times = {c: {"fwd": [], "fwd+bwd": []} for c in contenders}
+        cpu_times = {c: {"fwd": [], "fwd+bwd": []} for c in contenders}
         info = {c: {} for c in contenders}
         for r in range(args.rounds):
             order = contenders if r % 2 == 0 else contenders[::-1]
@@ -392,9 +398,10 @@ def sweep(args):
                     continue
                 for label in ("fwd", "fwd+bwd"):
                     times[c][label] += res["times"][label]
+                    cpu_times[c][label] += res["cpu_times"][label]
                 info[c]["rss"] = max(info[c].get("rss", 0), res["peak_rss_mib"])
                 info[c]["extra"] = max(info[c].get("extra", 0), res["peak_rss_mib"] - res["rss_inputs_mib"])
-        medians = {}
+        medians, cpu_medians = {}, {}
         for c in contenders:
             head = f"{n:5d} {d:4d} {str(causal):>6} {threads:3d} {c:9}"
             if "error" in info[c] and not times[c]["fwd"]:
@@ -402,15 +409,20 @@ def sweep(args):
                 continue
             f, fb = times[c]["fwd"], times[c]["fwd+bwd"]
             medians[c] = (statistics.median(f), statistics.median(fb))
+            cpu_medians[c] = (statistics.median(cpu_times[c]["fwd"]), statistics.median(cpu_times[c]["fwd+bwd"]))
             print(f"{head} {medians[c][0]:9.2f} {min(f):8.2f} {flops / medians[c][0] / 1e6:8.1f} "
                   f"{medians[c][1]:9.2f} {min(fb):8.2f} {3.5 * flops / medians[c][1] / 1e6:8.1f} "
-                  f"{info[c]['rss']:8.0f} {info[c]['extra']:6.0f}")
+                  f"{info[c]['rss']:8.0f} {info[c]['extra']:6.0f} {cpu_medians[c][0]:9.2f} {cpu_medians[c][1]:9.2f}")
         if "cpu" in medians:
             for c in ratios:
                 if c in medians:
                     label = f"N={n} d={d} causal={int(causal)} t={threads}"
                     ratios[c].append((label, "fwd", medians[c][0] / medians["cpu"][0]))
                     ratios[c].append((label, "fwd+bwd", medians[c][1] / medians["cpu"][1]))
+                    for n_pass, name_pass in enumerate(("fwd", "fwd+bwd")):
+                        if cpu_medians["cpu"][n_pass] > 0:
+                            cpu_ratios[c].append((label, name_pass,
+                                                  cpu_medians[c][n_pass] / cpu_medians["cpu"][n_pass]))
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
     parts = []
     for c, rs in ratios.items():
@@ -419,8 +431,10 @@ def sweep(args):
             continue
         geo = math.exp(sum(math.log(x) for _, _, x in rs) / len(rs))
         low = min(rs, key=lambda t: t[2])
+        cr = [x for _, _, x in cpu_ratios[c] if x > 0]
+        by_cpu = f", by CPU time {math.exp(sum(math.log(x) for x in cr) / len(cr)):.2f}x" if cr else ""
         parts.append(f"cpu/{c} throughput: geomean={geo:.2f}x over {len(rs)}, "
-                     f"min={low[2]:.2f}x ({low[0]} {low[1]})")
+                     f"min={low[2]:.2f}x ({low[0]} {low[1]}){by_cpu}")
     return "summary: sweep B={} H={} ".format(args.batch, args.heads) + " | ".join(parts)
 
 
