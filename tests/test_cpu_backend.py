@@ -5,7 +5,12 @@ errors of the ISA switch. (tests/grid.py also runs the shared grid, the random s
 the special values on "cpu" with its default build and thread count.)"""
 
 import functools
+import os
 import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -248,3 +253,19 @@ def test_progress_reports_and_cancels_without_writing():
     assert st == 8 and "cancel" in msg, msg
     assert len(calls) == 1, "polled again after asking to stop"
     assert all(np.all(x == 7.0) for x in outs), "a cancelled call wrote the caller's outputs"
+
+
+def test_bench_sweep_smoke_prints_ratios_on_its_last_line():
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(pyfa.__file__).resolve().parent.parent),
+                                                    env.get("PYTHONPATH")) if p)
+    p = subprocess.run([sys.executable, str(root / "tools" / "bench.py"), "--sweep", "--sizes", "64",
+                        "--head-dims", "16", "--threads", "1", "2", "--rounds", "1", "--repeats", "1",
+                        "--gap", "0", "--contenders", "cpu,numpy"],
+                       cwd=root, capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = p.stdout.strip().splitlines()
+    assert re.match(r"summary: sweep B=1 H=4 cpu/numpy throughput: geomean=\d+\.\d+x over 8, min=", lines[-1]), lines[-1]
+    rows = [l for l in lines if re.match(r"\s+64\s+16\s+(True|False)\s+[12]\s+(cpu|numpy)\s", l)]
+    assert len(rows) == 8, p.stdout
