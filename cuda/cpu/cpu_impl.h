@@ -170,6 +170,7 @@ inline void micro(const float* A, int64_t lda, const float* B, int64_t sj, int64
         for (int ii = 0; ii < NI; ++ii) acc[jj][ii] = vf{};
     const float* a = A + i0;
     const float* b = B + j0 * sj;
+#pragma GCC unroll 4
     for (int64_t k = 0; k < K; ++k) {
         vf av[NI];
         for (int ii = 0; ii < NI; ++ii) av[ii] = ld(a + k * lda + ii * W);
