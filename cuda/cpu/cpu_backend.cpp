@@ -226,8 +226,10 @@ pyfa_status cpu_run(const int* kernels, const AttentionParams* params, size_t co
         plans.emplace_back(p0, k0 == PYFA_KERNEL_FA1_FORWARD, nullptr);
         const Plan& f = plans[0];
         const int64_t Tr = f.Tr();
-        phases.push_back({BH * Tr, [&, Tr](int64_t k, float* ws) {
-                              isa->forward(f.ctx, k / Tr, k % Tr, ws);
+        // Q tiles from the last: under a causal mask the last ones visit the most K/V
+        // tiles, and handing out the longest items first keeps the threads evenly busy.
+        phases.push_back({BH * Tr, [&, Tr, BH](int64_t k, float* ws) {
+                              isa->forward(f.ctx, k % BH, Tr - 1 - k / BH, ws);
                               runner->done_one();
                           }});
         total = BH * Tr;
@@ -270,12 +272,13 @@ pyfa_status cpu_run(const int* kernels, const AttentionParams* params, size_t co
                               }});
             total += BH * Tc;
         } else {
-            phases.push_back({BH * Tc, [&, Tc](int64_t k, float* ws) {
-                                  isa->backward_kv(kv.ctx, k / Tc, k % Tc, false, ws);
+            // K/V tiles from the first and Q tiles from the last: the longest first.
+            phases.push_back({BH * Tc, [&, BH](int64_t k, float* ws) {
+                                  isa->backward_kv(kv.ctx, k % BH, k / BH, false, ws);
                                   runner->done_one();
                               }});
-            phases.push_back({BH * Tr, [&, Tr](int64_t k, float* ws) {
-                                  isa->backward_dq(dq.ctx, k / Tr, k % Tr, ws);
+            phases.push_back({BH * Tr, [&, Tr, BH](int64_t k, float* ws) {
+                                  isa->backward_dq(dq.ctx, k % BH, Tr - 1 - k / BH, ws);
                                   runner->done_one();
                               }});
             total += BH * (Tc + Tr);
