@@ -157,23 +157,21 @@ pyfa_status resolve_backend(int asked, bool device_pointers, const char* arg, in
                             "%s: AUTO on a *_device entry point needs CUDA (device pointers), but CUDA "
                             "is unavailable: %s",
                             arg, cuda_unavailable_reason());
-            *backend = PYFA_BACKEND_EMU;
+            *backend = PYFA_BACKEND_CPU;
             return PYFA_OK;
         case PYFA_BACKEND_EMU: *backend = PYFA_BACKEND_EMU; return PYFA_OK;
+        case PYFA_BACKEND_CPU: *backend = PYFA_BACKEND_CPU; return PYFA_OK;
         case PYFA_BACKEND_CUDA:
             if (!cuda_available())
                 return fail(PYFA_ERROR_BACKEND_UNAVAILABLE, "%s: CUDA asked for, but %s", arg,
                             cuda_unavailable_reason());
             *backend = PYFA_BACKEND_CUDA;
             return PYFA_OK;
-        case PYFA_BACKEND_CPU:
-            return fail(PYFA_ERROR_BACKEND_UNAVAILABLE, "%s: the cpu backend is not part of this libpyfa yet",
-                        arg);
     }
     return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: unknown backend %d", arg, asked);
 }
 
-// Backends that run on host memory (the emulator; the cpu backend to come) read the
+// Backends that run on host memory (the emulator and the cpu backend) read the
 // inputs in place and have their outputs staged by run_op.
 bool host_memory(int backend) { return backend != PYFA_BACKEND_CUDA; }
 
@@ -181,6 +179,7 @@ pyfa_status profile_of(int backend, pyfa_device_profile* profile) {
     switch (backend) {
         case PYFA_BACKEND_CUDA: return cuda_profile(profile);
         case PYFA_BACKEND_EMU: return emu_profile(profile);
+        case PYFA_BACKEND_CPU: return cpu_profile(profile);
     }
     return fail(PYFA_ERROR_INTERNAL, "no device profile for backend %d", backend);
 }
@@ -367,15 +366,26 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     // counts finished kernels and a cancel takes effect between them. Work enqueued on the
     // caller's stream cannot be taken back, so a *_device call asks once, before any launch.
     const bool cuda_polls = backend == PYFA_BACKEND_CUDA && cfg.progress;
-    for (int n = 0; n < op.kernel_count; ++n) {
-        if (cuda_polls && (n == 0 || !device_pointers)) {
-            if (n > 0 && (st = cuda_synchronize(stream)) != PYFA_OK) return st;
-            if ((st = poll_progress(cfg, n, op.kernel_count)) != PYFA_OK) return st;
+    if (backend == PYFA_BACKEND_CPU) {
+        // The cpu backend takes the whole op at once: it may fuse the op's kernels.
+        AttentionParams tiled[kMaxKernels];
+        for (int n = 0; n < op.kernel_count; ++n) {
+            tiled[n] = bound;
+            tiled[n].block_r = tiles[n][0];
+            tiled[n].block_c = tiles[n][1];
         }
-        AttentionParams p = bound;
-        p.block_r = tiles[n][0];
-        p.block_c = tiles[n][1];
-        if ((st = launch_kernel(backend, op.kernels[n], p, shapes[n], cfg, stream)) != PYFA_OK) return st;
+        if ((st = cpu_run(op.kernels, tiled, static_cast<size_t>(op.kernel_count), cfg)) != PYFA_OK) return st;
+    } else {
+        for (int n = 0; n < op.kernel_count; ++n) {
+            if (cuda_polls && (n == 0 || !device_pointers)) {
+                if (n > 0 && (st = cuda_synchronize(stream)) != PYFA_OK) return st;
+                if ((st = poll_progress(cfg, n, op.kernel_count)) != PYFA_OK) return st;
+            }
+            AttentionParams p = bound;
+            p.block_r = tiles[n][0];
+            p.block_c = tiles[n][1];
+            if ((st = launch_kernel(backend, op.kernels[n], p, shapes[n], cfg, stream)) != PYFA_OK) return st;
+        }
     }
 
     if (!stage_outputs) return owned.release();
@@ -453,7 +463,8 @@ PYFA_API int pyfa_abi_version(void) { return PYFA_ABI_VERSION; }
 PYFA_API int pyfa_backend_available(int backend) {
     return guarded_value("pyfa_backend_available", 0, [&] {
         switch (backend) {
-            case PYFA_BACKEND_EMU: return 1;
+            case PYFA_BACKEND_EMU:
+            case PYFA_BACKEND_CPU: return 1;
             case PYFA_BACKEND_CUDA: return cuda_available() ? 1 : 0;
             case PYFA_BACKEND_AUTO: return 1;
         }
@@ -464,7 +475,8 @@ PYFA_API int pyfa_backend_available(int backend) {
 PYFA_API int pyfa_backend_compiled(int backend) {
     return guarded_value("pyfa_backend_compiled", 0, [&] {
         switch (backend) {
-            case PYFA_BACKEND_EMU: return 1;
+            case PYFA_BACKEND_EMU:
+            case PYFA_BACKEND_CPU: return 1;
             case PYFA_BACKEND_CUDA: return cuda_compiled() ? 1 : 0;
         }
         return 0;
@@ -475,9 +487,9 @@ PYFA_API const char* pyfa_backend_reason(int backend) {
     return guarded_value<const char*>("pyfa_backend_reason", "the reason could not be determined", [&] {
         switch (backend) {
             case PYFA_BACKEND_EMU:
+            case PYFA_BACKEND_CPU:
             case PYFA_BACKEND_AUTO: return "";
             case PYFA_BACKEND_CUDA: return cuda_unavailable_reason();
-            case PYFA_BACKEND_CPU: return "the cpu backend is not part of this libpyfa yet";
         }
         return "unknown backend";
     });
