@@ -30,7 +30,7 @@ Progress = Callable[[int, int], Optional[bool]]
 
 # The C enum pyfa_backend; "auto" first, then the others best first (backends() keeps
 # this order).
-BACKENDS = {"auto": 0, "cuda": 1, "emu": 2}
+BACKENDS = {"auto": 0, "cuda": 1, "cpu": 3, "emu": 2}
 EMU_ORDERS = {"forward": 0, "reverse": 1, "shuffled": 2}
 # The C enum pyfa_kernel.
 KERNELS = {"fa1_forward": 0, "fa2_forward": 1, "fa1_backward": 2,
@@ -126,7 +126,7 @@ def _reason(lib, backend):
     return ffi.string(lib.pyfa_backend_reason(backend)).decode("utf-8", "replace")
 
 
-def _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers):
+def _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers, threads):
     ffi, lib = _lib.load()
     cfg = ffi.new("pyfa_config *")
     cfg.backend = _choice("backend", backend, BACKENDS)
@@ -137,6 +137,7 @@ def _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers):
     cfg.emu_order = _choice("emu_order", emu_order, EMU_ORDERS)
     cfg.emu_seed = check_int("emu_seed", emu_seed, 0, 2**64 - 1)
     cfg.emu_workers = check_int("emu_workers", emu_workers, 0, INT_MAX)
+    cfg.threads = check_int("threads", threads, 0, INT_MAX)
     return cfg
 
 
@@ -461,7 +462,7 @@ def _run_device(op, intake, outs, problem, config, progress):
 
 
 def _run(op_name, args, *, out, stream, causal, window, causal_align, scale, layout, block_r,
-         block_c, backend, emu_order, emu_seed, emu_workers, progress):
+         block_c, backend, emu_order, emu_seed, emu_workers, threads, progress):
     """Runs OPS[op_name] on the caller's arrays `args` ({name: array}, op.inputs order);
     returns its outputs in op.outputs order, at the caller's rank and in its layout, of
     q's kind (or the out= arrays given). CPU arrays take the host entry point, CUDA arrays
@@ -470,7 +471,7 @@ def _run(op_name, args, *, out, stream, causal, window, causal_align, scale, lay
     outs = _out_dict(op_name, op.outputs, out)
     intake = _intake(args, stream, backend, layout, outs)
     problem = _problem(intake.dims, scale, causal, window, causal_align)
-    config = _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers)
+    config = _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers, threads)
     progress = _check_progress(progress)
     if intake.place.kind == "cpu":
         return _run_host(op, intake, outs, problem, config, progress)
@@ -503,7 +504,8 @@ def fa2_forward(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = Fals
                 causal_align: str = "bottom_right", layout: str = "bhnd",
                 scale: Optional[float] = None, block_r: Optional[int] = None,
                 block_c: Optional[int] = None, backend: str = "auto", emu_order: str = "forward",
-                emu_seed: int = 0, emu_workers: int = 0, progress: Optional[Progress] = None,
+                emu_seed: int = 0, emu_workers: int = 0, threads: int = 0,
+                progress: Optional[Progress] = None,
                 out: Optional[Sequence[Optional[ArrayLike]]] = None,
                 stream: Any = None) -> Tuple[Array, Array]:
     """FlashAttention-2 forward. Returns (o, lse): o like q, lse (log-sum-exp of each
@@ -515,7 +517,7 @@ def fa2_forward(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = Fals
     return _run("fa2_forward", dict(q=q, k=k, v=v), out=out, stream=stream, causal=causal,
                 window=window, causal_align=causal_align, layout=layout, scale=scale,
                 block_r=block_r, block_c=block_c, backend=backend, emu_order=emu_order,
-                emu_seed=emu_seed, emu_workers=emu_workers, progress=progress)
+                emu_seed=emu_seed, emu_workers=emu_workers, threads=threads, progress=progress)
 
 
 def fa2_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, lse: ArrayLike,
@@ -524,7 +526,8 @@ def fa2_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, lse: Ar
                  causal_align: str = "bottom_right", layout: str = "bhnd",
                  block_r: Optional[int] = None, block_c: Optional[int] = None,
                  backend: str = "auto", emu_order: str = "forward", emu_seed: int = 0,
-                 emu_workers: int = 0, progress: Optional[Progress] = None,
+                 emu_workers: int = 0, threads: int = 0,
+                 progress: Optional[Progress] = None,
                  out: Optional[Sequence[Optional[ArrayLike]]] = None,
                  stream: Any = None) -> Tuple[Array, Array, Array]:
     """FlashAttention-2 backward from the forward's saved o and lse (fa2_forward) and the
@@ -535,7 +538,7 @@ def fa2_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, lse: Ar
                 stream=stream, causal=causal, window=window, causal_align=causal_align,
                 layout=layout, scale=scale, block_r=block_r, block_c=block_c,
                 backend=backend, emu_order=emu_order, emu_seed=emu_seed,
-                emu_workers=emu_workers, progress=progress)
+                emu_workers=emu_workers, threads=threads, progress=progress)
 
 
 def fa1_forward(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
@@ -543,7 +546,8 @@ def fa1_forward(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = Fals
                 causal_align: str = "bottom_right", layout: str = "bhnd",
                 scale: Optional[float] = None, block_r: Optional[int] = None,
                 block_c: Optional[int] = None, backend: str = "auto", emu_order: str = "forward",
-                emu_seed: int = 0, emu_workers: int = 0, progress: Optional[Progress] = None,
+                emu_seed: int = 0, emu_workers: int = 0, threads: int = 0,
+                progress: Optional[Progress] = None,
                 out: Optional[Sequence[Optional[ArrayLike]]] = None,
                 stream: Any = None) -> Tuple[Array, Array, Array]:
     """FlashAttention-1 forward (the paper's Algorithm 1 as written). Returns (o, m, l):
@@ -553,7 +557,7 @@ def fa1_forward(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = Fals
     return _run("fa1_forward", dict(q=q, k=k, v=v), out=out, stream=stream, causal=causal,
                 window=window, causal_align=causal_align, layout=layout, scale=scale,
                 block_r=block_r, block_c=block_c, backend=backend, emu_order=emu_order,
-                emu_seed=emu_seed, emu_workers=emu_workers, progress=progress)
+                emu_seed=emu_seed, emu_workers=emu_workers, threads=threads, progress=progress)
 
 
 def fa1_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, m: ArrayLike,
@@ -562,7 +566,8 @@ def fa1_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, m: Arra
                  causal_align: str = "bottom_right", layout: str = "bhnd",
                  scale: Optional[float] = None, block_r: Optional[int] = None,
                  block_c: Optional[int] = None, backend: str = "auto", emu_order: str = "forward",
-                 emu_seed: int = 0, emu_workers: int = 0, progress: Optional[Progress] = None,
+                 emu_seed: int = 0, emu_workers: int = 0, threads: int = 0,
+                 progress: Optional[Progress] = None,
                  out: Optional[Sequence[Optional[ArrayLike]]] = None,
                  stream: Any = None) -> Tuple[Array, Array, Array]:
     """FlashAttention-1 backward (the paper's Algorithm 4) from the forward's saved o, m, l
@@ -573,7 +578,7 @@ def fa1_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, m: Arra
                 stream=stream, causal=causal, window=window, causal_align=causal_align,
                 layout=layout, scale=scale, block_r=block_r, block_c=block_c,
                 backend=backend, emu_order=emu_order, emu_seed=emu_seed,
-                emu_workers=emu_workers, progress=progress)
+                emu_workers=emu_workers, threads=threads, progress=progress)
 
 
 # algo -> the forward pass; attention() takes its first output, O.
@@ -591,21 +596,25 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
               causal_align: str = "bottom_right", layout: str = "bhnd",
               scale: Optional[float] = None, algo: str = "fa2", block_r: Optional[int] = None,
               block_c: Optional[int] = None, backend: str = "auto", emu_order: str = "forward",
-              emu_seed: int = 0, emu_workers: int = 0, progress: Optional[Progress] = None,
+              emu_seed: int = 0, emu_workers: int = 0, threads: int = 0,
+              progress: Optional[Progress] = None,
               out: Optional[ArrayLike] = None, stream: Any = None) -> Array:
     """O = softmax(scale * Q K^T [causal mask]) V by FlashAttention.
 
     q: (B, H, Nq, d), (H, Nq, d) or (Nq, d) float32 in layout "bhnd" ((B, Nq, H, d), ...
-    in "bnhd"); k, v: the same with Nk rows and Hkv heads. algo: "fa1" or "fa2";
-    backend: "auto" (CUDA when a GPU is usable, else the CPU), "cuda" or "emu"; block_r,
-    block_c: tiles Br, Bc (None: the default); progress: see fa2_forward; out: an array
-    like q to write O into."""
+    in "bnhd"); k, v: the same with Nk rows and Hkv heads. algo: "fa1" or "fa2"; backend:
+    "auto" (CUDA when a GPU is usable, else "cpu"), "cuda", "cpu" (native and vectorised,
+    the same bits) or "emu" (the kernel source run by the emulator); block_r, block_c:
+    tiles Br, Bc (None: the default); threads: OS threads of the cpu backend (0: one per
+    core; the results never depend on it); progress: see fa2_forward; out: an array like
+    q to write O into."""
     fn = _FORWARD[_algo(algo)]
     extra = 2 if algo == "fa1" else 1  # m, l or lse: allocated
     return fn(q, k, v, causal=causal, window=window, causal_align=causal_align, layout=layout,
               scale=scale, block_r=block_r, block_c=block_c, backend=backend,
-              emu_order=emu_order, emu_seed=emu_seed, emu_workers=emu_workers, progress=progress,
-              out=None if out is None else (out,) + (None,) * extra, stream=stream)[0]
+              emu_order=emu_order, emu_seed=emu_seed, emu_workers=emu_workers, threads=threads,
+              progress=progress, out=None if out is None else (out,) + (None,) * extra,
+              stream=stream)[0]
 
 
 def attention_grad(q: ArrayLike, k: ArrayLike, v: ArrayLike, do: ArrayLike, *,
@@ -614,7 +623,8 @@ def attention_grad(q: ArrayLike, k: ArrayLike, v: ArrayLike, do: ArrayLike, *,
                    causal_align: str = "bottom_right", layout: str = "bhnd",
                    block_r: Optional[int] = None, block_c: Optional[int] = None,
                    backend: str = "auto", emu_order: str = "forward", emu_seed: int = 0,
-                   emu_workers: int = 0, progress: Optional[Progress] = None,
+                   emu_workers: int = 0, threads: int = 0,
+                   progress: Optional[Progress] = None,
                    out: Optional[Sequence[Optional[ArrayLike]]] = None,
                    stream: Any = None) -> Tuple[Array, Array, Array, Array]:
     """The forward and backward of attention(q, k, v, ...) for the incoming gradient do
@@ -627,7 +637,7 @@ def attention_grad(q: ArrayLike, k: ArrayLike, v: ArrayLike, do: ArrayLike, *,
     kw = dict(causal=causal, window=window, causal_align=causal_align, layout=layout,
               scale=scale, block_r=block_r, block_c=block_c, backend=backend,
               emu_order=emu_order, emu_seed=emu_seed, emu_workers=emu_workers,
-              progress=progress, stream=stream)
+              threads=threads, progress=progress, stream=stream)
     grads = (outs["dq"], outs["dk"], outs["dv"])
     if algo == "fa1":
         o, m, l = fa1_forward(q, k, v, out=(outs["o"], None, None), **kw)
