@@ -266,33 +266,37 @@ pyfa_status cpu_run(const int* kernels, const AttentionParams* params, size_t co
                           }});
         total = BH * Trp;
         // One pass over the tile pairs can also build dQ when the dQ kernel's tiles are the
-        // dK/dV kernel's (then both walk the same pairs) and a head per thread keeps the
-        // threads busy: K/V tiles j in increasing order on one thread give each dQ row its
-        // sum over j in the dQ kernel's order.
+        // dK/dV kernel's (then both walk the same pairs) and a K/V head per thread keeps
+        // the threads busy: K/V tiles j in increasing order on one thread give each dQ row
+        // of the head's group its sum over j in the dQ kernel's order.
+        const int64_t G = p0.heads / p0.heads_kv, BHkv = p0.batch * p0.heads_kv;
         const bool fused = kv.ctx.p.block_r == dq.ctx.p.block_r && kv.ctx.p.block_c == dq.ctx.p.block_c &&
-                           BH >= threads;
+                           BHkv >= threads;
         const int64_t Tc = kv.Tc(), Tr = dq.Tr();
         if (fused) {
-            phases.push_back({BH, [&, Tc](int64_t bh, float* ws) {
-                                  isa->zero_dq(kv.ctx, bh);
+            // Query head bkv / Hkv * H + (bkv % Hkv) * G + g of K/V head bkv.
+            phases.push_back({BHkv, [&, Tc, G](int64_t bkv, float* ws) {
+                                  const AttentionParams& p = kv.ctx.p;
+                                  const int64_t bh0 = (bkv / p.heads_kv) * p.heads + (bkv % p.heads_kv) * G;
+                                  for (int64_t g = 0; g < G; ++g) isa->zero_dq(kv.ctx, bh0 + g);
                                   for (int64_t j = 0; j < Tc && !runner->stopped(); ++j) {
-                                      isa->backward_kv(kv.ctx, bh, j, true, ws);
+                                      isa->backward_kv(kv.ctx, bkv, j, true, ws);
                                       runner->done_one();
                                   }
-                                  isa->finish_dq(kv.ctx, bh);
+                                  for (int64_t g = 0; g < G; ++g) isa->finish_dq(kv.ctx, bh0 + g);
                               }});
-            total += BH * Tc;
+            total += BHkv * Tc;
         } else {
             // K/V tiles from the first and Q tiles from the last: the longest first.
-            phases.push_back({BH * Tc, [&, BH](int64_t k, float* ws) {
-                                  isa->backward_kv(kv.ctx, k % BH, k / BH, false, ws);
+            phases.push_back({BHkv * Tc, [&, BHkv](int64_t k, float* ws) {
+                                  isa->backward_kv(kv.ctx, k % BHkv, k / BHkv, false, ws);
                                   runner->done_one();
                               }});
             phases.push_back({BH * Tr, [&, Tr, BH](int64_t k, float* ws) {
                                   isa->backward_dq(dq.ctx, k % BH, Tr - 1 - k / BH, ws);
                                   runner->done_one();
                               }});
-            total += BH * (Tc + Tr);
+            total += BHkv * Tc + BH * Tr;
         }
     } else {
         return fail(PYFA_ERROR_INTERNAL, std::string("cpu backend: no implementation of ") + kernel_name(k0));

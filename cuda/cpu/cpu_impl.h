@@ -233,6 +233,11 @@ inline size_t fwd_floats(const AttentionParams& p) {
     return static_cast<size_t>(2 * p.head_dim * Rp + p.block_c * Rp + 4 * Rp);
 }
 
+// The K/V head (b * Hkv + hk) that query head bh = b * H + h reads: hk = h / (H / Hkv).
+inline int64_t kv_head(const AttentionParams& p, int64_t bh) {
+    return (bh / p.heads) * p.heads_kv + (bh % p.heads) / (p.heads / p.heads_kv);
+}
+
 void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
     const AttentionParams& p = ctx.p;
     const int64_t d = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
@@ -252,8 +257,7 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
         f.l[r] = 0.0f;
     }
 
-    // The K/V head of query head bh % H (grouped-query attention), over the same batch.
-    const int64_t bkv = (bh / p.heads) * p.heads_kv + (bh % p.heads) / (p.heads / p.heads_kv);
+    const int64_t bkv = kv_head(p, bh);
     for (int64_t j = ctx.kv_begin[i]; j < ctx.kv_end[i]; ++j) {
         const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0);
         const float* K = p.k + (bkv * Nk + col0) * d;  // (bc, d)
@@ -399,12 +403,13 @@ size_t workspace_floats(const Ctx& ctx) {
     return a > b ? a : b;
 }
 
-void load_kv(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t j, bool with_kp) {
+// K_j, V_j of K/V head bkv (b * Hkv + hk).
+void load_kv(const Ctx& ctx, const BwdBufs& b, int64_t bkv, int64_t j, bool with_kp) {
     const AttentionParams& p = ctx.p;
     const int64_t d = p.head_dim, Nk = p.seqlen_k, Bc = p.block_c;
     const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0);
-    const float* K = p.k + (bh * Nk + col0) * d;  // (bc, d)
-    const float* V = p.v + (bh * Nk + col0) * d;  // (bc, d)
+    const float* K = p.k + (bkv * Nk + col0) * d;  // (bc, d)
+    const float* V = p.v + (bkv * Nk + col0) * d;  // (bc, d)
     for (int64_t c = 0; c < b.Cp; ++c)
         for (int64_t x = 0; x < d; ++x) {
             b.KT[x * b.Cp + c] = c < bc ? K[c * d + x] : 0.0f;
@@ -467,7 +472,9 @@ void tile_pair(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i, int64_t 
     }
 }
 
-void backward_kv(const Ctx& ctx, int64_t bh, int64_t j, bool with_dq, float* ws) {
+// dK_j, dV_j of K/V head bkv = b * Hkv + hk, summed over its group's query heads
+// h = hk * G + g, g = 0 .. G-1, and their Q tiles, in the kernels' order.
+void backward_kv(const Ctx& ctx, int64_t bkv, int64_t j, bool with_dq, float* ws) {
     const AttentionParams& p = ctx.p;
     const int64_t d = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
     const int64_t Br = p.block_r, Bc = p.block_c;
@@ -475,51 +482,55 @@ void backward_kv(const Ctx& ctx, int64_t bh, int64_t j, bool with_dq, float* ws)
     const int64_t Cp = b.Cp, Dp = b.Dp;
     const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0);
     const vf scale = splat(p.scale);
-    load_kv(ctx, b, bh, j, with_dq);
+    load_kv(ctx, b, bkv, j, with_dq);
     for (int64_t e = 0; e < d * Cp; ++e) {
         b.dKT[e] = 0.0f;
         b.dVT[e] = 0.0f;
     }
 
-    for (int64_t i = ctx.q_begin[j]; i < ctx.q_end[j]; ++i) {
-        const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
-        const float* Q = p.q + (bh * Nq + row0) * d;      // (br, d)
-        const float* dO = p.dout + (bh * Nq + row0) * d;  // (br, d)
-        tile_pair(ctx, b, bh, i, j);
-        // dv^T[x][c] = sum_r P[r,c] dO[r,x]; dk^T[x][c] = sum_r dS[r,c] Q[r,x].
-        gemm(b.P, Cp, Cp, dO, 1, d, br, d, [&](int64_t x, int64_t c, vf dv) {
-            float* a = b.dVT + x * Cp + c;
-            st(a, ld(a) + dv);
-        });
-        if (!ctx.fa1) {
-            gemm(b.dS, Cp, Cp, Q, 1, d, br, d, [&](int64_t x, int64_t c, vf dk) {
-                float* a = b.dKT + x * Cp + c;
-                st(a, ld(a) + dk);
+    const int64_t G = p.heads / p.heads_kv;
+    for (int64_t g = 0; g < G; ++g) {
+        const int64_t bh = (bkv / p.heads_kv) * p.heads + (bkv % p.heads_kv) * G + g;
+        for (int64_t i = ctx.q_begin[j]; i < ctx.q_end[j]; ++i) {
+            const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
+            const float* Q = p.q + (bh * Nq + row0) * d;      // (br, d)
+            const float* dO = p.dout + (bh * Nq + row0) * d;  // (br, d)
+            tile_pair(ctx, b, bh, i, j);
+            // dv^T[x][c] = sum_r P[r,c] dO[r,x]; dk^T[x][c] = sum_r dS[r,c] Q[r,x].
+            gemm(b.P, Cp, Cp, dO, 1, d, br, d, [&](int64_t x, int64_t c, vf dv) {
+                float* a = b.dVT + x * Cp + c;
+                st(a, ld(a) + dv);
             });
-        } else {
-            gemm(b.dS, Cp, Cp, Q, 1, d, br, d, [&](int64_t x, int64_t c, vf dk) {
-                float* a = b.dKT + x * Cp + c;
-                st(a, vmadd(scale, dk, ld(a)));
-            });
-        }
-        if (with_dq) {
-            // dq[r][x] = sum_c dS[r,c] K[c,x], added to the head's dQ rows in place.
-            gemm(b.Kp, Dp, Dp, b.dS, Cp, 1, bc, br,
-                 [&](int64_t r, int64_t x, vf dq) { st(b.dQi + r * Dp + x, dq); });
-            float* dQ = p.dq + (bh * Nq + row0) * d;  // (br, d)
-            for (int64_t r = 0; r < br; ++r) {
-                const float* dq = b.dQi + r * Dp;
-                float* out = dQ + r * d;
-                if (!ctx.fa1)
-                    for (int64_t x = 0; x < d; ++x) out[x] = out[x] + dq[x];
-                else
-                    for (int64_t x = 0; x < d; ++x) out[x] = madd(p.scale, dq[x], out[x]);
+            if (!ctx.fa1) {
+                gemm(b.dS, Cp, Cp, Q, 1, d, br, d, [&](int64_t x, int64_t c, vf dk) {
+                    float* a = b.dKT + x * Cp + c;
+                    st(a, ld(a) + dk);
+                });
+            } else {
+                gemm(b.dS, Cp, Cp, Q, 1, d, br, d, [&](int64_t x, int64_t c, vf dk) {
+                    float* a = b.dKT + x * Cp + c;
+                    st(a, vmadd(scale, dk, ld(a)));
+                });
+            }
+            if (with_dq) {
+                // dq[r][x] = sum_c dS[r,c] K[c,x], added to the head's dQ rows in place.
+                gemm(b.Kp, Dp, Dp, b.dS, Cp, 1, bc, br,
+                     [&](int64_t r, int64_t x, vf dq) { st(b.dQi + r * Dp + x, dq); });
+                float* dQ = p.dq + (bh * Nq + row0) * d;  // (br, d)
+                for (int64_t r = 0; r < br; ++r) {
+                    const float* dq = b.dQi + r * Dp;
+                    float* out = dQ + r * d;
+                    if (!ctx.fa1)
+                        for (int64_t x = 0; x < d; ++x) out[x] = out[x] + dq[x];
+                    else
+                        for (int64_t x = 0; x < d; ++x) out[x] = madd(p.scale, dq[x], out[x]);
+                }
             }
         }
     }
 
-    float* dK = p.dk + (bh * Nk + col0) * d;  // (bc, d)
-    float* dV = p.dv + (bh * Nk + col0) * d;  // (bc, d)
+    float* dK = p.dk + (bkv * Nk + col0) * d;  // (bc, d)
+    float* dV = p.dv + (bkv * Nk + col0) * d;  // (bc, d)
     for (int64_t c = 0; c < bc; ++c)
         for (int64_t x = 0; x < d; ++x) {
             const float dk = b.dKT[x * Cp + c];
@@ -540,7 +551,7 @@ void backward_dq(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
 
     for (int64_t j = ctx.kv_begin[i]; j < ctx.kv_end[i]; ++j) {
         const int64_t bc = min64(Bc, Nk - j * Bc);
-        load_kv(ctx, b, bh, j, true);
+        load_kv(ctx, b, kv_head(p, bh), j, true);
         tile_pair(ctx, b, bh, i, j);
         if (!ctx.fa1) {
             gemm(b.Kp, Dp, Dp, b.dS, Cp, 1, bc, br, [&](int64_t r, int64_t x, vf dq) {

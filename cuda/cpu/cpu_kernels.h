@@ -34,10 +34,11 @@ struct Isa {
     void (*forward)(const Ctx& ctx, int64_t bh, int64_t i, float* ws);
     // D of the rows of Q tile i of head bh.
     void (*rowdot)(const Ctx& ctx, int64_t bh, int64_t i);
-    // dK_j, dV_j of K/V tile j of head bh (the dK/dV kernel's walk over Q tiles). With
-    // with_dq, also adds each tile pair's dQ contribution into p.dq, in place: called for
-    // j = 0, 1, ... in order on one thread after zero_dq, that is the dQ kernel's sum.
-    void (*backward_kv)(const Ctx& ctx, int64_t bh, int64_t j, bool with_dq, float* ws);
+    // dK_j, dV_j of K/V tile j of K/V head bkv = b * Hkv + hk (the dK/dV kernel's walk
+    // over the group's query heads g, then Q tiles). With with_dq, also adds each tile
+    // pair's dQ contribution into p.dq, in place: called for j = 0, 1, ... in order on one
+    // thread after zero_dq of the group's heads, that is the dQ kernel's sum.
+    void (*backward_kv)(const Ctx& ctx, int64_t bkv, int64_t j, bool with_dq, float* ws);
     // dQ_i of Q tile i of head bh (the dQ kernel's walk over K/V tiles).
     void (*backward_dq)(const Ctx& ctx, int64_t bh, int64_t i, float* ws);
     // Before and after a head's backward_kv(with_dq) calls: dQ = 0, then its final form.
