@@ -166,3 +166,64 @@ def test_cpu_backend_takes_strided_inputs():
     want = all_functions(q, k, v, do, backend="emu", **kw)
     for name, x in got.items():
         assert same_bits(x, want[name]), name
+
+
+FAKE_CHILD = r"""
+import json, sys
+import cffi
+import numpy as np
+sys.path.insert(0, sys.argv[2])
+from pyfa import _lib
+ffi = cffi.FFI()
+ffi.cdef(_lib._read_header()[1])
+lib = ffi.dlopen(sys.argv[1])
+B, N, H, Hkv, d = 2, 5, 4, 2, 4
+pr = ffi.new("pyfa_problem *", dict(batch=B, heads=H, heads_kv=Hkv, seqlen_q=N, seqlen_k=N,
+                                    head_dim=d))
+cfg = ffi.new("pyfa_config *", dict(backend=1, block_r=2, block_c=2))
+q = np.zeros((B, N, H, d), np.float32)       # (B, N, H, d): strides given below
+kv = np.zeros((B, Hkv, N, d), np.float32)
+o = np.full((B, N, H, d + 3), 7.0, np.float32)  # 3 floats of gap after every row
+lse = np.zeros((B, H, N), np.float32)
+pr.q.batch, pr.q.head, pr.q.row = N * H * d, d, H * d
+pr.o.batch, pr.o.head, pr.o.row = N * H * (d + 3), d + 3, H * (d + 3)
+ptr = lambda x: ffi.cast("float *", ffi.from_buffer(x))
+st_fwd = lib.pyfa_fa2_forward(pr, cfg, ptr(q), ptr(kv), ptr(kv), ptr(o), ptr(lse))
+dq, dk, dv = np.zeros((B, H, N, d), np.float32), np.zeros_like(kv), np.zeros_like(kv)
+st_bwd = lib.pyfa_fa2_backward(pr, cfg, ptr(q), ptr(kv), ptr(kv), ptr(o), ptr(lse), ptr(q),
+                               ptr(dq), ptr(dk), ptr(dv))
+print(json.dumps(dict(fwd=st_fwd, bwd=st_bwd, rows=sorted(set(o[..., :d].ravel().tolist())),
+                      gaps=sorted(set(o[..., d:].ravel().tolist())),
+                      lse=sorted(set(lse.ravel().tolist())), dk=sorted(set(dk.ravel().tolist())),
+                      dv=sorted(set(dv.ravel().tolist())),
+                      error=ffi.string(lib.pyfa_last_error()).decode())))
+"""
+
+
+def test_cuda_host_entry_writes_strided_outputs_row_by_row(tmp_path):
+    # The C ABI over tests/c/fake_cuda.cpp (whose kernels fill o = 1, lse = 2, dk = 6,
+    # dv = 7): a host entry point stages its outputs dense on the "GPU" and writes the
+    # caller's strided o row by row, leaving the gaps between rows; dK, dV of a
+    # grouped-query problem have Hkv heads.
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+    cxx = next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
+    if cxx is None:
+        pytest.skip("no C++ compiler to build the fake CUDA backend")
+    root = Path(__file__).resolve().parents[1]
+    launch = root / "cuda" / "launch"
+    out = tmp_path / "libpyfa_fake_cuda.so"
+    subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", "-O1", f"-I{root / 'cuda'}",
+                    f"-I{pyfa.get_include()}", '-DPYFA_VERSION_STRING="fake"',
+                    str(launch / "api.cpp"), str(launch / "errors.cpp"), str(launch / "tiles.cpp"),
+                    str(root / "tests" / "c" / "fake_cuda.cpp"), "-o", str(out)], check=True)
+    run = subprocess.run([sys.executable, "-c", FAKE_CHILD, str(out), str(root)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    r = json.loads(run.stdout.strip().splitlines()[-1])
+    assert r["fwd"] == 0 and r["bwd"] == 0, r["error"]
+    assert r["rows"] == [1.0] and r["gaps"] == [7.0] and r["lse"] == [2.0]
+    assert r["dk"] == [6.0] and r["dv"] == [7.0]

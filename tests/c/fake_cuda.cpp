@@ -102,7 +102,8 @@ pyfa_status cuda_launch(int kernel, const AttentionParams& p, const LaunchShape&
     }
     log_event("launch %s %s", kernel_name(kernel), stream_name(stream));
     const int64_t bh = p.batch * p.heads;
-    const int64_t q_elems = bh * p.seqlen_q * p.head_dim, k_elems = bh * p.seqlen_k * p.head_dim;
+    const int64_t q_elems = bh * p.seqlen_q * p.head_dim;
+    const int64_t k_elems = p.batch * p.heads_kv * p.seqlen_k * p.head_dim;  // dK, dV have Hkv heads
     const int64_t rows = bh * p.seqlen_q;
     switch (kernel) {
         case PYFA_KERNEL_FA2_FORWARD: fill(p.o, q_elems, 1.0f); fill(p.lse, rows, 2.0f); break;
