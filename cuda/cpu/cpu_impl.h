@@ -269,7 +269,7 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
         const int64_t delta = row0 + p.mask.off + p.mask.right - col0;
         const int64_t delta_lo = row0 + p.mask.off - p.mask.left - col0;
         const bool mask = bc - 1 > delta;
-        const bool mask_lo = delta_lo > -Rp;
+        const bool mask_lo = delta_lo > 1 - br;  // some real row r < br hides some key
         const vi dl = splati(clamp32(delta, -Rp, Bc));
         const vi dlo = splati(clamp32(delta_lo, -Rp, Bc + 1));
 
