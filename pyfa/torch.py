@@ -14,7 +14,6 @@ current stream of their device without a host copy. Needs torch (pip install
 from __future__ import annotations
 
 import contextlib
-import inspect
 from typing import Optional, Tuple
 
 try:
@@ -29,17 +28,10 @@ from . import api
 __all__ = ["attention"]
 
 
-def _options(causal, window, scale, block_r, block_c, backend):
-    """The keywords of pyfa's FA2 calls. window goes through only when pyfa's own API
-    takes it (sliding windows, issue 11); until then a window is a TypeError rather than
-    silently ignored."""
-    kw = dict(causal=causal, scale=scale, block_r=block_r, block_c=block_c, backend=backend)
-    if window is not None:
-        if "window" not in inspect.signature(api.fa2_forward).parameters:
-            raise TypeError("window: this pyfa has no sliding-window attention yet "
-                            "(pyfa.fa2_forward takes no window); pass window=None")
-        kw["window"] = window
-    return kw
+def _options(causal, window, causal_align, scale, block_r, block_c, backend):
+    """The keywords of pyfa's FA2 calls, the same for the forward and the backward."""
+    return dict(causal=causal, window=window, causal_align=causal_align, scale=scale,
+                block_r=block_r, block_c=block_c, backend=backend)
 
 
 def _on_device_of(t):
@@ -71,15 +63,17 @@ class _Attention(torch.autograd.Function):
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               window: Optional[Tuple[Optional[int], Optional[int]]] = None,
-              scale: Optional[float] = None, block_r: Optional[int] = None,
-              block_c: Optional[int] = None, backend: str = "auto") -> torch.Tensor:
+              causal_align: str = "bottom_right", scale: Optional[float] = None,
+              block_r: Optional[int] = None, block_c: Optional[int] = None,
+              backend: str = "auto") -> torch.Tensor:
     """O = softmax(scale * Q K^T [mask]) V by FlashAttention-2, differentiable.
 
-    q: (B, H, Nq, d), (H, Nq, d) or (Nq, d) float32; k, v: the same with Nk rows; all on
-    one device (CPU, or CUDA: C-contiguous). causal, scale, block_r, block_c, backend: as
-    in pyfa.attention; window: (left, right) once pyfa.attention takes it (issue 11),
-    a TypeError before. Gradients flow to whichever of q, k, v require them."""
+    q: (B, H, Nq, d), (H, Nq, d) or (Nq, d) float32; k, v: the same with Nk rows and H or
+    a divisor of H heads (GQA); all on one device (CPU, or CUDA: C-contiguous). causal,
+    window, causal_align, scale, block_r, block_c, backend: as in pyfa.attention.
+    Gradients flow to whichever of q, k, v require them."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    return _Attention.apply(q, k, v, _options(causal, window, scale, block_r, block_c, backend))
+    return _Attention.apply(q, k, v, _options(causal, window, causal_align, scale, block_r, block_c,
+                                                     backend))

@@ -1,7 +1,6 @@
 """pyfa.torch.attention: a torch.autograd.Function over FA2 whose gradients are
 pyfa.attention_grad's bit for bit, and which trains. Runs when torch imports."""
 
-import inspect
 import os
 import subprocess
 import sys
@@ -95,12 +94,18 @@ def test_training_a_tiny_model_lowers_its_loss():
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
 
 
-def test_window_is_refused_until_pyfa_takes_it():
-    t = torch.zeros(1, 1, 4, 4)
-    if "window" in inspect.signature(pyfa.fa2_forward).parameters:
-        pytest.skip("pyfa.fa2_forward takes window: pyfa.torch passes it through")
-    with pytest.raises(TypeError, match="window: this pyfa has no sliding-window attention yet"):
-        pyfa.torch.attention(t, t, t, window=(2, 0), **KW)
+def test_windows_alignment_and_gqa_equal_attention_grad_bit_for_bit():
+    rng = np.random.default_rng(12)
+    q, do = (rng.standard_normal((1, 4, 19, 8), dtype=np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((1, 2, 13, 8), dtype=np.float32) for _ in range(2))
+    mask = dict(causal=True, window=(5, None), causal_align="top_left")
+    tq, tk, tv = leaves(q, k, v)
+    o = pyfa.torch.attention(tq, tk, tv, **mask, **KW)
+    o.backward(torch.from_numpy(do))
+    expected = pyfa.attention_grad(q, k, v, do, **mask, **KW)
+    assert tk.grad.shape == (1, 2, 13, 8)
+    for got, want in zip((o, tq.grad, tk.grad, tv.grad), expected):
+        assert np.array_equal(bits(got), bits(want))
 
 
 def test_non_tensors_are_refused():
