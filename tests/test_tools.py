@@ -188,3 +188,36 @@ def test_ptxas_report_has_a_row_per_kernel_and_no_spills(tmp_path):
         assert (r["spill_stores"], r["spill_loads"]) == (0, 0), r
         assert r["fma_rn_f32"] > 0, f"{r['kernel']}: inner products not fused"
     assert report["fma_rn_f32_total"] == sum(r["fma_rn_f32"] for r in rows.values())
+
+
+def _sass_tools_missing():
+    import sass_report
+    if sass_report.ptxas_report.find_nvcc() is None:
+        return "nvcc not found (PATH, CUDA_HOME, /usr/local/cuda)"
+    if sass_report.find_tool("cuobjdump") is None:
+        return "cuobjdump not found (pip install nvidia-cuda-cuobjdump, the dev extra)"
+    return None
+
+
+@pytest.mark.skipif(_sass_tools_missing() is not None, reason=str(_sass_tools_missing()))
+def test_sass_report_rows_and_summary(tmp_path):
+    p = run([sys.executable, str(TOOLS / "sass_report.py"), "--json", str(tmp_path / "sass.json")],
+            timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads((tmp_path / "sass.json").read_text())["rows"]
+    names = {r["name"] for r in rows}
+    for kernel in kernels_with_layout():
+        assert f"{kernel}/reference" in names, sorted(names)
+    for r in rows:
+        assert r["spill_bytes"] == 0, r
+        assert r["hot_loops"] >= 1, f"{r['name']}: no innermost loop with an FFMA found"
+        assert 0 < r["fp_share"] <= 1 and r["lds_per_flop"] >= 0, r
+        assert r["forecast_tflops"] is not None and 0 < r["forecast_tflops"] < 67, r
+    last = p.stdout.strip().splitlines()[-1]
+    assert last.startswith("summary: ")
+    parts = last[len("summary: "):].split(" | ")
+    d64 = [r for r in rows if r["head_dim"] == 64]
+    assert len(parts) == len(d64)
+    for part in parts:
+        assert re.fullmatch(r"[a-z0-9_]+/(reference|fast) fp_share=[\d.]+ lds_per_flop=[\d.]+ "
+                            r"forecast_tflops=[\d.]+", part), part
