@@ -104,9 +104,15 @@ def _reason(lib, backend):
     return ffi.string(lib.pyfa_backend_reason(backend)).decode("utf-8", "replace")
 
 
-def _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers):
+# pyfa_variant: "fast" runs the register-tiled kernels (an error where they do not
+# apply), "reference" the readable ones, "auto" fast where it applies.
+VARIANTS = {"auto": 0, "reference": 1, "fast": 2}
+
+
+def _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers, variant="auto"):
     ffi, lib = _lib.load()
     cfg = ffi.new("pyfa_config *")
+    cfg.variant = _choice("variant", variant, VARIANTS)
     cfg.backend = _choice("backend", backend, BACKENDS)
     if backend == "auto":
         _warn_if_auto_falls_back(lib)
@@ -135,13 +141,13 @@ def _check_progress(progress):
 
 
 def _run(op_name, inputs, *, causal, scale, block_r, block_c, backend, emu_order, emu_seed,
-         emu_workers, progress):
+         emu_workers, progress, variant="auto"):
     """Runs OPS[op_name] on `inputs` ({name: checked 4-D or 3-D array}); returns its
     outputs {name: fresh array}."""
     op = OPS[op_name]
     q4, k4 = inputs["q"], inputs["k"]
     problem = _problem(q4, k4, scale, causal)
-    config = _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers)
+    config = _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers, variant)
     progress = _check_progress(progress)
     ffi, lib = _lib.load()
     outputs = {name: np.empty(shape, np.float32)
@@ -153,7 +159,8 @@ def _run(op_name, inputs, *, causal, scale, block_r, block_c, backend, emu_order
 
 
 def fa2_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None,
-                backend="auto", emu_order="forward", emu_seed=0, emu_workers=0, progress=None):
+                backend="auto", emu_order="forward", emu_seed=0, emu_workers=0, progress=None,
+                variant="auto"):
     """FlashAttention-2 forward. Returns (o, lse): o like q, lse (log-sum-exp of each
     query row's scaled scores, -inf for a row with no visible key) q's shape without d.
 
@@ -167,7 +174,8 @@ def fa2_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None
 
 
 def fa2_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_r=None, block_c=None,
-                 backend="auto", emu_order="forward", emu_seed=0, emu_workers=0, progress=None):
+                 backend="auto", emu_order="forward", emu_seed=0, emu_workers=0, progress=None,
+                variant="auto"):
     """FlashAttention-2 backward from the forward's saved o and lse (fa2_forward) and the
     incoming gradient do (like o). Returns (dq, dk, dv), shaped like q, k, v. causal and
     scale must be the forward's. Deterministic: the same inputs give the same bits."""
@@ -176,12 +184,13 @@ def fa2_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_r=None,
                   do=check_like("do", do, q4))
     out = _run("fa2_backward", inputs, causal=causal, scale=scale, block_r=block_r,
                block_c=block_c, backend=backend, emu_order=emu_order, emu_seed=emu_seed,
-               emu_workers=emu_workers, progress=progress)
+               emu_workers=emu_workers, progress=progress, variant=variant)
     return tuple(restore_rank(out[g], rank) for g in ("dq", "dk", "dv"))
 
 
 def fa1_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None,
-                backend="auto", emu_order="forward", emu_seed=0, emu_workers=0, progress=None):
+                backend="auto", emu_order="forward", emu_seed=0, emu_workers=0, progress=None,
+                variant="auto"):
     """FlashAttention-1 forward (the paper's Algorithm 1 as written). Returns (o, m, l):
     o like q; m (row max of the scaled scores) and l (sum of exp(score - m)) q's shape
     without d, as the paper keeps them for the backward; a row with no visible key gets
@@ -195,7 +204,8 @@ def fa1_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None
 
 
 def fa1_backward(q, k, v, o, m, l, do, *, causal=False, scale=None, block_r=None, block_c=None,
-                 backend="auto", emu_order="forward", emu_seed=0, emu_workers=0, progress=None):
+                 backend="auto", emu_order="forward", emu_seed=0, emu_workers=0, progress=None,
+                variant="auto"):
     """FlashAttention-1 backward (the paper's Algorithm 4) from the forward's saved o, m, l
     (fa1_forward) and the incoming gradient do (like o). Returns (dq, dk, dv), shaped like
     q, k, v. causal and scale must be the forward's. Deterministic: no atomics."""
@@ -204,7 +214,7 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, scale=None, block_r=None
                   l=check_rows("l", l, q4), do=check_like("do", do, q4))
     out = _run("fa1_backward", inputs, causal=causal, scale=scale, block_r=block_r,
                block_c=block_c, backend=backend, emu_order=emu_order, emu_seed=emu_seed,
-               emu_workers=emu_workers, progress=progress)
+               emu_workers=emu_workers, progress=progress, variant=variant)
     return tuple(restore_rank(out[g], rank) for g in ("dq", "dk", "dv"))
 
 
@@ -214,19 +224,21 @@ _FORWARD = {"fa1": lambda *a, **kw: fa1_forward(*a, **kw)[0],
 
 
 def attention(q, k, v, *, causal=False, scale=None, algo="fa2", block_r=None, block_c=None,
-              backend="auto", emu_order="forward", emu_seed=0, emu_workers=0, progress=None):
+              backend="auto", emu_order="forward", emu_seed=0, emu_workers=0, progress=None,
+              variant="auto"):
     """O = softmax(scale * Q K^T [causal mask]) V by FlashAttention.
 
     q: (B, H, Nq, d), (H, Nq, d) or (Nq, d) float32; k, v: the same with Nk rows.
     algo: "fa1" or "fa2"; backend: "auto" (CUDA when a GPU is usable, else the CPU),
     "cuda" or "emu"; block_r, block_c: tiles Br, Bc (None: the default); progress: see
-    fa2_forward."""
+    fa2_forward; variant: "auto" (the fast kernels where they apply), "reference" (the
+    readable ones) or "fast" (an error naming what they lack where they do not apply)."""
     fn = _FORWARD.get(algo) if isinstance(algo, str) else None
     if fn is None:
         raise ValueError(f"algo: expected one of {sorted(_FORWARD)}, got {algo!r}")
     return fn(q, k, v, causal=causal, scale=scale, block_r=block_r, block_c=block_c,
               backend=backend, emu_order=emu_order, emu_seed=emu_seed, emu_workers=emu_workers,
-              progress=progress)
+              progress=progress, variant=variant)
 
 
 def _fa1_grad(q, k, v, do, **kw):
@@ -245,7 +257,7 @@ _GRAD = {"fa1": _fa1_grad, "fa2": _fa2_grad}
 
 def attention_grad(q, k, v, do, *, causal=False, scale=None, algo="fa2", block_r=None,
                    block_c=None, backend="auto", emu_order="forward", emu_seed=0, emu_workers=0,
-                   progress=None):
+                   progress=None, variant="auto"):
     """The forward and backward of attention(q, k, v, ...) for the incoming gradient do
     (like the output): returns (o, dq, dk, dv), o like q and the gradients like q, k, v.
     Arguments as in attention(); do is checked before any kernel runs; progress sees
@@ -257,7 +269,7 @@ def attention_grad(q, k, v, do, *, causal=False, scale=None, algo="fa2", block_r
     check_like("do", do, q4)
     return fn(q, k, v, do, causal=causal, scale=scale, block_r=block_r, block_c=block_c,
               backend=backend, emu_order=emu_order, emu_seed=emu_seed, emu_workers=emu_workers,
-              progress=progress)
+              progress=progress, variant=variant)
 
 
 def backends():
@@ -286,24 +298,29 @@ def device_profile(backend="auto"):
             "max_threads_per_block": prof.max_threads_per_block, "sm_count": prof.sm_count}
 
 
-def default_tiles(kernel, head_dim, backend="auto"):
-    """(Br, Bc) the library uses for `kernel` (e.g. "fa2_forward") at this head dim."""
+def default_tiles(kernel, head_dim, backend="auto", variant="reference"):
+    """(Br, Bc) the library uses for `kernel` (e.g. "fa2_forward") at this head dim when
+    no tiles are given: the readable kernel's ("reference", what pyfa.sim mirrors), the
+    fast kernel's ("fast": ValueError naming what it lacks where it has none) or what
+    variant="auto" runs."""
     ffi, lib = _lib.load()
     kernel_id = _choice("kernel", kernel, KERNELS)
     d = check_int("head_dim", head_dim, 1, MAX_HEAD_DIM)
     br, bc = ffi.new("int *"), ffi.new("int *")
-    _lib.check(lib.pyfa_default_tiles(kernel_id, d, _choice("backend", backend, BACKENDS), br, bc))
+    _lib.check(lib.pyfa_variant_default_tiles(kernel_id, _choice("variant", variant, VARIANTS), d,
+                                              _choice("backend", backend, BACKENDS), br, bc))
     return br[0], bc[0]
 
 
-def smem_bytes(kernel, block_r, block_c, head_dim):
+def smem_bytes(kernel, block_r, block_c, head_dim, variant="reference"):
     """Bytes of dynamic shared memory `kernel` needs for these tiles; 0 when the library
-    has no size for them (a value out of its range)."""
+    has no size for them (a value out of its range, or no kernel of that variant)."""
     _, lib = _lib.load()
-    return lib.pyfa_smem_bytes(_choice("kernel", kernel, KERNELS),
-                               check_int("block_r", block_r, -INT_MAX - 1, INT_MAX),
-                               check_int("block_c", block_c, -INT_MAX - 1, INT_MAX),
-                               check_int("head_dim", head_dim, -INT64_MAX - 1, INT64_MAX))
+    return lib.pyfa_variant_smem_bytes(_choice("kernel", kernel, KERNELS),
+                                       _choice("variant", variant, VARIANTS),
+                                       check_int("block_r", block_r, -INT_MAX - 1, INT_MAX),
+                                       check_int("block_c", block_c, -INT_MAX - 1, INT_MAX),
+                                       check_int("head_dim", head_dim, -INT64_MAX - 1, INT64_MAX))
 
 
 def library_version():

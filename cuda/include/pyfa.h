@@ -92,6 +92,13 @@ typedef enum pyfa_kernel {
     PYFA_KERNEL_FA2_BACKWARD_DQ = 5          /* row-parallel: dQ_i, no atomics */
 } pyfa_kernel;
 
+/* Which kernels run. */
+typedef enum pyfa_variant {
+    PYFA_VARIANT_AUTO = 0,       /* fast where it applies, else reference */
+    PYFA_VARIANT_REFERENCE = 1,  /* the readable kernels */
+    PYFA_VARIANT_FAST = 2        /* register-tiled kernels; an error where they do not apply */
+} pyfa_variant;
+
 typedef struct pyfa_problem {
     int64_t batch;     /* B >= 1 */
     int64_t heads;     /* H >= 1 */
@@ -121,6 +128,8 @@ typedef struct pyfa_config {
        taken back. */
     int (*progress)(void* user, int64_t done, int64_t total);
     void* progress_user; /* passed to progress as is */
+    int variant;         /* a pyfa_variant; this library has no fast variant yet, so
+                            PYFA_VARIANT_FAST is an error and AUTO is the reference */
 } pyfa_config;
 
 /* What the kernels are sized against: the GPU's limits, or the emulated device's. */
@@ -154,6 +163,14 @@ PYFA_API int64_t pyfa_smem_bytes(int kernel, int block_r, int block_c, int64_t h
 /* Tiles the kernel uses when pyfa_config asks for 0, for this head_dim on this backend. */
 PYFA_API pyfa_status pyfa_default_tiles(int kernel, int64_t head_dim, int backend,
                                         int* block_r, int* block_c);
+/* The same for one variant (a pyfa_variant): PYFA_VARIANT_FAST the register-tiled
+   kernel's (PYFA_ERROR_INVALID_ARGUMENT naming what it lacks where it has none for this
+   kernel, head_dim or tiles), PYFA_VARIANT_AUTO what a call with variant AUTO and zero
+   tiles would run. pyfa_variant_smem_bytes is 0 where the variant has no kernel. */
+PYFA_API int64_t pyfa_variant_smem_bytes(int kernel, int variant, int block_r, int block_c,
+                                         int64_t head_dim);
+PYFA_API pyfa_status pyfa_variant_default_tiles(int kernel, int variant, int64_t head_dim,
+                                                int backend, int* block_r, int* block_c);
 
 /* ---- FlashAttention-2 forward: O and LSE = m + log(l) per query row. ---- */
 PYFA_API pyfa_status pyfa_fa2_forward(const pyfa_problem* problem, const pyfa_config* config,

@@ -317,17 +317,27 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     // Every kernel's tiles and launch are checked before anything is allocated or
     // launched, so that a configuration error never follows a kernel that has written.
     int tiles[kMaxKernels][2];
+    int ids[kMaxKernels];  // kernel table rows (kernels/table.h): the variant that runs
     LaunchShape shapes[kMaxKernels];
+    bool aligned = true;  // what the fast kernels' 128-bit accesses need
+    for (int t = 0; t < n_in; ++t) aligned = aligned && reinterpret_cast<uintptr_t>(inputs[t]) % 16 == 0;
+    for (int t = 0; t < n_out; ++t) aligned = aligned && reinterpret_cast<uintptr_t>(outputs[t]) % 16 == 0;
     for (int n = 0; n < op.kernel_count; ++n) {
         const int kernel = op.kernels[n];
         AttentionParams p = base;
-        if ((st = kernel_tiles(kernel, cfg, p.head_dim, profile, &p.block_r, &p.block_c)) != PYFA_OK) return st;
+        int id = kernel;
+        if ((st = select_kernel(kernel, cfg.variant, p, cfg.block_r, cfg.block_c, aligned, profile, &id, &p.block_r,
+                                &p.block_c)) != PYFA_OK)
+            return st;
+        if (id == kernel && (st = kernel_tiles(kernel, cfg, p.head_dim, profile, &p.block_r, &p.block_c)) != PYFA_OK)
+            return st;
         if (ceil_div(p.seqlen_q, p.block_r) > kMaxGridX || ceil_div(p.seqlen_k, p.block_c) > kMaxGridX)
             return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem: more than 2^31-1 tiles along a sequence");
         tiles[n][0] = p.block_r;
         tiles[n][1] = p.block_c;
-        shapes[n] = launch_shape(kernel, p);
-        if (backend == PYFA_BACKEND_CUDA && (st = cuda_check_launch(kernel, shapes[n])) != PYFA_OK) return st;
+        ids[n] = id;
+        shapes[n] = launch_shape(id, p);
+        if (backend == PYFA_BACKEND_CUDA && (st = cuda_check_launch(id, shapes[n])) != PYFA_OK) return st;
     }
 
     // Host entry points on CUDA work on the library's own stream.
@@ -375,7 +385,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         AttentionParams p = bound;
         p.block_r = tiles[n][0];
         p.block_c = tiles[n][1];
-        if ((st = launch_kernel(backend, op.kernels[n], p, shapes[n], cfg, stream)) != PYFA_OK) return st;
+        if ((st = launch_kernel(backend, ids[n], p, shapes[n], cfg, stream)) != PYFA_OK) return st;
     }
 
     if (!stage_outputs) return owned.release();
@@ -490,7 +500,14 @@ PYFA_API pyfa_status pyfa_device_profile_get(int backend, pyfa_device_profile* p
 
 PYFA_API int64_t pyfa_smem_bytes(int kernel, int block_r, int block_c, int64_t head_dim) {
     return guarded_value<int64_t>("pyfa_smem_bytes", 0, [&] {
-        const int64_t bytes = smem_bytes(kernel, block_r, block_c, head_dim);
+        const int64_t bytes = variant_smem_bytes(kernel, PYFA_VARIANT_REFERENCE, block_r, block_c, head_dim);
+        return bytes > 0 ? bytes : 0;
+    });
+}
+
+PYFA_API int64_t pyfa_variant_smem_bytes(int kernel, int variant, int block_r, int block_c, int64_t head_dim) {
+    return guarded_value<int64_t>("pyfa_variant_smem_bytes", 0, [&] {
+        const int64_t bytes = variant_smem_bytes(kernel, variant, block_r, block_c, head_dim);
         return bytes > 0 ? bytes : 0;
     });
 }
@@ -506,6 +523,21 @@ PYFA_API pyfa_status pyfa_default_tiles(int kernel, int64_t head_dim, int backen
         const pyfa_status st = device_profile_get(backend, &profile);
         if (st != PYFA_OK) return st;
         return default_tiles(kernel, head_dim, profile, block_r, block_c);
+    });
+}
+
+PYFA_API pyfa_status pyfa_variant_default_tiles(int kernel, int variant, int64_t head_dim, int backend,
+                                                int* block_r, int* block_c) {
+    clear_error();
+    return guarded("pyfa_variant_default_tiles", [&] {
+        if (!block_r || !block_c) return fail(PYFA_ERROR_INVALID_ARGUMENT, "block_r, block_c: null pointer");
+        if (head_dim < 1 || head_dim > kMaxHeadDim)
+            return fail(PYFA_ERROR_INVALID_ARGUMENT, "head_dim: must be in [1, 256], got %lld",
+                        static_cast<long long>(head_dim));
+        pyfa_device_profile profile;
+        const pyfa_status st = device_profile_get(backend, &profile);
+        if (st != PYFA_OK) return st;
+        return variant_default_tiles(kernel, variant, head_dim, profile, block_r, block_c);
     });
 }
 
