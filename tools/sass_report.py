@@ -14,7 +14,8 @@ from CMakeLists.txt, as tools/ptxas_report.py does), disassembles it with cuobjd
   model in tools/README.md ("SASS report").
 
 The last line starts with `summary:` and lists, at the first --head-dim (default 64),
-`NAME fp_share=X lds_per_flop=Y forecast_tflops=Z` per kernel and variant, ` | ` between.
+`NAME fp_share=X lds_per_flop=Y forecast_tflops=Z` per kernel and variant at its default
+tiles, ` | ` between. A fast kernel compiled for several tile shapes gets a row for each.
 
 Needs nvcc and cuobjdump (PATH, CUDA_HOME, or the nvidia-cuda-cuobjdump wheel), no GPU.
 Exit status 0, or 2 when a tool is missing or the compile fails.
@@ -228,21 +229,26 @@ def split_name(demangled):
     return base, "reference", targs
 
 
-def tiles_and_smem(kernel, variant, d):
-    """(Br, Bc, dynamic smem bytes) of the default tiles from the library (pyfa), or from
-    pyfa.sim for the reference kernels when the library cannot be loaded; None if neither
-    knows the kernel, variant and head dim."""
+def tiles_and_smem(kernel, variant, d, targs=()):
+    """(Br, Bc, dynamic smem bytes, default): a fast kernel's own tiles (its template
+    arguments d, Br; Bc from the library's default) and whether they are the variant's
+    default; the readable kernel's default tiles. From the library (pyfa), or from
+    pyfa.sim for the readable kernels when the library cannot be loaded; None if
+    neither knows the kernel, variant and head dim."""
     try:
         import pyfa
-        br, bc = pyfa.default_tiles(kernel, d, backend="emulator", variant=variant)
-        return br, bc, pyfa.smem_bytes(kernel, br, bc, d, variant=variant)
+        br, bc = pyfa.default_tiles(kernel, d, backend="emu", variant=variant)
+        default = True
+        if variant == "fast" and len(targs) >= 2 and targs[1] != br:
+            br, default = targs[1], False
+        return br, bc, pyfa.smem_bytes(kernel, br, bc, d, variant=variant), default
     except Exception:
         if variant != "reference":
             return None
     try:
         import pyfa.sim as sim
         br, bc = sim.default_tiles(kernel, d)
-        return br, bc, sim.smem_bytes(kernel, br, bc, d)
+        return br, bc, sim.smem_bytes(kernel, br, bc, d), True
     except Exception:
         return None
 
@@ -349,8 +355,8 @@ def main(argv=None):
         for d in args.head_dim:
             if variant == "fast" and targs and targs[0] != d:
                 continue  # a fast kernel is compiled for one head dim (its first template argument)
-            ts = tiles_and_smem(kernel, variant, d)
-            br, bc, smem = ts if ts else (None, None, None)
+            ts = tiles_and_smem(kernel, variant, d, targs)
+            br, bc, smem, default = ts if ts else (None, None, None, True)
             if threads is None or res.get("registers") is None:
                 occ = (0, 0, "unknown")
             else:
@@ -360,6 +366,7 @@ def main(argv=None):
                 fc = forecast(kernel, agg, occ[0], threads, br, bc, d)
             rows.append({
                 "name": f"{kernel}/{variant}", "kernel": kernel, "variant": variant,
+                "default_tiles": default,
                 "function": names[mangled], "head_dim": d, "block_r": br, "block_c": bc,
                 "threads": threads, "registers": res.get("registers"),
                 "spill_bytes": (res.get("spill_stores") or 0) + (res.get("spill_loads") or 0),
@@ -371,7 +378,8 @@ def main(argv=None):
                 "int_div": agg["int_div"] if agg else None,
                 "forecast_tflops": fc,
             })
-    rows.sort(key=lambda r: (r["kernel"], r["variant"] != "reference", r["head_dim"]))
+    rows.sort(key=lambda r: (r["kernel"], r["variant"] != "reference", r["head_dim"],
+                             not r["default_tiles"]))
 
     def f(x, spec):
         return "-" if x is None else format(x, spec)
@@ -385,6 +393,7 @@ def main(argv=None):
     for r in rows:
         h = r["hot"] or {}
         tiles = f"{r['block_r']}x{r['block_c']}" if r["block_r"] else "-"
+        tiles += "" if r["default_tiles"] else " (not default)"
         print(f"| {r['name']} | {r['head_dim']} | {tiles} | {f(r['threads'], 'd')} | "
               f"{f(r['registers'], 'd')} | {r['spill_bytes']} | {f(r['smem_bytes'], 'd')} | "
               f"{r['occupancy']:.2f} ({r['occupancy_limit']}) | {r['hot_loops']} | "
@@ -395,7 +404,7 @@ def main(argv=None):
     parts = [f"{r['name']} fp_share={f(r['fp_share'], '.3f')} "
              f"lds_per_flop={f(r['lds_per_flop'], '.3f')} "
              f"forecast_tflops={f(r['forecast_tflops'], '.1f')}"
-             for r in rows if r["head_dim"] == d0]
+             for r in rows if r["head_dim"] == d0 and r["default_tiles"]]
     if args.json:
         Path(args.json).write_text(json.dumps({"arch": args.arch, "flags": flags,
                                                "model": H200, "problem": PROBLEM,

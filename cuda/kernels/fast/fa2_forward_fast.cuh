@@ -50,7 +50,8 @@ PYFA_HD FastHead fast_head(const AttentionParams& p, int64_t b, int64_t h) {
 }
 
 PYFA_HD Mask fast_mask(const AttentionParams& p) {
-    return make_mask(p.causal, 0, -1, -1, 0, p.seqlen_q, p.seqlen_k);
+    const int64_t unbounded = p.seqlen_q + p.seqlen_k;
+    return Mask{unbounded, p.causal ? 0 : unbounded, p.seqlen_k - p.seqlen_q};
 }
 
 // Position of tile row r in Q_i^T: a thread's 8 rows (w*16 + rg + 2 ii) become 8
@@ -101,21 +102,28 @@ PYFA_UNROLL
         QiT[(4 * x4 + 3) * BR + pos] = q.w;
     }
 
-    // K_j^T by registers (it is transposed on the way); keys past bc are 0.
+    // K_j^T by registers (it is transposed on the way); keys past bc are 0. K_{j+1} comes
+    // in parts of 4 chunks per thread (16 registers), each held across a different stretch
+    // of tile j: part 0 across S, the last part across the softmax, any between are loaded
+    // and stored at once (only where K_j has more than 8 chunks per thread: d = 128 with
+    // Br = 64), so that no stretch runs out of registers.
     constexpr int KPT = BC * DC / NT;  // 16-byte chunks of K_j per thread
-    pyfa_f4 kpre[KPT];
-    auto load_k = [&](int j) {
+    constexpr int KPART = 4;
+    constexpr int KPARTS = KPT / KPART;
+    static_assert(KPT % KPART == 0, "K_j splits into parts of 4 chunks per thread");
+    pyfa_f4 kpre[KPART];
+    auto load_k = [&](int j, int part) {
         const int col0 = j * BC, bc = imin(BC, Nk - col0);
 PYFA_UNROLL
-        for (int t = 0; t < KPT; ++t) {
-            const int e = tid + t * NT, c = e & (BC - 1), x4 = e / BC;
+        for (int t = 0; t < KPART; ++t) {
+            const int e = tid + (part * KPART + t) * NT, c = e & (BC - 1), x4 = e / BC;
             kpre[t] = c < bc ? ld4(g.k + (col0 + c) * g.ldk + 4 * x4) : pyfa_f4{0.f, 0.f, 0.f, 0.f};
         }
     };
-    auto store_k = [&](float* dst) {
+    auto store_k = [&](float* dst, int part) {
 PYFA_UNROLL
-        for (int t = 0; t < KPT; ++t) {
-            const int e = tid + t * NT, c = e & (BC - 1), x4 = e / BC;
+        for (int t = 0; t < KPART; ++t) {
+            const int e = tid + (part * KPART + t) * NT, c = e & (BC - 1), x4 = e / BC;
             dst[(4 * x4 + 0) * BC + c] = kpre[t].x;
             dst[(4 * x4 + 1) * BC + c] = kpre[t].y;
             dst[(4 * x4 + 2) * BC + c] = kpre[t].z;
@@ -135,9 +143,11 @@ PYFA_UNROLL
     };
 
     if (jb < je) {
-        load_k(jb);
-        store_k(KjT);
         load_v(jb, Vj);
+        for (int part = 0; part < KPARTS; ++part) {
+            load_k(jb, part);
+            store_k(KjT, part);
+        }
     }
 
     float o[8][4 * XC];        // O_i rows w*16 + rg + 2 ii, columns of chunks cg (+16)
@@ -162,9 +172,10 @@ PYFA_UNROLL
         // K_j, V_j (and Q_i) are visible; every warp is done with tile j-1, whose buffers
         // now take tile j+1.
         __syncthreads();
+        float* Knext = KjT + (buf ^ 1) * (D * BC);
         if (has_next) {
             load_v(j + 1, Vj + (buf ^ 1) * (BC * D));
-            load_k(j + 1);
+            load_k(j + 1, 0);
         }
 
         // S = Q_i K_j^T: s[ii][kk] = sum_x Q[row ii, x] K[col cg*4+kk, x], x in order.
@@ -186,7 +197,14 @@ PYFA_UNROLL
 PYFA_UNROLL
                 for (int kk = 0; kk < 4; ++kk) s[ii][kk] = pyfa_fma(qv[ii], kx[kk], s[ii][kk]);
         }
-        if (has_next) store_k(KjT + (buf ^ 1) * (D * BC));
+        if (has_next && KPARTS > 1) {
+            store_k(Knext, 0);
+            for (int part = 1; part + 1 < KPARTS; ++part) {
+                load_k(j + 1, part);
+                store_k(Knext, part);
+            }
+            load_k(j + 1, KPARTS - 1);
+        }
 
         // Scale and mask. A tile that the mask leaves whole skips the per-element test;
         // keys past bc become -inf, which the row max passes over (pyfa_max(m, -inf) = m)
@@ -235,6 +253,8 @@ PYFA_UNROLL
         }
         pyfa_syncwarp();
 
+        if (has_next) store_k(Knext, KPARTS - 1);
+
         // pv = sum_c P[r, c] V[c, x], c in order; O = fma(alpha, O, pv).
         float pv[8][4 * XC];
 PYFA_UNROLL
@@ -267,17 +287,22 @@ PYFA_UNROLL
                 }
             }
         }
-        for (; c < bc; ++c) {  // the last 1..3 keys of a tail tile
+        if (c < bc) {  // the last 1..3 keys of a tail tile, in order
 PYFA_UNROLL
-            for (int ii = 0; ii < 8; ++ii) {
-                const float pc = pp[2 * ii * LDP + c];
+            for (int cc = 0; cc < 3; ++cc) {
+                if (c + cc < bc) {
 PYFA_UNROLL
-                for (int h = 0; h < XC; ++h) {
-                    const pyfa_f4 v = ld4(vp + c * D + 64 * h);
-                    pv[ii][4 * h + 0] = pyfa_fma(pc, v.x, pv[ii][4 * h + 0]);
-                    pv[ii][4 * h + 1] = pyfa_fma(pc, v.y, pv[ii][4 * h + 1]);
-                    pv[ii][4 * h + 2] = pyfa_fma(pc, v.z, pv[ii][4 * h + 2]);
-                    pv[ii][4 * h + 3] = pyfa_fma(pc, v.w, pv[ii][4 * h + 3]);
+                    for (int ii = 0; ii < 8; ++ii) {
+                        const float pc = pp[2 * ii * LDP + c + cc];
+PYFA_UNROLL
+                        for (int h = 0; h < XC; ++h) {
+                            const pyfa_f4 v = ld4(vp + (c + cc) * D + 64 * h);
+                            pv[ii][4 * h + 0] = pyfa_fma(pc, v.x, pv[ii][4 * h + 0]);
+                            pv[ii][4 * h + 1] = pyfa_fma(pc, v.y, pv[ii][4 * h + 1]);
+                            pv[ii][4 * h + 2] = pyfa_fma(pc, v.z, pv[ii][4 * h + 2]);
+                            pv[ii][4 * h + 3] = pyfa_fma(pc, v.w, pv[ii][4 * h + 3]);
+                        }
+                    }
                 }
             }
         }
