@@ -65,6 +65,7 @@ __global__ void __launch_bounds__(2 * BR) fa2_forward_fast_kernel(const Attentio
     constexpr int DC = D / 4;      // 16-byte chunks per row of Q, K, V, O
     constexpr int XC = D / 64;     // O chunks per thread per row
     constexpr int LDP = BC + 4;    // fast_p_stride(BC)
+    constexpr int SUNROLL = 4;  // x steps per S loop iteration: registers
     static_assert(D == 64 || D == 128, "head dims 64 and 128");
     static_assert(BR == 64 || BR == 128, "Br 64 or 128");
 
@@ -103,10 +104,10 @@ PYFA_UNROLL
     }
 
     // K_j^T by registers (it is transposed on the way); keys past bc are 0. K_{j+1} comes
-    // in parts of 4 chunks per thread (16 registers), each held across a different stretch
-    // of tile j: part 0 across S, the last part across the softmax, any between are loaded
-    // and stored at once (only where K_j has more than 8 chunks per thread: d = 128 with
-    // Br = 64), so that no stretch runs out of registers.
+    // in parts of 4 chunks per thread (16 registers): with two parts, part 0 is held across
+    // S and part 1 across the softmax; with more (d = 128, Br = 64: 16 chunks per thread)
+    // all are loaded and stored at the start of the tile, so that no stretch of the tile
+    // runs out of registers.
     constexpr int KPT = BC * DC / NT;  // 16-byte chunks of K_j per thread
     constexpr int KPART = 4;
     constexpr int KPARTS = KPT / KPART;
@@ -175,7 +176,14 @@ PYFA_UNROLL
         float* Knext = KjT + (buf ^ 1) * (D * BC);
         if (has_next) {
             load_v(j + 1, Vj + (buf ^ 1) * (BC * D));
-            load_k(j + 1, 0);
+            if (KPARTS > 2) {
+                for (int part = 0; part < KPARTS; ++part) {
+                    load_k(j + 1, part);
+                    store_k(Knext, part);
+                }
+            } else {
+                load_k(j + 1, 0);
+            }
         }
 
         // S = Q_i K_j^T: s[ii][kk] = sum_x Q[row ii, x] K[col cg*4+kk, x], x in order.
@@ -186,7 +194,7 @@ PYFA_UNROLL
             for (int kk = 0; kk < 4; ++kk) s[ii][kk] = 0.0f;
         const float* qp = QiT + wrow + rg * 8;
         const float* kp = Kt + cg * 4;
-PYFA_UNROLL_BY(4)
+PYFA_UNROLL_BY(SUNROLL)
         for (int x = 0; x < D; ++x) {
             const pyfa_f4 qa = ld4(qp + x * BR), qb = ld4(qp + x * BR + 4);
             const pyfa_f4 kv = ld4(kp + x * BC);
@@ -197,13 +205,9 @@ PYFA_UNROLL
 PYFA_UNROLL
                 for (int kk = 0; kk < 4; ++kk) s[ii][kk] = pyfa_fma(qv[ii], kx[kk], s[ii][kk]);
         }
-        if (has_next && KPARTS > 1) {
+        if (has_next && KPARTS <= 2) {
             store_k(Knext, 0);
-            for (int part = 1; part + 1 < KPARTS; ++part) {
-                load_k(j + 1, part);
-                store_k(Knext, part);
-            }
-            load_k(j + 1, KPARTS - 1);
+            if (KPARTS == 2) load_k(j + 1, 1);
         }
 
         // Scale and mask. A tile that the mask leaves whole skips the per-element test;
@@ -253,7 +257,7 @@ PYFA_UNROLL
         }
         pyfa_syncwarp();
 
-        if (has_next) store_k(Knext, KPARTS - 1);
+        if (has_next && KPARTS == 2) store_k(Knext, 1);
 
         // pv = sum_c P[r, c] V[c, x], c in order; O = fma(alpha, O, pv).
         float pv[8][4 * XC];
@@ -265,26 +269,25 @@ PYFA_UNROLL
         const float* vp = Vt + cg * 4;
         int c = 0;
         for (; c + 4 <= bc; c += 4) {
-            pyfa_f4 pr[8];
+            float vx[4][4 * XC];  // V[c + cc, the thread's columns]
 PYFA_UNROLL
-            for (int ii = 0; ii < 8; ++ii) pr[ii] = ld4(pp + 2 * ii * LDP + c);
-PYFA_UNROLL
-            for (int cc = 0; cc < 4; ++cc) {
-                float vx[4 * XC];
+            for (int cc = 0; cc < 4; ++cc)
 PYFA_UNROLL
                 for (int h = 0; h < XC; ++h) {
                     const pyfa_f4 v = ld4(vp + (c + cc) * D + 64 * h);
-                    vx[4 * h + 0] = v.x;
-                    vx[4 * h + 1] = v.y;
-                    vx[4 * h + 2] = v.z;
-                    vx[4 * h + 3] = v.w;
+                    vx[cc][4 * h + 0] = v.x;
+                    vx[cc][4 * h + 1] = v.y;
+                    vx[cc][4 * h + 2] = v.z;
+                    vx[cc][4 * h + 3] = v.w;
                 }
 PYFA_UNROLL
-                for (int ii = 0; ii < 8; ++ii) {
-                    const float pc = cc == 0 ? pr[ii].x : cc == 1 ? pr[ii].y : cc == 2 ? pr[ii].z : pr[ii].w;
+            for (int ii = 0; ii < 8; ++ii) {
+                const pyfa_f4 pr = ld4(pp + 2 * ii * LDP + c);
+                const float pc[4] = {pr.x, pr.y, pr.z, pr.w};
 PYFA_UNROLL
-                    for (int x = 0; x < 4 * XC; ++x) pv[ii][x] = pyfa_fma(pc, vx[x], pv[ii][x]);
-                }
+                for (int cc = 0; cc < 4; ++cc)
+PYFA_UNROLL
+                    for (int x = 0; x < 4 * XC; ++x) pv[ii][x] = pyfa_fma(pc[cc], vx[cc][x], pv[ii][x]);
             }
         }
         if (c < bc) {  // the last 1..3 keys of a tail tile, in order

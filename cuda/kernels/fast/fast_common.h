@@ -15,7 +15,7 @@
 #else
 #define __launch_bounds__(...)
 #define PYFA_UNROLL _Pragma("GCC unroll 16")
-#define PYFA_UNROLL_BY(n) _Pragma(PYFA_STRINGIFY(GCC unroll n))
+#define PYFA_UNROLL_BY(n) _Pragma("GCC unroll 4")
 #endif
 #define PYFA_STRINGIFY(x) #x
 
