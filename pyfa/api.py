@@ -169,7 +169,7 @@ def fa2_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None
     q4, k4, v4, rank = check_qkv(q, k, v)
     out = _run("fa2_forward", dict(q=q4, k=k4, v=v4), causal=causal, scale=scale,
                block_r=block_r, block_c=block_c, backend=backend, emu_order=emu_order,
-               emu_seed=emu_seed, emu_workers=emu_workers, progress=progress)
+               emu_seed=emu_seed, emu_workers=emu_workers, progress=progress, variant=variant)
     return restore_rank(out["o"], rank), out["lse"].reshape(q4.shape[4 - rank:3])
 
 
@@ -198,7 +198,7 @@ def fa1_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None
     q4, k4, v4, rank = check_qkv(q, k, v)
     out = _run("fa1_forward", dict(q=q4, k=k4, v=v4), causal=causal, scale=scale,
                block_r=block_r, block_c=block_c, backend=backend, emu_order=emu_order,
-               emu_seed=emu_seed, emu_workers=emu_workers, progress=progress)
+               emu_seed=emu_seed, emu_workers=emu_workers, progress=progress, variant=variant)
     rows = q4.shape[4 - rank:3]
     return restore_rank(out["o"], rank), out["m"].reshape(rows), out["l"].reshape(rows)
 
