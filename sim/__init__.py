@@ -12,12 +12,13 @@ from .fa1_forward import Fa1ForwardResult, fa1_forward
 from .fa2_backward import Fa2BackwardResult, fa2_backward
 from .fa2_forward import Fa2ForwardResult, fa2_forward
 from .io import IORecord, format_bytes
+from .mask import Mask
 from .standard import count_standard_io, standard_backward, standard_forward
 from .tiles import EMU_PROFILE, DeviceProfile, TileTooLargeError, default_tiles, smem_bytes, smem_terms
 
 __all__ = [
     "count_standard_io", "standard_backward", "standard_forward",
-    "DeviceProfile", "EMU_PROFILE", "TileTooLargeError", "Fa2ForwardResult", "IORecord", "count_io",
+    "DeviceProfile", "EMU_PROFILE", "Mask", "TileTooLargeError", "Fa2ForwardResult", "IORecord", "count_io",
     "default_tiles", "fa2_forward", "format_bytes", "smem_bytes", "smem_terms",
     "Fa2BackwardResult", "fa2_backward",
     "Fa1BackwardResult", "Fa1ForwardResult", "fa1_backward", "fa1_forward",

@@ -1,127 +1,168 @@
 """count_io: the kernels' HBM traffic counted by walking their loops without arithmetic.
 
-Each walker follows one kernel's loop nest for a single (batch, head), the same tile
-bounds and causal skips as the kernel and its simulator, and adds up what each load and
-store moves; all heads are alike, so the record is then scaled by B*H. The walk is per
-tile row (O(Tr + Tc) steps), fast enough for B=64, H=16, N=16384 in milliseconds.
+Each walker follows one kernel's loop nest for one (batch, K/V head), i.e. for the
+G = H / Hkv query heads that share it: the same tile bands (sim/mask.py), the same
+skipping and the same head mapping as the kernel and its simulator, and adds up what each
+load and store moves, every time it is done. Kernels with one block per query head count
+one head and scale by G; the blocks that serve a whole group (FA2's dK/dV kernel, FA1's
+backward) read K_j and V_j once for the group. All K/V heads are alike, so the record is
+then scaled by B*Hkv. A walk is per tile row (O(Tr + Tc) steps), milliseconds for
+B=64, H=16, N=16384.
+
+What is loaded once per block (Q_i in FA2's forward, K_j and V_j in FA1's loops and in
+FA2's dK/dV kernel) is counted whether or not the block's band is empty; what is loaded
+per visited tile pair follows the bands exactly.
 
 Tensors (Q, K, V, O, dO, dQ, dK, dV) are counted at `dtype_bytes` per element; the
 per-row statistics (LSE, m, l, D) at 4 bytes, since implementations keep them in fp32
 whatever the tensors' type. With dtype_bytes=4 the counts equal the simulator's.
 """
 
-from .inputs import check_causal, check_count_args, check_tile
+import numbers
+from dataclasses import dataclass
+
+from .inputs import check_count_args, check_tile
 from .io import IORecord
-from .tiles import resolve_tiles
-from .tiling import ceil_div, kv_tile_end, q_tile_begin
+from .mask import Mask
+from .tiles import EMU_PROFILE, DeviceProfile, resolve_tiles
+from .tiling import ceil_div
 
 STAT_BYTES = 4
 
 
-def _tiles(kernel, d, block_r, block_c):
-    # kernel None: a model without tiles (the unfused standard attention ignores Br, Bc).
-    if kernel is None:
-        return check_tile("block_r", block_r), check_tile("block_c", block_c)
-    return resolve_tiles(kernel, d, block_r, block_c)
+@dataclass(frozen=True)
+class Walk:
+    """One (batch, K/V head) of a problem, as a walker sees it."""
+    Nq: int
+    Nk: int
+    d: int
+    G: int          # query heads per K/V head, H / Hkv
+    Br: object      # None for a model without tiles
+    Bc: object
+    mask: Mask
+    e: int          # bytes per tensor element
+
+    def row_tile(self, i):
+        """(row0, br) of Q tile i."""
+        return i * self.Br, min(self.Br, self.Nq - i * self.Br)
+
+    def col_tile(self, j):
+        return j * self.Bc, min(self.Bc, self.Nk - j * self.Bc)
+
+    def keys_visited(self, i):
+        """Keys in the K/V tiles Q tile i visits (the tiles of its band, whole)."""
+        begin, end = self.mask.kv_tiles(*self.row_tile(i), self.Bc, self.Nk)
+        return max(0, min(self.Nk, end * self.Bc) - begin * self.Bc)
+
+    def rows_visited(self, j):
+        """Query rows in the Q tiles that visit K/V tile j."""
+        begin, end = self.mask.q_tiles(*self.col_tile(j), self.Br, self.Nq)
+        return max(0, min(self.Nq, end * self.Br) - begin * self.Br)
+
+    @property
+    def Tr(self):
+        return ceil_div(self.Nq, self.Br)
+
+    @property
+    def Tc(self):
+        return ceil_div(self.Nk, self.Bc)
 
 
-def fa2_forward_io(Nq, Nk, d, Br, Bc, causal, e):
-    """One head of cuda/kernels/fa2_forward.cuh: Q_i read once, K_j and V_j once per
+def fa2_forward_io(w):
+    """cuda/kernels/fa2_forward.cuh, per query head: Q_i read once, K_j and V_j once per
     visited (i, j), O_i and LSE_i written once."""
     io = IORecord()
-    io.read("Q", Nq * d * e)
-    for i in range(ceil_div(Nq, Br)):
-        br = min(Br, Nq - i * Br)
-        end = kv_tile_end(causal, i * Br, br, Nq, Nk, Bc)
-        keys = min(end * Bc, Nk)  # rows of K (and V) in tiles 0 .. end-1
-        io.read("K", keys * d * e)
-        io.read("V", keys * d * e)
-    io.write("O", Nq * d * e)
-    io.write("LSE", Nq * STAT_BYTES)
-    return io
+    io.read("Q", w.Nq * w.d * w.e)
+    for i in range(w.Tr):
+        keys = w.keys_visited(i)
+        io.read("K", keys * w.d * w.e)
+        io.read("V", keys * w.d * w.e)
+    io.write("O", w.Nq * w.d * w.e)
+    io.write("LSE", w.Nq * STAT_BYTES)
+    return io.scaled(w.G)
 
 
-def fa2_backward_preprocess_io(Nq, Nk, d, Br, Bc, causal, e):
-    """One head of fa2_backward_preprocess_kernel: O and dO read once, D written once."""
+def fa2_backward_preprocess_io(w):
+    """fa2_backward_preprocess_kernel, per query head: O and dO read once, D written once."""
     io = IORecord()
-    io.read("O", Nq * d * e)
-    io.read("dO", Nq * d * e)
-    io.write("D", Nq * STAT_BYTES)
-    return io
+    io.read("O", w.Nq * w.d * w.e)
+    io.read("dO", w.Nq * w.d * w.e)
+    io.write("D", w.Nq * STAT_BYTES)
+    return io.scaled(w.G)
 
 
-def fa2_backward_dkdv_io(Nq, Nk, d, Br, Bc, causal, e):
-    """One head of fa2_backward_dkdv_kernel: K_j, V_j read once; Q_i, dO_i, LSE_i, D_i
-    once per visited (j, i); dK_j, dV_j written once."""
-    io = IORecord()
-    io.read("K", Nk * d * e)
-    io.read("V", Nk * d * e)
-    for j in range(ceil_div(Nk, Bc)):
-        rows = Nq - q_tile_begin(causal, j * Bc, Nq, Nk, Br) * Br  # rows of tiles begin .. Tr-1
-        io.read("Q", rows * d * e)
-        io.read("dO", rows * d * e)
-        io.read("LSE", rows * STAT_BYTES)
-        io.read("D", rows * STAT_BYTES)
-    io.write("dK", Nk * d * e)
-    io.write("dV", Nk * d * e)
-    return io
-
-
-def fa2_backward_dq_io(Nq, Nk, d, Br, Bc, causal, e):
-    """One head of fa2_backward_dq_kernel: Q_i, dO_i, LSE_i, D_i read once; K_j, V_j once
-    per visited (i, j); dQ_i written once."""
-    io = IORecord()
-    io.read("Q", Nq * d * e)
-    io.read("dO", Nq * d * e)
-    io.read("LSE", Nq * STAT_BYTES)
-    io.read("D", Nq * STAT_BYTES)
-    for i in range(ceil_div(Nq, Br)):
-        br = min(Br, Nq - i * Br)
-        keys = min(kv_tile_end(causal, i * Br, br, Nq, Nk, Bc) * Bc, Nk)
-        io.read("K", keys * d * e)
-        io.read("V", keys * d * e)
-    io.write("dQ", Nq * d * e)
-    return io
-
-
-def fa1_forward_io(Nq, Nk, d, Br, Bc, causal, e):
-    """One head of cuda/kernels/fa1_forward.cuh: O, m, l initialized in HBM; K_j, V_j read
-    once; Q_i, O_i, m_i, l_i read and O_i, m_i, l_i written once per visited (j, i)."""
-    io = IORecord()
-    io.write("O", Nq * d * e)
-    io.write("m", Nq * STAT_BYTES)
-    io.write("l", Nq * STAT_BYTES)
-    io.read("K", Nk * d * e)
-    io.read("V", Nk * d * e)
-    for j in range(ceil_div(Nk, Bc)):
-        rows = Nq - q_tile_begin(causal, j * Bc, Nq, Nk, Br) * Br  # rows of tiles begin .. Tr-1
-        io.read("Q", rows * d * e)
-        io.read("O", rows * d * e)
-        io.read("m", rows * STAT_BYTES)
-        io.read("l", rows * STAT_BYTES)
-        io.write("O", rows * d * e)
-        io.write("m", rows * STAT_BYTES)
-        io.write("l", rows * STAT_BYTES)
-    return io
-
-
-def fa1_backward_io(Nq, Nk, d, Br, Bc, causal, e):
-    """One head of cuda/kernels/fa1_backward.cuh: dQ initialized in HBM; K_j, V_j read once;
-    Q_i, O_i, dO_i, dQ_i, m_i, l_i read and dQ_i written once per visited (j, i); dK_j,
+def fa2_backward_dkdv_io(w):
+    """fa2_backward_dkdv_kernel, one block per (j, K/V head): K_j, V_j read once; for each
+    of the group's G query heads, Q_i, dO_i, LSE_i, D_i once per visited (j, i); dK_j,
     dV_j written once."""
     io = IORecord()
-    io.write("dQ", Nq * d * e)
-    io.read("K", Nk * d * e)
-    io.read("V", Nk * d * e)
-    for j in range(ceil_div(Nk, Bc)):
-        rows = Nq - q_tile_begin(causal, j * Bc, Nq, Nk, Br) * Br
-        for name in ("Q", "dO", "O", "dQ"):
-            io.read(name, rows * d * e)
+    io.read("K", w.Nk * w.d * w.e)
+    io.read("V", w.Nk * w.d * w.e)
+    for j in range(w.Tc):
+        rows = w.G * w.rows_visited(j)
+        io.read("Q", rows * w.d * w.e)
+        io.read("dO", rows * w.d * w.e)
+        io.read("LSE", rows * STAT_BYTES)
+        io.read("D", rows * STAT_BYTES)
+    io.write("dK", w.Nk * w.d * w.e)
+    io.write("dV", w.Nk * w.d * w.e)
+    return io
+
+
+def fa2_backward_dq_io(w):
+    """fa2_backward_dq_kernel, per query head: Q_i, dO_i, LSE_i, D_i read once; K_j, V_j
+    once per visited (i, j); dQ_i written once."""
+    io = IORecord()
+    io.read("Q", w.Nq * w.d * w.e)
+    io.read("dO", w.Nq * w.d * w.e)
+    io.read("LSE", w.Nq * STAT_BYTES)
+    io.read("D", w.Nq * STAT_BYTES)
+    for i in range(w.Tr):
+        keys = w.keys_visited(i)
+        io.read("K", keys * w.d * w.e)
+        io.read("V", keys * w.d * w.e)
+    io.write("dQ", w.Nq * w.d * w.e)
+    return io.scaled(w.G)
+
+
+def fa1_forward_io(w):
+    """cuda/kernels/fa1_forward.cuh, per query head: O, m, l initialized in HBM; K_j, V_j
+    read once; Q_i, O_i, m_i, l_i read and O_i, m_i, l_i written once per visited (j, i)."""
+    io = IORecord()
+    io.write("O", w.Nq * w.d * w.e)
+    io.write("m", w.Nq * STAT_BYTES)
+    io.write("l", w.Nq * STAT_BYTES)
+    io.read("K", w.Nk * w.d * w.e)
+    io.read("V", w.Nk * w.d * w.e)
+    for j in range(w.Tc):
+        rows = w.rows_visited(j)
+        io.read("Q", rows * w.d * w.e)
+        io.read("O", rows * w.d * w.e)
         io.read("m", rows * STAT_BYTES)
         io.read("l", rows * STAT_BYTES)
-        io.write("dQ", rows * d * e)
-    io.write("dK", Nk * d * e)
-    io.write("dV", Nk * d * e)
+        io.write("O", rows * w.d * w.e)
+        io.write("m", rows * STAT_BYTES)
+        io.write("l", rows * STAT_BYTES)
+    return io.scaled(w.G)
+
+
+def fa1_backward_io(w):
+    """cuda/kernels/fa1_backward.cuh, one block per K/V head: dQ of its G query heads
+    initialized in HBM; K_j, V_j read once; for each query head g, Q_i, O_i, dO_i, dQ_i,
+    m_i, l_i read and dQ_i written once per visited (j, i); dK_j, dV_j written once."""
+    io = IORecord()
+    io.write("dQ", w.G * w.Nq * w.d * w.e)
+    io.read("K", w.Nk * w.d * w.e)
+    io.read("V", w.Nk * w.d * w.e)
+    for j in range(w.Tc):
+        rows = w.G * w.rows_visited(j)
+        for name in ("Q", "dO", "O", "dQ"):
+            io.read(name, rows * w.d * w.e)
+        io.read("m", rows * STAT_BYTES)
+        io.read("l", rows * STAT_BYTES)
+        io.write("dQ", rows * w.d * w.e)
+    io.write("dK", w.Nk * w.d * w.e)
+    io.write("dV", w.Nk * w.d * w.e)
     return io
 
 
@@ -135,33 +176,67 @@ WALKERS = {
                           ("fa2_backward_dq", fa2_backward_dq_io)],
 }
 
+
 def algorithms():
     """The algorithms in WALKERS now: computed on each call, since walkers are also
     registered after this module's import (the standard model, at the end of this file)."""
     return sorted({a for a, _ in WALKERS})
 
 
-def count_io(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, head_dim,
-             block_r=None, block_c=None, causal=False, dtype_bytes=4):
-    """The IO record of `algo` ("fa1", "fa2", ...) for `passes` ("forward", "backward",
-    "both"), counted without arithmetic. None tiles are the library's defaults for the
-    emulated device profile (sim.tiles.default_tiles)."""
+def check_heads_kv(heads_kv, heads):
+    """Hkv: None (as many as query heads) or an int >= 1 dividing heads."""
+    if heads_kv is None:
+        return heads
+    if isinstance(heads_kv, bool) or not isinstance(heads_kv, numbers.Integral) or heads_kv < 1:
+        raise ValueError(f"heads_kv: expected None or an int >= 1, got {heads_kv!r}")
+    if heads % heads_kv:
+        raise ValueError(f"heads_kv: {heads_kv} must divide heads ({heads})")
+    return int(heads_kv)
+
+
+def count_kernels(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, head_dim,
+                  heads_kv=None, block_r=None, block_c=None, causal=False, window=None,
+                  causal_align="bottom_right", dtype_bytes=4, profile=EMU_PROFILE):
+    """count_io's record, and the tiles each kernel was counted with:
+    [{"pass", "kernel", "block_r", "block_c"}] in launch order (empty for the unfused
+    standard model)."""
     if algo not in algorithms():
         raise ValueError(f"algo: unknown algorithm {algo!r}; known: {algorithms()}")
     check_count_args(passes, batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                      head_dim=head_dim, dtype_bytes=dtype_bytes)
-    causal = check_causal(causal)
+    Hkv = check_heads_kv(heads_kv, heads)
+    mask = Mask.resolve(causal, window, causal_align, seqlen_q, seqlen_k)
+    if not isinstance(profile, DeviceProfile):
+        raise TypeError(f"profile: expected a sim.DeviceProfile, got {type(profile).__name__}")
     wanted = ["forward", "backward"] if passes == "both" else [passes]
-    record = IORecord()
+    record, tiles = IORecord(), []
     for p in wanted:
         if (algo, p) not in WALKERS:
             raise ValueError(f"passes: {algo} has no {p} pass in this version")
         for kernel, walker in WALKERS[(algo, p)]:
-            Br, Bc = _tiles(kernel, head_dim, block_r, block_c)
-            record = record + walker(seqlen_q, seqlen_k, head_dim, Br, Bc, causal, dtype_bytes)
-    out = record.scaled(batch * heads)
+            if kernel is None:  # a model without tiles (the unfused standard attention)
+                Br, Bc = check_tile("block_r", block_r), check_tile("block_c", block_c)
+            else:
+                Br, Bc = resolve_tiles(kernel, head_dim, block_r, block_c, profile)
+                tiles.append({"pass": p, "kernel": kernel, "block_r": Br, "block_c": Bc})
+            w = Walk(seqlen_q, seqlen_k, head_dim, heads // Hkv, Br, Bc, mask, dtype_bytes)
+            record = record + walker(w)
+    out = record.scaled(batch * Hkv)
     out.label = f"{algo} {passes}"
-    return out
+    return out, tiles
+
+
+def count_io(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, head_dim,
+             heads_kv=None, block_r=None, block_c=None, causal=False, window=None,
+             causal_align="bottom_right", dtype_bytes=4, profile=EMU_PROFILE):
+    """The IO record of `algo` ("fa1", "fa2", "standard") for `passes` ("forward",
+    "backward", "both"), counted without arithmetic. heads_kv: K/V heads (None: heads);
+    window, causal, causal_align: the mask, as the kernels take it (sim/mask.py). None
+    tiles are each kernel's defaults on `profile` (sim.tiles.default_tiles)."""
+    return count_kernels(algo, passes=passes, batch=batch, heads=heads, seqlen_q=seqlen_q,
+                         seqlen_k=seqlen_k, head_dim=head_dim, heads_kv=heads_kv,
+                         block_r=block_r, block_c=block_c, causal=causal, window=window,
+                         causal_align=causal_align, dtype_bytes=dtype_bytes, profile=profile)[0]
 
 
 # The unfused standard-attention model (sim/standard.py): no kernel, hence no tiles.

@@ -1,8 +1,9 @@
 """FlashAttention-1 forward, simulated: the twin of cuda/kernels/fa1_forward.cuh.
 
-The loops are the kernel's (Dao et al. 2022, Algorithm 1): K/V tiles j outside, Q tiles
-i inside, O, m and l kept in HBM and rewritten at every (j, i), the same fp32 operations
-in the same order (docs/numerics.md). Only independent work is vectorized: all heads, and
+The loops are the kernel's (Dao et al. 2022, Algorithm 1): one block per (query head h,
+batch b), reading K/V head h // (H / Hkv); K/V tiles j outside, the Q tiles i of the band
+mask.q_tiles(j) inside, O, m and l kept in HBM and rewritten at every visited (j, i),
+the same fp32 operations in the same order (docs/numerics.md). Only independent work is vectorized: all heads, and
 for one j all Q tiles i at once (the step (j, i) depends on (j-1, i) only), and all
 elements of a tile. Rows and columns past the end of the sequence are padded; the padding
 only ever meets operations that leave the real elements unchanged (max with -inf, adding
@@ -14,10 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import numerics as nx
-from .inputs import check_causal, check_qkv, resolve_scale, restore_rank
+from .inputs import check_qkv, resolve_scale, restore_rank, restore_rows
 from .io import IORecord
+from .mask import Mask
 from .tiles import launch_tiles
-from .tiling import causal_masked, ceil_div, q_tile_begin
+from .tiling import ceil_div, kv_heads
 
 F32 = np.float32
 NEG_INF = np.float32(-np.inf)
@@ -25,20 +27,21 @@ NEG_INF = np.float32(-np.inf)
 
 @dataclass
 class Fa1ForwardResult:
-    o: np.ndarray  # like q
-    m: np.ndarray  # q's shape without d: the row max, -inf for a row with no visible key
-    l: np.ndarray  # q's shape without d: sum_c exp(S[r, c] - m[r]), 0 for such a row
+    o: np.ndarray  # like q, in the layout asked for
+    m: np.ndarray  # (B, H, Nq) less q's missing leading axes: the row max, -inf for a row with no visible key
+    l: np.ndarray  # (B, H, Nq): sum_c exp(S[r, c] - m[r]), 0 for such a row
     io: IORecord
 
 
 @nx.ieee_arithmetic
-def fa1_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None):
-    q4, k4, v4, rank = check_qkv(q, k, v)
+def fa1_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_right", scale=None,
+                block_r=None, block_c=None, layout="bhnd"):
+    q4, k4, v4, rank, Hkv = check_qkv(q, k, v, layout)
     B, H, Nq, d = q4.shape
     Nk = k4.shape[2]
     scale = resolve_scale(scale, d)
     Br, Bc = launch_tiles("fa1_forward", d, block_r, block_c)
-    causal = check_causal(causal)
+    mask = Mask.resolve(causal, window, causal_align, Nq, Nk)
 
     BH, Tr, Tc = B * H, ceil_div(Nq, Br), ceil_div(Nk, Bc)
     # Array widths: a tile never holds more rows than Nq or more columns than Nk (a tile
@@ -60,8 +63,8 @@ def fa1_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None
     Qi[:, :Nq] = q4.reshape(BH, Nq, d)
     Qi = Qi.reshape(BH, Tr, Wr, d)
     rows = np.arange(Tr)[:, None] * Wr + np.arange(Wr)[None, :]  # (Tr, Wr) query index
-    K = k4.reshape(BH, Nk, d)
-    V = v4.reshape(BH, Nk, d)
+    K = kv_heads(k4, H).reshape(BH, Nk, d)
+    V = kv_heads(v4, H).reshape(BH, Nk, d)
 
     for j in range(Tc):
         col0 = j * Bc
@@ -73,26 +76,24 @@ def fa1_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None
         io.read("K", BH * nbytes(bc))
         io.read("V", BH * nbytes(bc))
 
-        # Q tiles i >= a see some key of tile j; the earlier ones are skipped (causal).
-        a = q_tile_begin(causal, col0, Nq, Nk, Br)
-        if a >= Tr:
+        # Q tiles i in [a, z) see some key of tile j; the others are skipped.
+        a, z = mask.q_tiles(col0, bc, Br, Nq)
+        if a == z:
             continue
-        n_rows = Nq - a * Br
+        n_rows = min(Nq, z * Br) - a * Br
         io.read("Q", BH * nbytes(n_rows))
         io.read("O", BH * nbytes(n_rows))
         io.read("m", BH * n_rows * 4)
         io.read("l", BH * n_rows * 4)
 
         # S_ij[r, c] = scale * sum_x Q_i[r, x] K_j[c, x], x in order.
-        Q_a = Qi[:, a:]
+        Q_a = Qi[:, a:z]
         cols = col0 + np.arange(Wc)
-        hidden = cols[None, None, :] >= Nk  # padding columns
-        if causal:
-            hidden = hidden | causal_masked(rows[a:, :, None], cols[None, None, :], Nq, Nk)
+        hidden = (cols[None, None, :] >= Nk) | mask.masked(rows[a:z, :, None], cols[None, None, :])
         S = nx.scores(Q_a, Kj[:, None], scale, hidden[None])
 
         # m~_ij = max(-inf, S[r, 0], ...); P~_ij = exp(S_ij - m~_ij); l~_ij = rowsum.
-        mt = np.full((BH, Tr - a, Wr), NEG_INF, F32)
+        mt = np.full((BH, z - a, Wr), NEG_INF, F32)
         for c in range(Wc):
             mt = nx.maximum(mt, S[..., c])
         P = nx.exp(S - nx.safe_max(mt)[..., None])
@@ -100,7 +101,7 @@ def fa1_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None
         for c in range(Wc):
             lt = lt + P[..., c]
 
-        m_old, l_old = m[:, a:], l[:, a:]
+        m_old, l_old = m[:, a:z], l[:, a:z]
         m_new = nx.maximum(m_old, mt)
         alpha = nx.exp(m_old - nx.safe_max(m_new))  # exp(m_i - m_new)
         beta = nx.exp(mt - nx.safe_max(m_new))      # exp(m~_ij - m_new)
@@ -109,18 +110,19 @@ def fa1_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None
 
         # pv[r, x] = sum_c P~_ij[r, c] V_j[c, x], c in order, one fma per step.
         pv = nx.dot_rows(P, np.swapaxes(Vj, -1, -2)[:, None])
-        num = nx.fma32(o_scale[..., None], O[:, a:], beta[..., None] * pv)
+        num = nx.fma32(o_scale[..., None], O[:, a:z], beta[..., None] * pv)
         with np.errstate(divide="ignore", invalid="ignore"):
             O_new = np.where(l_new[..., None] == 0, F32(0), num / l_new[..., None])
 
         # Stored to HBM, so NaNs canonical (docs/numerics.md); l_new above is the on-chip value.
-        O[:, a:] = nx.canonical_nan(O_new)
-        m[:, a:], l[:, a:] = nx.canonical_nan(m_new), nx.canonical_nan(l_new)
+        O[:, a:z] = nx.canonical_nan(O_new)
+        m[:, a:z], l[:, a:z] = nx.canonical_nan(m_new), nx.canonical_nan(l_new)
         io.write("O", BH * nbytes(n_rows))
         io.write("m", BH * n_rows * 4)
         io.write("l", BH * n_rows * 4)
 
     O = O.reshape(BH, Tr * Wr, d)[:, :Nq].reshape(B, H, Nq, d)
-    m = m.reshape(BH, Tr * Wr)[:, :Nq].reshape(q.shape[:-1])
-    l = l.reshape(BH, Tr * Wr)[:, :Nq].reshape(q.shape[:-1])
-    return Fa1ForwardResult(restore_rank(O, rank), m, l, io)
+    m = m.reshape(BH, Tr * Wr)[:, :Nq].reshape(B, H, Nq)
+    l = l.reshape(BH, Tr * Wr)[:, :Nq].reshape(B, H, Nq)
+    return Fa1ForwardResult(restore_rank(O, rank, layout), restore_rows(m, rank),
+                            restore_rows(l, rank), io)

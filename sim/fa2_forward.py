@@ -1,8 +1,10 @@
 """FlashAttention-2 forward, simulated: the twin of cuda/kernels/fa2_forward.cuh.
 
-The loops are the kernel's: Q row blocks i (the grid), K/V tiles j, then within a tile
-the same fp32 operations in the same order (docs/numerics.md). Only independent work is
-vectorized: all heads and all row blocks i at once, and all elements of a tile. Rows and
+The loops are the kernel's: one block per (Q row block i, query head h, batch b), each
+walking the K/V tiles j of its band mask.kv_tiles(i) in increasing order, then within a
+tile the same fp32 operations in the same order (docs/numerics.md). Query head h reads
+K/V head h // (H / Hkv). Only independent work is vectorized: all heads and all row
+blocks i at once (those whose band holds j), and all elements of a tile. Rows and
 columns past the end of the sequence are padded; the padding only ever meets operations
 that leave the real elements unchanged (max with -inf, adding +0), and is cut away.
 """
@@ -12,10 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import numerics as nx
-from .inputs import check_causal, check_qkv, resolve_scale, restore_rank
+from .inputs import check_qkv, resolve_scale, restore_rank, restore_rows
 from .io import IORecord
+from .mask import Mask
 from .tiles import launch_tiles
-from .tiling import causal_masked, ceil_div, kv_tile_end
+from .tiling import ceil_div, kv_heads
 
 F32 = np.float32
 NEG_INF = np.float32(-np.inf)
@@ -23,19 +26,20 @@ NEG_INF = np.float32(-np.inf)
 
 @dataclass
 class Fa2ForwardResult:
-    o: np.ndarray    # like q
-    lse: np.ndarray  # q's shape without d
+    o: np.ndarray    # like q, in the layout asked for
+    lse: np.ndarray  # (B, H, Nq) without q's missing leading axes, whatever the layout
     io: IORecord
 
 
 @nx.ieee_arithmetic
-def fa2_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None):
-    q4, k4, v4, rank = check_qkv(q, k, v)
+def fa2_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_right", scale=None,
+                block_r=None, block_c=None, layout="bhnd"):
+    q4, k4, v4, rank, Hkv = check_qkv(q, k, v, layout)
     B, H, Nq, d = q4.shape
     Nk = k4.shape[2]
     scale = resolve_scale(scale, d)
     Br, Bc = launch_tiles("fa2_forward", d, block_r, block_c)
-    causal = check_causal(causal)
+    mask = Mask.resolve(causal, window, causal_align, Nq, Nk)
 
     BH, Tr, Tc = B * H, ceil_div(Nq, Br), ceil_div(Nk, Bc)
     io = IORecord(label=f"FA2 forward (simulated), Br={Br}, Bc={Bc}")
@@ -51,35 +55,30 @@ def fa2_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None
     li = np.zeros((BH, Tr, Br), F32)
 
     rows = (np.arange(Tr)[:, None] * Br + np.arange(Br)[None, :])  # (Tr, Br) query index
-    br_of = np.minimum(Br, Nq - np.arange(Tr) * Br)
-    Tc_visit = np.array([kv_tile_end(causal, i * Br, br_of[i], Nq, Nk, Bc) for i in range(Tr)])
-    K = k4.reshape(BH, Nk, d)
-    V = v4.reshape(BH, Nk, d)
-
+    K = kv_heads(k4, H).reshape(BH, Nk, d)
+    V = kv_heads(v4, H).reshape(BH, Nk, d)
     for j in range(Tc):
         col0 = j * Bc
         bc = min(Bc, Nk - col0)
-        # Row blocks that visit tile j: a suffix i >= i0, since Tc_visit grows with i.
-        active = np.nonzero(j < Tc_visit)[0]
-        if active.size == 0:
+        # The row blocks whose band kv_tiles(i) holds j are exactly the band q_tiles(j):
+        # each block visits j, and they are vectorized together.
+        a, z = mask.q_tiles(col0, bc, Br, Nq)
+        if a == z:
             continue
-        a = active[0]
         Kj = np.zeros((BH, Bc, d), F32)
         Vj = np.zeros((BH, Bc, d), F32)
         Kj[:, :bc] = K[:, col0:col0 + bc]
         Vj[:, :bc] = V[:, col0:col0 + bc]
-        io.read("K", BH * active.size * nbytes(bc))
-        io.read("V", BH * active.size * nbytes(bc))
+        io.read("K", BH * (z - a) * nbytes(bc))
+        io.read("V", BH * (z - a) * nbytes(bc))
 
         # S_ij[r, c] = scale * sum_x Q_i[r, x] K_j[c, x], x in order.
-        Q_a = Qi[:, a:]
+        Q_a = Qi[:, a:z]
         cols = col0 + np.arange(Bc)
-        hidden = cols[None, None, :] >= Nk  # padding columns
-        if causal:
-            hidden = hidden | causal_masked(rows[a:, :, None], cols[None, None, :], Nq, Nk)
+        hidden = (cols[None, None, :] >= Nk) | mask.masked(rows[a:z, :, None], cols[None, None, :])
         S = nx.scores(Q_a, Kj[:, None], scale, hidden[None])
 
-        m_old = mi[:, a:]
+        m_old = mi[:, a:z]
         m_new = m_old
         for c in range(Bc):
             m_new = nx.maximum(m_new, S[..., c])
@@ -89,12 +88,12 @@ def fa2_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None
         rowsum = np.zeros_like(m_new)
         for c in range(Bc):
             rowsum = rowsum + P[..., c]
-        l_new = nx.fma32(alpha, li[:, a:], rowsum)
+        l_new = nx.fma32(alpha, li[:, a:z], rowsum)
         # pv[r, x] = sum_c P[r, c] V_j[c, x], c in order, one fma per step.
         pv = nx.dot_rows(P, np.swapaxes(Vj, -1, -2)[:, None])
-        O_new = nx.fma32(alpha[..., None], Oi[:, a:], pv)
+        O_new = nx.fma32(alpha[..., None], Oi[:, a:z], pv)
 
-        mi[:, a:], li[:, a:], Oi[:, a:] = m_new, l_new, O_new
+        mi[:, a:z], li[:, a:z], Oi[:, a:z] = m_new, l_new, O_new
 
     with np.errstate(divide="ignore", invalid="ignore"):
         O = np.where(li[..., None] == 0, F32(0), Oi / li[..., None])
@@ -103,4 +102,4 @@ def fa2_forward(q, k, v, *, causal=False, scale=None, block_r=None, block_c=None
     LSE = nx.canonical_nan(LSE.reshape(BH, Tr * Br)[:, :Nq].reshape(B, H, Nq))
     io.write("O", BH * nbytes(Nq))
     io.write("LSE", BH * Nq * 4)
-    return Fa2ForwardResult(restore_rank(O, rank), LSE.reshape(q.shape[:-1]), io)
+    return Fa2ForwardResult(restore_rank(O, rank, layout), restore_rows(LSE, rank), io)

@@ -1,72 +1,166 @@
 """Argument checks shared by the simulator and pyfa's API, so both reject bad input the
-same way, with errors that name the argument."""
+same way, with errors that name the argument.
+
+Tensors are taken as the caller gave them and turned into 4-D (B, H, N, d) views of the
+caller's memory, never copies: layout "bhnd" is (B, H, N, d) itself, layout "bnhd"
+(flash-attn's) is (B, N, H, d) seen through a transpose. A caller's tensor of rank 3
+drops B, of rank 2 drops B and H (then the layouts coincide). Per-row statistics (LSE,
+m, l) are (B, H, Nq) in both layouts, as in flash-attn.
+"""
 
 import math
 import numbers
+from typing import NamedTuple
 
 import numpy as np
 
 MAX_HEAD_DIM = 256
+LAYOUTS = ("bhnd", "bnhd")
 
 
-def as_tensor(name, x, rank=None):
-    """x as a C-contiguous float32 array; float32 only, any strides."""
+def check_layout(layout):
+    if not isinstance(layout, str):
+        raise TypeError(f"layout: expected 'bhnd' or 'bnhd', got {type(layout).__name__}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected 'bhnd' or 'bnhd', got {layout!r}")
+    return layout
+
+
+def _float32_array(name, x):
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name}: expected a numpy.ndarray of float32, got {type(x).__name__}")
     if x.dtype != np.float32:
         raise TypeError(f"{name}: expected dtype float32, got {x.dtype}")
+    return x
+
+
+def _shape_words(layout):
+    return "(B, H, N, d), (H, N, d) or (N, d)" if layout == "bhnd" else \
+        "(B, N, H, d), (N, H, d) or (N, d)"
+
+
+def as_tensor(name, x, rank=None, layout="bhnd"):
+    """x checked as a float32 tensor of rank 2, 3 or 4 (and `rank` when given); returned
+    as it is, any strides."""
+    _float32_array(name, x)
     if x.ndim not in (2, 3, 4):
-        raise ValueError(f"{name}: expected shape (B, H, N, d), (H, N, d) or (N, d), got {x.shape}")
+        raise ValueError(f"{name}: expected shape {_shape_words(layout)}, got {x.shape}")
     if rank is not None and x.ndim != rank:
         raise ValueError(f"{name}: expected {rank} dimensions like q, got shape {x.shape}")
-    return np.ascontiguousarray(x)
+    return x
 
 
-def as_4d(x):
-    return x.reshape((1,) * (4 - x.ndim) + x.shape)
+def as_4d(x, layout="bhnd"):
+    """The caller's tensor as a (B, H, N, d) view (no copy): leading unit axes for the
+    dimensions the caller left out, then the transpose of a "bnhd" tensor."""
+    x4 = x[(None,) * (4 - x.ndim)]
+    return x4.transpose(0, 2, 1, 3) if layout == "bnhd" and x.ndim > 2 else x4
 
 
-def check_qkv(q, k, v):
-    """Returns q, k, v as contiguous 4-D float32 arrays and the rank the caller used."""
-    q = as_tensor("q", q)
-    k = as_tensor("k", k, q.ndim)
-    v = as_tensor("v", v, q.ndim)
+def caller_shape(shape4, rank, layout="bhnd"):
+    """The shape, in the caller's rank and layout, of a (B, H, N, d) tensor."""
+    B, H, N, d = shape4
+    full = (B, N, H, d) if layout == "bnhd" and rank > 2 else (B, H, N, d)
+    return full[4 - rank:]
+
+
+def empty_output(shape4, rank, layout="bhnd"):
+    """A fresh C-contiguous float32 tensor in the caller's rank and layout, and its
+    (B, H, N, d) view: what a function returns, and where it writes it."""
+    out = np.empty(caller_shape(shape4, rank, layout), np.float32)
+    return out, as_4d(out, layout)
+
+
+def restore_rank(x4, rank, layout="bhnd"):
+    """A (B, H, N, d) result as the caller's rank and layout, C-contiguous in that
+    layout (a copy only for "bnhd")."""
+    x = x4.transpose(0, 2, 1, 3) if layout == "bnhd" and rank > 2 else x4
+    return np.ascontiguousarray(x.reshape(x.shape[4 - rank:]))
+
+
+def restore_rows(x3, rank):
+    """A (B, H, Nq) per-row result as the caller's rank (q's rank less d)."""
+    return x3.reshape(x3.shape[4 - rank:])
+
+
+class QKV(NamedTuple):
+    q: np.ndarray     # (B, H, Nq, d) view of the caller's q
+    k: np.ndarray     # (B, Hkv, Nk, d) view of the caller's k
+    v: np.ndarray     # (B, Hkv, Nk, d) view of the caller's v
+    rank: int         # the caller's rank: 4, 3 or 2
+    heads_kv: int     # Hkv; H % Hkv == 0, query head h reads K/V head h // (H // Hkv)
+
+
+def check_qkv(q, k, v, layout="bhnd"):
+    """q, k, v checked and seen as 4-D (B, H, N, d) views without copying (any strides;
+    float32 only). k and v may have Hkv heads with H % Hkv == 0 (GQA, MQA at Hkv = 1)."""
+    layout = check_layout(layout)
+    as_tensor("q", q, layout=layout)
+    as_tensor("k", k, q.ndim, layout)
+    as_tensor("v", v, q.ndim, layout)
     rank = q.ndim
-    q4, k4, v4 = as_4d(q), as_4d(k), as_4d(v)
+    q4, k4, v4 = as_4d(q, layout), as_4d(k, layout), as_4d(v, layout)
     B, H, Nq, d = q4.shape
-    if k4.shape[:2] != (B, H):
-        raise ValueError(f"k: batch and heads {k.shape[:-2]} differ from q's {q.shape[:-2]}")
-    if k4.shape[3] != d:
-        raise ValueError(f"k: head dim {k4.shape[3]} differs from q's {d}")
-    if v4.shape != k4.shape:
+    _, Hkv, Nk, dk = k4.shape
+    if k4.shape[0] != B:
+        raise ValueError(f"k: batch {k4.shape[0]} differs from q's {B}")
+    if dk != d:
+        raise ValueError(f"k: head dim {dk} differs from q's {d}")
+    if v.shape != k.shape:
         raise ValueError(f"v: shape {v.shape} differs from k's {k.shape}")
-    if min(q4.shape) < 1 or k4.shape[2] < 1:
+    if min(q4.shape) < 1 or min(k4.shape) < 1:
         raise ValueError(f"q, k: every dimension must be >= 1, got q {q.shape}, k {k.shape}")
+    if H % Hkv != 0:
+        raise ValueError(f"k: its {Hkv} heads must divide q's {H} heads (grouped-query "
+                         f"attention), got q {q.shape}, k {k.shape}")
     if d > MAX_HEAD_DIM:
         raise ValueError(f"q: head dim must be in [1, {MAX_HEAD_DIM}], got {d}")
-    return q4, k4, v4, rank
+    return QKV(q4, k4, v4, rank, Hkv)
 
 
-def check_like(name, x, like):
-    """x must be float32 with exactly the shape of `like` (4-D view returned)."""
-    x = as_tensor(name, x)
-    if x.size != like.size or as_4d(x).shape != like.shape:
-        raise ValueError(f"{name}: expected shape matching {like.shape}, got {x.shape}")
-    return as_4d(x)
+def check_like(name, x, like, layout="bhnd"):
+    """x must be a float32 tensor that is, in `layout`, exactly the (B, H, N, d) shape of
+    `like` (leading unit axes may be left out); returns its (B, H, N, d) view."""
+    layout = check_layout(layout)
+    as_tensor(name, x, layout=layout)
+    x4 = as_4d(x, layout)
+    if x4.shape != like.shape:
+        want = caller_shape(like.shape, 4, layout)
+        raise ValueError(f"{name}: expected shape {want} (layout {layout!r}), got {x.shape}")
+    return x4
 
 
 def check_rows(name, x, q4):
-    """Per-row statistics (LSE, m, l): float32 shaped like q without d, i.e. (B, H, Nq),
-    (H, Nq) or (Nq,); returned as a contiguous (B, H, Nq) array."""
-    if not isinstance(x, np.ndarray):
-        raise TypeError(f"{name}: expected a numpy.ndarray of float32, got {type(x).__name__}")
-    if x.dtype != np.float32:
-        raise TypeError(f"{name}: expected dtype float32, got {x.dtype}")
+    """Per-row statistics (LSE, m, l): float32 shaped like q without d in (B, H, Nq) order
+    whatever the layout, i.e. (B, H, Nq), (H, Nq) or (Nq,); returned as a (B, H, Nq)
+    view (no copy)."""
+    _float32_array(name, x)
     rows = q4.shape[:3]
     if not 1 <= x.ndim <= 3 or (1,) * (3 - x.ndim) + x.shape != rows:
         raise ValueError(f"{name}: expected one value per query row, shape {rows} "
                          f"(or without its leading 1s), got {x.shape}")
-    return np.ascontiguousarray(x).reshape(rows)
+    return x[(None,) * (3 - x.ndim)]
+
+
+def element_strides(x4):
+    """(batch, head, row) strides in elements of a (B, H, N, d) float32 view, as the C ABI
+    takes them, or None when the library cannot address it in place (the last axis not
+    contiguous, a negative or misaligned stride, an unaligned pointer): copy it then.
+    The stride of an axis of length 1 never matters and is given as 0."""
+    item = x4.itemsize
+    if not x4.flags.aligned:
+        return None
+    if x4.shape[3] > 1 and x4.strides[3] != item:
+        return None
+    out = []
+    for n, s in zip(x4.shape[:3], x4.strides[:3]):
+        if n == 1:
+            out.append(0)
+        elif s < 0 or s % item:
+            return None
+        else:
+            out.append(s // item)
+    return tuple(out)
 
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -125,12 +219,6 @@ def check_tile(name, value):
     if value < 1 or value > MAX_TILE:
         raise ValueError(f"{name}: must be in [1, {MAX_TILE}], got {value}")
     return int(value)
-
-
-def restore_rank(x, rank):
-    """Drops the leading unit axes as_4d added to a tensor of the caller's rank."""
-    drop = 4 - rank
-    return x.reshape(x.shape[drop:])
 
 
 def check_count_args(passes, **sizes):

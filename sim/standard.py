@@ -32,9 +32,10 @@ from typing import Optional
 
 import numpy as np
 
-from .inputs import check_causal, check_count_args, check_like, check_qkv, resolve_scale, restore_rank
+from .inputs import check_count_args, check_like, check_qkv, resolve_scale, restore_rank, restore_rows
 from .io import IORecord
-from .tiling import causal_masked
+from .mask import Mask
+from .tiling import kv_heads
 
 F32 = np.float32
 NEG_INF = np.float32(-np.inf)
@@ -50,18 +51,28 @@ class Step:
     writes: tuple
 
 
-def forward_steps(Nq, Nk, d, *, scale_pass=False, mask_pass=False, dropout_pass=False):
-    """The forward pipeline of one (batch, head), in launch order (Algorithm 0):
+def forward_steps(Nq, Nk, d, *, G=1, scale_pass=False, mask_pass=False, dropout_pass=False):
+    """The forward pipeline of one (batch, K/V head), i.e. of the G = H / Hkv query heads
+    that share it, in launch order (Algorithm 0):
 
+    0. [G > 1] K_rep, V_rep = K, V repeated  read K, V; write G copies of each
     1. S = Q K^T              read Q, K; write S (Nq x Nk)
     2. [scale pass]           read S, write S
     3. [mask pass]            read S, write S
     4. P = softmax(S)         read S, write P
     5. [dropout pass]         read P, write P_drop
     6. O = P V (or P_drop V)  read P (P_drop), V; write O
+    Step 0 is grouped-query attention as an unfused framework runs it (HuggingFace's
+    repeat_kv): K and V copied out to one head per query head, and the matmuls then read
+    the copies.
     """
-    NN = Nq * Nk
-    steps = [Step("S = Q K^T", (("Q", Nq * d), ("K", Nk * d)), (("S", NN),))]
+    NN = G * Nq * Nk
+    k, v = ("K_rep", "V_rep") if G > 1 else ("K", "V")
+    steps = []
+    if G > 1:
+        steps.append(Step("K_rep = repeat(K)", (("K", Nk * d),), (("K_rep", G * Nk * d),)))
+        steps.append(Step("V_rep = repeat(V)", (("V", Nk * d),), (("V_rep", G * Nk * d),)))
+    steps.append(Step(f"S = Q {k}^T", (("Q", G * Nq * d), (k, G * Nk * d)), (("S", NN),)))
     if scale_pass:
         steps.append(Step("scale: S = S * scale", (("S", NN),), (("S", NN),)))
     if mask_pass:
@@ -71,13 +82,13 @@ def forward_steps(Nq, Nk, d, *, scale_pass=False, mask_pass=False, dropout_pass=
     if dropout_pass:
         steps.append(Step("dropout: P_drop = dropout(P)", (("P", NN),), (("P_drop", NN),)))
         pv = "P_drop"
-    steps.append(Step(f"O = {pv} V", ((pv, NN), ("V", Nk * d)), (("O", Nq * d),)))
+    steps.append(Step(f"O = {pv} {v}", ((pv, NN), (v, G * Nk * d)), (("O", G * Nq * d),)))
     return steps
 
 
-def backward_steps(Nq, Nk, d, *, scale_pass=False, mask_pass=False, dropout_pass=False):
-    """The backward pipeline of one (batch, head), in launch order (Algorithm 3, with the
-    forward's optional passes undone in reverse order):
+def backward_steps(Nq, Nk, d, *, G=1, scale_pass=False, mask_pass=False, dropout_pass=False):
+    """The backward pipeline of one (batch, K/V head), in launch order (Algorithm 3, with
+    the forward's optional passes undone in reverse order):
 
     1. dV = P^T dO (P_drop^T dO)         read P (P_drop), dO; write dV
     2. dP = dO V^T                       read dO, V; write dP (Nq x Nk)
@@ -87,13 +98,16 @@ def backward_steps(Nq, Nk, d, *, scale_pass=False, mask_pass=False, dropout_pass
     6. [scale pass]                      read dS, write dS
     7. dQ = dS K                         read dS, K; write dQ
     8. dK = dS^T Q                       read dS, Q; write dK
+    9. [G > 1] dK, dV = the sums of dK_rep, dV_rep over the group
     Without the scale pass the scale is folded into the matmuls of steps 7 and 8. O is
-    never read: softmax's backward works from the saved P and dP.
+    never read: softmax's backward works from the saved P and dP. With G > 1, steps 1-8
+    work on the repeated K_rep, V_rep and produce dK_rep, dV_rep, one per query head.
     """
-    NN = Nq * Nk
+    NN = G * Nq * Nk
+    k, v, dk, dv = ("K_rep", "V_rep", "dK_rep", "dV_rep") if G > 1 else ("K", "V", "dK", "dV")
     saved = "P_drop" if dropout_pass else "P"
-    steps = [Step(f"dV = {saved}^T dO", ((saved, NN), ("dO", Nq * d)), (("dV", Nk * d),)),
-             Step("dP = dO V^T", (("dO", Nq * d), ("V", Nk * d)), (("dP", NN),))]
+    steps = [Step(f"{dv} = {saved}^T dO", ((saved, NN), ("dO", G * Nq * d)), ((dv, G * Nk * d),)),
+             Step(f"dP = dO {v}^T", (("dO", G * Nq * d), (v, G * Nk * d)), (("dP", NN),))]
     if dropout_pass:
         steps.append(Step("dropout: dP = dropout'(dP)", (("dP", NN),), (("dP", NN),)))
     steps.append(Step("dS = softmax'(P, dP)", (("P", NN), ("dP", NN)), (("dS", NN),)))
@@ -101,8 +115,13 @@ def backward_steps(Nq, Nk, d, *, scale_pass=False, mask_pass=False, dropout_pass
         steps.append(Step("mask: dS = where(mask, 0, dS)", (("dS", NN),), (("dS", NN),)))
     if scale_pass:
         steps.append(Step("scale: dS = dS * scale", (("dS", NN),), (("dS", NN),)))
-    steps.append(Step("dQ = dS K", (("dS", NN), ("K", Nk * d)), (("dQ", Nq * d),)))
-    steps.append(Step("dK = dS^T Q", (("dS", NN), ("Q", Nq * d)), (("dK", Nk * d),)))
+    steps.append(Step(f"dQ = dS {k}", (("dS", NN), (k, G * Nk * d)), (("dQ", G * Nq * d),)))
+    steps.append(Step(f"{dk} = dS^T Q", (("dS", NN), ("Q", G * Nq * d)), ((dk, G * Nk * d),)))
+    if G > 1:
+        steps.append(Step("dK = sum over the group of dK_rep", (("dK_rep", G * Nk * d),),
+                          (("dK", Nk * d),)))
+        steps.append(Step("dV = sum over the group of dV_rep", (("dV_rep", G * Nk * d),),
+                          (("dV", Nk * d),)))
     return steps
 
 
@@ -117,39 +136,38 @@ def steps_record(steps, e, label=""):
     return io
 
 
-# ---- count_io walkers (sim/count.py's signature). Br and Bc are ignored: there are no
-# tiles. `causal` is ignored too: an unfused framework still materializes and moves the
-# full Nq x Nk matrices, masked entries included; only a fused kernel can skip them.
+# ---- count_io walkers (sim/count.py's, on a count.Walk). The tiles are ignored: there
+# are none. The mask is ignored too: an unfused framework still materializes and moves
+# the full Nq x Nk matrices, masked entries included; only a fused kernel can skip them.
 
-def standard_forward_io(Nq, Nk, d, Br, Bc, causal, e, *, scale_pass=False, mask_pass=False,
-                        dropout_pass=False):
-    return steps_record(forward_steps(Nq, Nk, d, scale_pass=scale_pass, mask_pass=mask_pass,
-                                      dropout_pass=dropout_pass), e)
+def standard_forward_io(w, *, scale_pass=False, mask_pass=False, dropout_pass=False):
+    return steps_record(forward_steps(w.Nq, w.Nk, w.d, G=w.G, scale_pass=scale_pass,
+                                      mask_pass=mask_pass, dropout_pass=dropout_pass), w.e)
 
 
-def standard_backward_io(Nq, Nk, d, Br, Bc, causal, e, *, scale_pass=False, mask_pass=False,
-                         dropout_pass=False):
-    return steps_record(backward_steps(Nq, Nk, d, scale_pass=scale_pass, mask_pass=mask_pass,
-                                       dropout_pass=dropout_pass), e)
+def standard_backward_io(w, *, scale_pass=False, mask_pass=False, dropout_pass=False):
+    return steps_record(backward_steps(w.Nq, w.Nk, w.d, G=w.G, scale_pass=scale_pass,
+                                       mask_pass=mask_pass, dropout_pass=dropout_pass), w.e)
 
 
 def count_standard_io(*, passes="forward", batch, heads, seqlen_q, seqlen_k, head_dim,
-                      causal=False, dtype_bytes=4, scale_pass=False, mask_pass=False,
-                      dropout_pass=False):
+                      heads_kv=None, causal=False, window=None, causal_align="bottom_right",
+                      dtype_bytes=4, scale_pass=False, mask_pass=False, dropout_pass=False):
     """count_io("standard", ...) with the optional elementwise passes. With no pass it
     equals count_io("standard", ...)."""
+    from .count import Walk, check_heads_kv  # count imports this module
     check_count_args(passes, batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                      head_dim=head_dim, dtype_bytes=dtype_bytes)
-    causal = check_causal(causal)
+    Hkv = check_heads_kv(heads_kv, heads)
+    mask = Mask.resolve(causal, window, causal_align, seqlen_q, seqlen_k)
+    w = Walk(seqlen_q, seqlen_k, head_dim, heads // Hkv, None, None, mask, dtype_bytes)
     opts = dict(scale_pass=scale_pass, mask_pass=mask_pass, dropout_pass=dropout_pass)
     record = IORecord()
     if passes in ("forward", "both"):
-        record = record + standard_forward_io(seqlen_q, seqlen_k, head_dim, None, None, causal,
-                                              dtype_bytes, **opts)
+        record = record + standard_forward_io(w, **opts)
     if passes in ("backward", "both"):
-        record = record + standard_backward_io(seqlen_q, seqlen_k, head_dim, None, None, causal,
-                                               dtype_bytes, **opts)
-    out = record.scaled(batch * heads)
+        record = record + standard_backward_io(w, **opts)
+    out = record.scaled(batch * Hkv)
     out.label = f"standard {passes}"
     return out
 
@@ -158,29 +176,24 @@ def count_standard_io(*, passes="forward", batch, heads, seqlen_q, seqlen_k, hea
 
 @dataclass
 class StandardForwardResult:
-    o: np.ndarray              # like q
-    p: np.ndarray              # the saved probabilities, q's shape with d replaced by Nk
-    lse: np.ndarray            # q's shape without d; for comparison only (never written)
+    o: np.ndarray              # like q, in the layout asked for
+    p: np.ndarray              # the saved probabilities, (B, H, Nq, Nk) in either layout
+    lse: np.ndarray            # (B, H, Nq); for comparison only (never written)
     io: IORecord
     steps: Optional[list] = None
 
 
 @dataclass
 class StandardBackwardResult:
-    dq: np.ndarray
-    dk: np.ndarray
-    dv: np.ndarray
+    dq: np.ndarray             # like q
+    dk: np.ndarray             # like k (Hkv heads)
+    dv: np.ndarray             # like v
     io: IORecord
     steps: Optional[list] = None
 
 
-def _hidden(causal, Nq, Nk):
-    if not causal:
-        return np.zeros((Nq, Nk), bool)
-    return causal_masked(np.arange(Nq)[:, None], np.arange(Nk)[None, :], Nq, Nk)
-
-
-def standard_forward(q, k, v, *, causal=False, scale=None, mask_pass=False, scale_pass=False,
+def standard_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_right",
+                     scale=None, layout="bhnd", mask_pass=False, scale_pass=False,
                      dropout_pass=False):
     """Unfused standard attention: O = softmax(scale * Q K^T [masked]) V in float32.
 
@@ -188,19 +201,19 @@ def standard_forward(q, k, v, *, causal=False, scale=None, mask_pass=False, scal
     the step list and what each optional pass means); `.io` counts each step's HBM reads
     and writes at 4 bytes per element. The values are computed plainly with NumPy float32
     (its matmul and exp), close to exact attention but not bit-exact with pyfa's kernels or
-    any framework. Causal masking follows docs/numerics.md (bottom-right aligned); a row
-    that sees no key gets O = 0, P = 0, LSE = -inf. `.lse` is given for comparison with the
-    FlashAttention kernels only: the unfused pipeline saves P, not LSE, and its bytes are
-    not counted.
+    any framework. The mask is sim/mask.py's; a row that sees no key gets O = 0, P = 0,
+    LSE = -inf. `.lse` is given for comparison with the FlashAttention kernels only: the
+    unfused pipeline saves P, not LSE, and its bytes are not counted. `.p` is
+    (B, H, Nq, Nk) (without q's missing leading axes) in either layout.
     """
-    q4, k4, v4, rank = check_qkv(q, k, v)
+    q4, k4, v4, rank, Hkv = check_qkv(q, k, v, layout)
     B, H, Nq, d = q4.shape
     Nk = k4.shape[2]
     scale = resolve_scale(scale, d)
-    causal = check_causal(causal)
+    mask = Mask.resolve(causal, window, causal_align, Nq, Nk)
 
-    s = np.matmul(q4, k4.swapaxes(-1, -2)) * scale
-    s = np.where(_hidden(bool(causal), Nq, Nk), NEG_INF, s).astype(F32)
+    s = np.matmul(q4, kv_heads(k4, H).swapaxes(-1, -2)) * scale
+    s = np.where(mask.masked(np.arange(Nq)[:, None], np.arange(Nk)[None, :]), NEG_INF, s).astype(F32)
     m = s.max(axis=-1, keepdims=True)
     m_safe = np.where(m == NEG_INF, F32(0), m)
     ex = np.exp(s - m_safe)  # exp(-inf) = 0 for hidden keys
@@ -208,47 +221,50 @@ def standard_forward(q, k, v, *, causal=False, scale=None, mask_pass=False, scal
     with np.errstate(divide="ignore", invalid="ignore"):
         p = np.where(l > 0, ex / l, F32(0)).astype(F32)
         lse = np.where(l[..., 0] > 0, m_safe[..., 0] + np.log(l[..., 0]), NEG_INF).astype(F32)
-    o = np.matmul(p, v4).astype(F32)
+    o = np.matmul(p, kv_heads(v4, H)).astype(F32)
 
-    steps = forward_steps(Nq, Nk, d, scale_pass=scale_pass, mask_pass=mask_pass,
+    steps = forward_steps(Nq, Nk, d, G=H // Hkv, scale_pass=scale_pass, mask_pass=mask_pass,
                           dropout_pass=dropout_pass)
-    io = steps_record(steps, 4, label="standard forward (simulated, unfused)").scaled(B * H)
-    p_shape = q.shape[:-1] + (Nk,)
-    return StandardForwardResult(restore_rank(o, rank), p.reshape(p_shape),
-                                 lse.reshape(q.shape[:-1]), io, steps)
+    io = steps_record(steps, 4, label="standard forward (simulated, unfused)").scaled(B * Hkv)
+    return StandardForwardResult(restore_rank(o, rank, layout), restore_rank(p, rank),
+                                 restore_rows(lse, rank), io, steps)
 
 
-def standard_backward(q, k, v, o, p, do, *, causal=False, scale=None, mask_pass=False,
+def standard_backward(q, k, v, o, p, do, *, causal=False, window=None,
+                      causal_align="bottom_right", scale=None, layout="bhnd", mask_pass=False,
                       scale_pass=False, dropout_pass=False):
     """The backward of standard_forward, unfused (see backward_steps for the step list):
 
         dV = P^T dO;  dP = dO V^T;  dS = P * (dP - rowsum(dP * P));
         dQ = scale * dS K;  dK = scale * dS^T Q
 
-    `p` is the forward's saved probabilities (StandardForwardResult.p); `o` is accepted and
-    checked for a signature like the FlashAttention backwards', but never read (nor
-    counted): softmax's backward works from P and dP. `causal` changes no arithmetic here
-    (masked entries of P are 0, so their gradients are 0) and is kept for symmetry with
+    (dK and dV of a K/V head summed over its query heads). `p` is the forward's saved
+    probabilities (StandardForwardResult.p); `o` is accepted and checked for a signature
+    like the FlashAttention backwards', but never read (nor counted): softmax's backward
+    works from P and dP. The mask changes no arithmetic here (masked entries of P are 0,
+    so their gradients are 0); its arguments are checked and kept for symmetry with
     standard_forward. Plain NumPy float32, not bit-exact with anything.
     """
-    q4, k4, v4, rank = check_qkv(q, k, v)
+    q4, k4, v4, rank, Hkv = check_qkv(q, k, v, layout)
     B, H, Nq, d = q4.shape
     Nk = k4.shape[2]
+    G = H // Hkv
     scale = resolve_scale(scale, d)
-    check_causal(causal)
-    check_like("o", o, q4)
-    do4 = check_like("do", do, q4)
+    Mask.resolve(causal, window, causal_align, Nq, Nk)
+    check_like("o", o, q4, layout)
+    do4 = check_like("do", do, q4, layout)
     p4 = check_like("p", p, np.broadcast_to(F32(0), (B, H, Nq, Nk)))  # shape only
 
     dv = np.matmul(p4.swapaxes(-1, -2), do4)
-    dp = np.matmul(do4, v4.swapaxes(-1, -2))
+    dp = np.matmul(do4, kv_heads(v4, H).swapaxes(-1, -2))
     rowdot = (dp * p4).sum(axis=-1, keepdims=True, dtype=F32)
     ds = (p4 * (dp - rowdot)) * scale
-    dq = np.matmul(ds, k4)
+    dq = np.matmul(ds, kv_heads(k4, H))
     dk = np.matmul(ds.swapaxes(-1, -2), q4)
+    group_sum = lambda x: x.reshape(B, Hkv, G, Nk, d).sum(axis=2, dtype=F32)
 
-    steps = backward_steps(Nq, Nk, d, scale_pass=scale_pass, mask_pass=mask_pass,
+    steps = backward_steps(Nq, Nk, d, G=G, scale_pass=scale_pass, mask_pass=mask_pass,
                            dropout_pass=dropout_pass)
-    io = steps_record(steps, 4, label="standard backward (simulated, unfused)").scaled(B * H)
-    f = lambda x: restore_rank(x.astype(F32), rank)
-    return StandardBackwardResult(f(dq), f(dk), f(dv), io, steps)
+    io = steps_record(steps, 4, label="standard backward (simulated, unfused)").scaled(B * Hkv)
+    f = lambda x: restore_rank(x.astype(F32), rank, layout)
+    return StandardBackwardResult(f(dq), f(group_sum(dk)), f(group_sum(dv)), io, steps)

@@ -128,15 +128,15 @@ def check_fit(kernel, Br, Bc, d, profile=EMU_PROFILE):
             f"memory ({terms}), but {profile.name} allows {profile.smem_per_block} per block")
 
 
-def resolve_tiles(kernel, d, block_r, block_c):
+def resolve_tiles(kernel, d, block_r, block_c, profile=EMU_PROFILE):
     """The tiles a kernel runs with: the caller's block_r, block_c where given (checked),
-    the kernel's default for the other; the C side's kernel_tiles does the same. The IO
-    model (count_io) takes them as they are, fitting or not; launch_tiles is what a kernel
-    accepts."""
+    the kernel's default on `profile` for the other; the C side's kernel_tiles does the
+    same. The IO model (count_io) takes them as they are, fitting or not; launch_tiles is
+    what a kernel accepts."""
     Br = check_tile("block_r", block_r)
     Bc = check_tile("block_c", block_c)
     if Br is None or Bc is None:
-        default_r, default_c = default_tiles(kernel, d)
+        default_r, default_c = default_tiles(kernel, d, profile)
         Br, Bc = Br or default_r, Bc or default_c
     return Br, Bc
 

@@ -105,3 +105,17 @@ def test_the_op_table_matches_the_c_declarations_and_the_python_functions():
                   if p.kind == p.POSITIONAL_OR_KEYWORD]
         assert params == list(op.inputs), name
     assert sorted(k for op in pyfa.api.OPS.values() for k in op.kernels) == sorted(pyfa.api.KERNELS)
+
+
+def test_struct_size_keeps_todays_callers_and_refuses_unknown_fields(tmp_path):
+    # tests/c/struct_size.c: zero-initialised structs with only ABI 2's fields give ABI 2's
+    # results; smaller, larger-with-zero-tail and larger-with-nonzero-tail struct_size.
+    cc = compiler("cc", "gcc", "clang")
+    lib = _lib.library_path()
+    exe = tmp_path / "struct_size"
+    subprocess.run([cc, "-std=c99", "-Wall", "-Wextra", "-Werror", "-pedantic",
+                    f"-I{pyfa.get_include()}", str(HERE / "c" / "struct_size.c"), "-o", str(exe),
+                    str(lib), f"-Wl,-rpath,{lib.parent}", "-lm"], check=True)
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "struct_size: ok" in run.stdout

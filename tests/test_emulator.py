@@ -1,33 +1,131 @@
-"""Builds and runs the C++ self-test of the host emulation runtime (cuda/emu)."""
+"""The host emulation runtime (cuda/emu): its C++ self-test, the library's kernels on it
+under memory exhaustion, and its limits as the C ABI reports them."""
 
+import os
 import pathlib
 import shutil
 import subprocess
+import sys
+import textwrap
 
 import pytest
 
+import emu_abi
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+EMU_SOURCES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "cuda" / "emu").glob("*.cpp"))
+MAX_WORKERS = 256  # pyfa_emu::kMaxWorkers
+FIBER_STACK_BYTES = 64 * 1024  # pyfa_emu::kFiberStackBytes
+
+
+def compiler(name):
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} not found: this test builds C/C++ and needs it")
+    return path
+
+
+def build_cxx(tmp_path, name, main_source):
+    exe = tmp_path / name
+    build = subprocess.run(
+        [compiler("g++"), "-std=c++17", "-O2", "-ffp-contract=off", "-pthread", "-I", "cuda",
+         "-I", "cuda/include", main_source, *EMU_SOURCES, "-o", str(exe), "-ldl"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert build.returncode == 0, f"{name} build failed:\n{build.stdout}\n{build.stderr}"
+    return exe
+
+
+def summary_ok(run, prefix):
+    out = run.stdout + run.stderr
+    lines = [line for line in run.stdout.splitlines() if line.strip()]
+    assert run.returncode == 0, f"rc {run.returncode}:\n{out}"
+    assert lines and lines[-1].startswith(prefix), f"no summary line:\n{out}"
+    assert not any(line.startswith("FAIL") for line in lines), out
+    return lines
 
 
 def test_emulator_selftest(tmp_path):
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("g++ not found: the emulator self-test is C++ and needs it to build")
-    exe = tmp_path / "selftest"
-    build = subprocess.run(
-        [
-            gxx, "-std=c++17", "-O2", "-ffp-contract=off", "-pthread", "-I", "cuda",
-            "tests/emu/emu_selftest.cpp", "cuda/emu/emu_runtime.cpp", "-o", str(exe),
-        ],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert build.returncode == 0, f"self-test build failed:\n{build.stdout}\n{build.stderr}"
-
+    exe = build_cxx(tmp_path, "selftest", "tests/emu/emu_selftest.cpp")
     # The self-test has its own 120 s watchdog; this bound only guards against a stuck process.
     run = subprocess.run([str(exe)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    out = run.stdout + run.stderr
-    lines = [line for line in run.stdout.splitlines() if line.strip()]
-    assert run.returncode == 0, f"self-test failed (rc {run.returncode}):\n{out}"
-    assert lines and lines[-1].startswith("emu selftest: "), f"no summary line:\n{out}"
-    assert lines[-1].endswith(" passed, 0 failed"), f"self-test reported failures:\n{out}"
-    assert not any(line.startswith("FAIL") for line in lines), out
+    lines = summary_ok(run, "emu selftest: ")
+    assert lines[-1].endswith(" passed, 0 failed"), run.stdout
+
+
+def test_kernels_stack_use_is_far_below_the_fiber_stack(tmp_path):
+    exe = build_cxx(tmp_path, "emu_faults", "tests/emu/emu_faults.cpp")
+    run = subprocess.run([str(exe), "stack"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = summary_ok(run, "emu faults: ")
+    used = {line.split(":")[0]: int(line.split(":")[1].split()[0])
+            for line in lines if line.startswith("stack ")}
+    assert len(used) == 6 * 4, run.stdout  # every kernel at d = 32, 64, 128, 256
+    assert max(used.values()) < FIBER_STACK_BYTES // 8, run.stdout
+
+
+def test_allocation_failures_give_a_status_never_a_crash(tmp_path):
+    """Every memory request of an FA2 launch failed in turn, under an LD_PRELOAD shim."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the allocation-failing shim is for glibc on Linux")
+    shim = tmp_path / "fail_alloc.so"
+    build = subprocess.run([compiler("cc"), "-O2", "-shared", "-fPIC", "tests/emu/fail_alloc.c",
+                            "-o", str(shim), "-ldl"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+    assert build.returncode == 0, build.stderr
+    exe = build_cxx(tmp_path, "emu_faults", "tests/emu/emu_faults.cpp")
+    run = subprocess.run([str(exe), "sweep"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "LD_PRELOAD": str(shim)})
+    lines = summary_ok(run, "emu faults: ")
+    assert sum(line.startswith("sweep ") for line in lines) == 6, run.stdout
+
+
+def small_fa2():
+    return {**emu_abi.tensors(("q", "k", "v"), 1, 2, 40, 16, seed=9),
+            **emu_abi.tensors(("o", "lse"), 1, 2, 40, 16, fill=0.0)}
+
+
+def test_emu_workers_is_capped_with_an_error_naming_it():
+    status, message = emu_abi.call("pyfa_fa2_forward", small_fa2(), workers=MAX_WORKERS + 1)
+    assert status == emu_abi.INVALID_ARGUMENT
+    assert "config->emu_workers" in message and str(MAX_WORKERS) in message, message
+    status, message = emu_abi.call("pyfa_fa2_forward", small_fa2(), workers=MAX_WORKERS)
+    assert status == emu_abi.OK, message
+
+
+OOM_SCRIPT = textwrap.dedent("""
+    import resource
+    import emu_abi
+
+    def address_space():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    t = {**emu_abi.tensors(("q", "k", "v"), 1, 1, 64, 32, seed=1),
+         **emu_abi.tensors(("o", "m", "l"), 1, 1, 64, 32, fill=7.0)}
+    emu_abi.load()
+    # Room for everything but FA1's 256 guarded fiber stacks (about 34 MB).
+    resource.setrlimit(resource.RLIMIT_AS, (address_space() + (8 << 20), hard))
+    status, message = emu_abi.call("pyfa_fa1_forward", t, workers=1)
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    print(status, message)
+    print(int((t["o"] == 7.0).all()))
+    status, message = emu_abi.call("pyfa_fa1_forward", t, workers=1)
+    print(status, message)
+""")
+
+
+def test_no_memory_for_fiber_stacks_is_out_of_memory():
+    if not pathlib.Path("/proc/self/status").exists():
+        pytest.skip("needs /proc to size the address-space limit")
+    path = os.pathsep.join(p for p in (str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p)
+    run = subprocess.run([sys.executable, "-c", OOM_SCRIPT], cwd=ROOT / "tests",
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": path})
+    assert run.returncode == 0, run.stdout + run.stderr
+    first, untouched, second = run.stdout.splitlines()[-3:]
+    assert first.startswith(f"{emu_abi.OUT_OF_MEMORY} "), run.stdout
+    assert "out of memory" in first and "fiber stacks" in first, first
+    assert untouched == "1", "outputs written by a failed call"
+    assert second.startswith(f"{emu_abi.OK} "), second

@@ -10,7 +10,7 @@ import pytest
 import grid
 import pyfa
 from pyfa import _lib
-from reference import attention_ref, make_inputs, rel_err, same_bits
+from reference import attention_ref, make_inputs, rel_err, row_stats_ref, same_bits
 
 # The shared grid (tests/grid.py), plus the default tiles (64 x 227 at d = 64) over two
 # K/V tiles with tails.
@@ -37,18 +37,6 @@ def test_kernel_equals_simulator_bitwise(case, causal, backend, order):
     assert same_bits(o, sim.o), "O differs from the simulator"
     assert same_bits(m, sim.m), "m differs from the simulator"
     assert same_bits(l, sim.l), "l differs from the simulator"
-
-
-def row_stats_ref(q, k, causal):
-    """float64 m (row max of the scaled scores) and l = sum exp(s - m)."""
-    q, k = q.astype(np.float64), k.astype(np.float64)
-    s = np.einsum("...qd,...kd->...qk", q, k) / np.sqrt(q.shape[-1])
-    if causal:
-        Nq, Nk = q.shape[-2], k.shape[-2]
-        s = np.where(np.arange(Nk)[None, :] > np.arange(Nq)[:, None] + (Nk - Nq), -np.inf, s)
-    m = s.max(axis=-1)
-    l = np.exp(s - np.where(np.isinf(m), 0.0, m)[..., None]).sum(axis=-1)
-    return m, l
 
 
 @pytest.mark.parametrize("causal", [False, True])

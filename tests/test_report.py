@@ -1,4 +1,4 @@
-"""The HBM-IO report (sim/report.py, `python -m pyfa.sim`): every registered algorithm's
+"""The HBM-IO report (sim/report_model.py, report_render.py, report.py: `python -m pyfa.sim`): every registered algorithm's
 counts against its closed form, FA1's bytes against Bc, and the command line (presets,
 formats, sweeps, plot, progress bar). Whatever algorithms sim/count.py's WALKERS holds
 are tested; "standard" and "fa2" must be there."""
@@ -16,10 +16,10 @@ import pytest
 
 import pyfa
 from pyfa.sim import count as count_mod
-from pyfa.sim import report
+from pyfa.sim import report, report_model, report_render
 
 WALKED = sorted(count_mod.WALKERS)        # (algo, pass) pairs registered now
-ALGOS = report.available_algorithms()
+ALGOS = report_model.available_algorithms()
 
 
 def ceil_div(a, b):
@@ -119,12 +119,12 @@ def test_counts_scale_with_batch_and_heads_and_causal_never_adds(algo, p):
 
 @pytest.mark.parametrize("passes", ["forward", "backward", "both"])
 def test_report_counts_are_count_io(passes):
-    s = report.Setup(batch=2, heads=3, seqlen_q=300, seqlen_k=200, head_dim=32, causal=True,
+    s = report_model.Setup(batch=2, heads=3, seqlen_q=300, seqlen_k=200, head_dim=32, causal=True,
                      dtype_bytes=2, passes=passes)
-    r = report.build_report(s)
+    r = report_model.build_report(s)
     shown = {a["name"]: a for a in r["algorithms"]}
     for algo in ALGOS:
-        if report.missing_passes(algo, passes):
+        if report_model.missing_passes(algo, passes):
             assert algo in [x["name"] for x in r["skipped"]]
             continue
         want = pyfa.sim.count_io(algo, passes=passes, batch=2, heads=3, seqlen_q=300,
@@ -135,21 +135,21 @@ def test_report_counts_are_count_io(passes):
 
 
 def test_standard_passes_reach_the_report():
-    s = report.Setup(batch=1, heads=1, seqlen_q=64, seqlen_k=64, head_dim=8, passes="both")
-    plain = report.count("standard", s)[0]
+    s = report_model.Setup(batch=1, heads=1, seqlen_q=64, seqlen_k=64, head_dim=8, passes="both")
+    plain = report_model.count("standard", s)[0]
     all3 = replace(s, standard_passes=("scale", "mask", "dropout"))
-    with_passes = report.count("standard", all3)[0]
+    with_passes = report_model.count("standard", all3)[0]
     # Three passes, each a read and a write of a 64 x 64 matrix, forward and backward.
     assert with_passes.total - plain.total == 3 * 2 * 2 * 64 * 64 * 4
 
 
 def test_a_smaller_profile_gives_smaller_default_tiles():
-    s = report.Setup(head_dim=256, passes="forward", algos=["fa2"])
+    s = report_model.Setup(head_dim=256, passes="forward", algos=["fa2"])
     small = replace(s, smem_kib=48)
-    big_tiles = report.count("fa2", s)[1]
-    small_tiles = report.count("fa2", small)[1]
+    big_tiles = report_model.count("fa2", s)[1]
+    small_tiles = report_model.count("fa2", small)[1]
     assert small_tiles[0]["block_r"] < big_tiles[0]["block_r"]
-    assert report.tiles_fit(small_tiles, small)
+    assert report_model.tiles_fit(small_tiles, small)
 
 
 def _fa1_passes():
@@ -160,26 +160,26 @@ def _fa1_passes():
 def test_fa1_bytes_fall_as_bc_grows(p):
     if ("fa1", p) not in count_mod.WALKERS:
         pytest.skip(f"fa1 has no {p} walker registered yet")
-    s = report.Setup(batch=2, heads=2, seqlen_q=512, seqlen_k=512, head_dim=64, passes=p,
+    s = report_model.Setup(batch=2, heads=2, seqlen_q=512, seqlen_k=512, head_dim=64, passes=p,
                      block_r=32, algos=["fa1"])
     for causal in (False, True):
-        sw = report.run_sweep(replace(s, causal=causal), "bc",
+        sw = report_model.run_sweep(replace(s, causal=causal), "bc",
                               [4, 8, 16, 32, 64, 128, 256, 512])
         totals = [row["bytes"]["fa1"] for row in sw["rows"]]
         assert all(a > b for a, b in zip(totals, totals[1:])), totals
 
 
 def test_fa2_forward_bytes_fall_as_br_grows():
-    s = report.Setup(batch=1, heads=2, seqlen_q=512, seqlen_k=512, head_dim=64,
+    s = report_model.Setup(batch=1, heads=2, seqlen_q=512, seqlen_k=512, head_dim=64,
                      passes="forward", block_c=32, algos=["fa2"])
-    sw = report.run_sweep(s, "br", [8, 16, 32, 64, 128, 256])
+    sw = report_model.run_sweep(s, "br", [8, 16, 32, 64, 128, 256])
     totals = [row["bytes"]["fa2"] for row in sw["rows"]]
     assert all(a > b for a, b in zip(totals, totals[1:])), totals
 
 
 def test_sweep_over_n_grows_quadratically_for_standard():
-    s = report.Setup(batch=1, heads=1, head_dim=64, passes="forward", algos=["standard"])
-    sw = report.run_sweep(s, "n", [1024, 2048, 4096])
+    s = report_model.Setup(batch=1, heads=1, head_dim=64, passes="forward", algos=["standard"])
+    sw = report_model.run_sweep(s, "n", [1024, 2048, 4096])
     b = [row["bytes"]["standard"] for row in sw["rows"]]
     assert 3.5 < b[1] / b[0] < 4 and 3.5 < b[2] / b[1] < 4
 
@@ -219,7 +219,7 @@ def test_gpt2_medium_preset_runs_fast_and_compares_every_algorithm():
     assert "B=64 H=16 Nq=Nk=1024 d=64" in text and "forward + backward" in text
     totals = text[text.index("Totals"):]
     for algo in ALGOS:
-        if report.missing_passes(algo, "both"):
+        if report_model.missing_passes(algo, "both"):
             assert "Not shown: " in text and algo in text.split("Not shown: ")[1]
         else:
             assert any(line.split()[:1] == [algo] for line in totals.splitlines()), algo
@@ -273,9 +273,9 @@ def test_sweep_writes_a_png(tmp_path):
 
 def test_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
-    sw = report.run_sweep(report.Setup(passes="forward", algos=["standard"]), "bc", [16, 32])
+    sw = report_model.run_sweep(report_model.Setup(passes="forward", algos=["standard"]), "bc", [16, 32])
     with pytest.raises(SystemExit, match=r'pip install "pyfa\[report\]"'):
-        report.plot_sweep(sw, tmp_path / "x.png")
+        report_render.plot_sweep(sw, tmp_path / "x.png")
 
 
 def test_bad_arguments_are_reported():

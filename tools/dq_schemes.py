@@ -32,28 +32,40 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import pyfa.sim as sim  # noqa: E402  (pure NumPy: no compiled library needed)
-from pyfa.sim.count import STAT_BYTES, fa2_backward_dkdv_io, fa2_backward_preprocess_io  # noqa: E402
+from pyfa.sim.count import STAT_BYTES, Walk, fa2_backward_dkdv_io, fa2_backward_preprocess_io  # noqa: E402
 from pyfa.sim.io import format_bytes  # noqa: E402
-from pyfa.sim.tiling import ceil_div, kv_tile_end, q_tile_begin  # noqa: E402
+from pyfa.sim.mask import Mask  # noqa: E402
+from pyfa.sim.tiling import ceil_div  # noqa: E402
+
+
+def _mask(causal, Nq, Nk):
+    return Mask.resolve(causal, None, "bottom_right", Nq, Nk)
+
+
+def _kv_tiles_visited(causal, i, Nq, Nk, Br, Bc):
+    """How many K/V tiles Q tile i visits."""
+    begin, end = _mask(causal, Nq, Nk).kv_tiles(i * Br, min(Br, Nq - i * Br), Bc, Nk)
+    return end - begin
 
 
 def visited_pairs(Nq, Nk, Br, Bc, causal):
     """(br, bc) of every tile pair the kernels visit (the same set for both walks)."""
+    mask = _mask(causal, Nq, Nk)
     for j in range(ceil_div(Nk, Bc)):
         bc = min(Bc, Nk - j * Bc)
-        for i in range(q_tile_begin(causal, j * Bc, Nq, Nk, Br), ceil_div(Nq, Br)):
+        for i in range(*mask.q_tiles(j * Bc, bc, Br, Nq)):
             yield min(Br, Nq - i * Br), bc
 
 
 def scheme_b_io(Nq, Nk, d, Br, Bc, causal, e=4):
     """One head of scheme B: preprocess, dK/dV with partial dQ stores, reduction."""
-    io = fa2_backward_preprocess_io(Nq, Nk, d, Br, Bc, causal, e)
-    io = io + fa2_backward_dkdv_io(Nq, Nk, d, Br, Bc, causal, e)
+    w = Walk(Nq, Nk, d, 1, Br, Bc, _mask(causal, Nq, Nk), e)
+    io = fa2_backward_preprocess_io(w) + fa2_backward_dkdv_io(w)
     for br, _ in visited_pairs(Nq, Nk, Br, Bc, causal):
         io.write("dQ partials", br * d * e)
     for i in range(ceil_div(Nq, Br)):
         br = min(Br, Nq - i * Br)
-        io.read("dQ partials", kv_tile_end(causal, i * Br, br, Nq, Nk, Bc) * br * d * e)
+        io.read("dQ partials", _kv_tiles_visited(causal, i, Nq, Nk, Br, Bc) * br * d * e)
     io.write("dQ", Nq * d * e)
     return io
 
@@ -73,7 +85,7 @@ def flops(Nq, Nk, d, Br_kv, Bc_kv, Br_q, Bc_q, causal, scheme):
     else:
         for i in range(ceil_div(Nq, Br_kv)):
             br = min(Br_kv, Nq - i * Br_kv)
-            total += kv_tile_end(causal, i * Br_kv, br, Nq, Nk, Bc_kv) * br * d  # the adds
+            total += _kv_tiles_visited(causal, i, Nq, Nk, Br_kv, Bc_kv) * br * d  # the adds
         total += Nq * d
     return total, exps
 

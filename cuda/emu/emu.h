@@ -1,5 +1,5 @@
 // emu.h: what a kernel file needs from CUDA when it is compiled as plain C++ and run on
-// the CPU by the emulation runtime (emu_runtime.cpp).
+// the CPU by the emulation runtime (context.cpp, scheduler.cpp, shuffle.cpp).
 //
 // Model: one OS worker runs one block at a time; the block's threads are cooperatively
 // scheduled fibers on that worker. A fiber runs until it reaches __syncthreads(), a warp
@@ -12,7 +12,6 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
-#include <string>
 #include <type_traits>
 
 struct dim3 {
@@ -52,21 +51,62 @@ uint32_t shfl(uint32_t mask, uint32_t value, int lane_arg, int width, ShflMode m
 // filled with NaN (0xFFFFFFFF words) before every block so reads before writes show.
 unsigned char* dynamic_smem();
 
+// At most this many OS workers per launch. Blocks run one per worker, so workers beyond
+// the host's cores buy nothing, and each costs an OS thread, a fiber stack per thread of
+// the block and its own shared memory (500 workers took 210 MB). 256 is above the core
+// count of most hosts and bounds one launch to 256 x 1024 guarded stacks.
+constexpr int kMaxWorkers = 256;
+
+// Usable stack of each emulated thread, in bytes; a guard region lies below it
+// (context.cpp). The library's kernels use at most 1.6 KiB of it, in optimised, -O0 and
+// AddressSanitizer builds alike (tests/emu/emu_faults.cpp, "stack"); the rest is a margin
+// that costs address space, not memory, since untouched pages are never backed.
+constexpr size_t kFiberStackBytes = 64 * 1024;
+
 struct LaunchOptions {
     int order = 0;          // 0 forward, 1 reverse, 2 shuffled (see pyfa_emu_order)
     uint64_t seed = 0;      // for the shuffled order
-    int workers = 0;        // OS threads; 0 means std::thread::hardware_concurrency()
+    int workers = 0;        // OS threads, at most kMaxWorkers; 0: one per core, capped there
+    // Called now and then (at most about every 50 ms, from one worker at a time, never
+    // from an emulated thread) with blocks done and blocks in the grid, and once more
+    // with done == total when the grid is complete. A nonzero return stops the launch.
+    int (*progress)(void* user, int64_t done, int64_t total) = nullptr;
+    void* progress_user = nullptr;
 };
 
-// Runs body() once per thread of every block of the grid and returns when all are done.
-// Returns false, with *error set, on a barrier divergence, a deadlock, an invalid
-// configuration (block larger than 1024 threads, an empty grid) or an exception thrown by
-// a kernel thread; the remaining blocks are then not run.
-bool launch(dim3 grid, dim3 block, size_t smem_bytes, const LaunchOptions& options,
-            const std::function<void()>& body, std::string* error);
+// Why a launch failed.
+enum class Error : int {
+    None = 0,
+    InvalidLaunch,    // a block over 1024 threads, an empty grid, bad options, ...
+    Divergence,       // barrier divergence, deadlock, or a shuffle used against its rules
+    KernelException,  // a kernel thread threw a C++ exception
+    OutOfMemory,      // no worker could get its fiber stacks and shared memory
+    Cancelled,        // the progress callback returned nonzero
+};
 
-// Diagnostics: mean cost in ns of one fiber context switch, from a ping-pong of `switches`.
-double context_switch_ns(long switches);
+struct LaunchResult {
+    Error error = Error::None;
+    int workers = 0;         // workers that got their stacks and ran blocks
+    char message[1024] = {};  // why it failed ("" on success); built without allocating
+};
+
+// Runs body() once per thread of every block of the grid and returns when all are done,
+// or stops at the first failure (the remaining blocks are then not run). Never throws:
+// every failure, running out of memory included, comes back in *result.
+Error launch(dim3 grid, dim3 block, size_t smem_bytes, const LaunchOptions& options,
+             const std::function<void()>& body, LaunchResult* result) noexcept;
+
+// Diagnostics: mean cost in ns of one fiber context switch, from a ping-pong of
+// `switches`; a negative value when no fiber stack could be had.
+double context_switch_ns(long switches) noexcept;
+
+// Frees the workers at rest (kept between launches with their fiber stacks and shared
+// memory); later launches make new ones.
+void release_workers() noexcept;
+
+// Diagnostics: deepest stack use in bytes of any emulated thread so far, over the
+// workers at rest (kept between launches).
+size_t stack_high_water() noexcept;
 
 }  // namespace pyfa_emu
 

@@ -3,9 +3,11 @@
 // Simulator twin: sim/fa1_backward.py (same names, same loop order, same operations).
 // Numerical contract: docs/numerics.md.
 //
-// One block per (head h, batch b). The block sets its head's dQ = 0 in HBM, then walks
-// the K/V tiles j in the outer loop, keeping K_j, V_j and the accumulators dK~_j, dV~_j
-// on chip, and the Q tiles i in the inner loop, reading Q_i, O_i, dO_i, dQ_i, l_i, m_i
+// One block per (K/V head hk, batch b), which serves the G = H / Hkv query heads
+// h = hk * G + g of its group (G = 1 without GQA). The block sets their dQ = 0 in HBM,
+// then walks the K/V tiles j in the outer loop, keeping K_j, V_j and the accumulators
+// dK~_j, dV~_j on chip; for each, the query heads g = 0 .. G-1 in increasing order and,
+// for each, the Q tiles i of the mask's band, reading Q_i, O_i, dO_i, dQ_i, l_i, m_i
 // from HBM at every step:
 //     P_ij   = diag(l_i)^-1 exp(scale * Q_i K_j^T - m_i)       (recomputed, masked)
 //     dV~_j  = dV~_j + P_ij^T dO_i
@@ -16,8 +18,9 @@
 //     dK~_j  = dK~_j + scale * dS_ij^T Q_i                     (one fma)
 // and after the inner loop writes dK_j = dK~_j, dV_j = dV~_j once. The paper also zeroes
 // dK and dV in HBM first; every tile of them is written whole at the end of its outer
-// step, so that initialization is left out. O_i and dQ_i go from HBM into the registers of
-// the thread that uses each element.
+// step, so that initialization is left out (a K/V tile that no row sees is not loaded
+// and gets dK_j = dV_j = 0). O_i and dQ_i go from HBM into the registers of the thread
+// that uses each element.
 #pragma once
 
 #include <cmath>
@@ -33,20 +36,18 @@ namespace PYFA_KERNELS {
 __global__ void fa1_backward_kernel(const AttentionParams p) {
     const int64_t d = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
     const int64_t Br = p.block_r, Bc = p.block_c;
-    const int64_t h = blockIdx.y, b = blockIdx.z;
+    const int64_t hk = blockIdx.y, b = blockIdx.z;
     const int64_t tid = threadIdx.x, nthreads = blockDim.x;
+    const int64_t G = p.heads / p.heads_kv;  // query heads per K/V head
 
-    const int64_t bh = b * p.heads + h;
-    const float* Q = p.q + bh * Nq * d;      // (Nq, d) of this head
-    const float* K = p.k + bh * Nk * d;      // (Nk, d)
-    const float* V = p.v + bh * Nk * d;      // (Nk, d)
-    const float* O = p.o + bh * Nq * d;      // (Nq, d)  the forward's output
-    const float* m = p.m + bh * Nq;          // (Nq)     the forward's row max
-    const float* l = p.l + bh * Nq;          // (Nq)     the forward's row sum, relative to m
-    const float* dO = p.dout + bh * Nq * d;  // (Nq, d)
-    float* dQ = p.dq + bh * Nq * d;          // (Nq, d)  accumulated in HBM
-    float* dK = p.dk + bh * Nk * d;          // (Nk, d)
-    float* dV = p.dv + bh * Nk * d;          // (Nk, d)
+    const float* K = p.k + p.k_strides.at(b, hk, 0);  // (Nk, d), HBM row stride row_k
+    const float* V = p.v + p.v_strides.at(b, hk, 0);  // (Nk, d), row stride row_v
+    float* dK = p.dk + p.dk_strides.at(b, hk, 0);     // (Nk, d), row stride row_dk
+    float* dV = p.dv + p.dv_strides.at(b, hk, 0);     // (Nk, d), row stride row_dv
+    const int64_t row_q = p.q_strides.row, row_k = p.k_strides.row, row_v = p.v_strides.row;
+    const int64_t row_o = p.o_strides.row, row_do = p.dout_strides.row;
+    const int64_t row_dq = p.dq_strides.row, row_dk = p.dk_strides.row;
+    const int64_t row_dv = p.dv_strides.row;
 
     PYFA_DYNAMIC_SMEM(smem_raw);
     float* smem = reinterpret_cast<float*>(smem_raw);
@@ -64,90 +65,111 @@ __global__ void fa1_backward_kernel(const AttentionParams p) {
     float* li = smem + L.offset[FA1B_li];     // (br)
     float* Di = smem + L.offset[FA1B_Di];     // (br)
 
-    // dQ = 0 in HBM before its first read; the barrier after the first Q tile's load makes
-    // these global writes visible to every thread of the block.
-    for (int64_t e = tid; e < Nq * d; e += nthreads) dQ[e] = 0.0f;
+    // dQ = 0 in HBM for every query head of the group before its first read; the barrier
+    // after the first Q tile's load makes these global writes visible to every thread.
+    for (int64_t g = 0; g < G; ++g) {
+        float* dQ = p.dq + p.dq_strides.at(b, hk * G + g, 0);  // (Nq, d), row stride row_dq
+        for (int64_t e = tid; e < Nq * d; e += nthreads) dQ[(e / d) * row_dq + e % d] = 0.0f;
+    }
 
-    const int64_t Tr = ceil_div(Nq, Br), Tc = ceil_div(Nk, Bc);
+    const int64_t Tc = ceil_div(Nk, Bc);
     for (int64_t j = 0; j < Tc; ++j) {
         const int64_t col0 = j * Bc;
         const int64_t bc = min64(Bc, Nk - col0);
+        // The Q tiles of the mask's band; the others see no key of this tile. The band is
+        // the same for every query head of the group.
+        const TileRange visit = p.mask.q_tiles(col0, bc, Br, Nq);
         // No barrier needed here: every reader of K_j and V_j is before the barrier ahead of
         // the previous tile's write-out, and each element of dK~_j, dV~_j is zeroed by the
         // thread that wrote it out (the same e loop).
         for (int64_t e = tid; e < bc * d; e += nthreads) {
-            Kj[(e / d) * ld + e % d] = K[col0 * d + e];
-            Vj[(e / d) * ld + e % d] = V[col0 * d + e];
+            const int64_t c = e / d, x = e % d;
+            if (visit.begin < visit.end) {
+                Kj[c * ld + x] = K[(col0 + c) * row_k + x];
+                Vj[c * ld + x] = V[(col0 + c) * row_v + x];
+            }
             dKj[e] = 0.0f;
             dVj[e] = 0.0f;
         }
 
-        // Q tiles before q_tile_begin see no key of this tile (causal) and are skipped.
-        for (int64_t i = q_tile_begin(p.causal, col0, Nq, Nk, Br); i < Tr; ++i) {
-            const int64_t row0 = i * Br;
-            const int64_t br = min64(Br, Nq - row0);
-            __syncthreads();  // the previous Q tile's readers of Q_i, dO_i, P_ij, dS_ij, D_i are done
-            for (int64_t e = tid; e < br * d; e += nthreads) {
-                Qi[e] = Q[row0 * d + e];
-                dOi[(e / d) * ld + e % d] = dO[row0 * d + e];
-            }
-            for (int64_t r = tid; r < br; r += nthreads) {
-                mi[r] = m[row0 + r];
-                li[r] = l[row0 + r];
-            }
-            __syncthreads();
+        for (int64_t g = 0; g < G; ++g) {
+            const int64_t h = hk * G + g;
+            const int64_t bh = b * p.heads + h;
+            const float* Q = p.q + p.q_strides.at(b, h, 0);         // (Nq, d), row stride row_q
+            const float* O = p.o + p.o_strides.at(b, h, 0);         // (Nq, d), row stride row_o; the forward's output
+            const float* dO = p.dout + p.dout_strides.at(b, h, 0);  // (Nq, d), row stride row_do
+            float* dQ = p.dq + p.dq_strides.at(b, h, 0);            // (Nq, d), row stride row_dq; accumulated in HBM
+            const float* m = p.m + bh * Nq;  // (Nq), dense: the forward's row max
+            const float* l = p.l + bh * Nq;  // (Nq), dense: the forward's row sum, relative to m
+            for (int64_t i = visit.begin; i < visit.end; ++i) {
+                const int64_t row0 = i * Br;
+                const int64_t br = min64(Br, Nq - row0);
+                __syncthreads();  // the previous Q tile's readers of Q_i, dO_i, P_ij, dS_ij, D_i are done
+                for (int64_t e = tid; e < br * d; e += nthreads) {
+                    const int64_t r = e / d, x = e % d;
+                    Qi[e] = Q[(row0 + r) * row_q + x];
+                    dOi[r * ld + x] = dO[(row0 + r) * row_do + x];
+                }
+                for (int64_t r = tid; r < br; r += nthreads) {
+                    mi[r] = m[row0 + r];
+                    li[r] = l[row0 + r];
+                }
+                __syncthreads();
 
-            // S = scale * sum_x Q_i[r, x] K_j[c, x], -inf if masked;
-            // P_ij[r, c] = exp(S - m_i[r]) / l_i[r], 0 for a row with l_i = 0 (no visible key);
-            // dP_ij[r, c] = sum_x dO_i[r, x] V_j[c, x]. Both sums x = 0 .. d-1 in order.
-            for (int64_t e = tid; e < br * bc; e += nthreads) {
-                const int64_t r = e / bc, c = e % bc;
-                const bool masked = p.causal && causal_masked(row0 + r, col0 + c, Nq, Nk);
-                const float s = attention_score(Qi + r * d, Kj + c * ld, d, p.scale, masked);
-                const float lr = li[r];
-                Pij[r * Bc + c] = lr == 0.0f ? 0.0f : pyfa_exp(s - safe_max(mi[r])) / lr;
-                dSij[r * Bc + c] = pyfa_dot(dOi + r * ld, Vj + c * ld, d);
-            }
-            // D_i[r] = sum_x dO_i[r, x] O_i[r, x], x in order.
-            for (int64_t r = tid; r < br; r += nthreads) {
-                Di[r] = pyfa_dot(dOi + r * ld, O + (row0 + r) * d, d);
-            }
-            __syncthreads();
+                // S = scale * sum_x Q_i[r, x] K_j[c, x], -inf if masked;
+                // P_ij[r, c] = exp(S - m_i[r]) / l_i[r], 0 for a row with l_i = 0 (no visible key);
+                // dP_ij[r, c] = sum_x dO_i[r, x] V_j[c, x]. Both sums x = 0 .. d-1 in order.
+                for (int64_t e = tid; e < br * bc; e += nthreads) {
+                    const int64_t r = e / bc, c = e % bc;
+                    const bool masked = p.mask.masked(row0 + r, col0 + c);
+                    const float s = attention_score(Qi + r * d, Kj + c * ld, d, p.scale, masked);
+                    const float lr = li[r];
+                    Pij[r * Bc + c] = lr == 0.0f ? 0.0f : pyfa_exp(s - safe_max(mi[r])) / lr;
+                    dSij[r * Bc + c] = pyfa_dot(dOi + r * ld, Vj + c * ld, d);
+                }
+                // D_i[r] = sum_x dO_i[r, x] O_i[r, x], x in order.
+                for (int64_t r = tid; r < br; r += nthreads) {
+                    Di[r] = pyfa_dot(dOi + r * ld, O + (row0 + r) * row_o, d);
+                }
+                __syncthreads();
 
-            // dS_ij = P_ij o (dP_ij - D_i), in place over dP_ij.
-            for (int64_t e = tid; e < br * bc; e += nthreads) {
-                const int64_t r = e / bc, c = e % bc;
-                dSij[r * Bc + c] = Pij[r * Bc + c] * (dSij[r * Bc + c] - Di[r]);
-            }
-            // dV~_j = dV~_j + P_ij^T dO_i, the product summed r = 0 .. br-1 in order.
-            for (int64_t e = tid; e < bc * d; e += nthreads) {
-                const int64_t c = e / d, x = e % d;
-                float t = 0.0f;
-                for (int64_t r = 0; r < br; ++r) t = pyfa_fma(Pij[r * Bc + c], dOi[r * ld + x], t);
-                dVj[e] = dVj[e] + t;
-            }
-            __syncthreads();
+                // dS_ij = P_ij o (dP_ij - D_i), in place over dP_ij.
+                for (int64_t e = tid; e < br * bc; e += nthreads) {
+                    const int64_t r = e / bc, c = e % bc;
+                    dSij[r * Bc + c] = Pij[r * Bc + c] * (dSij[r * Bc + c] - Di[r]);
+                }
+                // dV~_j = dV~_j + P_ij^T dO_i, the product summed r = 0 .. br-1 in order.
+                for (int64_t e = tid; e < bc * d; e += nthreads) {
+                    const int64_t c = e / d, x = e % d;
+                    float t = 0.0f;
+                    for (int64_t r = 0; r < br; ++r) t = pyfa_fma(Pij[r * Bc + c], dOi[r * ld + x], t);
+                    dVj[e] = dVj[e] + t;
+                }
+                __syncthreads();
 
-            // dQ_i = fma(scale, dS_ij K_j, dQ_i), the product summed c = 0 .. bc-1 in order;
-            // read from and written back to HBM.
-            for (int64_t e = tid; e < br * d; e += nthreads) {
-                const int64_t r = e / d, x = e % d;
-                float t = 0.0f;
-                for (int64_t c = 0; c < bc; ++c) t = pyfa_fma(dSij[r * Bc + c], Kj[c * ld + x], t);
-                dQ[row0 * d + e] = pyfa_canonical_nan(pyfa_fma(p.scale, t, dQ[row0 * d + e]));
-            }
-            // dK~_j = fma(scale, dS_ij^T Q_i, dK~_j), the product summed r = 0 .. br-1 in order.
-            for (int64_t e = tid; e < bc * d; e += nthreads) {
-                const int64_t c = e / d, x = e % d;
-                float t = 0.0f;
-                for (int64_t r = 0; r < br; ++r) t = pyfa_fma(dSij[r * Bc + c], Qi[r * d + x], t);
-                dKj[e] = pyfa_fma(p.scale, t, dKj[e]);
+                // dQ_i = fma(scale, dS_ij K_j, dQ_i), the product summed c = 0 .. bc-1 in order;
+                // read from and written back to HBM.
+                for (int64_t e = tid; e < br * d; e += nthreads) {
+                    const int64_t r = e / d, x = e % d;
+                    float t = 0.0f;
+                    for (int64_t c = 0; c < bc; ++c) t = pyfa_fma(dSij[r * Bc + c], Kj[c * ld + x], t);
+                    float* dQ_rx = dQ + (row0 + r) * row_dq + x;
+                    *dQ_rx = pyfa_canonical_nan(pyfa_fma(p.scale, t, *dQ_rx));
+                }
+                // dK~_j = fma(scale, dS_ij^T Q_i, dK~_j), the product summed r = 0 .. br-1 in order.
+                for (int64_t e = tid; e < bc * d; e += nthreads) {
+                    const int64_t c = e / d, x = e % d;
+                    float t = 0.0f;
+                    for (int64_t r = 0; r < br; ++r) t = pyfa_fma(dSij[r * Bc + c], Qi[r * d + x], t);
+                    dKj[e] = pyfa_fma(p.scale, t, dKj[e]);
+                }
             }
         }
         __syncthreads();  // dK~_j and dV~_j are complete; K_j and V_j are free for the next tile
         for (int64_t e = tid; e < bc * d; e += nthreads) {
-            dK[col0 * d + e] = pyfa_canonical_nan(dKj[e]);
-            dV[col0 * d + e] = pyfa_canonical_nan(dVj[e]);
+            const int64_t c = e / d, x = e % d;
+            dK[(col0 + c) * row_dk + x] = pyfa_canonical_nan(dKj[e]);
+            dV[(col0 + c) * row_dv + x] = pyfa_canonical_nan(dVj[e]);
         }
     }
 }

@@ -3,9 +3,11 @@
 // Simulator twin: sim/fa1_forward.py (same names, same loop order, same operations).
 // Numerical contract: docs/numerics.md.
 //
-// One block per (head h, batch b): FA1 parallelizes over heads and batch only. The block
-// first sets its head's O = 0, l = 0, m = -inf in HBM, then walks the K/V tiles j in the
-// outer loop (K_j, V_j loaded once each) and, for each, the Q tiles i in the inner loop,
+// One block per (query head h, batch b): FA1 parallelizes over heads and batch only;
+// head h reads K/V head hk = h / (H / Hkv). The block first sets its head's O = 0, l = 0,
+// m = -inf in HBM, then walks the K/V tiles j in the outer loop (K_j, V_j loaded once
+// each) and, for each, the Q tiles i of the mask's band in the inner loop (tiles wholly
+// masked are skipped, and a K/V tile no row sees is not loaded),
 // reading Q_i, O_i, l_i, m_i from HBM and writing O_i, l_i, m_i back at every step:
 //     S_ij   = scale * Q_i K_j^T
 //     m~_ij  = rowmax(S_ij),   P~_ij = exp(S_ij - m~_ij),   l~_ij = rowsum(P~_ij)
@@ -34,13 +36,16 @@ __global__ void fa1_forward_kernel(const AttentionParams p) {
     const int64_t h = blockIdx.y, b = blockIdx.z;
     const int64_t tid = threadIdx.x, nthreads = blockDim.x;
 
+    const int64_t hk = h / (p.heads / p.heads_kv);  // the K/V head of this query head
     const int64_t bh = b * p.heads + h;
-    const float* Q = p.q + bh * Nq * d;    // (Nq, d) of this head
-    const float* K = p.k + bh * Nk * d;    // (Nk, d)
-    const float* V = p.v + bh * Nk * d;    // (Nk, d)
-    float* O = p.o + bh * Nq * d;          // (Nq, d), normalized after every step
-    float* m = p.m + bh * Nq;              // (Nq)  running row max
-    float* l = p.l + bh * Nq;              // (Nq)  running row sum, relative to m
+    const float* Q = p.q + p.q_strides.at(b, h, 0);   // (Nq, d) of this head, HBM row stride row_q
+    const float* K = p.k + p.k_strides.at(b, hk, 0);  // (Nk, d), row stride row_k
+    const float* V = p.v + p.v_strides.at(b, hk, 0);  // (Nk, d), row stride row_v
+    float* O = p.o + p.o_strides.at(b, h, 0);         // (Nq, d), row stride row_o; normalized after every step
+    float* m = p.m + bh * Nq;                         // (Nq)  running row max, dense
+    float* l = p.l + bh * Nq;                         // (Nq)  running row sum, relative to m
+    const int64_t row_q = p.q_strides.row, row_k = p.k_strides.row;
+    const int64_t row_v = p.v_strides.row, row_o = p.o_strides.row;
 
     PYFA_DYNAMIC_SMEM(smem_raw);
     float* smem = reinterpret_cast<float*>(smem_raw);
@@ -57,35 +62,37 @@ __global__ void fa1_forward_kernel(const AttentionParams p) {
 
     // O = 0, l = 0, m = -inf in HBM before anything reads them. The __syncthreads at the
     // top of the K/V loop makes these global writes visible to every thread of the block.
-    for (int64_t e = tid; e < Nq * d; e += nthreads) O[e] = 0.0f;
+    for (int64_t e = tid; e < Nq * d; e += nthreads) O[(e / d) * row_o + e % d] = 0.0f;
     for (int64_t r = tid; r < Nq; r += nthreads) {
         m[r] = -INFINITY;
         l[r] = 0.0f;
     }
 
-    const int64_t Tr = ceil_div(Nq, Br), Tc = ceil_div(Nk, Bc);
+    const int64_t Tc = ceil_div(Nk, Bc);
     for (int64_t j = 0; j < Tc; ++j) {
         const int64_t col0 = j * Bc;
         const int64_t bc = min64(Bc, Nk - col0);
+        const TileRange visit = p.mask.q_tiles(col0, bc, Br, Nq);
+        if (visit.begin == visit.end) continue;  // no row sees this tile: not even loaded
         __syncthreads();  // the previous K/V tile's readers are done (first: O, l, m are set)
         for (int64_t e = tid; e < bc * d; e += nthreads) {
-            Kj[(e / d) * ldk + e % d] = K[col0 * d + e];
-            Vj[e] = V[col0 * d + e];
+            const int64_t c = e / d, x = e % d;
+            Kj[c * ldk + x] = K[(col0 + c) * row_k + x];
+            Vj[e] = V[(col0 + c) * row_v + x];
         }
 
-        // Q tiles before q_tile_begin see no key of this tile (causal) and are skipped.
-        for (int64_t i = q_tile_begin(p.causal, col0, Nq, Nk, Br); i < Tr; ++i) {
+        for (int64_t i = visit.begin; i < visit.end; ++i) {
             const int64_t row0 = i * Br;
             const int64_t br = min64(Br, Nq - row0);
             // No barrier needed before this load: Q_i's last readers (the S_ij step of the
             // previous Q tile) are three barriers back.
-            for (int64_t e = tid; e < br * d; e += nthreads) Qi[e] = Q[row0 * d + e];
+            for (int64_t e = tid; e < br * d; e += nthreads) Qi[e] = Q[(row0 + e / d) * row_q + e % d];
             __syncthreads();
 
             // S_ij[r, c] = scale * sum_x Q_i[r, x] K_j[c, x], summed x = 0 .. d-1 in order.
             for (int64_t e = tid; e < br * bc; e += nthreads) {
                 const int64_t r = e / bc, c = e % bc;
-                const bool masked = p.causal && causal_masked(row0 + r, col0 + c, Nq, Nk);
+                const bool masked = p.mask.masked(row0 + r, col0 + c);
                 Sij[r * lds + c] = attention_score(Qi + r * d, Kj + c * ldk, d, p.scale, masked);
             }
             __syncthreads();
@@ -132,10 +139,10 @@ __global__ void fa1_forward_kernel(const AttentionParams p) {
                 const int64_t r = e / d, x = e % d;
                 float pv = 0.0f;
                 for (int64_t c = 0; c < bc; ++c) pv = pyfa_fma(Sij[r * lds + c], Vj[c * d + x], pv);
-                const float o_old = O[row0 * d + e];
+                const float o_old = O[(row0 + r) * row_o + x];
                 const float num = pyfa_fma(oscale[r], o_old, pvscale[r] * pv);
                 const float ln = lnew[r];
-                O[row0 * d + e] = pyfa_canonical_nan(ln == 0.0f ? 0.0f : num / ln);
+                O[(row0 + r) * row_o + x] = pyfa_canonical_nan(ln == 0.0f ? 0.0f : num / ln);
             }
         }
     }

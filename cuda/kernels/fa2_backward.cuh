@@ -8,12 +8,15 @@
 //     dQ = scale * dS K  dK = scale * dS^T Q
 // Three kernels, launched in this order:
 //   fa2_backward_preprocess_kernel  one block per (Q row block i, head, batch): D_i.
-//   fa2_backward_dkdv_kernel        one block per (K/V column block j, head, batch): walks
-//                                   the Q row blocks i, keeps dK_j and dV_j on chip and
-//                                   writes them once.
+//   fa2_backward_dkdv_kernel        one block per (K/V column block j, K/V head hk, batch):
+//                                   walks the query heads of hk's group g = 0 .. G-1 and,
+//                                   for each, the Q row blocks i of the mask's band; keeps
+//                                   dK_j and dV_j on chip and writes them once.
 //   fa2_backward_dq_kernel          one block per (Q row block i, head, batch): walks the
-//                                   K/V column blocks j, recomputes dS_ij, keeps dQ_i on
-//                                   chip and writes it once.
+//                                   K/V column blocks j of the mask's band, recomputes
+//                                   dS_ij, keeps dQ_i on chip and writes it once.
+// With GQA (G = H / Hkv query heads per K/V head) query head h = hk * G + g reads K/V
+// head hk, and dK, dV of hk sum over g in increasing order: deterministic, no atomics.
 // dQ gets its own kernel rather than floating-point atomics (nondeterministic order) or
 // per-column-block partial buffers (Tc x Nq x d of scratch): docs/fa2_backward_dq.md.
 #pragma once
@@ -50,10 +53,10 @@ __global__ void fa2_backward_preprocess_kernel(const AttentionParams p) {
     const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int64_t tid = threadIdx.x, nthreads = blockDim.x;
 
-    const int64_t bh = b * p.heads + h;
-    const float* O = p.o + bh * Nq * d;      // (Nq, d)
-    const float* dO = p.dout + bh * Nq * d;  // (Nq, d)
-    float* D = p.drow + bh * Nq;             // (Nq)
+    const float* O = p.o + p.o_strides.at(b, h, 0);         // (Nq, d), HBM row stride row_o
+    const float* dO = p.dout + p.dout_strides.at(b, h, 0);  // (Nq, d), row stride row_do
+    float* D = p.drow + (b * p.heads + h) * Nq;             // (Nq), dense
+    const int64_t row_o = p.o_strides.row, row_do = p.dout_strides.row;
 
     const int64_t row0 = i * Br;
     const int64_t br = min64(Br, Nq - row0);
@@ -65,27 +68,27 @@ __global__ void fa2_backward_preprocess_kernel(const AttentionParams p) {
     float* dOi = smem + L.offset[FA2P_dOOi];   // (br, d), row stride ld
 
     // dO_i is loaded coalesced; each row's inner product, fused, is then taken by one thread.
-    for (int64_t e = tid; e < br * d; e += nthreads) dOi[(e / d) * ld + e % d] = dO[row0 * d + e];
+    for (int64_t e = tid; e < br * d; e += nthreads)
+        dOi[(e / d) * ld + e % d] = dO[(row0 + e / d) * row_do + e % d];
     __syncthreads();
     for (int64_t r = tid; r < br; r += nthreads)
-        D[row0 + r] = pyfa_canonical_nan(pyfa_dot(dOi + r * ld, O + (row0 + r) * d, d));
+        D[row0 + r] = pyfa_canonical_nan(pyfa_dot(dOi + r * ld, O + (row0 + r) * row_o, d));
 }
 
 __global__ void fa2_backward_dkdv_kernel(const AttentionParams p) {
     const int64_t d = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
     const int64_t Br = p.block_r, Bc = p.block_c;
-    const int64_t j = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int64_t j = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const int64_t tid = threadIdx.x, nthreads = blockDim.x;
+    const int64_t G = p.heads / p.heads_kv;  // query heads per K/V head
 
-    const int64_t bh = b * p.heads + h;
-    const float* Q = p.q + bh * Nq * d;      // (Nq, d)
-    const float* K = p.k + bh * Nk * d;      // (Nk, d)
-    const float* V = p.v + bh * Nk * d;      // (Nk, d)
-    const float* dO = p.dout + bh * Nq * d;  // (Nq, d)
-    const float* LSE = p.lse + bh * Nq;      // (Nq)
-    const float* D = p.drow + bh * Nq;       // (Nq)
-    float* dK = p.dk + bh * Nk * d;          // (Nk, d)
-    float* dV = p.dv + bh * Nk * d;          // (Nk, d)
+    const float* K = p.k + p.k_strides.at(b, hk, 0);  // (Nk, d), HBM row stride row_k
+    const float* V = p.v + p.v_strides.at(b, hk, 0);  // (Nk, d), row stride row_v
+    float* dK = p.dk + p.dk_strides.at(b, hk, 0);     // (Nk, d), row stride row_dk
+    float* dV = p.dv + p.dv_strides.at(b, hk, 0);     // (Nk, d), row stride row_dv
+    const int64_t row_q = p.q_strides.row, row_k = p.k_strides.row, row_v = p.v_strides.row;
+    const int64_t row_do = p.dout_strides.row, row_dk = p.dk_strides.row;
+    const int64_t row_dv = p.dv_strides.row;
 
     const int64_t col0 = j * Bc;
     const int64_t bc = min64(Bc, Nk - col0);  // columns of this tile (fewer in the tail)
@@ -105,57 +108,72 @@ __global__ void fa2_backward_dkdv_kernel(const AttentionParams p) {
     float* LSEi = smem + L.offset[FA2KV_LSEi];  // (br)
     float* Di = smem + L.offset[FA2KV_Di];      // (br)
 
+    // Only the Q tiles of the mask's band see a key of this tile; the others contribute
+    // nothing and are skipped. The band is the same for every query head of the group;
+    // when it is empty, K_j and V_j are not loaded and dK_j = dV_j = 0.
+    const TileRange visit = p.mask.q_tiles(col0, bc, Br, Nq);
     for (int64_t e = tid; e < bc * d; e += nthreads) {
-        Kj[(e / d) * ld + e % d] = K[col0 * d + e];
-        Vj[(e / d) * ld + e % d] = V[col0 * d + e];
+        const int64_t c = e / d, x = e % d;
+        if (visit.begin < visit.end) {
+            Kj[c * ld + x] = K[(col0 + c) * row_k + x];
+            Vj[c * ld + x] = V[(col0 + c) * row_v + x];
+        }
         dKj[e] = 0.0f;
         dVj[e] = 0.0f;
     }
 
-    // Causal: Q tiles before q_tile_begin see no key of this tile and contribute nothing.
-    const int64_t Tr = ceil_div(Nq, Br);
-    for (int64_t i = q_tile_begin(p.causal, col0, Nq, Nk, Br); i < Tr; ++i) {
-        const int64_t row0 = i * Br;
-        const int64_t br = min64(Br, Nq - row0);
-        __syncthreads();  // the previous step's readers of Q_i, dO_i, P_ij and dS_ij are done
-        for (int64_t e = tid; e < br * d; e += nthreads) {
-            Qi[e] = Q[row0 * d + e];
-            dOi[e] = dO[row0 * d + e];
-        }
-        for (int64_t r = tid; r < br; r += nthreads) {
-            LSEi[r] = LSE[row0 + r];
-            Di[r] = D[row0 + r];
-        }
-        __syncthreads();
-
-        // P_ij = exp(S_ij - LSE_i), dS_ij = P_ij o (dO_i V_j^T - D_i), element by element.
-        for (int64_t e = tid; e < br * bc; e += nthreads) {
-            const int64_t r = e / bc, c = e % bc;
-            const bool masked = p.causal && causal_masked(row0 + r, col0 + c, Nq, Nk);
-            fa2_backward_p_ds(Qi + r * d, dOi + r * d, Kj + c * ld, Vj + c * ld, d, p.scale, masked,
-                              LSEi[r], Di[r], &Pij[r * Bc + c], &dSij[r * Bc + c]);
-        }
-        __syncthreads();
-
-        // dV_j += P_ij^T dO_i and dK_j += dS_ij^T Q_i, each tile's product summed
-        // r = 0 .. br-1 in order before it is added to the accumulator.
-        for (int64_t e = tid; e < bc * d; e += nthreads) {
-            const int64_t c = e / d, x = e % d;
-            float dv = 0.0f, dk = 0.0f;
-            for (int64_t r = 0; r < br; ++r) {
-                dv = pyfa_fma(Pij[r * Bc + c], dOi[r * d + x], dv);
-                dk = pyfa_fma(dSij[r * Bc + c], Qi[r * d + x], dk);
+    for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = hk * G + g;
+        const int64_t bh = b * p.heads + h;
+        const float* Q = p.q + p.q_strides.at(b, h, 0);         // (Nq, d), row stride row_q
+        const float* dO = p.dout + p.dout_strides.at(b, h, 0);  // (Nq, d), row stride row_do
+        const float* LSE = p.lse + bh * Nq;                     // (Nq), dense
+        const float* D = p.drow + bh * Nq;                      // (Nq), dense
+        for (int64_t i = visit.begin; i < visit.end; ++i) {
+            const int64_t row0 = i * Br;
+            const int64_t br = min64(Br, Nq - row0);
+            __syncthreads();  // the previous step's readers of Q_i, dO_i, P_ij and dS_ij are done
+            for (int64_t e = tid; e < br * d; e += nthreads) {
+                const int64_t r = e / d, x = e % d;
+                Qi[e] = Q[(row0 + r) * row_q + x];
+                dOi[e] = dO[(row0 + r) * row_do + x];
             }
-            dVj[e] = dVj[e] + dv;
-            dKj[e] = dKj[e] + dk;
+            for (int64_t r = tid; r < br; r += nthreads) {
+                LSEi[r] = LSE[row0 + r];
+                Di[r] = D[row0 + r];
+            }
+            __syncthreads();
+
+            // P_ij = exp(S_ij - LSE_i), dS_ij = P_ij o (dO_i V_j^T - D_i), element by element.
+            for (int64_t e = tid; e < br * bc; e += nthreads) {
+                const int64_t r = e / bc, c = e % bc;
+                const bool masked = p.mask.masked(row0 + r, col0 + c);
+                fa2_backward_p_ds(Qi + r * d, dOi + r * d, Kj + c * ld, Vj + c * ld, d, p.scale, masked,
+                                  LSEi[r], Di[r], &Pij[r * Bc + c], &dSij[r * Bc + c]);
+            }
+            __syncthreads();
+
+            // dV_j += P_ij^T dO_i and dK_j += dS_ij^T Q_i, each tile's product summed
+            // r = 0 .. br-1 in order before it is added to the accumulator.
+            for (int64_t e = tid; e < bc * d; e += nthreads) {
+                const int64_t c = e / d, x = e % d;
+                float dv = 0.0f, dk = 0.0f;
+                for (int64_t r = 0; r < br; ++r) {
+                    dv = pyfa_fma(Pij[r * Bc + c], dOi[r * d + x], dv);
+                    dk = pyfa_fma(dSij[r * Bc + c], Qi[r * d + x], dk);
+                }
+                dVj[e] = dVj[e] + dv;
+                dKj[e] = dKj[e] + dk;
+            }
         }
     }
     __syncthreads();
 
     // dK = scale * dK_j: the softmax scale of S = scale * Q K^T, applied once at the end.
     for (int64_t e = tid; e < bc * d; e += nthreads) {
-        dK[col0 * d + e] = pyfa_canonical_nan(dKj[e] * p.scale);
-        dV[col0 * d + e] = pyfa_canonical_nan(dVj[e]);
+        const int64_t c = e / d, x = e % d;
+        dK[(col0 + c) * row_dk + x] = pyfa_canonical_nan(dKj[e] * p.scale);
+        dV[(col0 + c) * row_dv + x] = pyfa_canonical_nan(dVj[e]);
     }
 }
 
@@ -165,14 +183,17 @@ __global__ void fa2_backward_dq_kernel(const AttentionParams p) {
     const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int64_t tid = threadIdx.x, nthreads = blockDim.x;
 
+    const int64_t hk = h / (p.heads / p.heads_kv);  // the K/V head of this query head
     const int64_t bh = b * p.heads + h;
-    const float* Q = p.q + bh * Nq * d;      // (Nq, d)
-    const float* K = p.k + bh * Nk * d;      // (Nk, d)
-    const float* V = p.v + bh * Nk * d;      // (Nk, d)
-    const float* dO = p.dout + bh * Nq * d;  // (Nq, d)
-    const float* LSE = p.lse + bh * Nq;      // (Nq)
-    const float* D = p.drow + bh * Nq;       // (Nq)
-    float* dQ = p.dq + bh * Nq * d;          // (Nq, d)
+    const float* Q = p.q + p.q_strides.at(b, h, 0);         // (Nq, d), HBM row stride row_q
+    const float* K = p.k + p.k_strides.at(b, hk, 0);        // (Nk, d), row stride row_k
+    const float* V = p.v + p.v_strides.at(b, hk, 0);        // (Nk, d), row stride row_v
+    const float* dO = p.dout + p.dout_strides.at(b, h, 0);  // (Nq, d), row stride row_do
+    const float* LSE = p.lse + bh * Nq;                     // (Nq), dense
+    const float* D = p.drow + bh * Nq;                      // (Nq), dense
+    float* dQ = p.dq + p.dq_strides.at(b, h, 0);            // (Nq, d), row stride row_dq
+    const int64_t row_q = p.q_strides.row, row_k = p.k_strides.row, row_v = p.v_strides.row;
+    const int64_t row_do = p.dout_strides.row, row_dq = p.dq_strides.row;
 
     const int64_t row0 = i * Br;
     const int64_t br = min64(Br, Nq - row0);  // rows of this tile (fewer in the tail)
@@ -191,8 +212,9 @@ __global__ void fa2_backward_dq_kernel(const AttentionParams p) {
     float* Di = smem + L.offset[FA2DQ_Di];      // (br)
 
     for (int64_t e = tid; e < br * d; e += nthreads) {
-        Qi[e] = Q[row0 * d + e];
-        dOi[e] = dO[row0 * d + e];
+        const int64_t r = e / d, x = e % d;
+        Qi[e] = Q[(row0 + r) * row_q + x];
+        dOi[e] = dO[(row0 + r) * row_do + x];
         dQi[e] = 0.0f;
     }
     for (int64_t r = tid; r < br; r += nthreads) {
@@ -200,21 +222,22 @@ __global__ void fa2_backward_dq_kernel(const AttentionParams p) {
         Di[r] = D[row0 + r];
     }
 
-    const int64_t Tc_visit = kv_tile_end(p.causal, row0, br, Nq, Nk, Bc);
-    for (int64_t j = 0; j < Tc_visit; ++j) {
+    const TileRange visit = p.mask.kv_tiles(row0, br, Bc, Nk);
+    for (int64_t j = visit.begin; j < visit.end; ++j) {
         const int64_t col0 = j * Bc;
         const int64_t bc = min64(Bc, Nk - col0);
         __syncthreads();  // the previous step's readers of K_j and dS_ij are done
         for (int64_t e = tid; e < bc * d; e += nthreads) {
-            Kj[(e / d) * ld + e % d] = K[col0 * d + e];
-            Vj[(e / d) * ld + e % d] = V[col0 * d + e];
+            const int64_t c = e / d, x = e % d;
+            Kj[c * ld + x] = K[(col0 + c) * row_k + x];
+            Vj[c * ld + x] = V[(col0 + c) * row_v + x];
         }
         __syncthreads();
 
         // dS_ij as in the dK/dV kernel (P_ij is not needed here and is dropped).
         for (int64_t e = tid; e < br * bc; e += nthreads) {
             const int64_t r = e / bc, c = e % bc;
-            const bool masked = p.causal && causal_masked(row0 + r, col0 + c, Nq, Nk);
+            const bool masked = p.mask.masked(row0 + r, col0 + c);
             float P_rc;
             fa2_backward_p_ds(Qi + r * d, dOi + r * d, Kj + c * ld, Vj + c * ld, d, p.scale, masked,
                               LSEi[r], Di[r], &P_rc, &dSij[r * Bc + c]);
@@ -232,7 +255,7 @@ __global__ void fa2_backward_dq_kernel(const AttentionParams p) {
     __syncthreads();
 
     for (int64_t e = tid; e < br * d; e += nthreads)
-        dQ[row0 * d + e] = pyfa_canonical_nan(dQi[e] * p.scale);
+        dQ[(row0 + e / d) * row_dq + e % d] = pyfa_canonical_nan(dQi[e] * p.scale);
 }
 
 }  // namespace PYFA_KERNELS

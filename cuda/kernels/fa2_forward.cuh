@@ -2,8 +2,9 @@
 // Simulator twin: sim/fa2_forward.py (same names, same loop order, same operations).
 // Numerical contract: docs/numerics.md.
 //
-// One block per (Q row block i, head h, batch b). The block loads Q_i once and walks
-// the K/V tiles j = 0 .. Tc-1, keeping the running max m_i, the running sum l_i and the
+// One block per (Q row block i, query head h, batch b); head h reads K/V head
+// hk = h / (H / Hkv). The block loads Q_i once and walks the K/V tiles j of the mask's
+// band [begin, end) (tiles wholly masked for Q_i are skipped), keeping the running max m_i, the running sum l_i and the
 // unnormalized accumulator O_i in shared memory:
 //     m_new   = max(m_old, rowmax(S_ij))                 S_ij = scale * Q_i K_j^T
 //     P~_ij   = exp(S_ij - m_new)
@@ -28,12 +29,14 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
     const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int64_t tid = threadIdx.x, nthreads = blockDim.x;
 
-    const int64_t bh = b * p.heads + h;
-    const float* Q = p.q + bh * Nq * d;    // (Nq, d) of this head
-    const float* K = p.k + bh * Nk * d;    // (Nk, d)
-    const float* V = p.v + bh * Nk * d;    // (Nk, d)
-    float* O = p.o + bh * Nq * d;          // (Nq, d)
-    float* LSE = p.lse + bh * Nq;          // (Nq)
+    const int64_t hk = h / (p.heads / p.heads_kv);  // the K/V head of this query head
+    const float* Q = p.q + p.q_strides.at(b, h, 0);   // (Nq, d) of this head, HBM row stride row_q
+    const float* K = p.k + p.k_strides.at(b, hk, 0);  // (Nk, d), row stride row_k
+    const float* V = p.v + p.v_strides.at(b, hk, 0);  // (Nk, d), row stride row_v
+    float* O = p.o + p.o_strides.at(b, h, 0);         // (Nq, d), row stride row_o
+    float* LSE = p.lse + (b * p.heads + h) * Nq;      // (Nq), dense
+    const int64_t row_q = p.q_strides.row, row_k = p.k_strides.row;
+    const int64_t row_v = p.v_strides.row, row_o = p.o_strides.row;
 
     const int64_t row0 = i * Br;
     const int64_t br = min64(Br, Nq - row0);  // rows of this tile (fewer in the tail)
@@ -52,7 +55,7 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
     float* alpha = smem + L.offset[FA2F_alpha];  // (br)
 
     for (int64_t e = tid; e < br * d; e += nthreads) {
-        Qi[e] = Q[row0 * d + e];
+        Qi[e] = Q[(row0 + e / d) * row_q + e % d];
         Oi[e] = 0.0f;
     }
     for (int64_t r = tid; r < br; r += nthreads) {
@@ -60,21 +63,22 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
         li[r] = 0.0f;
     }
 
-    const int64_t Tc_visit = kv_tile_end(p.causal, row0, br, Nq, Nk, Bc);
-    for (int64_t j = 0; j < Tc_visit; ++j) {
+    const TileRange visit = p.mask.kv_tiles(row0, br, Bc, Nk);
+    for (int64_t j = visit.begin; j < visit.end; ++j) {
         const int64_t col0 = j * Bc;
         const int64_t bc = min64(Bc, Nk - col0);
         __syncthreads();  // the previous step's readers of K_j, V_j and S_ij are done
         for (int64_t e = tid; e < bc * d; e += nthreads) {
-            Kj[(e / d) * ldk + e % d] = K[col0 * d + e];
-            Vj[e] = V[col0 * d + e];
+            const int64_t c = e / d, x = e % d;
+            Kj[c * ldk + x] = K[(col0 + c) * row_k + x];
+            Vj[e] = V[(col0 + c) * row_v + x];
         }
         __syncthreads();
 
         // S_ij[r, c] = scale * sum_x Q_i[r, x] K_j[c, x], summed x = 0 .. d-1 in order.
         for (int64_t e = tid; e < br * bc; e += nthreads) {
             const int64_t r = e / bc, c = e % bc;
-            const bool masked = p.causal && causal_masked(row0 + r, col0 + c, Nq, Nk);
+            const bool masked = p.mask.masked(row0 + r, col0 + c);
             Sij[r * lds + c] = attention_score(Qi + r * d, Kj + c * ldk, d, p.scale, masked);
         }
         __syncthreads();
@@ -116,7 +120,7 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
     // it gets O = 0 and LSE = -inf rather than 0/0.
     for (int64_t e = tid; e < br * d; e += nthreads) {
         const float l = li[e / d];
-        O[row0 * d + e] = pyfa_canonical_nan(l == 0.0f ? 0.0f : Oi[e] / l);
+        O[(row0 + e / d) * row_o + e % d] = pyfa_canonical_nan(l == 0.0f ? 0.0f : Oi[e] / l);
     }
     for (int64_t r = tid; r < br; r += nthreads) {
         const float l = li[r];

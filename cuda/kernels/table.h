@@ -11,7 +11,8 @@
 //   FN       the __global__ function (in PYFA_KERNELS)
 //   LAYOUT   its shared-memory layout (common/smem.h), a function of (Br, Bc, d)
 //   THREADS  threads per block, an expression in Br
-//   GRID     kGridQTiles (Tr, H, B), kGridKvTiles (Tc, H, B) or kGridHeads (1, H, B)
+//   GRID     kGridQTiles (Tr, H, B), kGridKvTilesKvHeads (Tc, Hkv, B), kGridHeads (1, H, B)
+//            or kGridKvHeads (1, Hkv, B)
 #pragma once
 
 #define PYFA_KERNEL_TABLE(X)                                                                          \
@@ -20,12 +21,12 @@
     X(1, "fa2_forward", PYFA_KERNEL_FA2_FORWARD, PYFA_VARIANT_REFERENCE, 0, 0, 0, fa2_forward_kernel,   \
       fa2_forward_smem, kFa2ForwardThreads, kGridQTiles)                                              \
     X(2, "fa1_backward", PYFA_KERNEL_FA1_BACKWARD, PYFA_VARIANT_REFERENCE, 0, 0, 0,                    \
-      fa1_backward_kernel, fa1_backward_smem, kFa1BackwardThreads, kGridHeads)                        \
+      fa1_backward_kernel, fa1_backward_smem, kFa1BackwardThreads, kGridKvHeads)                        \
     X(3, "fa2_backward_preprocess", PYFA_KERNEL_FA2_BACKWARD_PREPROCESS, PYFA_VARIANT_REFERENCE, 0, 0, \
       0, fa2_backward_preprocess_kernel, fa2_backward_preprocess_smem, kFa2BackwardThreads,           \
       kGridQTiles)                                                                                    \
     X(4, "fa2_backward_dkdv", PYFA_KERNEL_FA2_BACKWARD_DKDV, PYFA_VARIANT_REFERENCE, 0, 0, 0,          \
-      fa2_backward_dkdv_kernel, fa2_backward_dkdv_smem, kFa2BackwardThreads, kGridKvTiles)            \
+      fa2_backward_dkdv_kernel, fa2_backward_dkdv_smem, kFa2BackwardThreads, kGridKvTilesKvHeads)            \
     X(5, "fa2_backward_dq", PYFA_KERNEL_FA2_BACKWARD_DQ, PYFA_VARIANT_REFERENCE, 0, 0, 0,              \
       fa2_backward_dq_kernel, fa2_backward_dq_smem, kFa2BackwardThreads, kGridQTiles)                 \
     X(6, "fa2_forward/fast d=64 64x64", PYFA_KERNEL_FA2_FORWARD, PYFA_VARIANT_FAST, 64, 64, 64,        \

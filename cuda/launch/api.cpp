@@ -7,7 +7,9 @@
 // library-owned buffers first wherever the library can stage them (every host entry
 // point, and the host-memory backends behind a *_device entry point) and are copied to
 // the caller only once every kernel has succeeded, so a failure never leaves the
-// caller's memory half written.
+// caller's memory half written. Staged outputs are dense; the caller's strided outputs
+// are written row by row from them, which never touches the gaps between rows (where a
+// packed caller keeps other tensors).
 //
 // No C++ exception may cross the C ABI (it would terminate the caller's process), and
 // reporting a failure must work when allocation does not: every extern "C" function runs
@@ -32,8 +34,8 @@ enum TensorId { T_NONE, T_Q, T_K, T_V, T_O, T_LSE, T_M, T_L, T_DO, T_DQ, T_DK, T
 
 struct TensorSlot {
     const char* name;  // the argument's name, as in pyfa.h
-    bool key_rows;     // rows are Nk (K, V, dK, dV) rather than Nq
-    bool per_row;      // one value per row (LSE, m, l, D) rather than d
+    bool key_rows;     // K, V, dK, dV: rows are Nk rather than Nq, heads Hkv rather than H
+    bool per_row;      // one value per row (LSE, m, l, D) rather than d; always dense
 };
 
 const TensorSlot kTensors[] = {
@@ -43,17 +45,98 @@ const TensorSlot kTensors[] = {
     {"D", false, true},
 };
 
-// Elements of tensor t; exact, or -1 when B * H * rows * cols does not fit in int64_t.
+// Heads of tensor t (pr.heads_kv already resolved from 0).
+int64_t tensor_heads(TensorId t, const pyfa_problem& pr) { return kTensors[t].key_rows ? pr.heads_kv : pr.heads; }
+int64_t tensor_rows(TensorId t, const pyfa_problem& pr) { return kTensors[t].key_rows ? pr.seqlen_k : pr.seqlen_q; }
+
+// Elements of tensor t when dense; exact, or -1 when B * heads * rows * cols does not fit
+// in int64_t.
 int64_t tensor_elems(TensorId t, const pyfa_problem& pr) {
-    const TensorSlot& s = kTensors[t];
-    int64_t n = checked_mul(pr.batch, pr.heads);
-    n = checked_mul(n, s.key_rows ? pr.seqlen_k : pr.seqlen_q);
-    return s.per_row ? n : checked_mul(n, pr.head_dim);
+    int64_t n = checked_mul(pr.batch, tensor_heads(t, pr));
+    n = checked_mul(n, tensor_rows(t, pr));
+    return kTensors[t].per_row ? n : checked_mul(n, pr.head_dim);
 }
 
-// Bytes of tensor t; check_problem has made sure they fit.
+// Bytes of tensor t when dense; check_problem has made sure they fit.
 size_t tensor_bytes(TensorId t, const pyfa_problem& pr) {
     return sizeof(float) * static_cast<size_t>(tensor_elems(t, pr));
+}
+
+// The caller's strides of a 4-D tensor (not of a per-row one).
+const pyfa_strides* caller_strides(TensorId t, const pyfa_problem& pr) {
+    switch (t) {
+        case T_Q: return &pr.q;
+        case T_K: return &pr.k;
+        case T_V: return &pr.v;
+        case T_O: return &pr.o;
+        case T_DO: return &pr.dout;
+        case T_DQ: return &pr.dq;
+        case T_DK: return &pr.dk;
+        case T_DV: return &pr.dv;
+        default: return nullptr;
+    }
+}
+
+// The field names of pyfa_problem's strides, for messages ("do" is the argument, "dout"
+// the field).
+const char* strides_field(TensorId t) { return t == T_DO ? "dout" : kTensors[t].name; }
+
+TensorStrides dense_strides(TensorId t, const pyfa_problem& pr) {
+    const int64_t row = pr.head_dim, head = tensor_rows(t, pr) * row;
+    return TensorStrides{tensor_heads(t, pr) * head, head, row};
+}
+
+// The strides the kernels use for tensor t as the caller laid it out (check_problem has
+// checked them).
+TensorStrides resolved_strides(TensorId t, const pyfa_problem& pr) {
+    const pyfa_strides* s = caller_strides(t, pr);
+    if (!s || (s->batch == 0 && s->head == 0 && s->row == 0)) return dense_strides(t, pr);
+    return TensorStrides{s->batch, s->head, s->row};
+}
+
+bool is_dense(TensorId t, const pyfa_problem& pr) {
+    const TensorStrides s = resolved_strides(t, pr), dense = dense_strides(t, pr);
+    return s.batch == dense.batch && s.head == dense.head && s.row == dense.row;
+}
+
+// Elements from the first to one past the last element tensor t touches in the caller's
+// layout: (B-1) sb + (heads-1) sh + (rows-1) sr + d. Exact, or -1 past int64_t.
+int64_t tensor_extent(TensorId t, const pyfa_problem& pr) {
+    if (kTensors[t].per_row) return tensor_elems(t, pr);
+    const TensorStrides s = resolved_strides(t, pr);
+    int64_t n = checked_add(checked_mul(pr.batch - 1, s.batch), checked_mul(tensor_heads(t, pr) - 1, s.head));
+    n = n < 0 ? -1 : checked_add(n, checked_mul(tensor_rows(t, pr) - 1, s.row));
+    return n < 0 ? -1 : checked_add(n, pr.head_dim);
+}
+
+// The caller's copy of tensor t written from `dense`, row by row unless it is dense too.
+void scatter_rows(TensorId t, const pyfa_problem& pr, const float* dense, float* out) {
+    if (is_dense(t, pr)) {
+        std::memcpy(out, dense, tensor_bytes(t, pr));
+        return;
+    }
+    const TensorStrides s = resolved_strides(t, pr);
+    const int64_t heads = tensor_heads(t, pr), rows = tensor_rows(t, pr), d = pr.head_dim;
+    const size_t row_bytes = sizeof(float) * static_cast<size_t>(d);
+    for (int64_t b = 0; b < pr.batch; ++b)
+        for (int64_t h = 0; h < heads; ++h)
+            for (int64_t n = 0; n < rows; ++n)
+                std::memcpy(out + s.at(b, h, n), dense + ((b * heads + h) * rows + n) * d, row_bytes);
+}
+
+// The kernels' strides of a 4-D tensor; nullptr for the dense per-row ones.
+TensorStrides* strides_slot(AttentionParams& p, TensorId t) {
+    switch (t) {
+        case T_Q: return &p.q_strides;
+        case T_K: return &p.k_strides;
+        case T_V: return &p.v_strides;
+        case T_O: return &p.o_strides;
+        case T_DO: return &p.dout_strides;
+        case T_DQ: return &p.dq_strides;
+        case T_DK: return &p.dk_strides;
+        case T_DV: return &p.dv_strides;
+        default: return nullptr;
+    }
 }
 
 float*& param_slot(AttentionParams& p, TensorId t) {
@@ -111,8 +194,34 @@ constexpr int64_t kMaxGridYZ = 65535;
 // tensor's byte count must fit in int64_t (and so in size_t).
 constexpr int64_t kMaxTensorElems = INT64_MAX / static_cast<int64_t>(sizeof(float));
 
-pyfa_status check_problem(const pyfa_problem* pr) {
-    if (!pr) return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem: null pointer");
+// The caller's struct copied into a zeroed one of this library's layout: min(struct_size,
+// sizeof) bytes, struct_size 0 meaning sizeof; bytes the library does not know must be 0.
+template <class T>
+pyfa_status copy_struct(const T* in, const char* field, T* out) {
+    *out = T{};
+    const uint32_t size = in->struct_size ? in->struct_size : static_cast<uint32_t>(sizeof(T));
+    if (size < sizeof(uint32_t))
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: %u is smaller than the field itself (0 means this layout)",
+                    field, size);
+    const unsigned char* bytes = reinterpret_cast<const unsigned char*>(in);
+    for (size_t n = sizeof(T); n < size; ++n)
+        if (bytes[n] != 0)
+            return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                        "%s: %u bytes, but this library (ABI %d) knows %zu and byte %zu beyond them is nonzero: "
+                        "a field this library does not have was set",
+                        field, size, PYFA_ABI_VERSION, sizeof(T), n);
+    std::memcpy(out, in, size < sizeof(T) ? size : sizeof(T));
+    out->struct_size = static_cast<uint32_t>(sizeof(T));
+    return PYFA_OK;
+}
+
+// Checks the caller's problem for an operation taking `tensors` (n of them) and writes
+// the library's copy to `out`, with heads_kv resolved from 0.
+pyfa_status check_problem(const pyfa_problem* in, const TensorId* tensors, int n, pyfa_problem* out) {
+    if (!in) return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem: null pointer");
+    pyfa_status st = copy_struct(in, "problem->struct_size", out);
+    if (st != PYFA_OK) return st;
+    pyfa_problem* pr = out;
     const struct { const char* name; int64_t value; } dims[] = {
         {"problem->batch", pr->batch},       {"problem->heads", pr->heads},
         {"problem->seqlen_q", pr->seqlen_q}, {"problem->seqlen_k", pr->seqlen_k},
@@ -129,18 +238,56 @@ pyfa_status check_problem(const pyfa_problem* pr) {
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: at most 65535 (a grid dimension), got %lld",
                     b ? "problem->batch" : "problem->heads", static_cast<long long>(b ? pr->batch : pr->heads));
     }
-    // Exact: q and o (rows Nq), k and v (rows Nk) are the largest tensors.
-    const struct { TensorId t; const char* shape; } big[] = {{T_Q, "B*H*Nq*d"}, {T_K, "B*H*Nk*d"}};
+    if (pr->heads_kv == 0) pr->heads_kv = pr->heads;
+    if (pr->heads_kv < 0 || pr->heads % pr->heads_kv != 0)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                    "problem->heads_kv: must divide heads = %lld (0 means heads), got %lld",
+                    static_cast<long long>(pr->heads), static_cast<long long>(pr->heads_kv));
+    if (pr->causal_align != PYFA_ALIGN_BOTTOM_RIGHT && pr->causal_align != PYFA_ALIGN_TOP_LEFT)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                    "problem->causal_align: must be PYFA_ALIGN_BOTTOM_RIGHT (0) or PYFA_ALIGN_TOP_LEFT (1), got %d",
+                    pr->causal_align);
+    // Exact: q and o (rows Nq), k and v (rows Nk) are the largest dense tensors.
+    const struct { TensorId t; const char* shape; } big[] = {{T_Q, "B*H*Nq*d"}, {T_K, "B*Hkv*Nk*d"}};
     for (const auto& x : big) {
-        const int64_t n = tensor_elems(x.t, *pr);
-        if (n < 0 || n > kMaxTensorElems)
+        const int64_t elems = tensor_elems(x.t, *pr);
+        if (elems < 0 || elems > kMaxTensorElems)
             return fail(PYFA_ERROR_INVALID_ARGUMENT,
                         "problem: %s elements (of %s) exceed 2^61 - 1, the most a tensor may hold", x.shape,
                         kTensors[x.t].name);
     }
+    for (int t = 0; t < n; ++t) {
+        const pyfa_strides* s = caller_strides(tensors[t], *pr);
+        if (!s) continue;
+        const struct { const char* name; int64_t value; } fields[] = {
+            {"batch", s->batch}, {"head", s->head}, {"row", s->row}};
+        for (const auto& f : fields)
+            if (f.value < 0)
+                return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->%s.%s: must be >= 0 (all three 0: dense), got %lld",
+                            strides_field(tensors[t]), f.name, static_cast<long long>(f.value));
+        // The span the strides imply must be addressable, so that every index the
+        // kernels form and every byte count the library stages fits in int64_t.
+        const int64_t extent = tensor_extent(tensors[t], *pr);
+        if (extent < 0 || extent > kMaxTensorElems)
+            return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                        "problem->%s: the strides (%lld, %lld, %lld) span more than 2^61 - 1 elements",
+                        strides_field(tensors[t]), static_cast<long long>(s->batch), static_cast<long long>(s->head),
+                        static_cast<long long>(s->row));
+    }
     if (!std::isfinite(pr->scale))
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->scale: must be finite (0 means 1/sqrt(d))");
     return PYFA_OK;
+}
+
+pyfa_status check_config(const pyfa_config* in, pyfa_config* cfg) {
+    if (!in) {
+        *cfg = pyfa_config{};
+        return PYFA_OK;
+    }
+    pyfa_status st = copy_struct(in, "config->struct_size", cfg);
+    if (st != PYFA_OK) return st;
+    if (cfg->variant >= PYFA_VARIANT_AUTO && cfg->variant <= PYFA_VARIANT_FAST) return PYFA_OK;
+    return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->variant: unknown variant %d", cfg->variant);
 }
 
 // The backend a call runs on; `arg` names the argument in messages. On a *_device entry
@@ -285,10 +432,15 @@ pyfa_status poll_progress(const pyfa_config& cfg, int64_t done, int64_t total) {
 pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const pyfa_config* config,
                              const float* const* inputs, float* const* outputs,
                              bool device_pointers, void* stream) {
-    pyfa_status st = check_problem(problem);
-    if (st != PYFA_OK) return st;
-    const pyfa_config cfg = config ? *config : pyfa_config{};
     const int n_in = count(op.inputs), n_out = count(op.outputs), n_scratch = count(op.scratch);
+    TensorId taken[kMaxInputs + kMaxOutputs];
+    for (int t = 0; t < n_in; ++t) taken[t] = op.inputs[t];
+    for (int t = 0; t < n_out; ++t) taken[n_in + t] = op.outputs[t];
+    pyfa_problem pr;
+    pyfa_status st = check_problem(problem, taken, n_in + n_out, &pr);
+    if (st != PYFA_OK) return st;
+    pyfa_config cfg;
+    if ((st = check_config(config, &cfg)) != PYFA_OK) return st;
     for (int t = 0; t < n_in; ++t)
         if (!inputs[t]) return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: null pointer", kTensors[op.inputs[t]].name);
     for (int t = 0; t < n_out; ++t)
@@ -306,22 +458,32 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     if ((st = profile_of(backend, &profile)) != PYFA_OK) return st;
 
     AttentionParams base{};
-    base.batch = problem->batch;
-    base.heads = problem->heads;
-    base.seqlen_q = problem->seqlen_q;
-    base.seqlen_k = problem->seqlen_k;
-    base.head_dim = problem->head_dim;
-    base.scale = problem->scale != 0.0f ? problem->scale : 1.0f / std::sqrt(static_cast<float>(problem->head_dim));
-    base.causal = problem->causal != 0;
+    base.batch = pr.batch;
+    base.heads = pr.heads;
+    base.heads_kv = pr.heads_kv;
+    base.seqlen_q = pr.seqlen_q;
+    base.seqlen_k = pr.seqlen_k;
+    base.head_dim = pr.head_dim;
+    base.scale = pr.scale != 0.0f ? pr.scale : 1.0f / std::sqrt(static_cast<float>(pr.head_dim));
+    base.mask = make_mask(pr.causal, pr.window, pr.window_left, pr.window_right, pr.causal_align, pr.seqlen_q,
+                          pr.seqlen_k);
+    for (int t = 0; t < n_in + n_out; ++t)
+        if (TensorStrides* slot = strides_slot(base, taken[t])) *slot = resolved_strides(taken[t], pr);
 
     // Every kernel's tiles and launch are checked before anything is allocated or
     // launched, so that a configuration error never follows a kernel that has written.
     int tiles[kMaxKernels][2];
     int ids[kMaxKernels];  // kernel table rows (kernels/table.h): the variant that runs
     LaunchShape shapes[kMaxKernels];
-    bool aligned = true;  // what the fast kernels' 128-bit accesses need
-    for (int t = 0; t < n_in; ++t) aligned = aligned && reinterpret_cast<uintptr_t>(inputs[t]) % 16 == 0;
-    for (int t = 0; t < n_out; ++t) aligned = aligned && reinterpret_cast<uintptr_t>(outputs[t]) % 16 == 0;
+    // What the fast kernels' 128-bit accesses need: every row of every tensor starts on
+    // 16 bytes (the caller's pointers and strides; staged copies keep both).
+    bool aligned = true;
+    for (int t = 0; t < n_in + n_out; ++t) {
+        const void* ptr = t < n_in ? static_cast<const void*>(inputs[t]) : outputs[t - n_in];
+        aligned = aligned && reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+        if (const TensorStrides* s = strides_slot(base, taken[t]))
+            aligned = aligned && s->batch % 4 == 0 && s->head % 4 == 0 && s->row % 4 == 0;
+    }
     for (int n = 0; n < op.kernel_count; ++n) {
         const int kernel = op.kernels[n];
         AttentionParams p = base;
@@ -344,12 +506,14 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     if (backend == PYFA_BACKEND_CUDA && !device_pointers && (st = cuda_library_stream(&stream)) != PYFA_OK)
         return st;
 
-    // Bind tensors. Inputs: copied to the GPU for a host entry point on CUDA, else read in
-    // place. Outputs: staged in owned buffers unless they are the GPU's own (a *_device
-    // entry point on CUDA, where the stream orders everything).
+    // Bind tensors. Inputs: their whole span (as the strides lay it out) copied to the GPU
+    // for a host entry point on CUDA, else read in place. Outputs: staged dense in owned
+    // buffers unless they are the GPU's own (a *_device entry point on CUDA, where the
+    // stream orders everything and the kernels write the caller's strides directly).
     Scratch owned;
     owned.backend = backend;
     owned.stream = stream;
+    Scratch host_owned;  // host bounce buffers of strided outputs coming back from CUDA
     AttentionParams bound = base;
     const bool stage_inputs = !device_pointers && backend == PYFA_BACKEND_CUDA;
     const bool stage_outputs = !device_pointers || host_memory(backend);
@@ -357,7 +521,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         float*& slot = param_slot(bound, op.inputs[t]);
         slot = const_cast<float*>(inputs[t]);
         if (stage_inputs) {
-            const size_t bytes = tensor_bytes(op.inputs[t], *problem);
+            const size_t bytes = sizeof(float) * static_cast<size_t>(tensor_extent(op.inputs[t], pr));
             if ((st = owned.alloc(bytes, &slot)) != PYFA_OK) return st;
             if ((st = cuda_copy_to_device(slot, inputs[t], bytes, stream)) != PYFA_OK) return st;
         }
@@ -365,11 +529,13 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     for (int t = 0; t < n_out; ++t) {
         float*& slot = param_slot(bound, op.outputs[t]);
         slot = outputs[t];
-        if (stage_outputs && (st = owned.alloc(tensor_bytes(op.outputs[t], *problem), &slot)) != PYFA_OK)
-            return st;
+        if (stage_outputs) {
+            if ((st = owned.alloc(tensor_bytes(op.outputs[t], pr), &slot)) != PYFA_OK) return st;
+            if (TensorStrides* s = strides_slot(bound, op.outputs[t])) *s = dense_strides(op.outputs[t], pr);
+        }
     }
     for (int t = 0; t < n_scratch; ++t)
-        if ((st = owned.alloc(tensor_bytes(op.scratch[t], *problem), &param_slot(bound, op.scratch[t]))) != PYFA_OK)
+        if ((st = owned.alloc(tensor_bytes(op.scratch[t], pr), &param_slot(bound, op.scratch[t]))) != PYFA_OK)
             return st;
 
     // The CUDA backend asks config->progress before each launch. On the library's stream
@@ -393,16 +559,29 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         if ((st = cuda_synchronize(stream)) != PYFA_OK) return st;
         if (cuda_polls && (st = poll_progress(cfg, op.kernel_count, op.kernel_count)) != PYFA_OK) return st;
     }
+    // Strided outputs come back from the GPU into host bounce buffers, allocated before
+    // the first caller's byte is written, then go to the caller row by row.
+    const float* dense_out[kMaxOutputs] = {};
     for (int t = 0; t < n_out; ++t) {
-        const size_t bytes = tensor_bytes(op.outputs[t], *problem);
-        const float* src = param_slot(bound, op.outputs[t]);
-        if (backend == PYFA_BACKEND_CUDA) {
-            if ((st = cuda_copy_to_host(outputs[t], src, bytes, stream)) != PYFA_OK) return st;
+        const TensorId id = op.outputs[t];
+        dense_out[t] = param_slot(bound, id);
+        if (backend != PYFA_BACKEND_CUDA || is_dense(id, pr)) continue;
+        float* bounce = nullptr;
+        if ((st = host_owned.alloc(tensor_bytes(id, pr), &bounce)) != PYFA_OK) return st;
+        if ((st = cuda_copy_to_host(bounce, dense_out[t], tensor_bytes(id, pr), stream)) != PYFA_OK) return st;
+        dense_out[t] = bounce;
+    }
+    if (backend == PYFA_BACKEND_CUDA && (st = cuda_synchronize(stream)) != PYFA_OK) return st;
+    for (int t = 0; t < n_out; ++t) {
+        const TensorId id = op.outputs[t];
+        if (backend == PYFA_BACKEND_CUDA && is_dense(id, pr)) {
+            if ((st = cuda_copy_to_host(outputs[t], dense_out[t], tensor_bytes(id, pr), stream)) != PYFA_OK) return st;
         } else {
-            std::memcpy(outputs[t], src, bytes);
+            scatter_rows(id, pr, dense_out[t], outputs[t]);
         }
     }
     if (backend == PYFA_BACKEND_CUDA && (st = cuda_synchronize(stream)) != PYFA_OK) return st;
+    host_owned.release();
     return owned.release();
 }
 

@@ -4,7 +4,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <string>
 
 #include "common/smem.h"
 #include "common/tiling.h"
@@ -15,7 +14,9 @@ namespace pyfa {
 
 namespace {
 
-enum Grid { kGridQTiles, kGridKvTiles, kGridHeads };
+// (grid x, grid y): x the Q tiles, the K/V tiles or 1; y the query heads or the K/V heads
+// (a kernel that serves a K/V head's whole group of query heads).
+enum Grid { kGridQTiles, kGridKvTilesKvHeads, kGridHeads, kGridKvHeads };
 
 struct Row {
     int id;
@@ -145,10 +146,12 @@ LaunchShape launch_shape(int kernel, const AttentionParams& p) {
     s.threads = threads_of(kernel, p.block_r);
     switch (row->grid) {
         case kGridQTiles: s.grid[0] = static_cast<unsigned>(ceil_div(p.seqlen_q, p.block_r)); break;
-        case kGridKvTiles: s.grid[0] = static_cast<unsigned>(ceil_div(p.seqlen_k, p.block_c)); break;
-        case kGridHeads: s.grid[0] = 1; break;  // one block per (head, batch): FA1's parallelism
+        case kGridKvTilesKvHeads: s.grid[0] = static_cast<unsigned>(ceil_div(p.seqlen_k, p.block_c)); break;
+        case kGridHeads:  // one block per (head, batch): FA1's parallelism
+        case kGridKvHeads: s.grid[0] = 1; break;
     }
-    s.grid[1] = static_cast<unsigned>(p.heads);
+    const bool kv = row->grid == kGridKvTilesKvHeads || row->grid == kGridKvHeads;
+    s.grid[1] = static_cast<unsigned>(kv ? p.heads_kv : p.heads);
     s.grid[2] = static_cast<unsigned>(p.batch);
     return s;
 }
@@ -166,7 +169,9 @@ const Row* fast_row(int kernel, int64_t d, int want_br, int want_bc, const pyfa_
     size_t nd = 0, nt = 0;
     for (const Row& r : kRows) {
         if (r.kernel != kernel || r.variant != PYFA_VARIANT_FAST) continue;
-        if (!any || std::strstr(dims, std::to_string(r.d).c_str()) == nullptr)
+        char dim[16];
+        std::snprintf(dim, sizeof(dim), "%d", r.d);
+        if (!any || std::strstr(dims, dim) == nullptr)
             nd += std::snprintf(dims + nd, sizeof(dims) - nd, "%s%d", any ? ", " : "", r.d);
         any = true;
         if (r.d != d) continue;
@@ -205,11 +210,15 @@ pyfa_status select_kernel(int kernel, int variant, const AttentionParams& p, int
     char why[256] = "";
     const Row* r = fast_row(kernel, p.head_dim, want_br, want_bc, profile, why, sizeof(why));
     // The fast kernels index inside a head with 32-bit integers.
-    const bool small = p.seqlen_q * p.head_dim <= INT32_MAX && p.seqlen_k * p.head_dim <= INT32_MAX;
+    const TensorStrides* st[] = {&p.q_strides, &p.k_strides, &p.v_strides, &p.o_strides,
+                                 &p.dout_strides, &p.dq_strides, &p.dk_strides, &p.dv_strides};
+    bool small = true;
+    for (const TensorStrides* t : st)
+        small = small && t->row <= INT32_MAX / (max64(p.seqlen_q, p.seqlen_k) + 1);
     if (r && !aligned)
         std::snprintf(why, sizeof(why), "the fast %s needs 16-byte aligned tensors", kernel_name(kernel));
     else if (r && !small)
-        std::snprintf(why, sizeof(why), "the fast %s needs seqlen * head_dim <= 2^31 - 1 per head",
+        std::snprintf(why, sizeof(why), "the fast %s needs row stride * seqlen < 2^31 in every tensor",
                       kernel_name(kernel));
     if (r && aligned && small) {
         *id = r->id;

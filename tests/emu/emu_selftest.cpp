@@ -2,6 +2,11 @@
 // as CUDA source. Prints one PASS/FAIL line per check; exits 0 only if all pass.
 #include "emu/emu.h"
 
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -23,14 +28,18 @@ void check(bool ok, const std::string& name, const std::string& detail = std::st
     std::fflush(stdout);
 }
 
+pyfa_emu::Error g_last_error = pyfa_emu::Error::None;  // of the last run()
+
 bool run(dim3 grid, dim3 block, size_t smem, int order, const std::function<void()>& body,
          std::string* err = nullptr, int workers = 2, uint64_t seed = 12345) {
     pyfa_emu::LaunchOptions opt;
     opt.order = order;
     opt.seed = seed;
     opt.workers = workers;
-    std::string local;
-    return pyfa_emu::launch(grid, block, smem, opt, body, err ? err : &local);
+    pyfa_emu::LaunchResult result;
+    g_last_error = pyfa_emu::launch(grid, block, smem, opt, body, &result);
+    if (err) *err = result.message;
+    return g_last_error == pyfa_emu::Error::None;
 }
 
 bool contains(const std::string& s, const std::string& part) {
@@ -232,6 +241,56 @@ __global__ void many_barriers(int* out) {
     }
 }
 
+
+// ---- stack overflow: each must end the process with a signal, never return
+
+// Not a tail call and not foldable: every level keeps 1 KiB live across the next call.
+__attribute__((noinline)) int recurse(int depth) {
+    volatile char pad[1024];
+    pad[0] = char(depth);
+    pad[1023] = char(depth >> 8);
+    if (depth == 0) return pad[0];
+    return recurse(depth - 1) + pad[1023];
+}
+
+std::atomic<int> g_sink{0};
+
+__global__ void deep_recursion() {
+    // Twice the stack in 1 KiB frames.
+    g_sink += recurse(int(2 * pyfa_emu::kFiberStackBytes / 1024));
+}
+
+// One frame half again as large as the whole stack, written from its lowest address up:
+// the first store lands below the stack's end.
+__attribute__((noinline)) void big_frame() {
+    volatile char big[pyfa_emu::kFiberStackBytes + pyfa_emu::kFiberStackBytes / 2];
+    for (size_t i = 0; i < sizeof big; i += 512) big[i] = char(i);
+    g_sink += big[sizeof big / 2];
+}
+
+__global__ void big_local_array() { big_frame(); }
+
+// ---- floating-point environment
+
+// x * 0.5 for x the smallest normal float is subnormal: 0 under flush-to-zero; a
+// subnormal input reads as 0 under denormals-are-zero.
+__global__ void halve(const float* in, float* out) {
+    const unsigned t = threadIdx.x + blockIdx.x * blockDim.x;
+    volatile float x = in[t];
+    out[t] = x * 0.5f;
+}
+
+// ---- progress and cancellation
+
+__global__ void barrier_rounds(long rounds, std::atomic<int>* finished) {
+    for (long r = 0; r < rounds; ++r) __syncthreads();
+    if (threadIdx.x == 0) ++*finished;
+}
+
+__global__ void count_blocks(std::atomic<int>* started) {
+    if (threadIdx.x == 0) ++*started;
+}
+
 // ---- checks ---------------------------------------------------------------------------
 
 void check_reduction() {
@@ -289,9 +348,10 @@ void check_reduction() {
 void check_errors() {
     std::string err;
     bool ok = run(dim3(1), dim3(32), 0, 0, [] { two_barrier_sites(); }, &err, 1);
-    check(!ok && contains(err, ":" + std::to_string(g_line_a)) &&
+    check(!ok && g_last_error == pyfa_emu::Error::Divergence &&
+              contains(err, ":" + std::to_string(g_line_a)) &&
               contains(err, ":" + std::to_string(g_line_b)) && contains(err, "block (0,0,0)"),
-          "two __syncthreads sites -> error naming both lines", err);
+          "two __syncthreads sites -> divergence error naming both lines", err);
 
     err.clear();
     ok = run(dim3(2), dim3(64), 0, 2, [] { half_barrier_half_shuffle(); }, &err, 1);
@@ -312,7 +372,8 @@ void check_errors() {
 
     err.clear();
     ok = run(dim3(4), dim3(64), 0, 0, [] { throws_in_block1(); }, &err, 2);
-    check(!ok && contains(err, "kernel boom 42"), "kernel exception -> error with its message", err);
+    check(!ok && g_last_error == pyfa_emu::Error::KernelException && contains(err, "kernel boom 42"),
+          "kernel exception -> error with its message", err);
 
     err.clear();
     ok = run(dim3(1), dim3(8), 0, 0, [] { throws_int(); }, &err, 1);
@@ -330,8 +391,13 @@ void check_errors() {
     bool r2 = run(dim3(0, 1, 1), dim3(32), 0, 0, [] {}, &e2);
     bool r3 = run(dim3(1, 0, 1), dim3(32), 0, 0, [] {}, &e3);
     bool r4 = run(dim3(1), dim3(32, 1, 0), 0, 0, [] {}, &e4);
-    check(!r1 && !r2 && !r3 && !r4 && !e1.empty() && !e2.empty() && !e3.empty() && !e4.empty(),
+    check(!r1 && !r2 && !r3 && !r4 && g_last_error == pyfa_emu::Error::InvalidLaunch &&
+              !e1.empty() && !e2.empty() && !e3.empty() && !e4.empty(),
           "invalid launches (2048 threads, empty grid or block dim) -> error", e1 + " | " + e2);
+    std::string e5;
+    bool r5 = run(dim3(1), dim3(32), 0, 0, [] {}, &e5, pyfa_emu::kMaxWorkers + 1);
+    check(!r5 && g_last_error == pyfa_emu::Error::InvalidLaunch && contains(e5, "workers"),
+          "more workers than kMaxWorkers -> invalid launch", e5);
 
     int count = 0;
     ok = run(dim3(3), dim3(64), 0, 0, [&] {
@@ -485,6 +551,187 @@ void check_timing() {
     check(ns > 0 && ns < 10000, "context switch ping-pong over 1e6 switches", buf);
 }
 
+
+// Runs `body` in a child process and returns its wait status.
+int in_child(const std::function<void()>& body) {
+    std::fflush(stdout);
+    const pid_t pid = fork();
+    if (pid == 0) {
+        struct rlimit no_core = {0, 0};
+        setrlimit(RLIMIT_CORE, &no_core);
+        body();
+        std::_Exit(0);
+    }
+    int status = 0;
+    if (pid < 0 || waitpid(pid, &status, 0) != pid) return -1;
+    return status;
+}
+
+std::string wait_str(int status) {
+    if (status == -1) return "fork or waitpid failed";
+    if (WIFSIGNALED(status)) return "killed by signal " + std::to_string(WTERMSIG(status));
+    return "exited with " + std::to_string(WEXITSTATUS(status));
+}
+
+void check_stack_overflow() {
+    const struct {
+        const char* name;
+        void (*kernel)();
+    } cases[] = {{"recursion to twice the stack", deep_recursion},
+                 {"a local array 1.5x the stack", big_local_array}};
+    for (const auto& c : cases) {
+        const int status = in_child([&] {
+            std::string err;
+            // Exit codes tell what happened if no signal does: 3 returned OK, 4 an error.
+            std::_Exit(run(dim3(1), dim3(32), 0, 0, c.kernel, &err, 1) ? 3 : 4);
+        });
+        bool died = status != -1 && WIFSIGNALED(status) &&
+                    (WTERMSIG(status) == SIGSEGV || WTERMSIG(status) == SIGBUS);
+#if defined(__SANITIZE_ADDRESS__)
+        // AddressSanitizer catches the fault itself, reports a stack overflow and exits 1.
+        died = died || (status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 1);
+#endif
+        check(died, std::string("stack overflow by ") + c.name + " dies with SIGSEGV, never returns",
+              wait_str(status));
+    }
+}
+
+#if defined(__x86_64__)
+uint32_t get_mxcsr() {
+    uint32_t m;
+    asm volatile("stmxcsr %0" : "=m"(m));
+    return m;
+}
+void set_mxcsr(uint32_t m) { asm volatile("ldmxcsr %0" : : "m"(m)); }
+#endif
+
+void check_fp_environment() {
+#if defined(__x86_64__)
+    const unsigned blocks = 4, n = 64;
+    std::vector<float> in(blocks * n);
+    for (size_t i = 0; i < in.size(); ++i)
+        in[i] = i % 2 ? 1.17549435e-38f * float(1 + i % 7) : 1.0e-39f * float(1 + i % 5);
+    std::vector<float> expect(in.size());
+    for (size_t i = 0; i < in.size(); ++i) {
+        volatile float x = in[i];
+        expect[i] = x * 0.5f;
+    }
+    const uint32_t saved = get_mxcsr();
+    const uint32_t ftz_daz = saved | 0x8040u;  // bit 15 flush-to-zero, bit 6 denormals-are-zero
+    for (int workers : {1, 2}) {
+        std::vector<float> out(in.size(), -1.0f);
+        std::string err;
+        set_mxcsr(ftz_daz);
+        const bool ok = run(dim3(blocks), dim3(n), 0, 0, [&] { halve(in.data(), out.data()); }, &err, workers);
+        const uint32_t after = get_mxcsr();
+        set_mxcsr(saved);
+        bool same = ok;
+        for (size_t i = 0; i < in.size(); ++i) same = same && bits(out[i]) == bits(expect[i]);
+        char detail[96];
+        std::snprintf(detail, sizeof detail, "MXCSR set 0x%x, after the launch 0x%x; ", ftz_daz, after);
+        check(same && after == ftz_daz,
+              "caller with FTZ/DAZ: kernels keep subnormals, caller's MXCSR kept, " +
+                  std::to_string(workers) + " worker(s)",
+              detail + err);
+    }
+#else
+    check(true, "FP environment check is x86-64 only (skipped here)");
+#endif
+}
+
+struct ProgressLog {
+    std::atomic<int> calls{0};
+    int cancel_at = 0;  // 0: never cancel
+    std::vector<std::pair<int64_t, int64_t>> seen;  // only one thread calls at a time
+    std::atomic<int> inside{0};
+    bool overlapped = false;
+    std::chrono::steady_clock::time_point cancelled_at;
+};
+
+int progress_cb(void* user, int64_t done, int64_t total) {
+    ProgressLog* log = static_cast<ProgressLog*>(user);
+    if (log->inside.fetch_add(1) != 0) log->overlapped = true;
+    log->seen.emplace_back(done, total);
+    const int n = ++log->calls;
+    const bool stop = log->cancel_at && n >= log->cancel_at;
+    if (stop) log->cancelled_at = std::chrono::steady_clock::now();
+    log->inside.fetch_sub(1);
+    return stop ? 1 : 0;
+}
+
+pyfa_emu::Error run_with_progress(dim3 grid, dim3 block, int workers, ProgressLog* log,
+                                  const std::function<void()>& body, std::string* err) {
+    pyfa_emu::LaunchOptions opt;
+    opt.workers = workers;
+    opt.progress = progress_cb;
+    opt.progress_user = log;
+    pyfa_emu::LaunchResult result;
+    const pyfa_emu::Error e = pyfa_emu::launch(grid, block, 0, opt, body, &result);
+    *err = result.message;
+    return e;
+}
+
+double ms_since(std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+}
+
+void check_progress() {
+    // A grid of short blocks, not cancelled: calls come, done never decreases, the last
+    // call reports the whole grid.
+    {
+        ProgressLog log;
+        std::atomic<int> finished{0};
+        std::string err;
+        const unsigned blocks = 400;
+        const pyfa_emu::Error e = run_with_progress(dim3(blocks), dim3(64), 2, &log,
+                                                    [&] { barrier_rounds(400, &finished); }, &err);
+        bool monotone = true, totals = true;
+        for (size_t i = 0; i < log.seen.size(); ++i) {
+            totals = totals && log.seen[i].second == blocks && log.seen[i].first <= blocks;
+            if (i) monotone = monotone && log.seen[i].first >= log.seen[i - 1].first;
+        }
+        const bool last_full = !log.seen.empty() && log.seen.back().first == blocks;
+        check(e == pyfa_emu::Error::None && finished.load() == int(blocks) && log.seen.size() >= 2 &&
+                  monotone && totals && last_full && !log.overlapped,
+              "progress: (blocks done, blocks total), non-decreasing, ends with the whole grid",
+              std::to_string(log.seen.size()) + " calls; " + err);
+    }
+    // One block that would run for many seconds: cancelled inside it, at a barrier.
+    {
+        ProgressLog log;
+        log.cancel_at = 2;
+        std::atomic<int> finished{0};
+        std::string err;
+        const auto t0 = std::chrono::steady_clock::now();
+        const pyfa_emu::Error e = run_with_progress(dim3(1), dim3(128), 1, &log,
+                                                    [&] { barrier_rounds(100000000L, &finished); }, &err);
+        const double total_ms = ms_since(t0), after_ms = ms_since(log.cancelled_at);
+        char detail[160];
+        std::snprintf(detail, sizeof detail, "%d calls, returned %.1f ms after the cancelling call, %.1f ms in all; ",
+                      log.calls.load(), after_ms, total_ms);
+        check(e == pyfa_emu::Error::Cancelled && finished.load() == 0 && log.calls.load() == 2 &&
+                  after_ms < 250 && contains(err, "cancelled"),
+              "progress returning nonzero cancels a long block at a barrier", detail + err);
+    }
+    // Blocks without barriers: cancelled between blocks, the rest never start.
+    {
+        ProgressLog log;
+        log.cancel_at = 1;
+        std::atomic<int> started{0};
+        std::string err;
+        const unsigned blocks = 2000000;
+        const pyfa_emu::Error e = run_with_progress(dim3(blocks), dim3(32), 2, &log,
+                                                    [&] { count_blocks(&started); }, &err);
+        check(e == pyfa_emu::Error::Cancelled && started.load() < int(blocks) && log.calls.load() == 1,
+              "progress returning nonzero stops the remaining blocks",
+              std::to_string(started.load()) + " of " + std::to_string(blocks) + " blocks started; " + err);
+    }
+    std::string err;
+    std::atomic<int> finished{0};
+    bool ok = run(dim3(3), dim3(64), 0, 0, [&] { barrier_rounds(3, &finished); }, &err, 2);
+    check(ok && finished.load() == 3, "a launch after a cancelled one works", err);
+}
+
 }  // namespace
 
 int main() {
@@ -503,7 +750,12 @@ int main() {
     check_early_return();
     check_indices();
     check_concurrent_launches();
+    check_stack_overflow();
+    check_fp_environment();
+    check_progress();
     check_timing();
+    std::printf("info: deepest fiber stack use %zu of %zu bytes\n", pyfa_emu::stack_high_water(),
+                pyfa_emu::kFiberStackBytes);
 
     std::printf("emu selftest: %d passed, %d failed\n", g_passed, g_failed);
     return g_failed == 0 ? 0 : 1;

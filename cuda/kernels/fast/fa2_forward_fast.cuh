@@ -36,22 +36,20 @@ struct FastHead {
     int ldq, ldk, ldv, ldo;
 };
 
+// Query head h reads K/V head h / (H / Hkv); row strides fit in int (checked at launch).
 PYFA_HD FastHead fast_head(const AttentionParams& p, int64_t b, int64_t h) {
-    const int64_t bh = b * p.heads + h;
-    const int64_t d = p.head_dim;
+    const int64_t hk = h / (p.heads / p.heads_kv);
     FastHead f;
-    f.q = p.q + bh * p.seqlen_q * d;
-    f.k = p.k + bh * p.seqlen_k * d;
-    f.v = p.v + bh * p.seqlen_k * d;
-    f.o = p.o + bh * p.seqlen_q * d;
-    f.lse = p.lse + bh * p.seqlen_q;
-    f.ldq = f.ldk = f.ldv = f.ldo = static_cast<int>(d);
+    f.q = p.q + p.q_strides.at(b, h, 0);
+    f.k = p.k + p.k_strides.at(b, hk, 0);
+    f.v = p.v + p.v_strides.at(b, hk, 0);
+    f.o = p.o + p.o_strides.at(b, h, 0);
+    f.lse = p.lse + (b * p.heads + h) * p.seqlen_q;
+    f.ldq = static_cast<int>(p.q_strides.row);
+    f.ldk = static_cast<int>(p.k_strides.row);
+    f.ldv = static_cast<int>(p.v_strides.row);
+    f.ldo = static_cast<int>(p.o_strides.row);
     return f;
-}
-
-PYFA_HD Mask fast_mask(const AttentionParams& p) {
-    const int64_t unbounded = p.seqlen_q + p.seqlen_k;
-    return Mask{unbounded, p.causal ? 0 : unbounded, p.seqlen_k - p.seqlen_q};
 }
 
 // Position of tile row r in Q_i^T: a thread's 8 rows (w*16 + rg + 2 ii) become 8
@@ -76,7 +74,7 @@ __global__ void __launch_bounds__(2 * BR) fa2_forward_fast_kernel(const Attentio
     const FastHead g = fast_head(p, blockIdx.z, blockIdx.y);
     const int row0 = static_cast<int>(blockIdx.x) * BR;
     const int br = imin(BR, Nq - row0);
-    const Mask mask = fast_mask(p);
+    const Mask mask = p.mask;
     const TileRange tiles = mask.kv_tiles(row0, br, BC, Nk);
     const int jb = static_cast<int>(tiles.begin), je = static_cast<int>(tiles.end);
 

@@ -1,0 +1,109 @@
+"""The attention mask as a value: the twin of cuda/common/mask.h, and the one place in
+Python where the mask formula is written (tests, tools and the simulator use it).
+
+Key j is visible to query row i iff  i + off - left <= j <= i + off + right,  where
+off = Nk - Nq for causal_align "bottom_right" (flash-attn's) or 0 for "top_left"
+(PyTorch's is_causal), and (left, right) is the window, causal forcing right = 0. An
+unbounded side (None), or one wider than any distance between a row and a key, is held
+as Nq + Nk, so every bound is a finite int and the arithmetic of the C twin never
+overflows.
+"""
+
+import numbers
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from .inputs import check_causal
+
+ALIGNMENTS = ("bottom_right", "top_left")
+
+
+class TileRange(NamedTuple):
+    """Tiles [begin, end), visited in increasing order; begin == end when empty."""
+    begin: int
+    end: int
+
+
+EMPTY = TileRange(0, 0)
+
+
+def check_window(window):
+    """window as (left, right), each an int >= 0 or None (unbounded); None is (None, None)."""
+    if window is None:
+        return None, None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window: expected None or a pair (left, right), got {window!r}")
+    sides = []
+    for name, side in zip(("left", "right"), window):
+        if side is None:
+            sides.append(None)
+            continue
+        if isinstance(side, (bool, np.bool_)) or not isinstance(side, numbers.Integral):
+            raise TypeError(f"window: {name} side must be an int >= 0 or None, got {side!r}")
+        if side < 0:
+            raise ValueError(f"window: {name} side must be >= 0 or None, got {side}")
+        sides.append(int(side))
+    return tuple(sides)
+
+
+def check_causal_align(causal_align):
+    if not isinstance(causal_align, str):
+        raise TypeError(f"causal_align: expected 'bottom_right' or 'top_left', "
+                        f"got {type(causal_align).__name__}")
+    if causal_align not in ALIGNMENTS:
+        raise ValueError(f"causal_align: expected 'bottom_right' or 'top_left', got {causal_align!r}")
+    return causal_align
+
+
+@dataclass(frozen=True)
+class Mask:
+    left: int   # keys visible left of the diagonal, finite (<= Nq + Nk)
+    right: int  # keys visible right of the diagonal, finite (<= Nq + Nk)
+    off: int    # the diagonal: row i's own key is i + off
+
+    @classmethod
+    def resolve(cls, causal, window, causal_align, Nq, Nk):
+        """The mask of the Python-level arguments, checked (TypeError, ValueError naming
+        causal, window or causal_align), for Nq query rows and Nk keys."""
+        causal = check_causal(causal)
+        left, right = check_window(window)
+        causal_align = check_causal_align(causal_align)
+        wide = Nq + Nk
+        left = wide if left is None else min(left, wide)
+        right = 0 if causal else wide if right is None else min(right, wide)
+        off = Nk - Nq if causal_align == "bottom_right" else 0
+        return cls(left, right, off)
+
+    @classmethod
+    def none(cls, Nq, Nk):
+        """Every key visible to every row."""
+        return cls(Nq + Nk, Nq + Nk, Nk - Nq)
+
+    def masked(self, rows, cols):
+        """True where key `cols` is hidden from query `rows` (NumPy arrays broadcast)."""
+        rows = np.asarray(rows, np.int64)
+        cols = np.asarray(cols, np.int64)
+        return (cols < rows + (self.off - self.left)) | (cols > rows + (self.off + self.right))
+
+    def visible(self, rows, cols):
+        return ~self.masked(rows, cols)
+
+    def kv_tiles(self, row0, br, Bc, Nk):
+        """The K/V tiles (of Bc keys) holding a key visible to some row of
+        [row0, row0 + br)."""
+        lo = max(0, row0 + self.off - self.left)
+        hi = min(Nk - 1, row0 + br - 1 + self.off + self.right)
+        if hi < lo:
+            return EMPTY
+        return TileRange(lo // Bc, hi // Bc + 1)
+
+    def q_tiles(self, col0, bc, Br, Nq):
+        """The Q tiles (of Br rows) holding a row that sees some key of
+        [col0, col0 + bc)."""
+        lo = max(0, col0 - self.off - self.right)
+        hi = min(Nq - 1, col0 + bc - 1 - self.off + self.left)
+        if hi < lo:
+            return EMPTY
+        return TileRange(lo // Br, hi // Br + 1)
