@@ -209,3 +209,33 @@ def test_an_unseeded_tree_would_differ():
     row = [f32("nan"), f32(1.0)]
     assert np.isnan(pyfa_max(row[0], row[1]))
     assert sequential(f32(-np.inf), row) == 1.0
+
+
+# Masks (windows, both alignments), grouped-query heads and the (B, N, H, d) layout, which
+# the fast kernel reads through Mask, the head mapping and the strides.
+MASKED = [
+    dict(causal=True, causal_align="top_left"),
+    dict(window=(20, 5)),
+    dict(window=(None, 0), causal_align="top_left"),
+    dict(window=(7, None), causal=True),
+    dict(window=(0, 0)),
+]
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("heads,heads_kv", [(4, 2), (3, 1)])
+@pytest.mark.parametrize("mask", MASKED, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fast_forward_masks_gqa_layouts(mask, heads, heads_kv, layout, variant):
+    d = 64 if heads_kv == 2 else 128
+    Nq, Nk = (150, 97) if heads_kv == 2 else (70, 200)
+    rng = np.random.default_rng(heads + Nq)
+    shape_q = (1, heads, Nq, d) if layout == "bhnd" else (1, Nq, heads, d)
+    shape_k = (1, heads_kv, Nk, d) if layout == "bhnd" else (1, Nk, heads_kv, d)
+    q = rng.standard_normal(shape_q, dtype=np.float32)
+    k, v = (rng.standard_normal(shape_k, dtype=np.float32) for _ in range(2))
+    sim = pyfa.sim.fa2_forward(q, k, v, layout=layout, block_r=64, block_c=64, **mask)
+    for order in ("forward", "reverse"):
+        o, lse = pyfa.fa2_forward(q, k, v, layout=layout, block_r=64, block_c=64, backend="emu",
+                                  emu_order=order, variant=variant, **mask)
+        assert same_bits(o, sim.o) and same_bits(lse, sim.lse), order
