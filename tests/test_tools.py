@@ -166,6 +166,10 @@ def test_gpu_steps_run_on_the_emulator_with_stand_in_tools(tmp_path):
     timed = {(r["op"], r["tiles"]) for r in records if r["status"] == "ok"}
     for op in pyfa.api.OPS:
         assert {(op, "default"), (op, "32x32")} <= timed, records
+    # The fast variant beside the readable one where the op has it, skipped (named) where not.
+    assert ("fa2_forward/fast", "default") in timed, records
+    skipped = {r["op"]: r["status"] for r in records if r["status"].startswith("skipped")}
+    assert "no fast variant" in skipped["fa2_backward/fast"]
 
     (tmp_path / "steps.tsv").write_text("bench\tok\t0\t1\t150\tpython3 tools/gpu_bench.py bench\n")
     p = run([sys.executable, script, "summarize", "--work", str(tmp_path), "--out", str(tmp_path / "out")], env=env)
@@ -216,8 +220,14 @@ def test_sass_report_rows_and_summary(tmp_path):
     last = p.stdout.strip().splitlines()[-1]
     assert last.startswith("summary: ")
     parts = last[len("summary: "):].split(" | ")
-    d64 = [r for r in rows if r["head_dim"] == 64]
+    d64 = [r for r in rows if r["head_dim"] == 64 and r["default_tiles"]]
     assert len(parts) == len(d64)
     for part in parts:
         assert re.fullmatch(r"[a-z0-9_]+/(reference|fast) fp_share=[\d.]+ lds_per_flop=[\d.]+ "
                             r"forecast_tflops=[\d.]+", part), part
+    # Issue 12's targets for the fast FA2 forward at its default tiles, d = 64 and 128.
+    for r in rows:
+        if r["name"] == "fa2_forward/fast" and r["default_tiles"]:
+            assert r["fp_share"] >= 0.85 and r["lds_per_flop"] <= 0.1 and r["forecast_tflops"] >= 34, r
+            assert r["int_div"] == 0, r
+    assert {r["head_dim"] for r in rows if r["name"] == "fa2_forward/fast"} == {64, 128}

@@ -1,6 +1,7 @@
 """gpu_bench.py bench: every op's device entry point (pyfa.api.OPS, `<c_function>_device`)
 timed with CUDA events on PyTorch's device tensors, checked against and timed beside
-PyTorch's SDPA on the same inputs. --backend emu runs the same plumbing on the emulator
+PyTorch's SDPA on the same inputs, once per kernel variant (--variants: the readable
+kernels as `<op>`, the fast ones as `<op>/fast` where every kernel of the op has one). --backend emu runs the same plumbing on the emulator
 (host pointers, wall clock), without a GPU."""
 
 import math
@@ -14,6 +15,8 @@ BENCH_SEQLENS = [1024, 2048, 4096, 8192]
 # (head_dim, tiles): None tiles are the library's defaults for the device.
 BENCH_VARIANTS = [(64, None), (64, (32, 32)), (128, None), (128, (32, 32))]
 BENCH_BATCH, BENCH_HEADS = 4, 8
+# pyfa.api.VARIANTS timed side by side; "reference" rows keep the op's plain name.
+BENCH_KERNEL_VARIANTS = ["reference", "fast"]
 GRADS = ("dq", "dk", "dv")
 
 # What the SDPA rows are: PyTorch picks its memory-efficient kernel for fp32 inputs, and
@@ -192,12 +195,34 @@ def make_problem(b, h, nq, nk, d, causal):
                                       "head_dim": d, "scale": 0.0, "causal": int(causal)})
 
 
-def make_config(backend_name, tiles):
+def make_config(backend_name, tiles, variant="reference"):
     import pyfa
     ffi, _ = pyfa._lib.load()
     br, bc = tiles or (0, 0)
     return ffi.new("pyfa_config *", {"backend": pyfa.api.BACKENDS[backend_name], "block_r": br,
-                                     "block_c": bc})
+                                     "block_c": bc, "variant": pyfa.api.VARIANTS[variant]})
+
+
+def op_label(op, variant):
+    return op.name if variant == "reference" else f"{op.name}/{variant}"
+
+
+def variant_tiles(op, d, tiles, backend_name, variant):
+    """{kernel: [Br, Bc]} the op's kernels run with under `variant`, or a string saying
+    why the variant does not apply (a kernel without a fast version, or other tiles)."""
+    import pyfa
+    used = {}
+    for k in op.kernels:
+        try:
+            used[k] = list(pyfa.default_tiles(k, d, backend_name, variant=variant))
+        except ValueError as e:
+            return str(e)
+        if tiles and variant != "reference" and tuple(tiles) != tuple(used[k]):
+            if pyfa.smem_bytes(k, *tiles, d, variant=variant) == 0:
+                return f"{k}: no {variant} kernel for tiles {tiles_label(tiles)}"
+        if tiles:
+            used[k] = list(tiles)
+    return used
 
 
 def bench_plan(seqlens, variants):
@@ -221,7 +246,7 @@ def dry_run(args, seqlens, variants):
     passes = " and ".join(sorted({op.pass_ for op in ops()}, reverse=True))
     for n, d, tiles in bench_plan(seqlens, variants):
         print(f"  would time B={args.batch} H={args.heads} N={n} d={d} tiles={tiles_label(tiles)}: "
-              f"{', '.join(op.name for op in ops())}{f', torch SDPA {passes}' if tiles is None else ''}")
+              f"{', '.join(op_label(op, v) for op in ops() for v in args.variants)}{f', torch SDPA {passes}' if tiles is None else ''}")
     return 0
 
 
@@ -275,15 +300,19 @@ def cmd_bench(args):
         sets = [{name: backend.randn((batch, heads, n, d)) for name in ("q", "k", "v", "do")}
                 for _ in range(n_sets)]
         problem = make_problem(batch, heads, n, n, d, args.causal)
-        config = make_config(backend.name, tiles)
         refs = {}
-        for op in ops():
-            base = {"op": op.name, "N": n, "d": d, "tiles": tiles_label(tiles), "sets": n_sets}
-            if out_of_time(op.name, n, d):
+        for op, variant in [(op, v) for op in ops() for v in args.variants]:
+            config = make_config(backend.name, tiles, variant)
+            base = {"op": op_label(op, variant), "variant": variant, "N": n, "d": d,
+                    "tiles": tiles_label(tiles), "sets": n_sets}
+            if out_of_time(base["op"], n, d):
                 record({**base, "ms": None, "status": "skipped: time budget"})
                 continue
+            used = variant_tiles(op, d, tiles, backend.name, variant)
+            if isinstance(used, str):
+                record({**base, "ms": None, "status": f"skipped: {used}"})
+                continue
             try:
-                used = {k: list(tiles or pyfa.default_tiles(k, d, backend.name)) for k in op.kernels}
                 shapes = op.output_shapes(batch, heads, n, n, d)
                 outs = {t: backend.empty(shape) for t, shape in shapes.items()}
                 per_set_tensors = []
@@ -353,5 +382,7 @@ def add_parser(sub):
     p.add_argument("--causal", action="store_true")
     p.add_argument("--target-ms", type=float, default=100.0,
                    help="timed calls per measurement: about this many ms' worth, 3 to 20")
+    p.add_argument("--variants", nargs="+", default=BENCH_KERNEL_VARIANTS,
+                   choices=["reference", "fast"], help="kernel variants timed side by side")
     p.add_argument("--dry-run", action="store_true")
     p.set_defaults(run=cmd_bench)
