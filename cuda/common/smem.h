@@ -194,3 +194,21 @@ PYFA_HD SmemLayout fa2_forward_fast_smem(int64_t Br, int64_t Bc, int64_t d) {
     L.add("alpha", Br, 1);        // exp(m_old - m_new); l_i at the end
     return L;
 }
+
+// ---- FA2 backward dQ, fast variant (cuda/kernels/fast/fa2_backward_dq_fast.cuh): the
+// forward's thread layout; K_j is kept twice, transposed for S and row-major for dS K.
+PYFA_HD int fa2_backward_dq_fast_threads(int64_t Br) { return static_cast<int>(2 * Br); }
+
+enum Fa2BackwardDqFastTerm { FA2DQF_QiT, FA2DQF_dOiT, FA2DQF_KjT, FA2DQF_VjT, FA2DQF_Kj, FA2DQF_dSij, FA2DQF_dQi };
+
+PYFA_HD SmemLayout fa2_backward_dq_fast_smem(int64_t Br, int64_t Bc, int64_t d) {
+    SmemLayout L;
+    L.add("Q_i^T", d, Br);       // loaded once, transposed like the forward's
+    L.add("dO_i^T", d, Br);
+    L.add("K_j^T", d, Bc);       // for S = Q K^T
+    L.add("V_j^T", d, Bc);       // for dP = dO V^T
+    L.add("K_j", Bc, d);         // for dS K
+    L.add("dS_ij", Br, fast_p_stride(Bc));
+    L.add("dQ_i", Br, d);        // each thread's own elements: its registers go to S and dP
+    return L;
+}

@@ -40,7 +40,16 @@
       kGridQTiles)                                                                                    \
     X(9, "fa2_forward/fast d=128 128x64", PYFA_KERNEL_FA2_FORWARD, PYFA_VARIANT_FAST, 128, 128, 64,    \
       (fa2_forward_fast_kernel<128, 128>), fa2_forward_fast_smem, fa2_forward_fast_threads(Br),      \
-      kGridQTiles)
+      kGridQTiles)                                                                                    \
+    X(10, "fa2_backward_dq/fast d=64 64x64", PYFA_KERNEL_FA2_BACKWARD_DQ, PYFA_VARIANT_FAST, 64, 64, 64, \
+      (fa2_backward_dq_fast_kernel<64, 64>), fa2_backward_dq_fast_smem,                                \
+      fa2_backward_dq_fast_threads(Br), kGridQTiles)                                                  \
+    X(11, "fa2_backward_dq/fast d=64 128x64", PYFA_KERNEL_FA2_BACKWARD_DQ, PYFA_VARIANT_FAST, 64, 128,  \
+      64, (fa2_backward_dq_fast_kernel<64, 128>), fa2_backward_dq_fast_smem,                           \
+      fa2_backward_dq_fast_threads(Br), kGridQTiles)                                                  \
+    X(12, "fa2_backward_dq/fast d=128 64x64", PYFA_KERNEL_FA2_BACKWARD_DQ, PYFA_VARIANT_FAST, 128, 64,  \
+      64, (fa2_backward_dq_fast_kernel<128, 64>), fa2_backward_dq_fast_smem,                           \
+      fa2_backward_dq_fast_threads(Br), kGridQTiles)
 
 // Rows in the table (ids 0 .. kKernelRows - 1).
-constexpr int kKernelRows = 10;
+constexpr int kKernelRows = 13;
