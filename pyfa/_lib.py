@@ -308,16 +308,26 @@ def call(fn, config, *args, progress=None):
     if threading.current_thread() is not threading.main_thread():
         run()
     else:
-        worker = threading.Thread(target=run, name="pyfa call", daemon=True)
-        worker.start()
+        # Waits on an Event, not Thread.join: before Python 3.13 a KeyboardInterrupt that
+        # lands inside join() can mark a thread that is still running as stopped, and the
+        # call would then be abandoned while it still runs.
+        done = threading.Event()
+
+        def run_and_signal():
+            try:
+                run()
+            finally:
+                done.set()
+
+        threading.Thread(target=run_and_signal, name="pyfa call", daemon=True).start()
         try:
-            while worker.is_alive():
-                worker.join(_POLL_S)
+            while not done.wait(_POLL_S):
+                pass
         except KeyboardInterrupt:
             state.cancel = True
-            while worker.is_alive():
+            while not done.is_set():
                 try:
-                    worker.join(_POLL_S)
+                    done.wait(_POLL_S)
                 except KeyboardInterrupt:  # pressed again: the call is stopping already
                     pass
             raise

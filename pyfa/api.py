@@ -1,26 +1,36 @@
-"""pyfa's Python API on NumPy buffers: argument checks, then one call into libpyfa.
+"""pyfa's Python API: argument checks, then one call into libpyfa.
 
-Outputs are always fresh arrays in the layout asked for. Inputs of any strides are
-accepted and never written; those whose last axis is contiguous (a transposed (B, N, H, d)
-array, q, k, v as views into one packed array, ...) go to the library in place with their
-strides, others are copied to C-contiguous float32 first.
+Tensors come from any library: NumPy arrays, and any array with __dlpack__ or
+__cuda_array_interface__ (pyfa/_arrays.py). CPU arrays of any strides are accepted and go
+to the host entry points: those whose last axis is contiguous (a transposed (B, N, H, d)
+array, q, k, v as views into one packed array, ...) in place with their strides, others
+copied to C-contiguous float32 first. CUDA arrays go to the *_device entry points on the
+producer's stream. Inputs are never written; outputs are fresh arrays of q's kind in the
+layout asked for, or the out= arrays given.
 """
+
+from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import _lib
+from . import _arrays, _lib
+from ._arrays import Array, ArrayLike
 from .sim.inputs import (
-    MAX_HEAD_DIM, check_causal, check_int, check_like, check_qkv, check_rows, check_tile,
-    element_strides, empty_output, resolve_scale, restore_rows,
+    MAX_HEAD_DIM, caller_shape, check_causal, check_int, check_layout, check_like, check_qkv,
+    check_rows, check_tile, element_strides, resolve_scale,
 )
 from .sim.mask import Mask, check_window
 
+# progress(done, total): True cancels the call.
+Progress = Callable[[int, int], Optional[bool]]
+
 # The C enum pyfa_backend; "auto" first, then the others best first (backends() keeps
 # this order).
-BACKENDS = {"auto": 0, "cuda": 1, "emu": 2}
+BACKENDS = {"auto": 0, "cuda": 1, "cpu": 3, "emu": 2}
 EMU_ORDERS = {"forward": 0, "reverse": 1, "shuffled": 2}
 # The C enum pyfa_kernel.
 KERNELS = {"fa1_forward": 0, "fa2_forward": 1, "fa1_backward": 2,
@@ -121,7 +131,8 @@ def _reason(lib, backend):
 VARIANTS = {"auto": 0, "reference": 1, "fast": 2}
 
 
-def _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers, variant="auto"):
+def _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers, threads,
+            variant="auto"):
     ffi, lib = _lib.load()
     cfg = ffi.new("pyfa_config *")
     cfg.variant = _choice("variant", variant, VARIANTS)
@@ -133,20 +144,19 @@ def _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers, variant
     cfg.emu_order = _choice("emu_order", emu_order, EMU_ORDERS)
     cfg.emu_seed = check_int("emu_seed", emu_seed, 0, 2**64 - 1)
     cfg.emu_workers = check_int("emu_workers", emu_workers, 0, INT_MAX)
+    cfg.threads = check_int("threads", threads, 0, INT_MAX)
     return cfg
 
 
-def _problem(q4, k4, scale, causal, window, causal_align):
-    """A pyfa_problem (struct_size 0: this layout) for q4, k4 and the mask arguments,
-    checked as the simulator checks them; the strides are filled in by _run."""
+def _problem(dims, scale, causal, window, causal_align):
+    """The pyfa_problem (struct_size 0: this layout) of sizes dims = (B, H, Nq, Nk, d, Hkv)
+    and the mask arguments, checked as the simulator checks them; the strides are set
+    by the caller."""
     ffi, _ = _lib.load()
-    Nq, Nk = q4.shape[2], k4.shape[2]
-    Mask.resolve(causal, window, causal_align, Nq, Nk)  # the argument checks
+    Mask.resolve(causal, window, causal_align, dims[2], dims[3])  # the argument checks
     pr = ffi.new("pyfa_problem *")
-    pr.batch, pr.heads, pr.seqlen_q, pr.head_dim = q4.shape
-    pr.heads_kv = k4.shape[1]
-    pr.seqlen_k = Nk
-    pr.scale = float(resolve_scale(scale, q4.shape[3]))
+    pr.batch, pr.heads, pr.seqlen_q, pr.seqlen_k, pr.head_dim, pr.heads_kv = dims
+    pr.scale = float(resolve_scale(scale, dims[4]))
     pr.causal = 1 if check_causal(causal) else 0
     if window is not None:
         left, right = check_window(window)
@@ -157,11 +167,19 @@ def _problem(q4, k4, scale, causal, window, causal_align):
     return pr
 
 
+def _set_strides(problem, strides):
+    """strides: {tensor name: (batch, head, row) element strides, or None for dense}."""
+    for name, st in strides.items():
+        if st is not None and name in STRIDE_FIELDS:
+            s = getattr(problem, STRIDE_FIELDS[name])
+            s.batch, s.head, s.row = st
+
+
 def _strides(x4):
     """The (batch, head, row) element strides the library takes for the (B, heads, N, d)
-    view x4, or None when it cannot address x4 in place. An axis of length 1 gets its
-    dense stride (any value would do), so that all three are 0 only for a tensor broadcast
-    along every axis, which pyfa.h would read as dense: that one is copied too."""
+    NumPy view x4, or None when it cannot address x4 in place. An axis of length 1 gets
+    its dense stride (any value would do), so that all three are 0 only for a tensor
+    broadcast along every axis, which pyfa.h would read as dense: that one is copied."""
     strides = element_strides(x4)
     if strides is None:
         return None
@@ -172,8 +190,8 @@ def _strides(x4):
 
 
 def _in_place(x):
-    """x as the library can address it (x itself when it can, else a C-contiguous copy)
-    and its (batch, head, row) element strides (None for a per-row tensor, always dense)."""
+    """A checked CPU view as the library can address it (x itself when it can, else a
+    C-contiguous copy) and its strides (None for a per-row tensor, always dense)."""
     if x.ndim == 3:
         return np.ascontiguousarray(x), None
     strides = _strides(x)
@@ -183,8 +201,17 @@ def _in_place(x):
     return x, strides
 
 
+def _layout_strides(shape4, rank, layout):
+    """The strides of a C-contiguous array in the caller's layout, seen as the (B, H, N, d)
+    tensor of shape4: None (dense) unless it is (B, N, H, d)."""
+    if layout == "bhnd" or rank == 2:
+        return None
+    B, H, N, d = shape4
+    return (N * H * d, d, H * d)
+
+
 def _address(ffi, x):
-    """A float * to element 0 of x (a view may start anywhere in its base's buffer)."""
+    """A float * to element 0 of the NumPy view x (a view may start anywhere in its base)."""
     return ffi.cast("float *", x.__array_interface__["data"][0])
 
 
@@ -194,201 +221,463 @@ def _check_progress(progress):
     return progress
 
 
-def _run(op_name, inputs, *, rank, layout, causal, window, causal_align, scale, block_r,
-         block_c, backend, emu_order, emu_seed, emu_workers, progress, variant="auto"):
-    """Runs OPS[op_name] on `inputs` ({name: checked (B, heads, N, d) or (B, H, Nq) view});
-    returns its outputs {name: fresh array in the caller's rank and layout; per-row ones
-    (B, H, Nq) cut to the caller's rank}."""
-    op = OPS[op_name]
-    q4, k4 = inputs["q"], inputs["k"]
-    problem = _problem(q4, k4, scale, causal, window, causal_align)
-    config = _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers, variant)
-    progress = _check_progress(progress)
+def _as_4d_shape(name, shape, rank=None, layout="bhnd"):
+    # The device twin of sim.inputs.as_tensor and as_4d's shape rules, with their messages.
+    if len(shape) not in (2, 3, 4):
+        words = "(B, H, N, d), (H, N, d)" if layout == "bhnd" else "(B, N, H, d), (N, H, d)"
+        raise ValueError(f"{name}: expected shape {words} or (N, d), got {shape}")
+    if rank is not None and len(shape) != rank:
+        raise ValueError(f"{name}: expected {rank} dimensions like q, got shape {shape}")
+    s = (1,) * (4 - len(shape)) + tuple(shape)
+    return (s[0], s[2], s[1], s[3]) if layout == "bnhd" and len(shape) > 2 else s
+
+
+def _check_device_shapes(tensors, layout):
+    """sim.inputs.check_qkv, check_like and check_rows on the shapes of DeviceTensors
+    (same rules, same messages); returns (dims, rank)."""
+    q, k, v = tensors["q"].shape, tensors["k"].shape, tensors["v"].shape
+    q4 = _as_4d_shape("q", q, layout=layout)
+    rank = len(q)
+    k4 = _as_4d_shape("k", k, rank, layout)
+    B, H, Nq, d = q4
+    Hkv = k4[1]
+    if k4[0] != B:
+        raise ValueError(f"k: batch {k4[0]} differs from q's {B}")
+    if k4[3] != d:
+        raise ValueError(f"k: head dim {k4[3]} differs from q's {d}")
+    if v != k:
+        raise ValueError(f"v: shape {v} differs from k's {k}")
+    if min(q4) < 1 or min(k4) < 1:
+        raise ValueError(f"q, k: every dimension must be >= 1, got q {q}, k {k}")
+    if H % Hkv != 0:
+        raise ValueError(f"k: its {Hkv} heads must divide q's {H} heads (grouped-query "
+                         f"attention), got q {q}, k {k}")
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"q: head dim must be in [1, {MAX_HEAD_DIM}], got {d}")
+    for name, t in tensors.items():
+        if name in ("q", "k", "v"):
+            continue
+        if TENSOR_KINDS[name] == "row":
+            if not 1 <= len(t.shape) <= 3 or (1,) * (3 - len(t.shape)) + t.shape != q4[:3]:
+                raise ValueError(f"{name}: expected one value per query row, shape {q4[:3]} "
+                                 f"(or without its leading 1s), got {t.shape}")
+        elif _as_4d_shape(name, t.shape, layout=layout) != q4:
+            raise ValueError(f"{name}: expected shape {caller_shape(q4, 4, layout)} "
+                             f"(layout {layout!r}), got {t.shape}")
+    return (B, H, Nq, k4[2], d, Hkv), rank
+
+
+@dataclass
+class _Intake:
+    """The tensor arguments of one call, checked: where they live, and their memory."""
+    place: _arrays.Place
+    kind: str         # q's library: outputs are made of this kind
+    tensors: dict     # name -> NumPy (B, heads, N, d) view (rows: dense (B, H, Nq)) the
+                      # library can address, or DeviceTensor
+    strides: dict     # name -> (batch, head, row) element strides, or None for dense
+    dims: tuple       # (B, H, Nq, Nk, d, Hkv)
+    rank: int         # q's rank as the caller gave it
+    layout: str       # "bhnd" or "bnhd", of every 4-D tensor in and out
+    stream: int       # the cudaStream_t a CUDA call runs on (0 on the CPU)
+
+    def shape4(self, name):
+        return tensor_shape(name, *self.dims)
+
+    def shape(self, name):
+        """The shape of tensor `name` at the caller's rank and in the caller's layout."""
+        full = self.shape4(name)
+        if TENSOR_KINDS[name] == "row":
+            return full[4 - self.rank:3]
+        return caller_shape(full, self.rank, self.layout)
+
+
+def _cuda_stream(args, place, stream):
+    """The cudaStream_t of a call on CUDA arrays: stream= when given, else the producer's
+    current stream (PyTorch, CuPy), else the stream a __cuda_array_interface__ names, else
+    the default stream. A __cuda_array_interface__ array on another stream is refused:
+    pyfa cannot order one stream after another."""
+    if stream is not None:
+        handle = _arrays.stream_handle(stream)
+    else:
+        handle = _arrays.current_stream(args["q"], place)
+    named = {n: s for n, s in ((n, _arrays.cai_stream(x)) for n, x in args.items() if x is not None)
+             if s is not None}
+    if handle is None:
+        handle = next(iter(named.values()), 0)
+    same = {0, 1} if handle in (0, 1) else {handle}  # 0 and 1 both name the legacy default stream
+    for name, s in named.items():
+        if s not in same:
+            raise ValueError(f"{name}: its __cuda_array_interface__ is on stream {s:#x}, but this "
+                             f"call runs on stream {handle:#x}; synchronize first or pass stream=")
+    return handle
+
+
+def _intake(args, stream, backend, layout, outs=None):
+    """Checks the tensor arguments {name: caller's array} (and the given outputs' place):
+    all on one device, float32, shapes as the op needs in `layout`; for CUDA arrays, that
+    the backend can run them, before anything is exported. CPU arrays are seen as
+    (B, heads, N, d) views, copied only when the library cannot address them."""
+    layout = check_layout(layout)
+    labelled = {**args, **{f"out ({n})": x for n, x in (outs or {}).items()}}
+    place = _arrays.common_place(labelled)
+    kind = _arrays.library_of(args["q"])
+    if place.kind == "cpu":
+        if stream is not None:
+            raise ValueError("stream: only CUDA arrays run on a stream, and these are on the CPU")
+        arrays = {n: _arrays.host_array(n, x) for n, x in args.items()}
+        q4, k4, v4, rank, heads_kv = check_qkv(arrays["q"], arrays["k"], arrays["v"], layout)
+        views = dict(q=q4, k=k4, v=v4)
+        for name, x in arrays.items():
+            if name not in views:
+                views[name] = (check_rows(name, x, q4) if TENSOR_KINDS[name] == "row"
+                               else check_like(name, x, q4, layout))
+        tensors, strides = {}, {}
+        for name, x in views.items():
+            tensors[name], strides[name] = _in_place(x)
+        dims = (*q4.shape[:3], k4.shape[2], q4.shape[3], heads_kv)
+        return _Intake(place, kind, tensors, strides, dims, rank, layout, 0)
+    _check_cuda_backend(backend, place)
+    handle = _cuda_stream(labelled, place, stream)
+    tensors = {n: _arrays.device_tensor(n, x, handle) for n, x in args.items()}
+    dims, rank = _check_device_shapes(tensors, layout)
+    strides = {n: None if TENSOR_KINDS[n] == "row"
+               else _layout_strides(tensor_shape(n, *dims), rank, layout) for n in tensors}
+    return _Intake(place, kind, tensors, strides, dims, rank, layout, handle)
+
+
+def _out_dict(op_name, names, out):
+    """out= as {output name: array or None}: one array for a single output, else a tuple
+    or list with one entry (an array, or None for "allocate it") per output."""
+    if out is None:
+        return {n: None for n in names}
+    if len(names) == 1 and not isinstance(out, (tuple, list)):
+        return {names[0]: out}
+    if not isinstance(out, (tuple, list)) or len(out) != len(names):
+        raise TypeError(f"out: expected a tuple of {len(names)} arrays or Nones "
+                        f"({', '.join(names)}) for {op_name}, got {type(out).__name__}"
+                        f"{'' if not isinstance(out, (tuple, list)) else f' of {len(out)}'}")
+    return dict(zip(names, out))
+
+
+def _host_outputs(op, intake, outs):
+    """{name: (caller's object or None, its NumPy view or None, the NumPy array the library
+    writes)}, each in the caller's rank and layout. A given output is written directly
+    when it is C-contiguous and shares no memory with the other tensors; otherwise through
+    a fresh array copied into it after success."""
+    result = {}
+    for name in op.outputs:
+        shape, given = intake.shape(name), outs[name]
+        if given is None:
+            result[name] = (None, None, np.empty(shape, np.float32))
+            continue
+        label = f"out ({name})"
+        a = _arrays.host_array(label, given)
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"{label}: expected {_arrays.ARRAY_HELP}, got {type(given).__name__}")
+        if a.dtype != np.float32:
+            raise TypeError(f"{label}: expected dtype float32, got {a.dtype}")
+        if a.shape != shape:
+            raise ValueError(f"{label}: expected shape {shape}, got {a.shape}")
+        if not a.flags.writeable:
+            raise ValueError(f"{label}: is read-only")
+        others = list(intake.tensors.values()) + [w for _, _, w in result.values()]
+        direct = a.flags.c_contiguous and not any(np.may_share_memory(a, o) for o in others)
+        result[name] = (given, a, a if direct else np.empty(shape, np.float32))
+    return result
+
+
+def _run_host(op, intake, outs, problem, config, progress):
     ffi, lib = _lib.load()
-    shapes = op.output_shapes(*q4.shape[:3], k4.shape[2], q4.shape[3], k4.shape[1])
-    outputs, views = {}, {}
-    for name, shape in shapes.items():
-        if len(shape) == 3:
-            outputs[name] = views[name] = np.empty(shape, np.float32)
-        else:
-            outputs[name], views[name] = empty_output(shape, rank, layout)
-    # `held` keeps every array (and any copy _in_place made) alive until the call returns.
-    # Fresh outputs are C-contiguous in the caller's layout, so always addressable in place.
-    held = [_in_place(inputs[n]) for n in op.inputs]
-    held += [(views[n], None if views[n].ndim == 3 else _strides(views[n]))
-             for n in op.outputs]
-    for name, (_, strides) in zip(op.inputs + op.outputs, held):
-        if strides is not None:
-            s = getattr(problem, STRIDE_FIELDS[name])
-            s.batch, s.head, s.row = strides
-    pointers = [_address(ffi, x) for x, _ in held]
+    targets = _host_outputs(op, intake, outs)
+    _set_strides(problem, {n: intake.strides[n] for n in op.inputs})
+    _set_strides(problem, {n: _layout_strides(intake.shape4(n), intake.rank, intake.layout)
+                           for n in op.outputs if TENSOR_KINDS[n] != "row"})
+    pointers = [_address(ffi, x)
+                for x in [intake.tensors[n] for n in op.inputs] + [w for _, _, w in targets.values()]]
     _lib.call(getattr(lib, op.c_function), config, problem, config, *pointers, progress=progress)
-    return outputs
+    results = []
+    for given, view, written in targets.values():
+        if given is None:
+            results.append(_arrays.as_kind(intake.kind, written))
+            continue
+        if view is not written:
+            np.copyto(view, written)
+        results.append(given)
+    return tuple(results)
 
 
-_MASK_DOC = """
+def _check_cuda_backend(backend, place):
+    _choice("backend", backend, BACKENDS)
+    if backend == "emu":
+        raise ValueError(f"backend: 'emu' runs on host memory, but the arrays are on {place}; "
+                         f"use 'auto' or 'cuda'")
+    _, lib = _lib.load()
+    cuda = BACKENDS["cuda"]
+    if not lib.pyfa_backend_available(cuda):
+        raise _lib.BackendUnavailableError(
+            f"q: a CUDA array (on {place}), but pyfa's CUDA backend cannot run here: "
+            f"{_reason(lib, cuda)}", 3)
+
+
+def _run_device(op, intake, outs, problem, config, progress):
+    """Enqueues OPS[op] on intake.stream with the arrays' device pointers: no host copy."""
+    ffi, lib = _lib.load()
+    targets = {}
+    for name in op.outputs:
+        shape, given = intake.shape(name), outs[name]
+        label = f"out ({name})"
+        if given is None:
+            allocate, _ = _arrays.allocator_for(intake.kind)
+            array = allocate(shape, intake.place.index)
+            t = _arrays.device_tensor(label, array, intake.stream)
+        else:
+            array = given
+            t = _arrays.device_tensor(label, given, intake.stream)
+            if t.shape != shape:
+                raise ValueError(f"{label}: expected shape {shape}, got {t.shape}")
+            if t.readonly:
+                raise ValueError(f"{label}: is read-only")
+        targets[name] = (given, array, t)
+    # The library reads every input once per tile and writes each output once; an output
+    # over another tensor's memory would corrupt what is still to be read.
+    spans = [(f"out ({n})", t) for n, (_, _, t) in targets.items()] + list(intake.tensors.items())
+    for i, (name, t) in enumerate(spans[:len(targets)]):
+        for other, u in spans[i + 1:]:
+            if t.ptr < u.ptr + u.nbytes and u.ptr < t.ptr + t.nbytes:
+                raise ValueError(f"{name}: overlaps {other}; outputs must not share memory "
+                                 f"with each other or with the inputs")
+    _set_strides(problem, {n: intake.strides[n] for n in op.inputs})
+    _set_strides(problem, {n: _layout_strides(intake.shape4(n), intake.rank, intake.layout)
+                           for n in op.outputs if TENSOR_KINDS[n] != "row"})
+    fn = getattr(lib, op.device_function)
+    switch = _arrays.device_switch(intake.kind, intake.place.index)
+    if switch is not None:
+        entry = fn
+
+        def fn(*args):
+            restore = switch()
+            try:
+                return entry(*args)
+            finally:
+                restore()
+    pointers = [ffi.cast("float *", t.ptr) for t in
+                [intake.tensors[n] for n in op.inputs] + [t for _, _, t in targets.values()]]
+    _lib.call(fn, config, problem, config, *pointers, ffi.cast("void *", intake.stream),
+              progress=progress)
+    return tuple(given if given is not None else _arrays.as_kind(intake.kind, array)
+                 for given, array, _ in targets.values())
+
+
+def _run(op_name, args, *, out, stream, causal, window, causal_align, scale, layout, block_r,
+         block_c, backend, emu_order, emu_seed, emu_workers, threads, progress, variant="auto"):
+    """Runs OPS[op_name] on the caller's arrays `args` ({name: array}, op.inputs order);
+    returns its outputs in op.outputs order, at the caller's rank and in its layout, of
+    q's kind (or the out= arrays given). CPU arrays take the host entry point, CUDA arrays
+    the device one."""
+    op = OPS[op_name]
+    outs = _out_dict(op_name, op.outputs, out)
+    intake = _intake(args, stream, backend, layout, outs)
+    problem = _problem(intake.dims, scale, causal, window, causal_align)
+    config = _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers, threads,
+                     variant)
+    progress = _check_progress(progress)
+    if intake.place.kind == "cpu":
+        return _run_host(op, intake, outs, problem, config, progress)
+    return _run_device(op, intake, outs, problem, config, progress)
+
+
+_COMMON_DOC = """
     causal: key j hidden from query i when j > i + off; window: None or (left, right),
     each an int >= 0 or None (unbounded): key j visible to query i iff
     i + off - left <= j <= i + off + right (causal sets right = 0); causal_align:
     "bottom_right" (off = Nk - Nq, flash-attn's) or "top_left" (off = 0, PyTorch's
     is_causal). layout: "bhnd" (B, H, N, d) or "bnhd" (B, N, H, d), flash-attn's, for
     every 4-D tensor in and out; per-row tensors (lse, m, l) are (B, H, Nq) in both.
-    k and v may have Hkv heads, H % Hkv == 0 (grouped-query attention)."""
+    k and v may have Hkv heads, H % Hkv == 0 (grouped-query attention: query head h
+    reads K/V head h // (H // Hkv)); dk and dv then have Hkv heads, each the sum over
+    its group's query heads.
+
+    Arrays: NumPy, or any array with __dlpack__ (PyTorch, CuPy, JAX, ...) or
+    __cuda_array_interface__, all on one device. CPU arrays run as NumPy arrays (any
+    strides; read in place when the last axis is contiguous, else copied); CUDA arrays
+    must be C-contiguous (in the layout) and go to
+    the device entry point with no host copy, enqueued on `stream` (an int cudaStream_t or
+    a PyTorch/CuPy stream object; default: the producer's current stream). Outputs are
+    arrays of q's library (NumPy for a producer pyfa cannot hand DLPack to), or the
+    `out` arrays given, written in place.
+
+    variant: "auto" (the fast, register-tiled kernels where they apply, else the
+    readable ones), "reference" (the readable ones) or "fast" (ValueError naming what
+    they lack where they do not apply); the same bits either way. The cpu backend has
+    kernels of its own ("fast" is refused there)."""
 
 
-def _with_mask_doc(fn):
-    fn.__doc__ += _MASK_DOC
-    return fn
-
-
-@_with_mask_doc
-def fa2_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_right", scale=None,
-                layout="bhnd", block_r=None, block_c=None, backend="auto", emu_order="forward",
-                emu_seed=0, emu_workers=0, progress=None,
-                variant="auto"):
+def fa2_forward(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
+                window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+                causal_align: str = "bottom_right", layout: str = "bhnd",
+                scale: Optional[float] = None, block_r: Optional[int] = None,
+                block_c: Optional[int] = None, backend: str = "auto", emu_order: str = "forward",
+                emu_seed: int = 0, emu_workers: int = 0, threads: int = 0, variant: str = "auto",
+                progress: Optional[Progress] = None,
+                out: Optional[Sequence[Optional[ArrayLike]]] = None,
+                stream: Any = None) -> Tuple[Array, Array]:
     """FlashAttention-2 forward. Returns (o, lse): o like q, lse (log-sum-exp of each
-    query row's scaled scores, -inf for a row with no visible key) (B, H, Nq) cut to q's
-    rank.
+    query row's scaled scores, -inf for a row with no visible key) q's shape without d.
 
     progress: None, or a callable(done, total) called now and then from a library
-    thread; returning True cancels the call (CancelledError). Ctrl-C cancels it too."""
-    q4, k4, v4, rank, _ = check_qkv(q, k, v, layout)
-    out = _run("fa2_forward", dict(q=q4, k=k4, v=v4), rank=rank, layout=layout, causal=causal,
-               window=window, causal_align=causal_align, scale=scale, block_r=block_r,
-               block_c=block_c, backend=backend, emu_order=emu_order, emu_seed=emu_seed,
-               emu_workers=emu_workers, progress=progress,
-               variant=variant)
-    return out["o"], restore_rows(out["lse"], rank)
+    thread; returning True cancels the call (CancelledError). Ctrl-C cancels it too.
+    out: (o, lse), either None to allocate it."""
+    return _run("fa2_forward", dict(q=q, k=k, v=v), out=out, stream=stream, causal=causal,
+                window=window, causal_align=causal_align, layout=layout, scale=scale,
+                block_r=block_r, block_c=block_c, backend=backend, emu_order=emu_order,
+                emu_seed=emu_seed, emu_workers=emu_workers, threads=threads, progress=progress,
+                variant=variant)
 
 
-@_with_mask_doc
-def fa2_backward(q, k, v, o, lse, do, *, causal=False, window=None, causal_align="bottom_right",
-                 scale=None, layout="bhnd", block_r=None, block_c=None, backend="auto",
-                 emu_order="forward", emu_seed=0, emu_workers=0, progress=None,
-                variant="auto"):
+def fa2_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, lse: ArrayLike,
+                 do: ArrayLike, *, causal: bool = False, scale: Optional[float] = None,
+                 window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+                 causal_align: str = "bottom_right", layout: str = "bhnd",
+                 block_r: Optional[int] = None, block_c: Optional[int] = None,
+                 backend: str = "auto", emu_order: str = "forward", emu_seed: int = 0,
+                 emu_workers: int = 0, threads: int = 0, variant: str = "auto",
+                 progress: Optional[Progress] = None,
+                 out: Optional[Sequence[Optional[ArrayLike]]] = None,
+                 stream: Any = None) -> Tuple[Array, Array, Array]:
     """FlashAttention-2 backward from the forward's saved o and lse (fa2_forward) and the
-    incoming gradient do (like o). Returns (dq, dk, dv), shaped like q, k, v (dk, dv with
-    Hkv heads, each the sum over its group's query heads). The mask, scale and layout
-    must be the forward's. Deterministic: the same inputs give the same bits."""
-    q4, k4, v4, rank, _ = check_qkv(q, k, v, layout)
-    inputs = dict(q=q4, k=k4, v=v4, o=check_like("o", o, q4, layout),
-                  lse=check_rows("lse", lse, q4), do=check_like("do", do, q4, layout))
-    out = _run("fa2_backward", inputs, rank=rank, layout=layout, causal=causal, window=window,
-               causal_align=causal_align, scale=scale, block_r=block_r, block_c=block_c,
-               backend=backend, emu_order=emu_order, emu_seed=emu_seed,
-               emu_workers=emu_workers, progress=progress,
-               variant=variant)
-    return out["dq"], out["dk"], out["dv"]
+    incoming gradient do (like o). Returns (dq, dk, dv), shaped like q, k, v. causal and
+    scale must be the forward's. Deterministic: the same inputs give the same bits.
+    out: (dq, dk, dv), each None to allocate it."""
+    return _run("fa2_backward", dict(q=q, k=k, v=v, o=o, lse=lse, do=do), out=out,
+                stream=stream, causal=causal, window=window, causal_align=causal_align,
+                layout=layout, scale=scale, block_r=block_r, block_c=block_c,
+                backend=backend, emu_order=emu_order, emu_seed=emu_seed,
+                emu_workers=emu_workers, threads=threads, progress=progress,
+                variant=variant)
 
 
-@_with_mask_doc
-def fa1_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_right", scale=None,
-                layout="bhnd", block_r=None, block_c=None, backend="auto", emu_order="forward",
-                emu_seed=0, emu_workers=0, progress=None,
-                variant="auto"):
+def fa1_forward(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
+                window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+                causal_align: str = "bottom_right", layout: str = "bhnd",
+                scale: Optional[float] = None, block_r: Optional[int] = None,
+                block_c: Optional[int] = None, backend: str = "auto", emu_order: str = "forward",
+                emu_seed: int = 0, emu_workers: int = 0, threads: int = 0, variant: str = "auto",
+                progress: Optional[Progress] = None,
+                out: Optional[Sequence[Optional[ArrayLike]]] = None,
+                stream: Any = None) -> Tuple[Array, Array, Array]:
     """FlashAttention-1 forward (the paper's Algorithm 1 as written). Returns (o, m, l):
-    o like q; m (row max of the scaled scores) and l (sum of exp(score - m)) (B, H, Nq)
-    cut to q's rank, as the paper keeps them for the backward; a row with no visible key
-    gets o = 0, m = -inf, l = 0."""
-    q4, k4, v4, rank, _ = check_qkv(q, k, v, layout)
-    out = _run("fa1_forward", dict(q=q4, k=k4, v=v4), rank=rank, layout=layout, causal=causal,
-               window=window, causal_align=causal_align, scale=scale, block_r=block_r,
-               block_c=block_c, backend=backend, emu_order=emu_order, emu_seed=emu_seed,
-               emu_workers=emu_workers, progress=progress,
-               variant=variant)
-    return out["o"], restore_rows(out["m"], rank), restore_rows(out["l"], rank)
+    o like q; m (row max of the scaled scores) and l (sum of exp(score - m)) q's shape
+    without d, as the paper keeps them for the backward; a row with no visible key gets
+    o = 0, m = -inf, l = 0. out: (o, m, l), each None to allocate it."""
+    return _run("fa1_forward", dict(q=q, k=k, v=v), out=out, stream=stream, causal=causal,
+                window=window, causal_align=causal_align, layout=layout, scale=scale,
+                block_r=block_r, block_c=block_c, backend=backend, emu_order=emu_order,
+                emu_seed=emu_seed, emu_workers=emu_workers, threads=threads, progress=progress,
+                variant=variant)
 
 
-@_with_mask_doc
-def fa1_backward(q, k, v, o, m, l, do, *, causal=False, window=None, causal_align="bottom_right",
-                 scale=None, layout="bhnd", block_r=None, block_c=None, backend="auto",
-                 emu_order="forward", emu_seed=0, emu_workers=0, progress=None,
-                variant="auto"):
+def fa1_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, m: ArrayLike,
+                 l: ArrayLike, do: ArrayLike, *, causal: bool = False,  # noqa: E741 (the paper's l)
+                 window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+                 causal_align: str = "bottom_right", layout: str = "bhnd",
+                 scale: Optional[float] = None, block_r: Optional[int] = None,
+                 block_c: Optional[int] = None, backend: str = "auto", emu_order: str = "forward",
+                 emu_seed: int = 0, emu_workers: int = 0, threads: int = 0, variant: str = "auto",
+                 progress: Optional[Progress] = None,
+                 out: Optional[Sequence[Optional[ArrayLike]]] = None,
+                 stream: Any = None) -> Tuple[Array, Array, Array]:
     """FlashAttention-1 backward (the paper's Algorithm 4) from the forward's saved o, m, l
     (fa1_forward) and the incoming gradient do (like o). Returns (dq, dk, dv), shaped like
-    q, k, v (dk, dv with Hkv heads). The mask, scale and layout must be the forward's.
-    Deterministic: no atomics."""
-    q4, k4, v4, rank, _ = check_qkv(q, k, v, layout)
-    inputs = dict(q=q4, k=k4, v=v4, o=check_like("o", o, q4, layout), m=check_rows("m", m, q4),
-                  l=check_rows("l", l, q4), do=check_like("do", do, q4, layout))
-    out = _run("fa1_backward", inputs, rank=rank, layout=layout, causal=causal, window=window,
-               causal_align=causal_align, scale=scale, block_r=block_r, block_c=block_c,
-               backend=backend, emu_order=emu_order, emu_seed=emu_seed,
-               emu_workers=emu_workers, progress=progress,
-               variant=variant)
-    return out["dq"], out["dk"], out["dv"]
+    q, k, v. causal and scale must be the forward's. Deterministic: no atomics.
+    out: (dq, dk, dv), each None to allocate it."""
+    return _run("fa1_backward", dict(q=q, k=k, v=v, o=o, m=m, l=l, do=do), out=out,
+                stream=stream, causal=causal, window=window, causal_align=causal_align,
+                layout=layout, scale=scale, block_r=block_r, block_c=block_c,
+                backend=backend, emu_order=emu_order, emu_seed=emu_seed,
+                emu_workers=emu_workers, threads=threads, progress=progress,
+                variant=variant)
 
 
-# algo -> the forward pass returning O alone.
-_FORWARD = {"fa1": lambda *a, **kw: fa1_forward(*a, **kw)[0],
-            "fa2": lambda *a, **kw: fa2_forward(*a, **kw)[0]}
+# algo -> the forward pass; attention() takes its first output, O.
+_FORWARD = {"fa1": fa1_forward, "fa2": fa2_forward}
 
 
-@_with_mask_doc
-def attention(q, k, v, *, causal=False, window=None, causal_align="bottom_right", scale=None,
-              algo="fa2", layout="bhnd", block_r=None, block_c=None, backend="auto",
-              emu_order="forward", emu_seed=0, emu_workers=0, progress=None,
-                variant="auto"):
-    """O = softmax(scale * Q K^T [mask]) V by FlashAttention.
-
-    q: (B, H, Nq, d), (H, Nq, d) or (Nq, d) float32 in layout "bhnd" ((B, Nq, H, d), ... in
-    "bnhd"); k, v: the same with Nk rows (and Hkv heads). algo: "fa1" or "fa2"; backend:
-    "auto" (CUDA when a GPU is usable, else the CPU), "cuda" or "emu"; block_r, block_c:
-    tiles Br, Bc (None: the default); progress: see fa2_forward; variant: "auto" (the fast
-    kernels where they apply, else the readable ones), "reference" (the readable ones) or
-    "fast" (ValueError naming what they lack where they do not apply)."""
-    fn = _FORWARD.get(algo) if isinstance(algo, str) else None
-    if fn is None:
+def _algo(algo):
+    if not isinstance(algo, str) or algo not in _FORWARD:
         raise ValueError(f"algo: expected one of {sorted(_FORWARD)}, got {algo!r}")
-    return fn(q, k, v, causal=causal, window=window, causal_align=causal_align, scale=scale,
-              layout=layout, block_r=block_r, block_c=block_c, backend=backend,
-              emu_order=emu_order, emu_seed=emu_seed, emu_workers=emu_workers, progress=progress,
-               variant=variant)
+    return algo
 
 
-def _fa1_grad(q, k, v, do, **kw):
-    o, m, l = fa1_forward(q, k, v, **kw)
-    return (o, *fa1_backward(q, k, v, o, m, l, do, **kw))
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
+              window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+              causal_align: str = "bottom_right", layout: str = "bhnd",
+              scale: Optional[float] = None, algo: str = "fa2", block_r: Optional[int] = None,
+              block_c: Optional[int] = None, backend: str = "auto", emu_order: str = "forward",
+              emu_seed: int = 0, emu_workers: int = 0, threads: int = 0, variant: str = "auto",
+              progress: Optional[Progress] = None,
+              out: Optional[ArrayLike] = None, stream: Any = None) -> Array:
+    """O = softmax(scale * Q K^T [causal mask]) V by FlashAttention.
+
+    q: (B, H, Nq, d), (H, Nq, d) or (Nq, d) float32 in layout "bhnd" ((B, Nq, H, d), ...
+    in "bnhd"); k, v: the same with Nk rows and Hkv heads. algo: "fa1" or "fa2"; backend:
+    "auto" (CUDA when a GPU is usable, else "cpu"), "cuda", "cpu" (native and vectorised,
+    the same bits) or "emu" (the kernel source run by the emulator); block_r, block_c:
+    tiles Br, Bc (None: the default); threads: OS threads of the cpu backend (0: one per
+    core; the results never depend on it); progress: see fa2_forward; out: an array like
+    q to write O into."""
+    fn = _FORWARD[_algo(algo)]
+    extra = 2 if algo == "fa1" else 1  # m, l or lse: allocated
+    return fn(q, k, v, causal=causal, window=window, causal_align=causal_align, layout=layout,
+              scale=scale, block_r=block_r, block_c=block_c, backend=backend,
+              emu_order=emu_order, emu_seed=emu_seed, emu_workers=emu_workers, threads=threads,
+              variant=variant, progress=progress,
+              out=None if out is None else (out,) + (None,) * extra,
+              stream=stream)[0]
 
 
-def _fa2_grad(q, k, v, do, **kw):
-    o, lse = fa2_forward(q, k, v, **kw)
-    return (o, *fa2_backward(q, k, v, o, lse, do, **kw))
-
-
-# algo -> forward then backward, returning (o, dq, dk, dv).
-_GRAD = {"fa1": _fa1_grad, "fa2": _fa2_grad}
-
-
-@_with_mask_doc
-def attention_grad(q, k, v, do, *, causal=False, window=None, causal_align="bottom_right",
-                   scale=None, algo="fa2", layout="bhnd", block_r=None, block_c=None,
-                   backend="auto", emu_order="forward", emu_seed=0, emu_workers=0, progress=None,
-                variant="auto"):
+def attention_grad(q: ArrayLike, k: ArrayLike, v: ArrayLike, do: ArrayLike, *,
+                   causal: bool = False, scale: Optional[float] = None, algo: str = "fa2",
+                   window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+                   causal_align: str = "bottom_right", layout: str = "bhnd",
+                   block_r: Optional[int] = None, block_c: Optional[int] = None,
+                   backend: str = "auto", emu_order: str = "forward", emu_seed: int = 0,
+                   emu_workers: int = 0, threads: int = 0, variant: str = "auto",
+                   progress: Optional[Progress] = None,
+                   out: Optional[Sequence[Optional[ArrayLike]]] = None,
+                   stream: Any = None) -> Tuple[Array, Array, Array, Array]:
     """The forward and backward of attention(q, k, v, ...) for the incoming gradient do
     (like the output): returns (o, dq, dk, dv), o like q and the gradients like q, k, v.
     Arguments as in attention(); do is checked before any kernel runs; progress sees
-    each of the two calls in turn."""
-    fn = _GRAD.get(algo) if isinstance(algo, str) else None
-    if fn is None:
-        raise ValueError(f"algo: expected one of {sorted(_GRAD)}, got {algo!r}")
-    q4, k4, _, _, _ = check_qkv(q, k, v, layout)
-    check_like("do", do, q4, layout)
-    Mask.resolve(causal, window, causal_align, q4.shape[2], k4.shape[2])
-    return fn(q, k, v, do, causal=causal, window=window, causal_align=causal_align, scale=scale,
-              layout=layout, block_r=block_r, block_c=block_c, backend=backend,
-              emu_order=emu_order, emu_seed=emu_seed, emu_workers=emu_workers, progress=progress,
-               variant=variant)
+    each of the two calls in turn. out: (o, dq, dk, dv), each None to allocate it."""
+    _algo(algo)
+    outs = _out_dict("attention_grad", ("o", "dq", "dk", "dv"), out)
+    _intake(dict(q=q, k=k, v=v, do=do), stream, backend, layout, outs)
+    kw = dict(causal=causal, window=window, causal_align=causal_align, layout=layout,
+              scale=scale, block_r=block_r, block_c=block_c, backend=backend,
+              emu_order=emu_order, emu_seed=emu_seed, emu_workers=emu_workers,
+              threads=threads, variant=variant, progress=progress, stream=stream)
+    grads = (outs["dq"], outs["dk"], outs["dv"])
+    if algo == "fa1":
+        o, m, l = fa1_forward(q, k, v, out=(outs["o"], None, None), **kw)
+        return (o, *fa1_backward(q, k, v, o, m, l, do, out=grads, **kw))
+    o, lse = fa2_forward(q, k, v, out=(outs["o"], None), **kw)
+    return (o, *fa2_backward(q, k, v, o, lse, do, out=grads, **kw))
 
 
-def backends():
+for _f in (fa2_forward, fa2_backward, fa1_forward, fa1_backward, attention, attention_grad):
+    if _f.__doc__:  # absent under python -OO
+        _f.__doc__ += "\n" + _COMMON_DOC
+del _f
+
+
+def backends() -> List[str]:
     """The backends that can run here, best first ("cuda" only with a usable GPU);
     unavailable_backends() says why the others cannot."""
     _, lib = _lib.load()
     return [name for name, b in BACKENDS.items() if name != "auto" and lib.pyfa_backend_available(b)]
 
 
-def unavailable_backends():
+def unavailable_backends() -> Dict[str, str]:
     """{backend: why it cannot run here} for each backend that cannot, e.g.
     {"cuda": "this libpyfa was built without nvcc"}; the reason is the library's own
     (pyfa_backend_reason), the CUDA driver's error where there is one."""
@@ -397,7 +686,7 @@ def unavailable_backends():
             if name != "auto" and not lib.pyfa_backend_available(b)}
 
 
-def device_profile(backend="auto"):
+def device_profile(backend: str = "auto") -> Dict[str, Union[str, int]]:
     """The limits the kernels are sized against: a dict with name, smem_per_block,
     max_threads_per_block, sm_count."""
     ffi, lib = _lib.load()
@@ -407,7 +696,8 @@ def device_profile(backend="auto"):
             "max_threads_per_block": prof.max_threads_per_block, "sm_count": prof.sm_count}
 
 
-def default_tiles(kernel, head_dim, backend="auto", variant="reference"):
+def default_tiles(kernel: str, head_dim: int, backend: str = "auto",
+                  variant: str = "reference") -> Tuple[int, int]:
     """(Br, Bc) the library uses for `kernel` (e.g. "fa2_forward") at this head dim when
     no tiles are given: the readable kernel's ("reference", what pyfa.sim mirrors), the
     fast kernel's ("fast": ValueError naming what it lacks where it has none) or what
@@ -421,9 +711,10 @@ def default_tiles(kernel, head_dim, backend="auto", variant="reference"):
     return br[0], bc[0]
 
 
-def smem_bytes(kernel, block_r, block_c, head_dim, variant="reference"):
-    """Bytes of dynamic shared memory `kernel` needs for these tiles; 0 when the library
-    has no size for them (a value out of its range, or no kernel of that variant)."""
+def smem_bytes(kernel: str, block_r: int, block_c: int, head_dim: int,
+               variant: str = "reference") -> int:
+    """Bytes of dynamic shared memory `kernel` (of this variant) needs for these tiles; 0
+    when the library has no size for them (a value out of range, or no such kernel)."""
     _, lib = _lib.load()
     return lib.pyfa_variant_smem_bytes(_choice("kernel", kernel, KERNELS),
                                        _choice("variant", variant, VARIANTS),
@@ -432,7 +723,7 @@ def smem_bytes(kernel, block_r, block_c, head_dim, variant="reference"):
                                        check_int("head_dim", head_dim, -INT64_MAX - 1, INT64_MAX))
 
 
-def library_version():
+def library_version() -> str:
     """The version of the loaded libpyfa (pyfa_version()); equals pyfa.__version__."""
     ffi, lib = _lib.load()
     return ffi.string(lib.pyfa_version()).decode()

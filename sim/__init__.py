@@ -18,7 +18,8 @@ from .tiles import EMU_PROFILE, DeviceProfile, TileTooLargeError, default_tiles,
 
 __all__ = [
     "count_standard_io", "standard_backward", "standard_forward",
-    "DeviceProfile", "EMU_PROFILE", "Mask", "TileTooLargeError", "Fa2ForwardResult", "IORecord", "count_io",
+    "DeviceProfile", "EMU_PROFILE", "Mask", "TileTooLargeError", "Fa2ForwardResult", "IORecord",
+    "count_io",
     "default_tiles", "fa2_forward", "format_bytes", "smem_bytes", "smem_terms",
     "Fa2BackwardResult", "fa2_backward",
     "Fa1BackwardResult", "Fa1ForwardResult", "fa1_backward", "fa1_forward",

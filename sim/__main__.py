@@ -1,9 +1,11 @@
 """python -m pyfa.sim: the simulator's HBM-IO reports.
 
     python -m pyfa.sim report --preset gpt2-medium
+    python -m pyfa.sim report --preset gqa
     python -m pyfa.sim sweep --over bc --plot io_sweep_bc.png
 
-See sim/report.py (and `python -m pyfa.sim report --help`).
+The command line is sim/report.py, the counting sim/report_model.py, the formatting
+sim/report_render.py (and `python -m pyfa.sim report --help`).
 """
 
 import sys

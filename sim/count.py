@@ -9,9 +9,10 @@ backward) read K_j and V_j once for the group. All K/V heads are alike, so the r
 then scaled by B*Hkv. A walk is per tile row (O(Tr + Tc) steps), milliseconds for
 B=64, H=16, N=16384.
 
-What is loaded once per block (Q_i in FA2's forward, K_j and V_j in FA1's loops and in
-FA2's dK/dV kernel) is counted whether or not the block's band is empty; what is loaded
-per visited tile pair follows the bands exactly.
+What is loaded per visited tile pair follows the bands exactly. Q_i in FA2's forward and
+dQ kernel is loaded once per block even when its band is empty (the block still writes
+O_i = 0, LSE_i = -inf, dQ_i = 0); K_j and V_j, in FA1's loops and FA2's dK/dV kernel, are
+loaded only for a K/V tile that some Q tile visits (dK_j = dV_j = 0 are written anyway).
 
 Tensors (Q, K, V, O, dO, dQ, dK, dV) are counted at `dtype_bytes` per element; the
 per-row statistics (LSE, m, l, D) at 4 bytes, since implementations keep them in fp32
@@ -54,6 +55,11 @@ class Walk:
         begin, end = self.mask.kv_tiles(*self.row_tile(i), self.Bc, self.Nk)
         return max(0, min(self.Nk, end * self.Bc) - begin * self.Bc)
 
+    def keys_seen(self):
+        """Keys in the K/V tiles that some Q tile visits: what the blocks that walk the
+        K/V tiles in their outer loop load."""
+        return sum(self.col_tile(j)[1] for j in range(self.Tc) if self.rows_visited(j))
+
     def rows_visited(self, j):
         """Query rows in the Q tiles that visit K/V tile j."""
         begin, end = self.mask.q_tiles(*self.col_tile(j), self.Br, self.Nq)
@@ -92,12 +98,12 @@ def fa2_backward_preprocess_io(w):
 
 
 def fa2_backward_dkdv_io(w):
-    """fa2_backward_dkdv_kernel, one block per (j, K/V head): K_j, V_j read once; for each
-    of the group's G query heads, Q_i, dO_i, LSE_i, D_i once per visited (j, i); dK_j,
-    dV_j written once."""
+    """fa2_backward_dkdv_kernel, one block per (j, K/V head): K_j, V_j read once (when
+    some Q tile visits j); for each of the group's G query heads, Q_i, dO_i, LSE_i, D_i
+    once per visited (j, i); dK_j, dV_j written once."""
     io = IORecord()
-    io.read("K", w.Nk * w.d * w.e)
-    io.read("V", w.Nk * w.d * w.e)
+    io.read("K", w.keys_seen() * w.d * w.e)
+    io.read("V", w.keys_seen() * w.d * w.e)
     for j in range(w.Tc):
         rows = w.G * w.rows_visited(j)
         io.read("Q", rows * w.d * w.e)
@@ -127,13 +133,14 @@ def fa2_backward_dq_io(w):
 
 def fa1_forward_io(w):
     """cuda/kernels/fa1_forward.cuh, per query head: O, m, l initialized in HBM; K_j, V_j
-    read once; Q_i, O_i, m_i, l_i read and O_i, m_i, l_i written once per visited (j, i)."""
+    read once (when some Q tile visits j); Q_i, O_i, m_i, l_i read and O_i, m_i, l_i
+    written once per visited (j, i)."""
     io = IORecord()
     io.write("O", w.Nq * w.d * w.e)
     io.write("m", w.Nq * STAT_BYTES)
     io.write("l", w.Nq * STAT_BYTES)
-    io.read("K", w.Nk * w.d * w.e)
-    io.read("V", w.Nk * w.d * w.e)
+    io.read("K", w.keys_seen() * w.d * w.e)
+    io.read("V", w.keys_seen() * w.d * w.e)
     for j in range(w.Tc):
         rows = w.rows_visited(j)
         io.read("Q", rows * w.d * w.e)
@@ -148,12 +155,13 @@ def fa1_forward_io(w):
 
 def fa1_backward_io(w):
     """cuda/kernels/fa1_backward.cuh, one block per K/V head: dQ of its G query heads
-    initialized in HBM; K_j, V_j read once; for each query head g, Q_i, O_i, dO_i, dQ_i,
-    m_i, l_i read and dQ_i written once per visited (j, i); dK_j, dV_j written once."""
+    initialized in HBM; K_j, V_j read once (when some Q tile visits j); for each query head
+    g, Q_i, O_i, dO_i, dQ_i, m_i, l_i read and dQ_i written once per visited (j, i); dK_j,
+    dV_j written once."""
     io = IORecord()
     io.write("dQ", w.G * w.Nq * w.d * w.e)
-    io.read("K", w.Nk * w.d * w.e)
-    io.read("V", w.Nk * w.d * w.e)
+    io.read("K", w.keys_seen() * w.d * w.e)
+    io.read("V", w.keys_seen() * w.d * w.e)
     for j in range(w.Tc):
         rows = w.G * w.rows_visited(j)
         for name in ("Q", "dO", "O", "dQ"):

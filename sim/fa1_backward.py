@@ -7,8 +7,9 @@ rowsum(dO_i o O_i) recomputed at every (j, g, i); dQ_i read, updated and written
 HBM at every (j, g, i); dK~_j and dV~_j accumulated over (g, i) on chip and written once
 per j. The same fp32 operations in the same order (docs/numerics.md). Vectorized over
 heads, over the Q tiles of one j (independent except for the dK~_j, dV~_j accumulation,
-which is then done tile by tile, g outer, i inner) and over the elements of a tile. Padded rows have P = 0 and dO = 0, padded columns
-P = 0 and K = V = 0: they add only zeros to sums that started at +0, and are cut away.
+which is then done tile by tile, g outer, i inner) and over the elements of a tile.
+Padded rows have P = 0 and dO = 0, padded columns P = 0 and K = V = 0: they add only
+zeros to sums that started at +0, and are cut away.
 """
 
 from dataclasses import dataclass
@@ -81,20 +82,21 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, window=None, causal_alig
     for j in range(Tc):
         col0 = j * Bc
         bc = min(Bc, Nk - col0)
-        Kj = np.zeros((BHkv, Wc, d), F32)
-        Vj = np.zeros((BHkv, Wc, d), F32)
-        Kj[:, :bc] = K[:, col0:col0 + bc]
-        Vj[:, :bc] = V[:, col0:col0 + bc]
-        io.read("K", BHkv * nbytes(bc))
-        io.read("V", BHkv * nbytes(bc))
         dKj = np.zeros((BHkv, Wc, d), F32)
         dVj = np.zeros((BHkv, Wc, d), F32)
 
         # Q tiles i in [a, z) see some key of tile j; the others are skipped. Every query
-        # head g of the group walks them, g outer.
+        # head g of the group walks them, g outer. K_j, V_j are loaded only when some Q
+        # tile visits j; dK_j = dV_j = 0 are written all the same.
         a, z = mask.q_tiles(col0, bc, Br, Nq)
         n_rows = min(Nq, z * Br) - a * Br
         if a < z:
+            Kj = np.zeros((BHkv, Wc, d), F32)
+            Vj = np.zeros((BHkv, Wc, d), F32)
+            Kj[:, :bc] = K[:, col0:col0 + bc]
+            Vj[:, :bc] = V[:, col0:col0 + bc]
+            io.read("K", BHkv * nbytes(bc))
+            io.read("V", BHkv * nbytes(bc))
             for name in ("Q", "dO", "O", "dQ"):
                 io.read(name, BH * nbytes(n_rows))
             io.read("m", BH * n_rows * 4)
@@ -107,7 +109,7 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, window=None, causal_alig
 
             # S = scale * Q_i K_j^T, -inf if masked; P_ij = exp(S - m_i) / l_i, 0 where l_i = 0.
             cols = col0 + np.arange(Wc)
-            hidden = (cols[None, None, :] >= Nk) | mask.masked(rows[a:z, :, None], cols[None, None, :])
+            hidden = (cols[None, None, :] >= Nk) | mask.masked(rows[a:z, :, None], cols[None, None])
             S = nx.scores(Q_a, Kg, scale, hidden[None, None])
             with np.errstate(divide="ignore", invalid="ignore"):
                 P = np.where(l_a[..., None] == 0, F32(0),

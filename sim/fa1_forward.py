@@ -1,13 +1,13 @@
 """FlashAttention-1 forward, simulated: the twin of cuda/kernels/fa1_forward.cuh.
 
 The loops are the kernel's (Dao et al. 2022, Algorithm 1): one block per (query head h,
-batch b), reading K/V head h // (H / Hkv); K/V tiles j outside, the Q tiles i of the band
-mask.q_tiles(j) inside, O, m and l kept in HBM and rewritten at every visited (j, i),
-the same fp32 operations in the same order (docs/numerics.md). Only independent work is vectorized: all heads, and
-for one j all Q tiles i at once (the step (j, i) depends on (j-1, i) only), and all
-elements of a tile. Rows and columns past the end of the sequence are padded; the padding
-only ever meets operations that leave the real elements unchanged (max with -inf, adding
-+0), and is cut away.
+batch b), reading K/V head h // (H / Hkv); K/V tiles j outside, the Q tiles i of the
+band mask.q_tiles(j) inside, O, m and l kept in HBM and rewritten at every visited (j,
+i), the same fp32 operations in the same order (docs/numerics.md). Only independent work
+is vectorized: all heads, and for one j all Q tiles i at once (the step (j, i) depends
+on (j-1, i) only), and all elements of a tile. Rows and columns past the end of the
+sequence are padded; the padding only ever meets operations that leave the real elements
+unchanged (max with -inf, adding +0), and is cut away.
 """
 
 from dataclasses import dataclass
@@ -28,8 +28,8 @@ NEG_INF = np.float32(-np.inf)
 @dataclass
 class Fa1ForwardResult:
     o: np.ndarray  # like q, in the layout asked for
-    m: np.ndarray  # (B, H, Nq) less q's missing leading axes: the row max, -inf for a row with no visible key
-    l: np.ndarray  # (B, H, Nq): sum_c exp(S[r, c] - m[r]), 0 for such a row
+    m: np.ndarray  # (B, H, Nq) less q's missing axes: the row max, -inf for a row that sees no key
+    l: np.ndarray  # (B, H, Nq) likewise: sum_c exp(S[r, c] - m[r]), 0 for such a row
     io: IORecord
 
 
@@ -69,17 +69,17 @@ def fa1_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_righ
     for j in range(Tc):
         col0 = j * Bc
         bc = min(Bc, Nk - col0)
+        # Q tiles i in [a, z) see some key of tile j; the others are skipped, and a tile
+        # no row sees is not even loaded.
+        a, z = mask.q_tiles(col0, bc, Br, Nq)
+        if a == z:
+            continue
         Kj = np.zeros((BH, Wc, d), F32)
         Vj = np.zeros((BH, Wc, d), F32)
         Kj[:, :bc] = K[:, col0:col0 + bc]
         Vj[:, :bc] = V[:, col0:col0 + bc]
         io.read("K", BH * nbytes(bc))
         io.read("V", BH * nbytes(bc))
-
-        # Q tiles i in [a, z) see some key of tile j; the others are skipped.
-        a, z = mask.q_tiles(col0, bc, Br, Nq)
-        if a == z:
-            continue
         n_rows = min(Nq, z * Br) - a * Br
         io.read("Q", BH * nbytes(n_rows))
         io.read("O", BH * nbytes(n_rows))
@@ -89,7 +89,7 @@ def fa1_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_righ
         # S_ij[r, c] = scale * sum_x Q_i[r, x] K_j[c, x], x in order.
         Q_a = Qi[:, a:z]
         cols = col0 + np.arange(Wc)
-        hidden = (cols[None, None, :] >= Nk) | mask.masked(rows[a:z, :, None], cols[None, None, :])
+        hidden = (cols[None, None, :] >= Nk) | mask.masked(rows[a:z, :, None], cols[None, None])
         S = nx.scores(Q_a, Kj[:, None], scale, hidden[None])
 
         # m~_ij = max(-inf, S[r, 0], ...); P~_ij = exp(S_ij - m~_ij); l~_ij = rowsum.

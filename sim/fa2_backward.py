@@ -1,14 +1,14 @@
 """FlashAttention-2 backward, simulated: the twin of cuda/kernels/fa2_backward.cuh.
 
-Three kernels, as on the device: the preprocess (D = rowsum(dO o O), per query head), the
-dK/dV kernel (one block per (K/V column block j, K/V head), walking for each query head g
-of its group, in order, the Q row blocks i of its band) and the dQ kernel (one block per
-(Q row block i, query head), walking the K/V column blocks j of its band). Each keeps its kernel's loops
-and performs the same fp32 operations in the same order (docs/numerics.md, "FA2
-backward"); only independent work is vectorized: all heads and all blocks of the grid at
-once, and all elements of a tile. Rows past Nq and columns past Nk are padded (zero rows
-of Q, dO, K, V, and P = dS = +0 set outright), so they add exactly +0 to the sums, which
-leaves them unchanged; the padding is cut away at the end.
+Three kernels, as on the device: the preprocess (D = rowsum(dO o O), per query head),
+the dK/dV kernel (one block per (K/V column block j, K/V head), walking for each query
+head g of its group, in order, the Q row blocks i of its band) and the dQ kernel (one
+block per (Q row block i, query head), walking the K/V column blocks j of its band).
+Each keeps its kernel's loops and performs the same fp32 operations in the same order
+(docs/numerics.md, "FA2 backward"); only independent work is vectorized: all heads and
+all blocks of the grid at once, and all elements of a tile. Rows past Nq and columns
+past Nk are padded (zero rows of Q, dO, K, V, and P = dS = +0 set outright), so they add
+exactly +0 to the sums, which leaves them unchanged; the padding is cut away at the end.
 
 Each kernel takes its own default tiles unless block_r / block_c are given, as the
 library does (sim.tiles.default_tiles).
@@ -80,13 +80,15 @@ def _dkdv(Q, K, V, dO, LSE, D, Br, Bc, scale, mask, io):
     Tr, Tc = ceil_div(Nq, Br), ceil_div(Nk, Bc)
     Kj = _pad_rows(K, Tc * Bc).reshape(BHkv, Tc, Bc, d)
     Vj = _pad_rows(V, Tc * Bc).reshape(BHkv, Tc, Bc, d)
-    io.read("K", BHkv * Nk * d * 4)
-    io.read("V", BHkv * Nk * d * 4)
     dKj = np.zeros((BHkv, Tc, Bc, d), F32)
     dVj = np.zeros((BHkv, Tc, Bc, d), F32)
 
     cols = np.arange(Tc)[:, None] * Bc + np.arange(Bc)[None, :]  # (Tc, Bc) key index
     bands = np.array([mask.q_tiles(j * Bc, min(Bc, Nk - j * Bc), Br, Nq) for j in range(Tc)])
+    # K_j, V_j are loaded only by the blocks j that some Q tile visits.
+    seen = sum(min(Bc, Nk - j * Bc) for j in range(Tc) if bands[j, 0] < bands[j, 1])
+    io.read("K", BHkv * seen * d * 4)
+    io.read("V", BHkv * seen * d * 4)
     for g in range(G):
         Qp, dOp = _pad_rows(Q[:, g], Tr * Br), _pad_rows(dO[:, g], Tr * Br)
         LSEp = np.full((BHkv, Tr * Br), NEG_INF, F32)

@@ -53,7 +53,8 @@ def check_causal_align(causal_align):
         raise TypeError(f"causal_align: expected 'bottom_right' or 'top_left', "
                         f"got {type(causal_align).__name__}")
     if causal_align not in ALIGNMENTS:
-        raise ValueError(f"causal_align: expected 'bottom_right' or 'top_left', got {causal_align!r}")
+        raise ValueError(f"causal_align: expected 'bottom_right' or 'top_left', "
+                         f"got {causal_align!r}")
     return causal_align
 
 

@@ -9,7 +9,8 @@ import sys
 import time
 from dataclasses import replace
 
-from .report_model import PRESETS, PROFILES, SWEEP_DEFAULTS, Setup, available_algorithms, build_report, run_sweep
+from .report_model import (PRESETS, PROFILES, SWEEP_DEFAULTS, Setup, available_algorithms,
+                           build_report, run_sweep)
 from .report_render import (PASS_WORDS, plot_sweep, render_markdown, render_sweep_markdown,
                             render_sweep_text, render_text)
 

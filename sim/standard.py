@@ -32,7 +32,8 @@ from typing import Optional
 
 import numpy as np
 
-from .inputs import check_count_args, check_like, check_qkv, resolve_scale, restore_rank, restore_rows
+from .inputs import (check_count_args, check_like, check_qkv, resolve_scale, restore_rank,
+                     restore_rows)
 from .io import IORecord
 from .mask import Mask
 from .tiling import kv_heads
@@ -213,7 +214,8 @@ def standard_forward(q, k, v, *, causal=False, window=None, causal_align="bottom
     mask = Mask.resolve(causal, window, causal_align, Nq, Nk)
 
     s = np.matmul(q4, kv_heads(k4, H).swapaxes(-1, -2)) * scale
-    s = np.where(mask.masked(np.arange(Nq)[:, None], np.arange(Nk)[None, :]), NEG_INF, s).astype(F32)
+    hidden = mask.masked(np.arange(Nq)[:, None], np.arange(Nk)[None, :])
+    s = np.where(hidden, NEG_INF, s).astype(F32)
     m = s.max(axis=-1, keepdims=True)
     m_safe = np.where(m == NEG_INF, F32(0), m)
     ex = np.exp(s - m_safe)  # exp(-inf) = 0 for hidden keys

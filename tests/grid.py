@@ -22,14 +22,14 @@ CASES = [
 ]
 
 # The emulator under two thread orders (a missing __syncthreads shows as different bits),
-# and the GPU when one is here.
-RUNS = [("emu", "forward"), ("emu", "reverse"),
+# the native cpu backend (which ignores the order), and the GPU when one is here.
+RUNS = [("emu", "forward"), ("emu", "reverse"), ("cpu", "forward"),
         pytest.param("cuda", "forward",
                      marks=pytest.mark.skipif(not HAS_CUDA, reason="no usable CUDA GPU here"))]
 
 
 # The backends alone, for tests that do not vary the thread order.
-BACKENDS = ["emu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA,
+BACKENDS = ["emu", "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA,
                                                                  reason="no usable CUDA GPU here"))]
 
 

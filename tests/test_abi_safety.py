@@ -233,19 +233,10 @@ def test_failed_allocations_give_a_status_never_a_crash(tmp_path):
         assert refused and any(" status=6 " in l for l in refused), entry
 
 
-EMU_TERMINATES = (
-    "cuda/emu (helper emu): glibc aborts when __cxa_thread_atexit cannot register the destructor of "
-    "worker_cache()'s thread_local std::unique_ptr<Worker> on a fresh thread; worker_loop's catch "
-    "handlers build std::string and throw out of a worker thread; an exception leaving "
-    "pyfa_emu::launch destroys joinable std::threads (std::terminate)")
-
-
-@pytest.mark.xfail(strict=True, reason=EMU_TERMINATES)
 def test_failed_allocations_on_fresh_threads(tmp_path):
     _run_driver(tmp_path, workers=1, mode="cold")
 
 
-@pytest.mark.xfail(strict=True, reason=EMU_TERMINATES)
 def test_failed_allocations_with_emulator_workers(tmp_path):
     _run_driver(tmp_path, workers=2, mode="cold")
 

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 import emu_abi
+import pyfa
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EMU_SOURCES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "cuda" / "emu").glob("*.cpp"))
@@ -29,7 +30,7 @@ def build_cxx(tmp_path, name, main_source):
     exe = tmp_path / name
     build = subprocess.run(
         [compiler("g++"), "-std=c++17", "-O2", "-ffp-contract=off", "-pthread", "-I", "cuda",
-         "-I", "cuda/include", main_source, *EMU_SOURCES, "-o", str(exe), "-ldl"],
+         "-I", pyfa.get_include(), main_source, *EMU_SOURCES, "-o", str(exe), "-ldl"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert build.returncode == 0, f"{name} build failed:\n{build.stdout}\n{build.stderr}"

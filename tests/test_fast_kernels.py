@@ -52,6 +52,11 @@ def simulated(case, causal):
 def test_fa2_forward_variants_equal_the_simulator(case, causal, backend, order, variant):
     (q, k, v), sim = simulated(case, causal)
     _, _, _, _, _, Br, Bc = case
+    if backend == "cpu" and variant == "fast":  # the cpu backend's kernels are its own
+        with pytest.raises(ValueError, match="config->variant: fast: the cpu backend"):
+            pyfa.fa2_forward(q, k, v, causal=causal, block_r=Br, block_c=Bc, backend=backend,
+                             variant=variant)
+        return
     o, lse = pyfa.fa2_forward(q, k, v, causal=causal, block_r=Br, block_c=Bc, backend=backend,
                               emu_order=order, variant=variant)
     assert same_bits(o, sim.o), "O differs from the simulator"
@@ -124,8 +129,11 @@ def test_default_tiles_per_variant():
     assert pyfa.smem_bytes("fa2_forward", 32, 64, 64, variant="fast") == 0
     assert pyfa.default_tiles("fa2_forward", 40, backend="emu", variant="auto") == \
         pyfa.sim.default_tiles("fa2_forward", 40)
-    with pytest.raises(ValueError, match="variant: fast: fa2_backward_dq has no fast variant"):
-        pyfa.default_tiles("fa2_backward_dq", 64, backend="emu", variant="fast")
+    with pytest.raises(ValueError, match="variant: fast: fa1_backward has no fast variant"):
+        pyfa.default_tiles("fa1_backward", 64, backend="emu", variant="fast")
+    # The fast dQ kernel holds Q_i, dO_i and dQ_i: Br = 128 fits at d = 64 only.
+    assert pyfa.default_tiles("fa2_backward_dq", 64, backend="emu", variant="fast") == (128, 64)
+    assert pyfa.default_tiles("fa2_backward_dq", 128, backend="emu", variant="fast") == (64, 64)
 
 
 # ---- the ordered row max (cuda/kernels/fast/fast_common.h, ordered_row_max16)
@@ -239,3 +247,46 @@ def test_fast_forward_masks_gqa_layouts(mask, heads, heads_kv, layout, variant):
         o, lse = pyfa.fa2_forward(q, k, v, layout=layout, block_r=64, block_c=64, backend="emu",
                                   emu_order=order, variant=variant, **mask)
         assert same_bits(o, sim.o) and same_bits(lse, sim.lse), order
+
+
+# The FA2 backward: its dQ kernel has a fast variant (auto runs it beside the readable
+# preprocess and dK/dV kernels); "fast" names the kernels that have none.
+BACKWARD_CASES = [
+    (1, 2, 100, 130, 64, 64, 64),
+    (1, 1, 200, 77, 64, 128, 64),
+    (2, 1, 70, 131, 128, 64, 64),
+    (1, 1, 45, 190, 128, None, None),
+]
+
+
+@pytest.mark.parametrize("variant", ["reference", "auto"])
+@pytest.mark.parametrize("order", ["forward", "reverse"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", BACKWARD_CASES, ids=grid.case_id)
+def test_fa2_backward_with_the_fast_dq_equals_the_simulator(case, causal, order, variant):
+    B, H, Nq, Nk, d, Br, Bc = case
+    q, k, v, do = make_inputs((B, H, Nq, d), (B, H, Nk, d), grid.case_seed(case), True)
+    fwd = pyfa.sim.fa2_forward(q, k, v, causal=causal)
+    sim = pyfa.sim.fa2_backward(q, k, v, fwd.o, fwd.lse, do, causal=causal, block_r=Br, block_c=Bc)
+    dq, dk, dv = pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, causal=causal, block_r=Br,
+                                   block_c=Bc, backend="emu", emu_order=order, variant=variant)
+    assert same_bits(dq, sim.dq) and same_bits(dk, sim.dk) and same_bits(dv, sim.dv)
+
+
+@pytest.mark.parametrize("mask", MASKED[:3], ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
+def test_fast_dq_masks_gqa(mask):
+    rng = np.random.default_rng(9)
+    q, do = (rng.standard_normal((1, 4, 110, 64), dtype=np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((1, 2, 90, 64), dtype=np.float32) for _ in range(2))
+    fwd = pyfa.sim.fa2_forward(q, k, v, **mask)
+    sim = pyfa.sim.fa2_backward(q, k, v, fwd.o, fwd.lse, do, block_r=64, block_c=64, **mask)
+    dq, dk, dv = pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, block_r=64, block_c=64,
+                                   backend="emu", variant="auto", **mask)
+    assert same_bits(dq, sim.dq) and same_bits(dk, sim.dk) and same_bits(dv, sim.dv)
+
+
+def test_fast_backward_names_the_kernels_without_a_fast_variant():
+    q, k, v, do = make_inputs((1, 1, 64, 64), (1, 1, 64, 64), 4, True)
+    fwd = pyfa.sim.fa2_forward(q, k, v)
+    with pytest.raises(ValueError, match="fa2_backward_preprocess has no fast variant"):
+        pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, backend="emu", variant="fast")

@@ -220,3 +220,34 @@ def test_python_mask_arguments_are_checked_before_the_library():
     with pytest.raises(ValueError, match="layout"):
         pyfa.attention(q, k, v, layout="nhd", backend="emu")
     assert Mask.resolve(True, (2, 5), "top_left", 4, 4) == Mask(2, 0, 0)
+
+
+# The cpu backend's tile code knows the mask's right side only: no mask, causal in both
+# alignments, right-only windows; with GQA in the forward. The rest it refuses by name.
+CPU_MASKS = [m for m in MASKS if m[1] is None or m[1][0] is None]
+
+
+@pytest.mark.parametrize("mask", CPU_MASKS, ids=mask_id)
+def test_cpu_backend_equals_emulator(mask):
+    causal, window, align = mask
+    kw = dict(causal=causal, window=window, causal_align=align, **TILES)
+    for n, ((Nq, Nk), (H, Hkv)) in enumerate(itertools.product(SHAPES, HEADS)):
+        q, k, v, do = make_inputs((2, H, Nq, 8), (2, Hkv, Nk, 8), 500 + n, "do")
+        for algo in ("fa1", "fa2"):
+            got = pyfa.attention(q, k, v, algo=algo, backend="cpu", **kw)
+            assert same_bits(got, pyfa.attention(q, k, v, algo=algo, backend="emu", **kw))
+            if H == Hkv:
+                got = pyfa.attention_grad(q, k, v, do, algo=algo, backend="cpu", **kw)
+                want = pyfa.attention_grad(q, k, v, do, algo=algo, backend="emu", **kw)
+                assert all(same_bits(a, b) for a, b in zip(got, want)), (algo, Nq, Nk)
+
+
+def test_cpu_backend_refuses_what_it_lacks_by_name():
+    q, k, v, do = make_inputs((1, 4, 8, 8), (1, 2, 8, 8), 1, "do")
+    with pytest.raises(pyfa.InvalidArgumentError, match="window_left: the cpu backend"):
+        pyfa.attention(q, q, q, window=(2, 0), backend="cpu")
+    with pytest.raises(pyfa.InvalidArgumentError, match="heads_kv: the cpu backend"):
+        pyfa.attention_grad(q, k, v, do, backend="cpu")
+    # A left side that hides nothing is no left side.
+    wide = pyfa.attention(q, q, q, window=(7, 0), backend="cpu")
+    assert same_bits(wide, pyfa.attention(q, q, q, causal=True, backend="cpu"))

@@ -1,7 +1,8 @@
-"""The HBM-IO report (sim/report_model.py, report_render.py, report.py: `python -m pyfa.sim`): every registered algorithm's
-counts against its closed form, FA1's bytes against Bc, and the command line (presets,
-formats, sweeps, plot, progress bar). Whatever algorithms sim/count.py's WALKERS holds
-are tested; "standard" and "fa2" must be there."""
+"""The HBM-IO report (sim/report_model.py, report_render.py and report.py, the command
+line `python -m pyfa.sim`): every registered algorithm's counts against its closed form,
+FA1's bytes against Bc, the presets, and the command line (formats, sweeps, plot,
+progress bar). Whatever algorithms sim/count.py's WALKERS holds are tested; "standard"
+and "fa2" must be there."""
 
 import io
 import json
@@ -273,7 +274,8 @@ def test_sweep_writes_a_png(tmp_path):
 
 def test_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
-    sw = report_model.run_sweep(report_model.Setup(passes="forward", algos=["standard"]), "bc", [16, 32])
+    s = report_model.Setup(passes="forward", algos=["standard"])
+    sw = report_model.run_sweep(s, "bc", [16, 32])
     with pytest.raises(SystemExit, match=r'pip install "pyfa\[report\]"'):
         report_render.plot_sweep(sw, tmp_path / "x.png")
 
@@ -283,3 +285,38 @@ def test_bad_arguments_are_reported():
     assert proc.returncode == 2 and "fa9" in proc.stderr
     proc = _run_cli("report", "--standard-passes", "sideways")
     assert proc.returncode == 2 and "sideways" in proc.stderr
+
+
+@pytest.mark.parametrize("preset,want", [
+    ("gqa", dict(batch=1, heads=32, heads_kv=8, seqlen_q=4096, seqlen_k=4096, head_dim=128,
+                 causal=True)),
+    ("sliding-window", dict(batch=1, heads=32, heads_kv=8, seqlen_q=16384, seqlen_k=16384,
+                            head_dim=128, causal=True, window=(4096, None))),
+])
+def test_gqa_and_sliding_window_presets_are_count_io(preset, want):
+    r = report_model.build_report(report_model.PRESETS[preset]["setup"], preset=preset)
+    assert r["problem"]["heads_kv"] == 8
+    for a in r["algorithms"]:
+        rec = pyfa.sim.count_io(a["name"], passes="both", **want)
+        assert (a["reads"], a["writes"]) == (rec.reads, rec.writes), a["name"]
+    titles = [n["title"] for n in r["notes"]]
+    assert "Grouped-query attention" in titles and "Masking" in titles
+    text = report_render.render_text(r)
+    assert "Hkv=8" in text and "causal" in text
+
+
+def test_mask_and_heads_options_reach_the_report():
+    proc = _run_cli("report", "-N", "512", "-H", "4", "--heads-kv", "2", "--causal",
+                    "--window", "64,none", "--causal-align", "top_left", "--seqlen-q", "256",
+                    "--format", "json", "--algos", "fa2", "--passes", "forward")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    assert r["problem"]["window"] == [64, None] and r["problem"]["causal_align"] == "top_left"
+    want = pyfa.sim.count_io("fa2", batch=1, heads=4, heads_kv=2, seqlen_q=256, seqlen_k=512,
+                             head_dim=64, causal=True, window=(64, None), causal_align="top_left")
+    fa2 = next(a for a in r["algorithms"] if a["name"] == "fa2")
+    assert fa2["total"] == want.total
+    for args, word in ((["--window", "3"], "--window"), (["--window", "-1,2"], "window"),
+                       (["-H", "6", "--heads-kv", "4"], "heads_kv")):
+        proc = _run_cli("report", *args)
+        assert proc.returncode == 2 and word in proc.stderr, proc.stderr

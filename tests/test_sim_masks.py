@@ -67,7 +67,8 @@ def test_mask_argument_errors_name_the_argument():
                      ((1, -3), ValueError)]:
         with pytest.raises(exc, match="window"):
             Mask.resolve(False, bad, "bottom_right", 4, 4)
-    for bad, exc in [("bottom-right", ValueError), ("", ValueError), (0, TypeError), (None, TypeError)]:
+    for bad, exc in [("bottom-right", ValueError), ("", ValueError), (0, TypeError),
+                     (None, TypeError)]:
         with pytest.raises(exc, match="causal_align"):
             Mask.resolve(False, None, bad, 4, 4)
     with pytest.raises(TypeError, match="causal"):
@@ -155,6 +156,7 @@ MASK_CASES = [
     (20, 6, 4, 4, False, (1, 1), "bottom_right"),
     (16, 16, 4, 4, False, (5, 5), "top_left"),
     (9, 25, 16, 4, True, (1, None), "bottom_right"),
+    (8, 30, 4, 4, True, None, "top_left"),
 ]
 # (B, H, Hkv): MHA, GQA, MQA
 HEADS = [(1, 2, 2), (2, 4, 2), (1, 3, 1)]
@@ -328,7 +330,7 @@ def test_io_follows_the_visited_pairs(case, heads):
     # Counted from the mask matrix: every visited (i, j) costs K_j and V_j in FA2's
     # forward and dQ kernel (per query head), and Q_i, dO_i in FA2's dK/dV kernel and
     # FA1's loops (per query head); K_j, V_j are read once per K/V head by the blocks
-    # that serve a group.
+    # that serve a group, and only for the K/V tiles some Q tile visits.
     B, H, Hkv = heads
     Nq, Nk, Br, Bc = case[:4]
     hit = brute_bands(~mask_matrix(Nq, Nk, **mask_kw(case)), Br, Bc)
@@ -343,10 +345,12 @@ def test_io_follows_the_visited_pairs(case, heads):
     fa1f = pyfa.sim.count_io("fa1", **kw)
     fa1b = pyfa.sim.count_io("fa1", passes="backward", **kw)
     once_q = B * H * Nq * D * 4
-    once_kv = B * Hkv * Nk * D * 4
+    seen = int((hit.any(axis=0) * cols).sum())  # keys in the K/V tiles some Q tile visits
+    once_kv = B * Hkv * seen * D * 4
     assert fa2f.reads["K"] == fa2f.reads["V"] == kv_bytes and fa2f.reads["Q"] == once_q
     assert fa2b.reads["K"] == kv_bytes + once_kv
     assert fa2b.reads["Q"] == q_bytes + once_q and fa2b.reads["dO"] == q_bytes + 2 * once_q
-    assert fa1f.reads["Q"] == fa1f.reads["O"] == q_bytes and fa1f.reads["K"] == B * H * Nk * D * 4
+    assert fa1f.reads["Q"] == fa1f.reads["O"] == q_bytes
+    assert fa1f.reads["K"] == B * H * seen * D * 4
     assert fa1b.reads["Q"] == q_bytes and fa1b.reads["K"] == once_kv
-    assert fa1b.writes["dK"] == fa2b.writes["dK"] == once_kv
+    assert fa1b.writes["dK"] == fa2b.writes["dK"] == B * Hkv * Nk * D * 4

@@ -1,9 +1,16 @@
 #!/usr/bin/env python3
-"""CPU benchmark: pyfa's emulator and simulator against plain NumPy attention.
+"""CPU benchmark: pyfa's cpu backend, emulator and simulator against plain NumPy attention
+(and PyTorch's CPU SDPA when torch imports).
+
+Two modes. The default compares, on one shape and in one process, every pyfa CPU path
+with NumPy (below). --sweep is the cpu backend's benchmark (issue 13, tools/README.md):
+FA2 on "cpu" against torch SDPA and NumPy over N, d, causal and thread counts, each
+contender timed in a process of its own; its last line holds the throughput ratios.
 
 Every column runs in the same process, on the same float32 inputs:
   numpy   softmax(scale * Q K^T) V as matmul, softmax, matmul; for the backward the
           textbook gradient from the saved O (P recomputed, dV = P^T dO, dS = P o (dP - D))
+  cpu     the native cpu backend (backend "cpu"): the same bits, vectorised
   emu     the CUDA kernels run on the CPU by the emulator (backend "emu")
   sim     the NumPy simulator of the same kernels (pyfa.sim)
   torch   torch.nn.functional.scaled_dot_product_attention on the CPU (backward:
@@ -23,20 +30,25 @@ single-threaded code. The last line is a one-line summary.
     python tools/bench.py --quick      # B=1 H=4 N=256 d=64
     python tools/bench.py --smoke      # tiny, for the test suite
     python tools/bench.py              # B=1 H=8 N=1024 d=64
+    python tools/bench.py --sweep      # cpu vs torch vs NumPy, N 1024/2048, d 64/128
 """
 
 import argparse
 import inspect
 import json
 import os
+import math
 import platform
+import resource
 import statistics
+import subprocess
 import sys
 import time
 
 import numpy as np
 
 import pyfa
+from pyfa.sim.mask import Mask
 
 PRESETS = {  # (batch, heads, seqlen, head_dim, repeats)
     "smoke": (1, 2, 64, 32, 3),
@@ -47,8 +59,9 @@ SAVED = ("o", "lse", "m", "l")  # forward results a backward pass may take
 
 
 def causal_hidden(nq, nk):
-    """True where key c is hidden from query r (bottom-right aligned, docs/numerics.md)."""
-    return np.arange(nk)[None, :] > np.arange(nq)[:, None] + (nk - nq)
+    """True where key c is hidden from query r (bottom-right aligned, pyfa.sim.mask)."""
+    mask = Mask.resolve(True, None, "bottom_right", nq, nk)
+    return mask.masked(np.arange(nq)[:, None], np.arange(nk)[None, :])
 
 
 def numpy_probs(q, k, causal, scale):
@@ -195,20 +208,30 @@ def run(args):
             return "emu == sim bit for bit" if same else "emu != sim: BITS DIFFER"
         return note
 
+    def cpu_note(as_list):
+        def note(cpu, results):
+            if results.get("emu") is None:
+                return ""
+            return "cpu == emu bit for bit" if same_bits(as_list(cpu), as_list(results["emu"])) else \
+                "cpu != emu: BITS DIFFER"
+        return note
+
     groups, sims = [], {}  # sims: algo -> the simulator's forward result (saved tensors)
     for algo in sorted(pyfa.api._FORWARD):
         sim_fn = getattr(pyfa.sim, f"{algo}_forward", None)
         cols = [Column("numpy", lambda: numpy_forward(q, k, v, causal, scale)),
                 Column("emu", lambda: pyfa.attention(q, k, v, causal=causal, algo=algo, backend="emu"), emu_note),
+                Column("cpu", lambda: pyfa.attention(q, k, v, causal=causal, algo=algo, backend="cpu"),
+                       cpu_note(lambda o: [o])),
                 Column("sim", sim_fn and (lambda: sim_fn(q, k, v, causal=causal)),
                        bits_note(lambda r: [r.o], lambda o: [o]))]
         if sim_fn is None:
-            cols[2].note = f"pyfa.sim has no {algo}_forward"
+            cols[3].note = f"pyfa.sim has no {algo}_forward"
         if torch is not None:
             cols.append(Column("torch", lambda: sdpa(tq, tk, tv, is_causal=causal),
                                lambda r, _: f"{torch.get_num_threads()} threads"))
         groups.append((f"{algo} forward", time_group(cols, repeats), fwd_flops))
-        sims[algo] = cols[2].result
+        sims[algo] = cols[3].result
 
     for algo in sorted(pyfa.api._FORWARD):
         bwd = getattr(pyfa, f"{algo}_backward", None) or getattr(pyfa.api, f"{algo}_backward", None)
@@ -220,12 +243,15 @@ def run(args):
         sim_fn = getattr(pyfa.sim, f"{algo}_backward", None)
         cols = [Column("numpy", lambda: numpy_backward(q, k, v, o_ref, do, causal, scale)),
                 Column("emu", bind_by_name(bwd, saved, {"causal": causal, "backend": "emu"})),
+                Column("cpu", bind_by_name(bwd, saved, {"causal": causal, "backend": "cpu"}), cpu_note(lambda g: g)),
                 Column("sim", sim_fn and bind_by_name(sim_fn, saved, {"causal": causal}),
                        bits_note(lambda r: [r.dq, r.dk, r.dv], lambda g: g))]
         if cols[1].fn is None:
             cols[1].note = f"pyfa.{algo}_backward: arguments not known, or no saved forward tensors"
         if cols[2].fn is None:
-            cols[2].note = f"pyfa.sim.{algo}_backward not found or its arguments not known"
+            cols[2].note = f"pyfa.{algo}_backward: arguments not known, or no saved forward tensors"
+        if cols[3].fn is None:
+            cols[3].note = f"pyfa.sim.{algo}_backward not found or its arguments not known"
         if torch is not None:
             leaves = [t.clone().requires_grad_() for t in (tq, tk, tv)]
             out = sdpa(*leaves, is_causal=causal)
@@ -257,6 +283,163 @@ def report(shape, groups):
     return f"summary: B={b} H={h} N={n} d={d} " + " | ".join(parts)
 
 
+# ---------------------------------------------------------------------------------------
+# --sweep: the cpu backend against PyTorch's CPU SDPA and NumPy (issue 13's benchmark)
+# ---------------------------------------------------------------------------------------
+CONTENDERS = ("cpu", "torch", "numpy")
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def peak_rss_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def sweep_worker(spec):
+    """One contender at one configuration, alone in this process: warm-up, then `repeats`
+    timed forward calls and `repeats` timed forward+backward calls. Prints one JSON line."""
+    name, b, h, n, d = spec["name"], spec["batch"], spec["heads"], spec["seqlen"], spec["head_dim"]
+    causal, threads, repeats = spec["causal"], spec["threads"], spec["repeats"]
+    rng = np.random.default_rng(spec["seed"])
+    q, k, v, do = (rng.standard_normal((b, h, n, d), dtype=np.float32) for _ in range(4))
+    scale = np.float32(1.0) / np.sqrt(np.float32(d))
+    if name == "cpu":
+        def fwd():
+            return pyfa.fa2_forward(q, k, v, causal=causal, backend="cpu", threads=threads)
+
+        def fwd_bwd():
+            o, lse = fwd()
+            return pyfa.fa2_backward(q, k, v, o, lse, do, causal=causal, backend="cpu", threads=threads)
+    elif name == "torch":
+        torch = import_torch()
+        if torch is None:
+            print(json.dumps({"error": "torch does not import"}))
+            return 0
+        torch.set_num_threads(threads)
+        tq, tk, tv, tdo = (torch.from_numpy(x) for x in (q, k, v, do))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def fwd():
+            with torch.no_grad():
+                return sdpa(tq, tk, tv, is_causal=causal)
+
+        def fwd_bwd():
+            leaves = [t.clone().requires_grad_() for t in (tq, tk, tv)]
+            return torch.autograd.grad(sdpa(*leaves, is_causal=causal), leaves, tdo)
+    else:
+        def fwd():
+            return numpy_forward(q, k, v, causal, scale)
+
+        def fwd_bwd():
+            o = fwd()
+            return numpy_backward(q, k, v, o, do, causal, scale)
+    rss_inputs = peak_rss_mib()
+    times = {"fwd": [], "fwd+bwd": []}
+    cpu_times = {"fwd": [], "fwd+bwd": []}
+    for label, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+        fn()
+        for _ in range(repeats):
+            c0, t0 = time.process_time(), time.perf_counter()
+            fn()
+            times[label].append((time.perf_counter() - t0) * 1e3)
+            cpu_times[label].append((time.process_time() - c0) * 1e3)
+    print(json.dumps({"times": times, "cpu_times": cpu_times, "rss_inputs_mib": rss_inputs,
+                      "peak_rss_mib": peak_rss_mib(),
+                      "threads_note": torch.get_num_threads() if name == "torch" else threads}))
+    return 0
+
+
+def run_worker(spec, gap_s):
+    """spec's contender in a fresh process, its BLAS/OpenMP threads set before NumPy loads;
+    then an idle gap, so that no helper thread left spinning reaches the next one."""
+    env = dict(os.environ)
+    for var in THREAD_VARS:
+        env[var] = str(spec["threads"])
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
+                       capture_output=True, text=True, env=env)
+    time.sleep(gap_s)
+    lines = p.stdout.strip().splitlines()
+    if p.returncode != 0 or not lines:
+        return {"error": (p.stderr.strip().splitlines() or ["no output"])[-1]}
+    return json.loads(lines[-1])
+
+
+def sweep(args):
+    contenders = [c for c in args.contenders.split(",") if c]
+    for c in contenders:
+        if c not in CONTENDERS:
+            raise SystemExit(f"--contenders: unknown {c!r}; expected some of {','.join(CONTENDERS)}")
+    configs = [(n, d, causal, t) for n in args.sizes for d in args.head_dims for causal in (False, True)
+               for t in args.threads]
+    torch = import_torch() if "torch" in contenders else None
+    print(f"pyfa bench --sweep: FA2 on the cpu backend vs {', '.join(c for c in contenders if c != 'cpu')}; "
+          f"B={args.batch} H={args.heads}; each contender in its own process, {args.rounds} round(s) of "
+          f"{args.repeats} timed calls after a warm-up, {args.gap:.1f} s idle between processes")
+    print(f"{os.cpu_count()} cores ({platform.machine()}), load average {os.getloadavg()[0]:.2f} at the start; "
+          f"numpy {np.__version__} (BLAS {blas_name()}); torch {torch.__version__ if torch else 'not used'}; "
+          f"PYFA_CPU_ISA={os.environ.get('PYFA_CPU_ISA', 'auto')}")
+    print("GFLOP/s: forward 4*B*H*N^2*d (halved if causal), forward+backward 3.5x that; "
+          "ms: median over all timed calls (min beside it); RSS: the process's peak, and above its inputs; "
+          "cpu: the process's CPU ms per call (all its threads), the steadier figure on a busy machine")
+    print(f"{'N':>5} {'d':>4} {'causal':>6} {'thr':>3} {'contender':9} {'fwd ms':>9} {'min':>8} {'GFLOP/s':>8} "
+          f"{'f+b ms':>9} {'min':>8} {'GFLOP/s':>8} {'RSS MiB':>8} {'+MiB':>6} {'fwd cpu':>9} {'f+b cpu':>9}")
+    ratios = {c: [] for c in contenders if c != "cpu"}
+    cpu_ratios = {c: [] for c in contenders if c != "cpu"}
+    for n, d, causal, threads in configs:
+        flops = flops_forward(args.batch, args.heads, n, d, causal)
+        times = {c: {"fwd": [], "fwd+bwd": []} for c in contenders}
+        cpu_times = {c: {"fwd": [], "fwd+bwd": []} for c in contenders}
+        info = {c: {} for c in contenders}
+        for r in range(args.rounds):
+            order = contenders if r % 2 == 0 else contenders[::-1]
+            for c in order:
+                spec = dict(name=c, batch=args.batch, heads=args.heads, seqlen=n, head_dim=d, causal=causal,
+                            threads=threads, repeats=args.repeats, seed=args.seed)
+                res = run_worker(spec, args.gap)
+                if "error" in res:
+                    info[c]["error"] = res["error"]
+                    continue
+                for label in ("fwd", "fwd+bwd"):
+                    times[c][label] += res["times"][label]
+                    cpu_times[c][label] += res["cpu_times"][label]
+                info[c]["rss"] = max(info[c].get("rss", 0), res["peak_rss_mib"])
+                info[c]["extra"] = max(info[c].get("extra", 0), res["peak_rss_mib"] - res["rss_inputs_mib"])
+        medians, cpu_medians = {}, {}
+        for c in contenders:
+            head = f"{n:5d} {d:4d} {str(causal):>6} {threads:3d} {c:9}"
+            if "error" in info[c] and not times[c]["fwd"]:
+                print(f"{head} error: {info[c]['error']}")
+                continue
+            f, fb = times[c]["fwd"], times[c]["fwd+bwd"]
+            medians[c] = (statistics.median(f), statistics.median(fb))
+            cpu_medians[c] = (statistics.median(cpu_times[c]["fwd"]), statistics.median(cpu_times[c]["fwd+bwd"]))
+            print(f"{head} {medians[c][0]:9.2f} {min(f):8.2f} {flops / medians[c][0] / 1e6:8.1f} "
+                  f"{medians[c][1]:9.2f} {min(fb):8.2f} {3.5 * flops / medians[c][1] / 1e6:8.1f} "
+                  f"{info[c]['rss']:8.0f} {info[c]['extra']:6.0f} {cpu_medians[c][0]:9.2f} {cpu_medians[c][1]:9.2f}")
+        if "cpu" in medians:
+            for c in ratios:
+                if c in medians:
+                    label = f"N={n} d={d} causal={int(causal)} t={threads}"
+                    ratios[c].append((label, "fwd", medians[c][0] / medians["cpu"][0]))
+                    ratios[c].append((label, "fwd+bwd", medians[c][1] / medians["cpu"][1]))
+                    for n_pass, name_pass in enumerate(("fwd", "fwd+bwd")):
+                        if cpu_medians["cpu"][n_pass] > 0:
+                            cpu_ratios[c].append((label, name_pass,
+                                                  cpu_medians[c][n_pass] / cpu_medians["cpu"][n_pass]))
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
+    parts = []
+    for c, rs in ratios.items():
+        if not rs:
+            parts.append(f"cpu/{c}: no figures")
+            continue
+        geo = math.exp(sum(math.log(x) for _, _, x in rs) / len(rs))
+        low = min(rs, key=lambda t: t[2])
+        cr = [x for _, _, x in cpu_ratios[c] if x > 0]
+        by_cpu = f", by CPU time {math.exp(sum(math.log(x) for x in cr) / len(cr)):.2f}x" if cr else ""
+        parts.append(f"cpu/{c} throughput: geomean={geo:.2f}x over {len(rs)}, "
+                     f"min={low[2]:.2f}x ({low[0]} {low[1]}){by_cpu}")
+    return "summary: sweep B={} H={} ".format(args.batch, args.heads) + " | ".join(parts)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = ap.add_mutually_exclusive_group()
@@ -273,7 +456,23 @@ def main(argv=None):
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the figures here")
+    sw = ap.add_argument_group("--sweep (the cpu backend against torch and NumPy)")
+    sw.add_argument("--sweep", action="store_true", help="run the sweep instead")
+    sw.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048], help="N (Nq = Nk)")
+    sw.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    sw.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    sw.add_argument("--rounds", type=int, default=2, help="processes per contender and configuration")
+    sw.add_argument("--gap", type=float, default=0.5, help="idle seconds after each process")
+    sw.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.worker:
+        return sweep_worker(json.loads(args.worker))
+    if args.sweep:
+        args.batch, args.heads = args.batch or 1, args.heads or 4
+        args.repeats = args.repeats or 3
+        print(sweep(args))
+        return 0
 
     shape, groups = run(args)
     summary = report(shape, groups)

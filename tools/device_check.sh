@@ -9,7 +9,9 @@
 #
 # Steps, in order: cffi and pycparser importable (else installed from the carried wheels);
 # the GPU, driver, nvcc and tools; libpyfa built with CMake for the GPU present; the tests
-# that run on the cuda backend (each kernel bit for bit against the simulator);
+# that run on the cuda backend (each kernel bit for bit against the simulator; PyTorch and
+# CuPy CUDA arrays in and out through DLPack without a host copy, and pyfa.torch's
+# gradients, when those libraries import: tests/test_interop.py, tests/test_torch.py);
 # compute-sanitizer memcheck and racecheck on small problems; every op's device entry
 # point timed with CUDA events beside PyTorch's SDPA; DRAM bytes per kernel with ncu
 # beside pyfa.sim.count_io. OUTDIR gets summary.md (printed last, its tables first),
@@ -203,7 +205,7 @@ fi
 
 # 4-7. On the GPU. Only the tests that run the cuda backend: the rest need no GPU and
 # run everywhere else.
-TEST_CMD="$PY -m pytest -q -rfE -p no:cacheprovider -k cuda --junitxml=$OUTDIR/pytest.xml tests"
+TEST_CMD="$PY -m pytest -q -rfEs -p no:cacheprovider -k cuda --junitxml=$OUTDIR/pytest.xml tests"
 if ((BUILT || DRY)); then
   step tests "$TEST_CMD"
   step sanitizer "$PY tools/gpu_bench.py sanitize --out $WORK/sanitize.json" \

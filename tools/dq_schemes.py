@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import pyfa.sim as sim  # noqa: E402  (pure NumPy: no compiled library needed)
-from pyfa.sim.count import STAT_BYTES, Walk, fa2_backward_dkdv_io, fa2_backward_preprocess_io  # noqa: E402
+from pyfa.sim.count import (STAT_BYTES, Walk, fa2_backward_dkdv_io,  # noqa: E402
+                            fa2_backward_preprocess_io)
 from pyfa.sim.io import format_bytes  # noqa: E402
 from pyfa.sim.mask import Mask  # noqa: E402
 from pyfa.sim.tiling import ceil_div  # noqa: E402

@@ -109,6 +109,17 @@ int64_t tensor_extent(TensorId t, const pyfa_problem& pr) {
     return n < 0 ? -1 : checked_add(n, pr.head_dim);
 }
 
+// A dense copy of the caller's strided tensor t, gathered row by row.
+void gather_rows(TensorId t, const pyfa_problem& pr, const float* in, float* dense) {
+    const TensorStrides s = resolved_strides(t, pr);
+    const int64_t heads = tensor_heads(t, pr), rows = tensor_rows(t, pr), d = pr.head_dim;
+    const size_t row_bytes = sizeof(float) * static_cast<size_t>(d);
+    for (int64_t b = 0; b < pr.batch; ++b)
+        for (int64_t h = 0; h < heads; ++h)
+            for (int64_t n = 0; n < rows; ++n)
+                std::memcpy(dense + ((b * heads + h) * rows + n) * d, in + s.at(b, h, n), row_bytes);
+}
+
 // The caller's copy of tensor t written from `dense`, row by row unless it is dense too.
 void scatter_rows(TensorId t, const pyfa_problem& pr, const float* dense, float* out) {
     if (is_dense(t, pr)) {
@@ -279,6 +290,23 @@ pyfa_status check_problem(const pyfa_problem* in, const TensorId* tensors, int n
     return PYFA_OK;
 }
 
+// What the cpu backend does not have yet (its tile code knows the mask's right side
+// only, and one K/V head per query head in the backward).
+pyfa_status check_cpu_supports(const Op& op, const pyfa_problem& pr, const Mask& mask) {
+    if (pr.seqlen_q - 1 + mask.off - mask.left > 0)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                    "problem->window_left: the cpu backend has no window bounded on the left yet (%lld hides "
+                    "keys here); config->backend PYFA_BACKEND_EMU or PYFA_BACKEND_CUDA has",
+                    static_cast<long long>(pr.window_left));
+    const bool backward = op.kernels[0] != PYFA_KERNEL_FA1_FORWARD && op.kernels[0] != PYFA_KERNEL_FA2_FORWARD;
+    if (backward && pr.heads_kv != pr.heads)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                    "problem->heads_kv: the cpu backend has no grouped-query backward yet (heads_kv %lld, heads "
+                    "%lld); config->backend PYFA_BACKEND_EMU or PYFA_BACKEND_CUDA has",
+                    static_cast<long long>(pr.heads_kv), static_cast<long long>(pr.heads));
+    return PYFA_OK;
+}
+
 pyfa_status check_config(const pyfa_config* in, pyfa_config* cfg) {
     if (!in) {
         *cfg = pyfa_config{};
@@ -304,23 +332,21 @@ pyfa_status resolve_backend(int asked, bool device_pointers, const char* arg, in
                             "%s: AUTO on a *_device entry point needs CUDA (device pointers), but CUDA "
                             "is unavailable: %s",
                             arg, cuda_unavailable_reason());
-            *backend = PYFA_BACKEND_EMU;
+            *backend = PYFA_BACKEND_CPU;
             return PYFA_OK;
         case PYFA_BACKEND_EMU: *backend = PYFA_BACKEND_EMU; return PYFA_OK;
+        case PYFA_BACKEND_CPU: *backend = PYFA_BACKEND_CPU; return PYFA_OK;
         case PYFA_BACKEND_CUDA:
             if (!cuda_available())
                 return fail(PYFA_ERROR_BACKEND_UNAVAILABLE, "%s: CUDA asked for, but %s", arg,
                             cuda_unavailable_reason());
             *backend = PYFA_BACKEND_CUDA;
             return PYFA_OK;
-        case PYFA_BACKEND_CPU:
-            return fail(PYFA_ERROR_BACKEND_UNAVAILABLE, "%s: the cpu backend is not part of this libpyfa yet",
-                        arg);
     }
     return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: unknown backend %d", arg, asked);
 }
 
-// Backends that run on host memory (the emulator; the cpu backend to come) read the
+// Backends that run on host memory (the emulator and the cpu backend) read the
 // inputs in place and have their outputs staged by run_op.
 bool host_memory(int backend) { return backend != PYFA_BACKEND_CUDA; }
 
@@ -328,6 +354,7 @@ pyfa_status profile_of(int backend, pyfa_device_profile* profile) {
     switch (backend) {
         case PYFA_BACKEND_CUDA: return cuda_profile(profile);
         case PYFA_BACKEND_EMU: return emu_profile(profile);
+        case PYFA_BACKEND_CPU: return cpu_profile(profile);
     }
     return fail(PYFA_ERROR_INTERNAL, "no device profile for backend %d", backend);
 }
@@ -469,6 +496,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
                           pr.seqlen_k);
     for (int t = 0; t < n_in + n_out; ++t)
         if (TensorStrides* slot = strides_slot(base, taken[t])) *slot = resolved_strides(taken[t], pr);
+    if (backend == PYFA_BACKEND_CPU && (st = check_cpu_supports(op, pr, base.mask)) != PYFA_OK) return st;
 
     // Every kernel's tiles and launch are checked before anything is allocated or
     // launched, so that a configuration error never follows a kernel that has written.
@@ -488,8 +516,15 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         const int kernel = op.kernels[n];
         AttentionParams p = base;
         int id = kernel;
-        if ((st = select_kernel(kernel, cfg.variant, p, cfg.block_r, cfg.block_c, aligned, profile, &id, &p.block_r,
-                                &p.block_c)) != PYFA_OK)
+        // The cpu backend has kernels of its own: the variants choose between the GPU's
+        // (and the emulator's).
+        if (backend == PYFA_BACKEND_CPU && cfg.variant == PYFA_VARIANT_FAST)
+            return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                        "config->variant: fast: the cpu backend has kernels of its own; PYFA_VARIANT_FAST "
+                        "chooses among the emulator's and CUDA's");
+        if (backend != PYFA_BACKEND_CPU &&
+            (st = select_kernel(kernel, cfg.variant, p, cfg.block_r, cfg.block_c, aligned, profile, &id,
+                                &p.block_r, &p.block_c)) != PYFA_OK)
             return st;
         if (id == kernel && (st = kernel_tiles(kernel, cfg, p.head_dim, profile, &p.block_r, &p.block_c)) != PYFA_OK)
             return st;
@@ -516,6 +551,8 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     Scratch host_owned;  // host bounce buffers of strided outputs coming back from CUDA
     AttentionParams bound = base;
     const bool stage_inputs = !device_pointers && backend == PYFA_BACKEND_CUDA;
+    // The cpu backend addresses dense tensors only: strided inputs are gathered first.
+    const bool gather_inputs = backend == PYFA_BACKEND_CPU;
     const bool stage_outputs = !device_pointers || host_memory(backend);
     for (int t = 0; t < n_in; ++t) {
         float*& slot = param_slot(bound, op.inputs[t]);
@@ -524,6 +561,10 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
             const size_t bytes = sizeof(float) * static_cast<size_t>(tensor_extent(op.inputs[t], pr));
             if ((st = owned.alloc(bytes, &slot)) != PYFA_OK) return st;
             if ((st = cuda_copy_to_device(slot, inputs[t], bytes, stream)) != PYFA_OK) return st;
+        } else if (gather_inputs && !kTensors[op.inputs[t]].per_row && !is_dense(op.inputs[t], pr)) {
+            if ((st = owned.alloc(tensor_bytes(op.inputs[t], pr), &slot)) != PYFA_OK) return st;
+            gather_rows(op.inputs[t], pr, inputs[t], slot);
+            *strides_slot(bound, op.inputs[t]) = dense_strides(op.inputs[t], pr);
         }
     }
     for (int t = 0; t < n_out; ++t) {
@@ -543,15 +584,26 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     // counts finished kernels and a cancel takes effect between them. Work enqueued on the
     // caller's stream cannot be taken back, so a *_device call asks once, before any launch.
     const bool cuda_polls = backend == PYFA_BACKEND_CUDA && cfg.progress;
-    for (int n = 0; n < op.kernel_count; ++n) {
-        if (cuda_polls && (n == 0 || !device_pointers)) {
-            if (n > 0 && (st = cuda_synchronize(stream)) != PYFA_OK) return st;
-            if ((st = poll_progress(cfg, n, op.kernel_count)) != PYFA_OK) return st;
+    if (backend == PYFA_BACKEND_CPU) {
+        // The cpu backend takes the whole op at once: it may fuse the op's kernels.
+        AttentionParams tiled[kMaxKernels];
+        for (int n = 0; n < op.kernel_count; ++n) {
+            tiled[n] = bound;
+            tiled[n].block_r = tiles[n][0];
+            tiled[n].block_c = tiles[n][1];
         }
-        AttentionParams p = bound;
-        p.block_r = tiles[n][0];
-        p.block_c = tiles[n][1];
-        if ((st = launch_kernel(backend, ids[n], p, shapes[n], cfg, stream)) != PYFA_OK) return st;
+        if ((st = cpu_run(op.kernels, tiled, static_cast<size_t>(op.kernel_count), cfg)) != PYFA_OK) return st;
+    } else {
+        for (int n = 0; n < op.kernel_count; ++n) {
+            if (cuda_polls && (n == 0 || !device_pointers)) {
+                if (n > 0 && (st = cuda_synchronize(stream)) != PYFA_OK) return st;
+                if ((st = poll_progress(cfg, n, op.kernel_count)) != PYFA_OK) return st;
+            }
+            AttentionParams p = bound;
+            p.block_r = tiles[n][0];
+            p.block_c = tiles[n][1];
+            if ((st = launch_kernel(backend, ids[n], p, shapes[n], cfg, stream)) != PYFA_OK) return st;
+        }
     }
 
     if (!stage_outputs) return owned.release();
@@ -642,7 +694,8 @@ PYFA_API int pyfa_abi_version(void) { return PYFA_ABI_VERSION; }
 PYFA_API int pyfa_backend_available(int backend) {
     return guarded_value("pyfa_backend_available", 0, [&] {
         switch (backend) {
-            case PYFA_BACKEND_EMU: return 1;
+            case PYFA_BACKEND_EMU:
+            case PYFA_BACKEND_CPU: return 1;
             case PYFA_BACKEND_CUDA: return cuda_available() ? 1 : 0;
             case PYFA_BACKEND_AUTO: return 1;
         }
@@ -653,7 +706,8 @@ PYFA_API int pyfa_backend_available(int backend) {
 PYFA_API int pyfa_backend_compiled(int backend) {
     return guarded_value("pyfa_backend_compiled", 0, [&] {
         switch (backend) {
-            case PYFA_BACKEND_EMU: return 1;
+            case PYFA_BACKEND_EMU:
+            case PYFA_BACKEND_CPU: return 1;
             case PYFA_BACKEND_CUDA: return cuda_compiled() ? 1 : 0;
         }
         return 0;
@@ -664,9 +718,9 @@ PYFA_API const char* pyfa_backend_reason(int backend) {
     return guarded_value<const char*>("pyfa_backend_reason", "the reason could not be determined", [&] {
         switch (backend) {
             case PYFA_BACKEND_EMU:
+            case PYFA_BACKEND_CPU:
             case PYFA_BACKEND_AUTO: return "";
             case PYFA_BACKEND_CUDA: return cuda_unavailable_reason();
-            case PYFA_BACKEND_CPU: return "the cpu backend is not part of this libpyfa yet";
         }
         return "unknown backend";
     });

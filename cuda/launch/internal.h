@@ -62,6 +62,12 @@ pyfa_status emu_profile(pyfa_device_profile* profile);
 pyfa_status emu_launch(int kernel, const AttentionParams& p, const LaunchShape& shape,
                        const pyfa_config& config);
 
+// ---- the cpu backend (cuda/cpu): the emulator's profile, and one call per operation
+// (the kernels of an op in launch order, each with its tiles), since it may fuse them.
+pyfa_status cpu_profile(pyfa_device_profile* profile);
+pyfa_status cpu_run(const int* kernels, const AttentionParams* params, size_t count,
+                    const pyfa_config& config);
+
 // ---- CUDA (cuda_backend.cu, or cuda_stub.cpp when built without nvcc). Every function
 // acts on the calling thread's current device.
 bool cuda_compiled();

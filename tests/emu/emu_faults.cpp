@@ -68,11 +68,15 @@ struct Problem {
         p.drow = drow.data();
         p.batch = B;
         p.heads = H;
+        p.heads_kv = H;
         p.seqlen_q = N;
         p.seqlen_k = N;
         p.head_dim = d;
         p.scale = 0.125f;
-        p.causal = 1;
+        p.mask = make_mask(/*causal=*/1, /*window=*/0, 0, 0, /*align=*/0, N, N);
+        const TensorStrides dense{H * N * d, N * d, d};
+        p.q_strides = p.k_strides = p.v_strides = p.o_strides = dense;
+        p.dout_strides = p.dq_strides = p.dk_strides = p.dv_strides = dense;
         p.block_r = Br;
         p.block_c = Bc;
         return p;

@@ -164,8 +164,10 @@ class HostEmu:
         q64, k64, v64, do64 = (x.astype(np.float64) for x in (q, k, v, do))
         s = q64 @ k64.swapaxes(-1, -2) / np.sqrt(q.shape[-1])
         if causal:
+            from pyfa.sim.mask import Mask
             nq, nk = q.shape[-2], k.shape[-2]
-            s[..., np.arange(nk)[None, :] > np.arange(nq)[:, None] + (nk - nq)] = -np.inf
+            s[..., Mask.resolve(True, None, "bottom_right", nq, nk).masked(
+                np.arange(nq)[:, None], np.arange(nk)[None, :])] = -np.inf
         p = np.exp(s - s.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
         o = p @ v64

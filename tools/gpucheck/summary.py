@@ -17,7 +17,7 @@ def junit_counts(path):
     except (OSError, ET.ParseError):
         return None
     out = {"all": dict(passed=0, failed=0, skipped=0), "cuda": dict(passed=0, failed=0, skipped=0),
-           "failed": []}
+           "failed": [], "skipped": []}
     for case in root.iter("testcase"):
         outcome = ("failed" if case.find("failure") is not None or case.find("error") is not None
                    else "skipped" if case.find("skipped") is not None else "passed")
@@ -26,6 +26,10 @@ def junit_counts(path):
             out["cuda"][outcome] += 1
         if outcome == "failed":
             out["failed"].append(f"{case.get('classname')}::{case.get('name')}")
+        elif outcome == "skipped" and "cuda" in case.get("name", ""):
+            # A GPU check that skipped checked nothing: say which, and why.
+            why = case.find("skipped").get("message", "")
+            out["skipped"].append(f"{case.get('classname')}::{case.get('name')}: {why}")
     return out
 
 
@@ -106,6 +110,7 @@ def markdown(s):
                   f"{t['cuda']['skipped']} skipped (of all run: {t['all']['passed']} passed, "
                   f"{t['all']['failed']} failed, {t['all']['skipped']} skipped)."]
         lines += [f"- FAILED {name}" for name in t.get("failed", [])[:20]]
+        lines += [f"- skipped {name}" for name in t.get("skipped", [])[:20]]
         lines.append("")
     b = s.get("bench")
     if b:

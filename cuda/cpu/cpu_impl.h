@@ -1,0 +1,599 @@
+// cpu_impl.h: the cpu backend's tile code, compiled once per instruction set. The file
+// that includes it defines
+//   PYFA_CPU_NS     a namespace of its own (so the builds never meet at link time)
+//   PYFA_CPU_W      floats per vector (16: AVX-512, 8: AVX2 and the portable build)
+//   PYFA_CPU_RI     vectors along the lanes' axis per register tile
+//   PYFA_CPU_RJ     broadcast operands per register tile
+//   PYFA_CPU_TABLE  the name of the pyfa_cpu::Isa it exports
+// and is compiled with that instruction set's flags (CMakeLists.txt).
+//
+// Every output element gets exactly the operations and order of docs/numerics.md. The
+// vectors (GCC vector extensions) run across independent output elements only: rows of
+// S in the forward, columns of S in the backward, or the head dimension x. Each lane does
+// the scalar code's IEEE operations in the scalar code's order, so every build gives the
+// same bits; no sum is ever split or reassociated, and exp and log below are
+// pyfa_exp and pyfa_log (common/numerics.h) line for line.
+//
+// Nothing here has external linkage but the table: inline functions shared with other
+// files would be compiled with this file's flags and could be picked by the linker for a
+// build meant for a CPU without them.
+#include <cstdint>
+#include <cstring>
+
+#include "common/numerics.h"
+#include "common/params.h"
+#include "cpu/contract.h"
+#include "cpu/cpu_kernels.h"
+
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace pyfa_cpu {
+namespace PYFA_CPU_NS {
+namespace {
+
+constexpr int W = PYFA_CPU_W;
+constexpr int RI = PYFA_CPU_RI;
+constexpr int RJ = PYFA_CPU_RJ;
+
+typedef float vf __attribute__((vector_size(W * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
+
+// Broadcasts. Not `vf{} + a`: that is an IEEE addition (+0 + -0 = +0), not a copy.
+inline vf splat(float a) {
+    const vf v = {a};
+    return __builtin_shuffle(v, vi{});
+}
+inline vi splati(int32_t a) {
+    const vi v = {a};
+    return __builtin_shuffle(v, vi{});
+}
+// Every buffer a vector is loaded from is 64-byte aligned with rows a multiple of W.
+inline vf ld(const float* p) { return *reinterpret_cast<const vf*>(p); }
+inline void st(float* p, vf v) { *reinterpret_cast<vf*>(p) = v; }
+
+inline vi iota() {
+    vi v;
+    for (int k = 0; k < W; ++k) v[k] = k;
+    return v;
+}
+
+// madd's vector twin (contract.h): a * b + c with one rounding.
+inline vf vmadd(vf a, vf b, vf c) {
+#if PYFA_CPU_W == 16 && defined(__AVX512F__)
+    return _mm512_fmadd_ps(a, b, c);
+#elif PYFA_CPU_W == 8 && defined(__FMA__)
+    return _mm256_fmadd_ps(a, b, c);
+#else
+    vf r;
+    for (int k = 0; k < W; ++k) r[k] = __builtin_fmaf(a[k], b[k], c[k]);
+    return r;
+#endif
+}
+
+inline float ssafe(float m) { return m == -INFINITY ? 0.0f : m; }  // safe_max
+inline vf vmax(vf a, vf b) { return b > a ? b : a; }  // pyfa_max
+inline vf vsafe(vf m) { return m == splat(-INFINITY) ? splat(0.0f) : m; }  // safe_max
+
+// pyfa_exp, lane by lane. One difference that changes no result: a lane below X_LO (or
+// NaN) computes with the stand-in 0 rather than X_LO. Its result is replaced by the final
+// selects either way, and X_LO's would pass through subnormal numbers, which cost a
+// microcode assist per operation on many CPUs; every masked score (-inf) is such a lane.
+inline vf vexp(vf x) {
+    vf xc = x >= splat(PYFA_EXP_X_LO) ? x : splat(0.0f);
+    xc = xc > splat(PYFA_EXP_X_HI) ? splat(PYFA_EXP_X_HI) : xc;
+    vf t = xc * PYFA_LOG2E;
+    t = t + PYFA_ROUND_MAGIC;
+    const vf nf = t - PYFA_ROUND_MAGIC;
+    const vi n = reinterpret_cast<vi>(t) - static_cast<int32_t>(PYFA_ROUND_MAGIC_BITS);
+    vf r = xc - nf * PYFA_LN2_HI;
+    r = r - nf * PYFA_LN2_LO;
+    vf q = splat(PYFA_EXP_C6);
+    q = q * r + PYFA_EXP_C5;
+    q = q * r + PYFA_EXP_C4;
+    q = q * r + PYFA_EXP_C3;
+    q = q * r + PYFA_EXP_C2;
+    const vf r2 = r * r;
+    q = r2 * q;
+    q = r + q;
+    const vf p = q + 0x1p+0f;
+    const vi n1 = ((n + 150) >> 1) - 75;
+    const vi n2 = n - n1;
+    const vf s1 = reinterpret_cast<vf>((n1 + 127) << 23);
+    const vf s2 = reinterpret_cast<vf>((n2 + 127) << 23);
+    vf y = p * s1;
+    y = y * s2;
+    y = x > splat(PYFA_EXP_X_HI) ? splat(INFINITY) : y;
+    y = x < splat(PYFA_EXP_X_LO) ? splat(0.0f) : y;
+    y = x != x ? x : y;
+    return y;
+}
+
+// pyfa_log, lane by lane.
+inline vf vlog(vf x) {
+    const vf inf = splat(INFINITY), one = splat(0x1p+0f);
+    vf xs = x > splat(0.0f) ? x : one;
+    xs = xs < inf ? xs : one;
+    const vi sub = xs < splat(0x1p-126f);
+    xs = sub ? xs * 0x1p+23f : xs;
+    const vi ebias = sub ? splati(-23 - 127) : splati(-127);
+    const vi ix = reinterpret_cast<vi>(xs);
+    vi e = (ix >> 23) + ebias;  // xs > 0: the sign bit is clear, so >> is the unsigned shift
+    vf m = reinterpret_cast<vf>((ix & 0x007FFFFF) | 0x3F800000);
+    const vi big = m > splat(PYFA_LOG_SQRT2);
+    m = big ? m * 0x1p-1f : m;
+    e = big ? e + 1 : e;
+    const vf f = m - 0x1p+0f;
+    const vf s = f / (f + 0x1p+1f);
+    const vf z = s * s;
+    vf R = splat(PYFA_LOG_D3);
+    R = R * z + PYFA_LOG_D2;
+    R = R * z + PYFA_LOG_D1;
+    R = R * z;
+    vf lm = f - R;
+    lm = s * lm;
+    lm = f - lm;
+    const vf ef = __builtin_convertvector(e, vf);
+    vf y = ef * PYFA_LN2_LO;
+    y = y + lm;
+    y = ef * PYFA_LN2_HI + y;
+    y = x == inf ? inf : y;
+    y = x == splat(0.0f) ? splat(-INFINITY) : y;
+    y = x < splat(0.0f) ? splat(__builtin_nanf("")) : y;
+    y = x != x ? x : y;
+    return y;
+}
+
+inline int64_t round_up(int64_t a, int64_t w) { return (a + w - 1) / w * w; }
+inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+inline int32_t clamp32(int64_t v, int64_t lo, int64_t hi) {
+    return static_cast<int32_t>(v < lo ? lo : v > hi ? hi : v);
+}
+
+// ---------------------------------------------------------------------------------------
+// The one product loop. For the lanes i = i0 .. (a multiple of W) and the operands j:
+//     acc[j][i] = sum_k A[k * lda + i] * B[j * sj + k * sk],   k = 0 .. K-1 in order, from +0
+// then epi(j, i, acc) stores or combines it. A holds the vectors (lanes contiguous), B the
+// scalars broadcast to every lane. A register tile of NI vectors by NJ operands keeps
+// NI * NJ independent sums in flight, each a plain in-order chain.
+// ---------------------------------------------------------------------------------------
+template <int NI, int NJ, class Epi>
+inline void micro(const float* A, int64_t lda, const float* B, int64_t sj, int64_t sk, int64_t K,
+                  int64_t i0, int64_t j0, Epi& epi) {
+    vf acc[NJ][NI];
+    for (int jj = 0; jj < NJ; ++jj)
+        for (int ii = 0; ii < NI; ++ii) acc[jj][ii] = vf{};
+    const float* a = A + i0;
+    const float* b = B + j0 * sj;
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < K; ++k) {
+        vf av[NI];
+        for (int ii = 0; ii < NI; ++ii) av[ii] = ld(a + k * lda + ii * W);
+        for (int jj = 0; jj < NJ; ++jj) {
+            const vf bv = splat(b[jj * sj + k * sk]);
+            for (int ii = 0; ii < NI; ++ii) acc[jj][ii] = vmadd(av[ii], bv, acc[jj][ii]);
+        }
+    }
+    for (int jj = 0; jj < NJ; ++jj)
+        for (int ii = 0; ii < NI; ++ii) epi(j0 + jj, i0 + ii * W, acc[jj][ii]);
+}
+
+template <int NI, int NJ, class Epi>
+inline void micro_tail(int64_t rem, const float* A, int64_t lda, const float* B, int64_t sj,
+                       int64_t sk, int64_t K, int64_t i0, int64_t j0, Epi& epi) {
+    if constexpr (NJ > 0) {
+        if (rem == NJ) micro<NI, NJ>(A, lda, B, sj, sk, K, i0, j0, epi);
+        else micro_tail<NI, NJ - 1>(rem, A, lda, B, sj, sk, K, i0, j0, epi);
+    }
+}
+
+template <int NI, class Epi>
+inline void gemm_cols(const float* A, int64_t lda, const float* B, int64_t sj, int64_t sk,
+                      int64_t K, int64_t nj, int64_t i0, Epi& epi) {
+    int64_t j = 0;
+    for (; j + RJ <= nj; j += RJ) micro<NI, RJ>(A, lda, B, sj, sk, K, i0, j, epi);
+    micro_tail<NI, RJ - 1>(nj - j, A, lda, B, sj, sk, K, i0, j, epi);
+}
+
+// ni: lanes, a multiple of W; nj: operands.
+template <class Epi>
+inline void gemm(const float* A, int64_t lda, int64_t ni, const float* B, int64_t sj, int64_t sk,
+                 int64_t K, int64_t nj, Epi epi) {
+    int64_t i = 0;
+    for (; i + RI * W <= ni; i += RI * W) gemm_cols<RI>(A, lda, B, sj, sk, K, nj, i, epi);
+    for (; i < ni; i += W) gemm_cols<1>(A, lda, B, sj, sk, K, nj, i, epi);
+}
+
+// ---------------------------------------------------------------------------------------
+// Forward (FA1 and FA2), one Q tile: lanes are the tile's rows, so the row max, the row
+// sum and every per-row factor are element-wise across the Bc scores of a column.
+// ---------------------------------------------------------------------------------------
+struct FwdBufs {
+    int64_t Rp;
+    float *QT, *S, *OT, *m, *l, *a, *b;
+};
+
+inline FwdBufs fwd_bufs(const AttentionParams& p, float* ws) {
+    FwdBufs f;
+    f.Rp = round_up(p.block_r, W);
+    const int64_t d = p.head_dim;
+    f.QT = ws;                     // (d, Rp)   Q_i transposed, rows past br zero
+    f.S = f.QT + d * f.Rp;         // (Bc, Rp)  S_ij transposed, then P~_ij
+    f.OT = f.S + p.block_c * f.Rp; // (d, Rp)   O_i transposed
+    f.m = f.OT + d * f.Rp;         // (Rp)
+    f.l = f.m + f.Rp;              // (Rp)
+    f.a = f.l + f.Rp;              // (Rp)      FA2: alpha; FA1: o_scale; at the end LSE
+    f.b = f.a + f.Rp;              // (Rp)      FA1: beta
+    return f;
+}
+
+inline size_t fwd_floats(const AttentionParams& p) {
+    const int64_t Rp = round_up(p.block_r, W);
+    return static_cast<size_t>(2 * p.head_dim * Rp + p.block_c * Rp + 4 * Rp);
+}
+
+void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
+    const AttentionParams& p = ctx.p;
+    const int64_t d = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
+    const int64_t Br = p.block_r, Bc = p.block_c;
+    const FwdBufs f = fwd_bufs(p, ws);
+    const int64_t Rp = f.Rp;
+    const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
+    const float* Q = p.q + (bh * Nq + row0) * d;  // (br, d)
+    const vf scale = splat(p.scale), ninf = splat(-INFINITY), zero = splat(0.0f);
+    const vi lane = iota();
+
+    for (int64_t r = 0; r < Rp; ++r)
+        for (int64_t x = 0; x < d; ++x) f.QT[x * Rp + r] = r < br ? Q[r * d + x] : 0.0f;
+    for (int64_t e = 0; e < d * Rp; ++e) f.OT[e] = 0.0f;
+    for (int64_t r = 0; r < Rp; ++r) {
+        f.m[r] = -INFINITY;
+        f.l[r] = 0.0f;
+    }
+
+    // The K/V head of query head bh % H (grouped-query attention), over the same batch.
+    const int64_t bkv = (bh / p.heads) * p.heads_kv + (bh % p.heads) / (p.heads / p.heads_kv);
+    const int64_t Tc_visit = ctx.kv_end[i];
+    for (int64_t j = 0; j < Tc_visit; ++j) {
+        const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0);
+        const float* K = p.k + (bkv * Nk + col0) * d;  // (bc, d)
+        const float* V = p.v + (bkv * Nk + col0) * d;  // (bc, d)
+        // S^T[c][r] = sum_x Q[r,x] K[c,x].
+        gemm(f.QT, Rp, Rp, K, d, 1, d, bc, [&](int64_t c, int64_t r, vf acc) { st(f.S + c * Rp + r, acc); });
+        // Key c is hidden from row r iff c - r > delta (the mask's right side; api.cpp
+        // sends no mask with a left side here).
+        const int64_t delta = row0 + p.mask.off + p.mask.right - col0;
+        const bool mask = bc - 1 > delta;
+        const vi dl = splati(clamp32(delta, -Rp, Bc));
+
+        for (int64_t iv = 0; iv < Rp; iv += W) {
+            const vi rl = lane + static_cast<int32_t>(iv);
+            float* Sv = f.S + iv;
+            if (!ctx.fa1) {
+                const vf m_old = ld(f.m + iv);
+                vf m_new = m_old;
+                for (int64_t c = 0; c < bc; ++c) {
+                    vf s = ld(Sv + c * Rp) * scale;
+                    if (mask) s = (splati(static_cast<int32_t>(c)) - rl) > dl ? ninf : s;
+                    st(Sv + c * Rp, s);
+                    m_new = vmax(m_new, s);
+                }
+                const vf ms = vsafe(m_new);
+                const vf alpha = vexp(m_old - ms);
+                vf rowsum = zero;
+                for (int64_t c = 0; c < bc; ++c) {
+                    const vf pc = vexp(ld(Sv + c * Rp) - ms);
+                    st(Sv + c * Rp, pc);
+                    rowsum = rowsum + pc;
+                }
+                st(f.a + iv, alpha);
+                st(f.m + iv, m_new);
+                st(f.l + iv, vmadd(alpha, ld(f.l + iv), rowsum));
+            } else {
+                vf mt = ninf;
+                for (int64_t c = 0; c < bc; ++c) {
+                    vf s = ld(Sv + c * Rp) * scale;
+                    if (mask) s = (splati(static_cast<int32_t>(c)) - rl) > dl ? ninf : s;
+                    st(Sv + c * Rp, s);
+                    mt = vmax(mt, s);
+                }
+                const vf mts = vsafe(mt);
+                vf lt = zero;
+                for (int64_t c = 0; c < bc; ++c) {
+                    const vf pc = vexp(ld(Sv + c * Rp) - mts);
+                    st(Sv + c * Rp, pc);
+                    lt = lt + pc;
+                }
+                const vf m_old = ld(f.m + iv), l_old = ld(f.l + iv);
+                const vf m_new = vmax(m_old, mt);
+                const vf ms = vsafe(m_new);
+                const vf alpha = vexp(m_old - ms), beta = vexp(mt - ms);
+                const vf os = l_old * alpha;
+                st(f.a + iv, os);
+                st(f.b + iv, beta);
+                st(f.l + iv, vmadd(beta, lt, os));
+                st(f.m + iv, m_new);
+            }
+        }
+
+        // pv^T[x][r] = sum_c P~[r,c] V[c,x], then the row update.
+        if (!ctx.fa1) {
+            gemm(f.S, Rp, Rp, V, 1, d, bc, d, [&](int64_t x, int64_t r, vf pv) {
+                float* o = f.OT + x * Rp + r;
+                st(o, vmadd(ld(f.a + r), ld(o), pv));
+            });
+        } else {
+            gemm(f.S, Rp, Rp, V, 1, d, bc, d, [&](int64_t x, int64_t r, vf pv) {
+                float* o = f.OT + x * Rp + r;
+                const vf ln = ld(f.l + r);
+                const vf num = vmadd(ld(f.a + r), ld(o), ld(f.b + r) * pv);
+                st(o, ln == zero ? zero : num / ln);
+            });
+        }
+    }
+
+    float* O = p.o + (bh * Nq + row0) * d;  // (br, d)
+    if (!ctx.fa1) {
+        // O = O / l, LSE = m + log(l); a row that saw no key: O = 0, LSE = -inf.
+        for (int64_t iv = 0; iv < Rp; iv += W) {
+            const vf l = ld(f.l + iv);
+            for (int64_t x = 0; x < d; ++x) {
+                float* o = f.OT + x * Rp + iv;
+                st(o, l == zero ? zero : ld(o) / l);
+            }
+            st(f.a + iv, l == zero ? ninf : ld(f.m + iv) + vlog(l));
+        }
+        float* LSE = p.lse + bh * Nq + row0;  // (br)
+        for (int64_t r = 0; r < br; ++r) LSE[r] = canon(f.a[r]);
+    } else {
+        float* m = p.m + bh * Nq + row0;  // (br)
+        float* l = p.l + bh * Nq + row0;  // (br)
+        for (int64_t r = 0; r < br; ++r) {
+            m[r] = canon(f.m[r]);
+            l[r] = canon(f.l[r]);
+        }
+    }
+    for (int64_t r = 0; r < br; ++r)
+        for (int64_t x = 0; x < d; ++x) O[r * d + x] = canon(f.OT[x * Rp + r]);
+}
+
+// ---------------------------------------------------------------------------------------
+// Backward (FA1 and FA2): lanes are the columns c of a K/V tile, so K_j and V_j are
+// transposed once per tile and Q_i, dO_i are read in place as broadcast scalars. dK_j and
+// dV_j are kept transposed, dQ rows with lanes along x.
+// ---------------------------------------------------------------------------------------
+struct BwdBufs {
+    int64_t Cp, Dp;
+    float *KT, *VT, *Kp, *P, *dS, *dKT, *dVT, *dQi;
+};
+
+inline BwdBufs bwd_bufs(const AttentionParams& p, float* ws) {
+    BwdBufs b;
+    const int64_t d = p.head_dim, Br = p.block_r, Bc = p.block_c;
+    b.Cp = round_up(Bc, W);
+    b.Dp = round_up(d, W);
+    b.KT = ws;                 // (d, Cp)   K_j transposed, columns past bc zero
+    b.VT = b.KT + d * b.Cp;    // (d, Cp)   V_j transposed
+    b.Kp = b.VT + d * b.Cp;    // (Bc, Dp)  K_j with rows padded to Dp
+    b.P = b.Kp + Bc * b.Dp;    // (Br, Cp)  S_ij, then P_ij
+    b.dS = b.P + Br * b.Cp;    // (Br, Cp)  dP_ij, then dS_ij
+    b.dKT = b.dS + Br * b.Cp;  // (d, Cp)   dK_j transposed, accumulated
+    b.dVT = b.dKT + d * b.Cp;  // (d, Cp)   dV_j transposed, accumulated
+    b.dQi = b.dVT + d * b.Cp;  // (Br, Dp)  dQ rows of tile i
+    return b;
+}
+
+inline size_t bwd_floats(const AttentionParams& p) {
+    const int64_t d = p.head_dim, Br = p.block_r, Bc = p.block_c;
+    const int64_t Cp = round_up(Bc, W), Dp = round_up(d, W);
+    return static_cast<size_t>(4 * d * Cp + Bc * Dp + 2 * Br * Cp + Br * Dp);
+}
+
+size_t workspace_floats(const Ctx& ctx) {
+    const size_t a = fwd_floats(ctx.p), b = bwd_floats(ctx.p);
+    return a > b ? a : b;
+}
+
+void load_kv(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t j, bool with_kp) {
+    const AttentionParams& p = ctx.p;
+    const int64_t d = p.head_dim, Nk = p.seqlen_k, Bc = p.block_c;
+    const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0);
+    const float* K = p.k + (bh * Nk + col0) * d;  // (bc, d)
+    const float* V = p.v + (bh * Nk + col0) * d;  // (bc, d)
+    for (int64_t c = 0; c < b.Cp; ++c)
+        for (int64_t x = 0; x < d; ++x) {
+            b.KT[x * b.Cp + c] = c < bc ? K[c * d + x] : 0.0f;
+            b.VT[x * b.Cp + c] = c < bc ? V[c * d + x] : 0.0f;
+        }
+    if (with_kp)
+        for (int64_t c = 0; c < bc; ++c)
+            for (int64_t x = 0; x < b.Dp; ++x) b.Kp[c * b.Dp + x] = x < d ? K[c * d + x] : 0.0f;
+}
+
+// P_ij into b.P and dS_ij into b.dS, rows r < br of Q tile i, columns of K/V tile j
+// (loaded by load_kv).
+void tile_pair(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i, int64_t j) {
+    const AttentionParams& p = ctx.p;
+    const int64_t d = p.head_dim, Nq = p.seqlen_q;
+    const int64_t Br = p.block_r, Bc = p.block_c, Cp = b.Cp;
+    const int64_t row0 = i * Br, br = min64(Br, Nq - row0), col0 = j * Bc;
+    const float* Q = p.q + (bh * Nq + row0) * d;      // (br, d)
+    const float* dO = p.dout + (bh * Nq + row0) * d;  // (br, d)
+    // S[r][c] = sum_x Q[r,x] K[c,x]; dP[r][c] = sum_x dO[r,x] V[c,x].
+    gemm(b.KT, Cp, Cp, Q, d, 1, d, br, [&](int64_t r, int64_t c, vf acc) { st(b.P + r * Cp + c, acc); });
+    gemm(b.VT, Cp, Cp, dO, d, 1, d, br, [&](int64_t r, int64_t c, vf acc) { st(b.dS + r * Cp + c, acc); });
+
+    const vf scale = splat(p.scale), ninf = splat(-INFINITY), zero = splat(0.0f);
+    const vi lane = iota();
+    const int64_t base = bh * Nq + row0;
+    for (int64_t r = 0; r < br; ++r) {
+        // Key c is hidden from this row iff c > thr (the mask's right side).
+        const int32_t t = clamp32(row0 + r + p.mask.off + p.mask.right - col0, -1, Cp);
+        const bool hides = t < Cp - 1;
+        const vi thr = splati(t);
+        const vf Dr = splat(ctx.D[base + r]);
+        float* Pr = b.P + r * Cp;
+        float* dSr = b.dS + r * Cp;
+        if (!ctx.fa1) {
+            const float lse = p.lse[base + r];
+            const vf vlse = splat(lse);
+            for (int64_t cv = 0; cv < Cp; cv += W) {
+                vf s = ld(Pr + cv) * scale;
+                if (hides) s = (lane + static_cast<int32_t>(cv)) > thr ? ninf : s;
+                const vf P = lse == -INFINITY ? zero : vexp(s - vlse);
+                st(Pr + cv, P);
+                st(dSr + cv, P * (ld(dSr + cv) - Dr));
+            }
+        } else {
+            const float lr = p.l[base + r];
+            const vf ms = splat(ssafe(p.m[base + r])), vl = splat(lr);
+            for (int64_t cv = 0; cv < Cp; cv += W) {
+                vf s = ld(Pr + cv) * scale;
+                if (hides) s = (lane + static_cast<int32_t>(cv)) > thr ? ninf : s;
+                const vf P = lr == 0.0f ? zero : vexp(s - ms) / vl;
+                st(Pr + cv, P);
+                st(dSr + cv, P * (ld(dSr + cv) - Dr));
+            }
+        }
+    }
+}
+
+void backward_kv(const Ctx& ctx, int64_t bh, int64_t j, bool with_dq, float* ws) {
+    const AttentionParams& p = ctx.p;
+    const int64_t d = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
+    const int64_t Br = p.block_r, Bc = p.block_c;
+    const BwdBufs b = bwd_bufs(p, ws);
+    const int64_t Cp = b.Cp, Dp = b.Dp;
+    const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0);
+    const vf scale = splat(p.scale);
+    load_kv(ctx, b, bh, j, with_dq);
+    for (int64_t e = 0; e < d * Cp; ++e) {
+        b.dKT[e] = 0.0f;
+        b.dVT[e] = 0.0f;
+    }
+
+    const int64_t Tr = (Nq + Br - 1) / Br;
+    for (int64_t i = ctx.q_begin[j]; i < Tr; ++i) {
+        const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
+        const float* Q = p.q + (bh * Nq + row0) * d;      // (br, d)
+        const float* dO = p.dout + (bh * Nq + row0) * d;  // (br, d)
+        tile_pair(ctx, b, bh, i, j);
+        // dv^T[x][c] = sum_r P[r,c] dO[r,x]; dk^T[x][c] = sum_r dS[r,c] Q[r,x].
+        gemm(b.P, Cp, Cp, dO, 1, d, br, d, [&](int64_t x, int64_t c, vf dv) {
+            float* a = b.dVT + x * Cp + c;
+            st(a, ld(a) + dv);
+        });
+        if (!ctx.fa1) {
+            gemm(b.dS, Cp, Cp, Q, 1, d, br, d, [&](int64_t x, int64_t c, vf dk) {
+                float* a = b.dKT + x * Cp + c;
+                st(a, ld(a) + dk);
+            });
+        } else {
+            gemm(b.dS, Cp, Cp, Q, 1, d, br, d, [&](int64_t x, int64_t c, vf dk) {
+                float* a = b.dKT + x * Cp + c;
+                st(a, vmadd(scale, dk, ld(a)));
+            });
+        }
+        if (with_dq) {
+            // dq[r][x] = sum_c dS[r,c] K[c,x], added to the head's dQ rows in place.
+            gemm(b.Kp, Dp, Dp, b.dS, Cp, 1, bc, br,
+                 [&](int64_t r, int64_t x, vf dq) { st(b.dQi + r * Dp + x, dq); });
+            float* dQ = p.dq + (bh * Nq + row0) * d;  // (br, d)
+            for (int64_t r = 0; r < br; ++r) {
+                const float* dq = b.dQi + r * Dp;
+                float* out = dQ + r * d;
+                if (!ctx.fa1)
+                    for (int64_t x = 0; x < d; ++x) out[x] = out[x] + dq[x];
+                else
+                    for (int64_t x = 0; x < d; ++x) out[x] = madd(p.scale, dq[x], out[x]);
+            }
+        }
+    }
+
+    float* dK = p.dk + (bh * Nk + col0) * d;  // (bc, d)
+    float* dV = p.dv + (bh * Nk + col0) * d;  // (bc, d)
+    for (int64_t c = 0; c < bc; ++c)
+        for (int64_t x = 0; x < d; ++x) {
+            const float dk = b.dKT[x * Cp + c];
+            dK[c * d + x] = canon(ctx.fa1 ? dk : dk * p.scale);
+            dV[c * d + x] = canon(b.dVT[x * Cp + c]);
+        }
+}
+
+void backward_dq(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
+    const AttentionParams& p = ctx.p;
+    const int64_t d = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
+    const int64_t Br = p.block_r, Bc = p.block_c;
+    const BwdBufs b = bwd_bufs(p, ws);
+    const int64_t Dp = b.Dp, Cp = b.Cp;
+    const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
+    const vf scale = splat(p.scale);
+    for (int64_t e = 0; e < br * Dp; ++e) b.dQi[e] = 0.0f;
+
+    const int64_t Tc_visit = ctx.kv_end[i];
+    for (int64_t j = 0; j < Tc_visit; ++j) {
+        const int64_t bc = min64(Bc, Nk - j * Bc);
+        load_kv(ctx, b, bh, j, true);
+        tile_pair(ctx, b, bh, i, j);
+        if (!ctx.fa1) {
+            gemm(b.Kp, Dp, Dp, b.dS, Cp, 1, bc, br, [&](int64_t r, int64_t x, vf dq) {
+                float* a = b.dQi + r * Dp + x;
+                st(a, ld(a) + dq);
+            });
+        } else {
+            gemm(b.Kp, Dp, Dp, b.dS, Cp, 1, bc, br, [&](int64_t r, int64_t x, vf dq) {
+                float* a = b.dQi + r * Dp + x;
+                st(a, vmadd(scale, dq, ld(a)));
+            });
+        }
+    }
+    float* dQ = p.dq + (bh * Nq + row0) * d;  // (br, d)
+    for (int64_t r = 0; r < br; ++r)
+        for (int64_t x = 0; x < d; ++x) {
+            const float dq = b.dQi[r * Dp + x];
+            dQ[r * d + x] = canon(ctx.fa1 ? dq : dq * p.scale);
+        }
+}
+
+void zero_dq(const Ctx& ctx, int64_t bh) {
+    const AttentionParams& p = ctx.p;
+    const int64_t n = p.seqlen_q * p.head_dim;
+    std::memset(p.dq + bh * n, 0, sizeof(float) * static_cast<size_t>(n));
+}
+
+void finish_dq(const Ctx& ctx, int64_t bh) {
+    const AttentionParams& p = ctx.p;
+    const int64_t n = p.seqlen_q * p.head_dim;
+    float* dQ = p.dq + bh * n;  // (Nq, d)
+    for (int64_t e = 0; e < n; ++e) dQ[e] = canon(ctx.fa1 ? dQ[e] : dQ[e] * p.scale);
+}
+
+// D[r] = sum_x dO[r,x] O[r,x], x = 0 .. d-1 in order from +0.
+void rowdot(const Ctx& ctx, int64_t bh, int64_t i) {
+    const AttentionParams& p = ctx.p;
+    const int64_t d = p.head_dim, Nq = p.seqlen_q, Br = p.block_r;
+    const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
+    const float* O = p.o + (bh * Nq + row0) * d;      // (br, d)
+    const float* dO = p.dout + (bh * Nq + row0) * d;  // (br, d)
+    float* D = ctx.D + bh * Nq + row0;                // (br)
+    for (int64_t r = 0; r < br; ++r) {
+        float s = 0.0f;
+        for (int64_t x = 0; x < d; ++x) s = madd(dO[r * d + x], O[r * d + x], s);
+        D[r] = s;
+    }
+}
+
+}  // namespace
+}  // namespace PYFA_CPU_NS
+
+extern const Isa PYFA_CPU_TABLE;
+const Isa PYFA_CPU_TABLE = {
+    PYFA_CPU_NAME,           PYFA_CPU_W,
+    PYFA_CPU_NS::workspace_floats, PYFA_CPU_NS::forward,
+    PYFA_CPU_NS::rowdot,     PYFA_CPU_NS::backward_kv,
+    PYFA_CPU_NS::backward_dq, PYFA_CPU_NS::zero_dq,
+    PYFA_CPU_NS::finish_dq,
+};
+
+}  // namespace pyfa_cpu

@@ -1,0 +1,50 @@
+// cpu_kernels.h: what each instruction-set build of the cpu backend's tile code
+// (cpu_impl.h, compiled once per instruction set) offers the dispatcher (cpu_backend.cpp).
+// One call computes one work item; the dispatcher spreads items over threads. The items
+// of one phase write disjoint outputs, so results never depend on the thread count.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/params.h"
+
+namespace pyfa_cpu {
+
+// Everything a work item reads. p's pointers are bound (outputs may be staging buffers)
+// and p.block_r, p.block_c are the tiles of the kernel whose results the phase reproduces.
+struct Ctx {
+    AttentionParams p;
+    bool fa1;                // FA1's formulas (docs/numerics.md), else FA2's
+    float* D;                // (B, H, Nq) D = rowsum(dO o O), written by the rowdot phase
+    const int64_t* kv_end;   // (Tr) kv_tile_end of each Q tile i, for p's tiles
+    const int64_t* q_begin;  // (Tc) q_tile_begin of each K/V tile j, for p's tiles
+};
+
+struct Isa {
+    const char* name;
+    int width;  // floats per vector
+    // Floats of per-thread workspace any item of ctx needs (forward or backward).
+    size_t (*workspace_floats)(const Ctx& ctx);
+    // Forward (FA1 or FA2) of Q tile i of head bh: O, and LSE (FA2) or m, l (FA1).
+    void (*forward)(const Ctx& ctx, int64_t bh, int64_t i, float* ws);
+    // D of the rows of Q tile i of head bh.
+    void (*rowdot)(const Ctx& ctx, int64_t bh, int64_t i);
+    // dK_j, dV_j of K/V tile j of head bh (the dK/dV kernel's walk over Q tiles). With
+    // with_dq, also adds each tile pair's dQ contribution into p.dq, in place: called for
+    // j = 0, 1, ... in order on one thread after zero_dq, that is the dQ kernel's sum.
+    void (*backward_kv)(const Ctx& ctx, int64_t bh, int64_t j, bool with_dq, float* ws);
+    // dQ_i of Q tile i of head bh (the dQ kernel's walk over K/V tiles).
+    void (*backward_dq)(const Ctx& ctx, int64_t bh, int64_t i, float* ws);
+    // Before and after a head's backward_kv(with_dq) calls: dQ = 0, then its final form.
+    void (*zero_dq)(const Ctx& ctx, int64_t bh);
+    void (*finish_dq)(const Ctx& ctx, int64_t bh);
+};
+
+extern const Isa kIsaPortable;
+#if defined(__x86_64__) || defined(_M_X64)
+extern const Isa kIsaAvx2;
+extern const Isa kIsaAvx512;
+#endif
+
+}  // namespace pyfa_cpu

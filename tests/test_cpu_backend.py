@@ -1,0 +1,271 @@
+"""The native cpu backend: every instruction-set build (forced through PYFA_CPU_ISA) and
+every thread count give the simulator's and the emulator's bits, forward and backward,
+both algorithms; the threads knob, cancellation through config->progress, and the
+errors of the ISA switch. (tests/grid.py also runs the shared grid, the random shapes and
+the special values on "cpu" with its default build and thread count.)"""
+
+import functools
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import grid
+import pyfa
+from pyfa import _lib
+from reference import make_inputs, same_bits
+from test_random_shapes import draw
+from test_special_values import poisoned_inputs
+
+
+def cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+FLAGS = cpu_flags()
+# What each build needs (cuda/cpu/cpu_backend.cpp): None when we cannot tell here.
+NEEDS = {"avx512": {"avx512f", "fma"}, "avx2": {"avx2", "fma"}, "portable": set()}
+
+
+def expected_available(isa):
+    if isa == "portable":
+        return True
+    if not X86:
+        return False
+    return None if FLAGS is None else NEEDS[isa] <= FLAGS
+
+
+ISAS = ["avx512", "avx2", "portable"]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, monkeypatch):
+    """Forces one build for the test; skipped (with the reason) where this CPU lacks it."""
+    name = request.param
+    if not expected_available(name):
+        pytest.skip(f"this CPU cannot run the {name} build")
+    monkeypatch.setenv("PYFA_CPU_ISA", name)
+    return name
+
+
+@pytest.mark.parametrize("name", ISAS)
+def test_isa_switch_runs_exactly_the_builds_this_cpu_supports(name, monkeypatch):
+    expected = expected_available(name)
+    if expected is None:
+        pytest.skip("no /proc/cpuinfo flags to compare with")
+    monkeypatch.setenv("PYFA_CPU_ISA", name)
+    q, k, v = make_inputs((1, 1, 8, 8), (1, 1, 8, 8), seed=1)
+    if expected:
+        o = pyfa.attention(q, k, v, backend="cpu")
+        assert same_bits(o, pyfa.attention(q, k, v, backend="emu"))
+    else:
+        with pytest.raises(pyfa.BackendUnavailableError, match=f"PYFA_CPU_ISA={name}"):
+            pyfa.attention(q, k, v, backend="cpu")
+
+
+def test_unknown_isa_names_the_variable(monkeypatch):
+    monkeypatch.setenv("PYFA_CPU_ISA", "sse9")
+    q, k, v = make_inputs((1, 1, 4, 4), (1, 1, 4, 4), seed=1)
+    with pytest.raises(pyfa.PyfaError, match="PYFA_CPU_ISA.*sse9"):
+        pyfa.attention(q, k, v, backend="cpu")
+
+
+# The shared grid, plus default tiles where the algorithms' defaults differ (FA1 at d = 96
+# and 256, FA2's backward at d = 256 with 32 x 32 tiles) and a head count above the
+# thread counts, so the one-pass backward (a head per thread) runs beside the split one.
+CASES = grid.CASES + [
+    (1, 1, 90, 90, 96, None, None),
+    (1, 1, 45, 70, 256, None, None),
+    (2, 3, 80, 80, 32, 16, 16),
+]
+
+
+def simulate(q, k, v, do, kw):
+    f2 = pyfa.sim.fa2_forward(q, k, v, **kw)
+    b2 = pyfa.sim.fa2_backward(q, k, v, f2.o, f2.lse, do, **kw)
+    f1 = pyfa.sim.fa1_forward(q, k, v, **kw)
+    b1 = pyfa.sim.fa1_backward(q, k, v, f1.o, f1.m, f1.l, do, **kw)
+    return (f2.o, f2.lse), (b2.dq, b2.dk, b2.dv), (f1.o, f1.m, f1.l), (b1.dq, b1.dk, b1.dv)
+
+
+@functools.lru_cache(maxsize=None)
+def simulated(case, causal):
+    B, H, Nq, Nk, d, Br, Bc = case
+    q, k, v, do = make_inputs((B, H, Nq, d), (B, H, Nk, d), grid.case_seed(case), "do")
+    kw = dict(causal=causal, block_r=Br, block_c=Bc)
+    return (q, k, v, do), kw, simulate(q, k, v, do, kw)
+
+
+def run_cpu(inputs, kw, **run):
+    """fa2 forward, fa2 backward, fa1 forward, fa1 backward on the cpu backend, each
+    backward from the simulator-equal forward results."""
+    q, k, v, do = inputs
+    f2 = pyfa.fa2_forward(q, k, v, backend="cpu", **kw, **run)
+    b2 = pyfa.fa2_backward(q, k, v, *f2, do, backend="cpu", **kw, **run)
+    f1 = pyfa.fa1_forward(q, k, v, backend="cpu", **kw, **run)
+    b1 = pyfa.fa1_backward(q, k, v, *f1, do, backend="cpu", **kw, **run)
+    return f2, b2, f1, b1
+
+
+NAMES = ("fa2 forward", "fa2 backward", "fa1 forward", "fa1 backward")
+
+
+def assert_same(got, want, what):
+    for name, g, w in zip(NAMES, got, want):
+        for n, (a, b) in enumerate(zip(g, w)):
+            assert same_bits(a, b), f"{name}, output {n}: {what}"
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", CASES, ids=grid.case_id)
+def test_every_build_and_thread_count_equals_the_simulator(case, causal, threads, isa):
+    inputs, kw, want = simulated(case, causal)
+    assert_same(run_cpu(inputs, kw, threads=threads), want, f"{isa}, {threads} threads")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", CASES[-4:], ids=grid.case_id)
+def test_equals_the_emulator(case, causal, isa):
+    (q, k, v, do), kw, _ = simulated(case, causal)
+    got = run_cpu((q, k, v, do), kw, threads=2)
+    f2 = pyfa.fa2_forward(q, k, v, backend="emu", **kw)
+    f1 = pyfa.fa1_forward(q, k, v, backend="emu", **kw)
+    want = (f2, pyfa.fa2_backward(q, k, v, *f2, do, backend="emu", **kw),
+            f1, pyfa.fa1_backward(q, k, v, *f1, do, backend="emu", **kw))
+    assert_same(got, want, isa)
+
+
+@pytest.mark.parametrize("seed", range(0, 48, 3))
+def test_random_shapes_every_build(seed, isa):
+    (q, k, v, do), kw, _ = draw(seed)
+    want = simulate(q, k, v, do, kw)
+    assert_same(run_cpu((q, k, v, do), kw, threads=1 + seed % 3), want, f"{isa} {kw}")
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_special_values_every_build(seed, causal, isa):
+    q, k, v, do = poisoned_inputs(seed)
+    kw = dict(causal=causal, block_r=4, block_c=8)
+    want = simulate(q, k, v, do, kw)
+    for threads in (1, 2):
+        got = run_cpu((q, k, v, do), kw, threads=threads)
+        assert np.isnan(got[0][0]).any(), "the poisoned inputs should reach the output"
+        assert_same(got, want, f"{isa}, {threads} threads")
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    # Default tiles, several row and column blocks, heads fewer and more than the threads.
+    for B, H in ((1, 1), (2, 3)):
+        q, k, v, do = make_inputs((B, H, 200, 64), (B, H, 260, 64), B * H, "do")
+        first = None
+        for threads in (0, 1, 2, 3, 5):
+            got = run_cpu((q, k, v, do), dict(causal=True), threads=threads)
+            if first is None:
+                first = got
+            else:
+                assert_same(got, first, f"B={B} H={H} threads={threads}")
+
+
+def test_auto_is_cpu_without_a_gpu_and_backends_lists_cpu():
+    assert "cpu" in pyfa.backends() and "emu" in pyfa.backends()
+    if grid.HAS_CUDA:
+        pytest.skip("a GPU is here: auto means CUDA")
+    q, k, v = make_inputs((1, 2, 30, 16), (1, 2, 30, 16), seed=2)
+    ffi, lib = _lib.load()
+    assert lib.pyfa_backend_available(3) == 1 and lib.pyfa_backend_compiled(3) == 1
+    assert same_bits(pyfa.attention(q, k, v), pyfa.attention(q, k, v, backend="cpu"))
+
+
+def test_default_tiles_are_the_emulators():
+    for d in (1, 64, 96, 128, 256):
+        for kernel in pyfa.api.KERNELS:
+            assert pyfa.default_tiles(kernel, d, "cpu") == pyfa.default_tiles(kernel, d, "emu")
+    assert pyfa.device_profile("cpu")["smem_per_block"] == pyfa.device_profile("emu")["smem_per_block"]
+
+
+def test_threads_argument_is_checked():
+    q, k, v = make_inputs((4, 4), (4, 4), seed=1)
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="threads"):
+            pyfa.attention(q, k, v, backend="cpu", threads=bad)
+
+
+def c_call(threads=0, progress=None):
+    """pyfa_fa2_backward on the cpu backend through the C ABI, outputs prefilled with 7."""
+    ffi, lib = _lib.load()
+    q, k, v, do = make_inputs((2, 2, 256, 32), (2, 2, 256, 32), 3, "do")
+    o, lse = pyfa.fa2_forward(q, k, v, backend="cpu")
+    outs = [np.full_like(q, 7.0) for _ in range(3)]
+    pr = ffi.new("pyfa_problem *", dict(batch=2, heads=2, seqlen_q=256, seqlen_k=256, head_dim=32))
+    cfg = ffi.new("pyfa_config *", dict(backend=3, block_r=16, block_c=16, threads=threads))
+    if progress is not None:
+        cfg.progress = progress
+    ptr = lambda a: ffi.cast("float *", ffi.from_buffer(a))
+    st = lib.pyfa_fa2_backward(pr, cfg, *(ptr(x) for x in (q, k, v, o, lse, do)), *(ptr(x) for x in outs))
+    return st, outs, ffi.string(lib.pyfa_last_error()).decode()
+
+
+def test_negative_threads_through_the_c_abi_names_the_field():
+    st, outs, msg = c_call(threads=-2)
+    assert st == 1 and "config->threads" in msg
+    assert all(np.all(x == 7.0) for x in outs)
+
+
+def test_progress_reports_and_cancels_without_writing():
+    ffi, _ = _lib.load()
+    seen = []
+
+    @ffi.callback("int(void *, int64_t, int64_t)")
+    def watch(user, done, total):
+        seen.append((done, total))
+        return 0
+
+    st, outs, _ = c_call(threads=2, progress=watch)
+    assert st == 0 and seen, "progress was never called"
+    assert all(0 < done <= total for done, total in seen)
+    ref = c_call(threads=2)[1]
+    assert all(same_bits(a, b) for a, b in zip(outs, ref))
+
+    calls = []
+
+    @ffi.callback("int(void *, int64_t, int64_t)")
+    def stop(user, done, total):
+        calls.append(done)
+        return 1
+
+    st, outs, msg = c_call(threads=2, progress=stop)
+    assert st == 8 and "cancel" in msg, msg
+    assert len(calls) == 1, "polled again after asking to stop"
+    assert all(np.all(x == 7.0) for x in outs), "a cancelled call wrote the caller's outputs"
+
+
+def test_bench_sweep_smoke_prints_ratios_on_its_last_line():
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(pyfa.__file__).resolve().parent.parent),
+                                                    env.get("PYTHONPATH")) if p)
+    p = subprocess.run([sys.executable, str(root / "tools" / "bench.py"), "--sweep", "--sizes", "64",
+                        "--head-dims", "16", "--threads", "1", "2", "--rounds", "1", "--repeats", "1",
+                        "--gap", "0", "--contenders", "cpu,numpy"],
+                       cwd=root, capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = p.stdout.strip().splitlines()
+    assert re.match(r"summary: sweep B=1 H=4 cpu/numpy throughput: geomean=\d+\.\d+x over 8, min=", lines[-1]), lines[-1]
+    rows = [l for l in lines if re.match(r"\s+64\s+16\s+(True|False)\s+[12]\s+(cpu|numpy)\s", l)]
+    assert len(rows) == 8, p.stdout
