@@ -170,6 +170,11 @@ def test_gpu_steps_run_on_the_emulator_with_stand_in_tools(tmp_path):
     assert ("fa2_forward/fast", "default") in timed, records
     skipped = {r["op"]: r["status"] for r in records if r["status"].startswith("skipped")}
     assert "no fast variant" in skipped["fa2_backward/fast"]
+    assert ("fa2_backward/auto", "default") in timed, records  # the fast dQ kernel
+    assert "auto runs the readable ones" in skipped["fa1_forward/auto"]
+    kinds = {r["op"]: r.get("kernel_variants") for r in records if r["status"] == "ok" and r["tiles"] == "default"}
+    assert kinds["fa2_backward/auto"] == {"fa2_backward_preprocess": "reference",
+                                          "fa2_backward_dkdv": "reference", "fa2_backward_dq": "fast"}
 
     (tmp_path / "steps.tsv").write_text("bench\tok\t0\t1\t150\tpython3 tools/gpu_bench.py bench\n")
     p = run([sys.executable, script, "summarize", "--work", str(tmp_path), "--out", str(tmp_path / "out")], env=env)
