@@ -201,8 +201,10 @@ def test_default_tiles_are_the_emulators():
 
 def test_threads_argument_is_checked():
     q, k, v = make_inputs((4, 4), (4, 4), seed=1)
-    for bad in (-1, 1.5, True, "2"):
-        with pytest.raises(ValueError, match="threads"):
+    with pytest.raises(ValueError, match="threads"):
+        pyfa.attention(q, k, v, backend="cpu", threads=-1)
+    for bad in (1.5, True, "2"):
+        with pytest.raises(TypeError, match="threads"):
             pyfa.attention(q, k, v, backend="cpu", threads=bad)
 
 

@@ -158,40 +158,45 @@ private:
     std::chrono::steady_clock::time_point last_;
 };
 
-// The mask's bands. The tile code handles masks without a left side only (api.cpp
-// refuses the others), whose bands start at K/V tile 0 and end at the last Q tile.
-std::vector<int64_t> kv_ends(const AttentionParams& p) {
-    std::vector<int64_t> v(static_cast<size_t>(ceil_div(p.seqlen_q, p.block_r)));
-    for (size_t i = 0; i < v.size(); ++i) {
+// The mask's bands: for each Q tile its K/V tiles, for each K/V tile its Q tiles.
+void kv_bands(const AttentionParams& p, std::vector<int64_t>* begin, std::vector<int64_t>* end) {
+    const size_t Tr = static_cast<size_t>(ceil_div(p.seqlen_q, p.block_r));
+    begin->resize(Tr);
+    end->resize(Tr);
+    for (size_t i = 0; i < Tr; ++i) {
         const int64_t row0 = static_cast<int64_t>(i) * p.block_r;
-        v[i] = p.mask.kv_tiles(row0, min64(p.block_r, p.seqlen_q - row0), p.block_c, p.seqlen_k).end;
+        const TileRange r = p.mask.kv_tiles(row0, min64(p.block_r, p.seqlen_q - row0), p.block_c, p.seqlen_k);
+        (*begin)[i] = r.begin;
+        (*end)[i] = r.end;
     }
-    return v;
 }
 
-std::vector<int64_t> q_begins(const AttentionParams& p) {
-    const int64_t Tr = ceil_div(p.seqlen_q, p.block_r);
-    std::vector<int64_t> v(static_cast<size_t>(ceil_div(p.seqlen_k, p.block_c)));
-    for (size_t j = 0; j < v.size(); ++j) {
+void q_bands(const AttentionParams& p, std::vector<int64_t>* begin, std::vector<int64_t>* end) {
+    const size_t Tc = static_cast<size_t>(ceil_div(p.seqlen_k, p.block_c));
+    begin->resize(Tc);
+    end->resize(Tc);
+    for (size_t j = 0; j < Tc; ++j) {
         const int64_t col0 = static_cast<int64_t>(j) * p.block_c;
         const TileRange r = p.mask.q_tiles(col0, min64(p.block_c, p.seqlen_k - col0), p.block_r, p.seqlen_q);
-        v[j] = r.begin == r.end ? Tr : r.begin;
+        (*begin)[j] = r.begin;
+        (*end)[j] = r.end;
     }
-    return v;
 }
 
 // The tile tables of one context, kept alive beside it.
 struct Plan {
     Ctx ctx{};
-    std::vector<int64_t> kv_end, q_begin;
+    std::vector<int64_t> kv_begin, kv_end, q_begin, q_end;
     Plan(const AttentionParams& p, bool fa1, float* D) {
         ctx.p = p;
         ctx.fa1 = fa1;
         ctx.D = D;
-        kv_end = kv_ends(p);
-        q_begin = q_begins(p);
+        kv_bands(p, &kv_begin, &kv_end);
+        q_bands(p, &q_begin, &q_end);
+        ctx.kv_begin = kv_begin.data();
         ctx.kv_end = kv_end.data();
         ctx.q_begin = q_begin.data();
+        ctx.q_end = q_end.data();
     }
     int64_t Tr() const { return static_cast<int64_t>(kv_end.size()); }
     int64_t Tc() const { return static_cast<int64_t>(q_begin.size()); }

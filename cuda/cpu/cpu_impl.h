@@ -254,18 +254,20 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
 
     // The K/V head of query head bh % H (grouped-query attention), over the same batch.
     const int64_t bkv = (bh / p.heads) * p.heads_kv + (bh % p.heads) / (p.heads / p.heads_kv);
-    const int64_t Tc_visit = ctx.kv_end[i];
-    for (int64_t j = 0; j < Tc_visit; ++j) {
+    for (int64_t j = ctx.kv_begin[i]; j < ctx.kv_end[i]; ++j) {
         const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0);
         const float* K = p.k + (bkv * Nk + col0) * d;  // (bc, d)
         const float* V = p.v + (bkv * Nk + col0) * d;  // (bc, d)
         // S^T[c][r] = sum_x Q[r,x] K[c,x].
         gemm(f.QT, Rp, Rp, K, d, 1, d, bc, [&](int64_t c, int64_t r, vf acc) { st(f.S + c * Rp + r, acc); });
-        // Key c is hidden from row r iff c - r > delta (the mask's right side; api.cpp
-        // sends no mask with a left side here).
+        // Key c is hidden from row r iff c - r > delta (the mask's right side) or
+        // c - r < delta_lo (its left side).
         const int64_t delta = row0 + p.mask.off + p.mask.right - col0;
+        const int64_t delta_lo = row0 + p.mask.off - p.mask.left - col0;
         const bool mask = bc - 1 > delta;
+        const bool mask_lo = delta_lo > -Rp;
         const vi dl = splati(clamp32(delta, -Rp, Bc));
+        const vi dlo = splati(clamp32(delta_lo, -Rp, Bc + 1));
 
         for (int64_t iv = 0; iv < Rp; iv += W) {
             const vi rl = lane + static_cast<int32_t>(iv);
@@ -276,6 +278,7 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
                 for (int64_t c = 0; c < bc; ++c) {
                     vf s = ld(Sv + c * Rp) * scale;
                     if (mask) s = (splati(static_cast<int32_t>(c)) - rl) > dl ? ninf : s;
+                    if (mask_lo) s = dlo > (splati(static_cast<int32_t>(c)) - rl) ? ninf : s;
                     st(Sv + c * Rp, s);
                     m_new = vmax(m_new, s);
                 }
@@ -295,6 +298,7 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
                 for (int64_t c = 0; c < bc; ++c) {
                     vf s = ld(Sv + c * Rp) * scale;
                     if (mask) s = (splati(static_cast<int32_t>(c)) - rl) > dl ? ninf : s;
+                    if (mask_lo) s = dlo > (splati(static_cast<int32_t>(c)) - rl) ? ninf : s;
                     st(Sv + c * Rp, s);
                     mt = vmax(mt, s);
                 }
@@ -428,10 +432,12 @@ void tile_pair(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i, int64_t 
     const vi lane = iota();
     const int64_t base = bh * Nq + row0;
     for (int64_t r = 0; r < br; ++r) {
-        // Key c is hidden from this row iff c > thr (the mask's right side).
+        // Key c is hidden from this row iff c > thr (the mask's right side) or c < thr_lo
+        // (its left side).
         const int32_t t = clamp32(row0 + r + p.mask.off + p.mask.right - col0, -1, Cp);
-        const bool hides = t < Cp - 1;
-        const vi thr = splati(t);
+        const int32_t t_lo = clamp32(row0 + r + p.mask.off - p.mask.left - col0, 0, Cp);
+        const bool hides = t < Cp - 1, hides_lo = t_lo > 0;
+        const vi thr = splati(t), thr_lo = splati(t_lo);
         const vf Dr = splat(ctx.D[base + r]);
         float* Pr = b.P + r * Cp;
         float* dSr = b.dS + r * Cp;
@@ -441,6 +447,7 @@ void tile_pair(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i, int64_t 
             for (int64_t cv = 0; cv < Cp; cv += W) {
                 vf s = ld(Pr + cv) * scale;
                 if (hides) s = (lane + static_cast<int32_t>(cv)) > thr ? ninf : s;
+                if (hides_lo) s = thr_lo > (lane + static_cast<int32_t>(cv)) ? ninf : s;
                 const vf P = lse == -INFINITY ? zero : vexp(s - vlse);
                 st(Pr + cv, P);
                 st(dSr + cv, P * (ld(dSr + cv) - Dr));
@@ -451,6 +458,7 @@ void tile_pair(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i, int64_t 
             for (int64_t cv = 0; cv < Cp; cv += W) {
                 vf s = ld(Pr + cv) * scale;
                 if (hides) s = (lane + static_cast<int32_t>(cv)) > thr ? ninf : s;
+                if (hides_lo) s = thr_lo > (lane + static_cast<int32_t>(cv)) ? ninf : s;
                 const vf P = lr == 0.0f ? zero : vexp(s - ms) / vl;
                 st(Pr + cv, P);
                 st(dSr + cv, P * (ld(dSr + cv) - Dr));
@@ -473,8 +481,7 @@ void backward_kv(const Ctx& ctx, int64_t bh, int64_t j, bool with_dq, float* ws)
         b.dVT[e] = 0.0f;
     }
 
-    const int64_t Tr = (Nq + Br - 1) / Br;
-    for (int64_t i = ctx.q_begin[j]; i < Tr; ++i) {
+    for (int64_t i = ctx.q_begin[j]; i < ctx.q_end[j]; ++i) {
         const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
         const float* Q = p.q + (bh * Nq + row0) * d;      // (br, d)
         const float* dO = p.dout + (bh * Nq + row0) * d;  // (br, d)
@@ -531,8 +538,7 @@ void backward_dq(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
     const vf scale = splat(p.scale);
     for (int64_t e = 0; e < br * Dp; ++e) b.dQi[e] = 0.0f;
 
-    const int64_t Tc_visit = ctx.kv_end[i];
-    for (int64_t j = 0; j < Tc_visit; ++j) {
+    for (int64_t j = ctx.kv_begin[i]; j < ctx.kv_end[i]; ++j) {
         const int64_t bc = min64(Bc, Nk - j * Bc);
         load_kv(ctx, b, bh, j, true);
         tile_pair(ctx, b, bh, i, j);

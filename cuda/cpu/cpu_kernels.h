@@ -17,8 +17,12 @@ struct Ctx {
     AttentionParams p;
     bool fa1;                // FA1's formulas (docs/numerics.md), else FA2's
     float* D;                // (B, H, Nq) D = rowsum(dO o O), written by the rowdot phase
-    const int64_t* kv_end;   // (Tr) kv_tile_end of each Q tile i, for p's tiles
-    const int64_t* q_begin;  // (Tc) q_tile_begin of each K/V tile j, for p's tiles
+    // The mask's bands for p's tiles: K/V tiles [kv_begin[i], kv_end[i]) of Q tile i,
+    // Q tiles [q_begin[j], q_end[j]) of K/V tile j (common/mask.h).
+    const int64_t* kv_begin;  // (Tr)
+    const int64_t* kv_end;    // (Tr)
+    const int64_t* q_begin;   // (Tc)
+    const int64_t* q_end;     // (Tc)
 };
 
 struct Isa {

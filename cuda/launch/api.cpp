@@ -290,14 +290,8 @@ pyfa_status check_problem(const pyfa_problem* in, const TensorId* tensors, int n
     return PYFA_OK;
 }
 
-// What the cpu backend does not have yet (its tile code knows the mask's right side
-// only, and one K/V head per query head in the backward).
-pyfa_status check_cpu_supports(const Op& op, const pyfa_problem& pr, const Mask& mask) {
-    if (pr.seqlen_q - 1 + mask.off - mask.left > 0)
-        return fail(PYFA_ERROR_INVALID_ARGUMENT,
-                    "problem->window_left: the cpu backend has no window bounded on the left yet (%lld hides "
-                    "keys here); config->backend PYFA_BACKEND_EMU or PYFA_BACKEND_CUDA has",
-                    static_cast<long long>(pr.window_left));
+// What the cpu backend does not have yet: one K/V head per query head in the backward.
+pyfa_status check_cpu_supports(const Op& op, const pyfa_problem& pr) {
     const bool backward = op.kernels[0] != PYFA_KERNEL_FA1_FORWARD && op.kernels[0] != PYFA_KERNEL_FA2_FORWARD;
     if (backward && pr.heads_kv != pr.heads)
         return fail(PYFA_ERROR_INVALID_ARGUMENT,
@@ -496,7 +490,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
                           pr.seqlen_k);
     for (int t = 0; t < n_in + n_out; ++t)
         if (TensorStrides* slot = strides_slot(base, taken[t])) *slot = resolved_strides(taken[t], pr);
-    if (backend == PYFA_BACKEND_CPU && (st = check_cpu_supports(op, pr, base.mask)) != PYFA_OK) return st;
+    if (backend == PYFA_BACKEND_CPU && (st = check_cpu_supports(op, pr)) != PYFA_OK) return st;
 
     // Every kernel's tiles and launch are checked before anything is allocated or
     // launched, so that a configuration error never follows a kernel that has written.

@@ -128,10 +128,14 @@ pyfa_status cuda_synchronize(void* stream) {
     return PYFA_OK;
 }
 
-// The emulator is not part of this test library.
+// The emulator and the cpu backend are not part of this test library.
 pyfa_status emu_profile(pyfa_device_profile* profile) { return cuda_profile(profile); }
 pyfa_status emu_launch(int, const AttentionParams&, const LaunchShape&, const pyfa_config&) {
     return fail(PYFA_ERROR_INTERNAL, "fake: no emulator in this test library");
+}
+pyfa_status cpu_profile(pyfa_device_profile* profile) { return cuda_profile(profile); }
+pyfa_status cpu_run(const int*, const AttentionParams*, size_t, const pyfa_config&) {
+    return fail(PYFA_ERROR_INTERNAL, "fake: no cpu backend in this test library");
 }
 
 }  // namespace pyfa
