@@ -23,7 +23,6 @@ __global__ void __launch_bounds__(2 * BR) fa2_backward_dq_fast_kernel(const Atte
     constexpr int DC = D / 4;
     constexpr int XC = D / 64;
     constexpr int LDP = BC + 4;  // fast_p_stride(BC)
-    constexpr int SUNROLL = 4;  // x steps per S/dP loop iteration
     static_assert(D == 64 || D == 128, "head dims 64 and 128");
     static_assert(BR == 64 || BR == 128, "Br 64 or 128");
 
@@ -119,7 +118,7 @@ PYFA_UNROLL
         const float* gp = dOiT + wrow + rg * 8;
         const float* kp = KjT + cg * 4;
         const float* vp = VjT + cg * 4;
-PYFA_UNROLL_BY(SUNROLL)
+PYFA_UNROLL_BY(4)
         for (int x = 0; x < D; ++x) {
             const pyfa_f4 qa = ld4(qp + x * BR), qb = ld4(qp + x * BR + 4);
             const pyfa_f4 ga = ld4(gp + x * BR), gb = ld4(gp + x * BR + 4);

@@ -63,7 +63,6 @@ __global__ void __launch_bounds__(2 * BR) fa2_forward_fast_kernel(const Attentio
     constexpr int DC = D / 4;      // 16-byte chunks per row of Q, K, V, O
     constexpr int XC = D / 64;     // O chunks per thread per row
     constexpr int LDP = BC + 4;    // fast_p_stride(BC)
-    constexpr int SUNROLL = 4;  // x steps per S loop iteration: registers
     static_assert(D == 64 || D == 128, "head dims 64 and 128");
     static_assert(BR == 64 || BR == 128, "Br 64 or 128");
 
@@ -192,7 +191,7 @@ PYFA_UNROLL
             for (int kk = 0; kk < 4; ++kk) s[ii][kk] = 0.0f;
         const float* qp = QiT + wrow + rg * 8;
         const float* kp = Kt + cg * 4;
-PYFA_UNROLL_BY(SUNROLL)
+PYFA_UNROLL_BY(4)
         for (int x = 0; x < D; ++x) {
             const pyfa_f4 qa = ld4(qp + x * BR), qb = ld4(qp + x * BR + 4);
             const pyfa_f4 kv = ld4(kp + x * BC);

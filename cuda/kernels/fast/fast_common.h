@@ -30,7 +30,7 @@ struct alignas(16) pyfa_f4 {
 #endif
 
 // 16-byte loads and stores of shared or global memory at a 16-byte aligned address.
-PYFA_HD pyfa_f4 ld4(const float* p) {
+PYFA_DEV pyfa_f4 ld4(const float* p) {
 #if defined(__CUDACC__)
     return *reinterpret_cast<const float4*>(p);
 #else
@@ -40,7 +40,7 @@ PYFA_HD pyfa_f4 ld4(const float* p) {
 #endif
 }
 
-PYFA_HD void st4(float* p, pyfa_f4 v) {
+PYFA_DEV void st4(float* p, pyfa_f4 v) {
 #if defined(__CUDACC__)
     *reinterpret_cast<float4*>(p) = v;
 #else
@@ -79,7 +79,7 @@ PYFA_HD int swz_at(int row, int ch, int chunks, int swz) { return row * (chunks 
 // when the first copy is). With m_old NaN every partial is that same NaN and so is the
 // root. tests/test_fast_kernels.py checks this argument on every ordering of special
 // values.
-PYFA_HD float ordered_row_max16(float partial, int cg) {
+PYFA_DEV float ordered_row_max16(float partial, int cg) {
 PYFA_UNROLL
     for (int o = 1; o < 16; o <<= 1) {
         const float other = __shfl_xor_sync(0xffffffffu, partial, o);
