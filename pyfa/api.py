@@ -126,9 +126,16 @@ def _reason(lib, backend):
     return ffi.string(lib.pyfa_backend_reason(backend)).decode("utf-8", "replace")
 
 
-def _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers, threads):
+# pyfa_variant: "fast" runs the register-tiled kernels (an error where they do not
+# apply), "reference" the readable ones, "auto" fast where it applies.
+VARIANTS = {"auto": 0, "reference": 1, "fast": 2}
+
+
+def _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers, threads,
+            variant="auto"):
     ffi, lib = _lib.load()
     cfg = ffi.new("pyfa_config *")
+    cfg.variant = _choice("variant", variant, VARIANTS)
     cfg.backend = _choice("backend", backend, BACKENDS)
     if backend == "auto":
         _warn_if_auto_falls_back(lib)
@@ -462,7 +469,7 @@ def _run_device(op, intake, outs, problem, config, progress):
 
 
 def _run(op_name, args, *, out, stream, causal, window, causal_align, scale, layout, block_r,
-         block_c, backend, emu_order, emu_seed, emu_workers, threads, progress):
+         block_c, backend, emu_order, emu_seed, emu_workers, threads, progress, variant="auto"):
     """Runs OPS[op_name] on the caller's arrays `args` ({name: array}, op.inputs order);
     returns its outputs in op.outputs order, at the caller's rank and in its layout, of
     q's kind (or the out= arrays given). CPU arrays take the host entry point, CUDA arrays
@@ -471,7 +478,8 @@ def _run(op_name, args, *, out, stream, causal, window, causal_align, scale, lay
     outs = _out_dict(op_name, op.outputs, out)
     intake = _intake(args, stream, backend, layout, outs)
     problem = _problem(intake.dims, scale, causal, window, causal_align)
-    config = _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers, threads)
+    config = _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers, threads,
+                     variant)
     progress = _check_progress(progress)
     if intake.place.kind == "cpu":
         return _run_host(op, intake, outs, problem, config, progress)
@@ -496,7 +504,12 @@ _COMMON_DOC = """
     the device entry point with no host copy, enqueued on `stream` (an int cudaStream_t or
     a PyTorch/CuPy stream object; default: the producer's current stream). Outputs are
     arrays of q's library (NumPy for a producer pyfa cannot hand DLPack to), or the
-    `out` arrays given, written in place."""
+    `out` arrays given, written in place.
+
+    variant: "auto" (the fast, register-tiled kernels where they apply, else the
+    readable ones), "reference" (the readable ones) or "fast" (ValueError naming what
+    they lack where they do not apply); the same bits either way. The cpu backend has
+    kernels of its own ("fast" is refused there)."""
 
 
 def fa2_forward(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
@@ -504,7 +517,7 @@ def fa2_forward(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = Fals
                 causal_align: str = "bottom_right", layout: str = "bhnd",
                 scale: Optional[float] = None, block_r: Optional[int] = None,
                 block_c: Optional[int] = None, backend: str = "auto", emu_order: str = "forward",
-                emu_seed: int = 0, emu_workers: int = 0, threads: int = 0,
+                emu_seed: int = 0, emu_workers: int = 0, threads: int = 0, variant: str = "auto",
                 progress: Optional[Progress] = None,
                 out: Optional[Sequence[Optional[ArrayLike]]] = None,
                 stream: Any = None) -> Tuple[Array, Array]:
@@ -517,7 +530,8 @@ def fa2_forward(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = Fals
     return _run("fa2_forward", dict(q=q, k=k, v=v), out=out, stream=stream, causal=causal,
                 window=window, causal_align=causal_align, layout=layout, scale=scale,
                 block_r=block_r, block_c=block_c, backend=backend, emu_order=emu_order,
-                emu_seed=emu_seed, emu_workers=emu_workers, threads=threads, progress=progress)
+                emu_seed=emu_seed, emu_workers=emu_workers, threads=threads, progress=progress,
+                variant=variant)
 
 
 def fa2_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, lse: ArrayLike,
@@ -526,7 +540,7 @@ def fa2_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, lse: Ar
                  causal_align: str = "bottom_right", layout: str = "bhnd",
                  block_r: Optional[int] = None, block_c: Optional[int] = None,
                  backend: str = "auto", emu_order: str = "forward", emu_seed: int = 0,
-                 emu_workers: int = 0, threads: int = 0,
+                 emu_workers: int = 0, threads: int = 0, variant: str = "auto",
                  progress: Optional[Progress] = None,
                  out: Optional[Sequence[Optional[ArrayLike]]] = None,
                  stream: Any = None) -> Tuple[Array, Array, Array]:
@@ -538,7 +552,8 @@ def fa2_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, lse: Ar
                 stream=stream, causal=causal, window=window, causal_align=causal_align,
                 layout=layout, scale=scale, block_r=block_r, block_c=block_c,
                 backend=backend, emu_order=emu_order, emu_seed=emu_seed,
-                emu_workers=emu_workers, threads=threads, progress=progress)
+                emu_workers=emu_workers, threads=threads, progress=progress,
+                variant=variant)
 
 
 def fa1_forward(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
@@ -546,7 +561,7 @@ def fa1_forward(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = Fals
                 causal_align: str = "bottom_right", layout: str = "bhnd",
                 scale: Optional[float] = None, block_r: Optional[int] = None,
                 block_c: Optional[int] = None, backend: str = "auto", emu_order: str = "forward",
-                emu_seed: int = 0, emu_workers: int = 0, threads: int = 0,
+                emu_seed: int = 0, emu_workers: int = 0, threads: int = 0, variant: str = "auto",
                 progress: Optional[Progress] = None,
                 out: Optional[Sequence[Optional[ArrayLike]]] = None,
                 stream: Any = None) -> Tuple[Array, Array, Array]:
@@ -557,7 +572,8 @@ def fa1_forward(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = Fals
     return _run("fa1_forward", dict(q=q, k=k, v=v), out=out, stream=stream, causal=causal,
                 window=window, causal_align=causal_align, layout=layout, scale=scale,
                 block_r=block_r, block_c=block_c, backend=backend, emu_order=emu_order,
-                emu_seed=emu_seed, emu_workers=emu_workers, threads=threads, progress=progress)
+                emu_seed=emu_seed, emu_workers=emu_workers, threads=threads, progress=progress,
+                variant=variant)
 
 
 def fa1_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, m: ArrayLike,
@@ -566,7 +582,7 @@ def fa1_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, m: Arra
                  causal_align: str = "bottom_right", layout: str = "bhnd",
                  scale: Optional[float] = None, block_r: Optional[int] = None,
                  block_c: Optional[int] = None, backend: str = "auto", emu_order: str = "forward",
-                 emu_seed: int = 0, emu_workers: int = 0, threads: int = 0,
+                 emu_seed: int = 0, emu_workers: int = 0, threads: int = 0, variant: str = "auto",
                  progress: Optional[Progress] = None,
                  out: Optional[Sequence[Optional[ArrayLike]]] = None,
                  stream: Any = None) -> Tuple[Array, Array, Array]:
@@ -578,7 +594,8 @@ def fa1_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, m: Arra
                 stream=stream, causal=causal, window=window, causal_align=causal_align,
                 layout=layout, scale=scale, block_r=block_r, block_c=block_c,
                 backend=backend, emu_order=emu_order, emu_seed=emu_seed,
-                emu_workers=emu_workers, threads=threads, progress=progress)
+                emu_workers=emu_workers, threads=threads, progress=progress,
+                variant=variant)
 
 
 # algo -> the forward pass; attention() takes its first output, O.
@@ -596,7 +613,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
               causal_align: str = "bottom_right", layout: str = "bhnd",
               scale: Optional[float] = None, algo: str = "fa2", block_r: Optional[int] = None,
               block_c: Optional[int] = None, backend: str = "auto", emu_order: str = "forward",
-              emu_seed: int = 0, emu_workers: int = 0, threads: int = 0,
+              emu_seed: int = 0, emu_workers: int = 0, threads: int = 0, variant: str = "auto",
               progress: Optional[Progress] = None,
               out: Optional[ArrayLike] = None, stream: Any = None) -> Array:
     """O = softmax(scale * Q K^T [causal mask]) V by FlashAttention.
@@ -613,7 +630,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     return fn(q, k, v, causal=causal, window=window, causal_align=causal_align, layout=layout,
               scale=scale, block_r=block_r, block_c=block_c, backend=backend,
               emu_order=emu_order, emu_seed=emu_seed, emu_workers=emu_workers, threads=threads,
-              progress=progress, out=None if out is None else (out,) + (None,) * extra,
+              variant=variant, progress=progress,
+              out=None if out is None else (out,) + (None,) * extra,
               stream=stream)[0]
 
 
@@ -623,7 +641,7 @@ def attention_grad(q: ArrayLike, k: ArrayLike, v: ArrayLike, do: ArrayLike, *,
                    causal_align: str = "bottom_right", layout: str = "bhnd",
                    block_r: Optional[int] = None, block_c: Optional[int] = None,
                    backend: str = "auto", emu_order: str = "forward", emu_seed: int = 0,
-                   emu_workers: int = 0, threads: int = 0,
+                   emu_workers: int = 0, threads: int = 0, variant: str = "auto",
                    progress: Optional[Progress] = None,
                    out: Optional[Sequence[Optional[ArrayLike]]] = None,
                    stream: Any = None) -> Tuple[Array, Array, Array, Array]:
@@ -637,7 +655,7 @@ def attention_grad(q: ArrayLike, k: ArrayLike, v: ArrayLike, do: ArrayLike, *,
     kw = dict(causal=causal, window=window, causal_align=causal_align, layout=layout,
               scale=scale, block_r=block_r, block_c=block_c, backend=backend,
               emu_order=emu_order, emu_seed=emu_seed, emu_workers=emu_workers,
-              threads=threads, progress=progress, stream=stream)
+              threads=threads, variant=variant, progress=progress, stream=stream)
     grads = (outs["dq"], outs["dk"], outs["dv"])
     if algo == "fa1":
         o, m, l = fa1_forward(q, k, v, out=(outs["o"], None, None), **kw)
@@ -678,24 +696,31 @@ def device_profile(backend: str = "auto") -> Dict[str, Union[str, int]]:
             "max_threads_per_block": prof.max_threads_per_block, "sm_count": prof.sm_count}
 
 
-def default_tiles(kernel: str, head_dim: int, backend: str = "auto") -> Tuple[int, int]:
-    """(Br, Bc) the library uses for `kernel` (e.g. "fa2_forward") at this head dim."""
+def default_tiles(kernel: str, head_dim: int, backend: str = "auto",
+                  variant: str = "reference") -> Tuple[int, int]:
+    """(Br, Bc) the library uses for `kernel` (e.g. "fa2_forward") at this head dim when
+    no tiles are given: the readable kernel's ("reference", what pyfa.sim mirrors), the
+    fast kernel's ("fast": ValueError naming what it lacks where it has none) or what
+    variant="auto" runs."""
     ffi, lib = _lib.load()
     kernel_id = _choice("kernel", kernel, KERNELS)
     d = check_int("head_dim", head_dim, 1, MAX_HEAD_DIM)
     br, bc = ffi.new("int *"), ffi.new("int *")
-    _lib.check(lib.pyfa_default_tiles(kernel_id, d, _choice("backend", backend, BACKENDS), br, bc))
+    _lib.check(lib.pyfa_variant_default_tiles(kernel_id, _choice("variant", variant, VARIANTS), d,
+                                              _choice("backend", backend, BACKENDS), br, bc))
     return br[0], bc[0]
 
 
-def smem_bytes(kernel: str, block_r: int, block_c: int, head_dim: int) -> int:
-    """Bytes of dynamic shared memory `kernel` needs for these tiles; 0 when the library
-    has no size for them (a value out of its range)."""
+def smem_bytes(kernel: str, block_r: int, block_c: int, head_dim: int,
+               variant: str = "reference") -> int:
+    """Bytes of dynamic shared memory `kernel` (of this variant) needs for these tiles; 0
+    when the library has no size for them (a value out of range, or no such kernel)."""
     _, lib = _lib.load()
-    return lib.pyfa_smem_bytes(_choice("kernel", kernel, KERNELS),
-                               check_int("block_r", block_r, -INT_MAX - 1, INT_MAX),
-                               check_int("block_c", block_c, -INT_MAX - 1, INT_MAX),
-                               check_int("head_dim", head_dim, -INT64_MAX - 1, INT64_MAX))
+    return lib.pyfa_variant_smem_bytes(_choice("kernel", kernel, KERNELS),
+                                       _choice("variant", variant, VARIANTS),
+                                       check_int("block_r", block_r, -INT_MAX - 1, INT_MAX),
+                                       check_int("block_c", block_c, -INT_MAX - 1, INT_MAX),
+                                       check_int("head_dim", head_dim, -INT64_MAX - 1, INT64_MAX))
 
 
 def library_version() -> str:

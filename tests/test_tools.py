@@ -166,6 +166,15 @@ def test_gpu_steps_run_on_the_emulator_with_stand_in_tools(tmp_path):
     timed = {(r["op"], r["tiles"]) for r in records if r["status"] == "ok"}
     for op in pyfa.api.OPS:
         assert {(op, "default"), (op, "32x32")} <= timed, records
+    # The fast variant beside the readable one where the op has it, skipped (named) where not.
+    assert ("fa2_forward/fast", "default") in timed, records
+    skipped = {r["op"]: r["status"] for r in records if r["status"].startswith("skipped")}
+    assert "no fast variant" in skipped["fa2_backward/fast"]
+    assert ("fa2_backward/auto", "default") in timed, records  # the fast dQ kernel
+    assert "auto runs the readable ones" in skipped["fa1_forward/auto"]
+    kinds = {r["op"]: r.get("kernel_variants") for r in records if r["status"] == "ok" and r["tiles"] == "default"}
+    assert kinds["fa2_backward/auto"] == {"fa2_backward_preprocess": "reference",
+                                          "fa2_backward_dkdv": "reference", "fa2_backward_dq": "fast"}
 
     (tmp_path / "steps.tsv").write_text("bench\tok\t0\t1\t150\tpython3 tools/gpu_bench.py bench\n")
     p = run([sys.executable, script, "summarize", "--work", str(tmp_path), "--out", str(tmp_path / "out")], env=env)
@@ -188,3 +197,42 @@ def test_ptxas_report_has_a_row_per_kernel_and_no_spills(tmp_path):
         assert (r["spill_stores"], r["spill_loads"]) == (0, 0), r
         assert r["fma_rn_f32"] > 0, f"{r['kernel']}: inner products not fused"
     assert report["fma_rn_f32_total"] == sum(r["fma_rn_f32"] for r in rows.values())
+
+
+def _sass_tools_missing():
+    import sass_report
+    if sass_report.ptxas_report.find_nvcc() is None:
+        return "nvcc not found (PATH, CUDA_HOME, /usr/local/cuda)"
+    if sass_report.find_tool("cuobjdump") is None:
+        return "cuobjdump not found (pip install nvidia-cuda-cuobjdump, the dev extra)"
+    return None
+
+
+@pytest.mark.skipif(_sass_tools_missing() is not None, reason=str(_sass_tools_missing()))
+def test_sass_report_rows_and_summary(tmp_path):
+    p = run([sys.executable, str(TOOLS / "sass_report.py"), "--json", str(tmp_path / "sass.json")],
+            timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads((tmp_path / "sass.json").read_text())["rows"]
+    names = {r["name"] for r in rows}
+    for kernel in kernels_with_layout():
+        assert f"{kernel}/reference" in names, sorted(names)
+    for r in rows:
+        assert r["spill_bytes"] == 0, r
+        assert r["hot_loops"] >= 1, f"{r['name']}: no innermost loop with an FFMA found"
+        assert 0 < r["fp_share"] <= 1 and r["lds_per_flop"] >= 0, r
+        assert r["forecast_tflops"] is not None and 0 < r["forecast_tflops"] < 67, r
+    last = p.stdout.strip().splitlines()[-1]
+    assert last.startswith("summary: ")
+    parts = last[len("summary: "):].split(" | ")
+    d64 = [r for r in rows if r["head_dim"] == 64 and r["default_tiles"]]
+    assert len(parts) == len(d64)
+    for part in parts:
+        assert re.fullmatch(r"[a-z0-9_]+/(reference|fast) fp_share=[\d.]+ lds_per_flop=[\d.]+ "
+                            r"forecast_tflops=[\d.]+", part), part
+    # Issue 12's targets for the fast FA2 forward at its default tiles, d = 64 and 128.
+    for r in rows:
+        if r["name"] == "fa2_forward/fast" and r["default_tiles"]:
+            assert r["fp_share"] >= 0.85 and r["lds_per_flop"] <= 0.1 and r["forecast_tflops"] >= 34, r
+            assert r["int_div"] == 0, r
+    assert {r["head_dim"] for r in rows if r["name"] == "fa2_forward/fast"} == {64, 128}

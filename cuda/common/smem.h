@@ -172,3 +172,43 @@ PYFA_HD SmemLayout fa1_backward_smem(int64_t Br, int64_t Bc, int64_t d) {
     L.add("D_i", Br, 1);          // rowsum(dO_i o O_i), recomputed for every (j, i)
     return L;
 }
+
+// ---- FA2 forward, fast variant (cuda/kernels/fast/fa2_forward_fast.cuh). Br is 64 or
+// 128 (16 rows per warp, so 2 * Br threads), Bc is 64, d is 64 or 128; all compile-time.
+constexpr int kFastBc = 64;
+PYFA_HD int fa2_forward_fast_threads(int64_t Br) { return static_cast<int>(2 * Br); }
+
+enum Fa2ForwardFastTerm { FA2FF_QiT, FA2FF_KjT, FA2FF_Vj, FA2FF_Pij, FA2FF_mi, FA2FF_alpha };
+
+// Row stride of P_ij: Bc + 4 floats, an odd number of 16-byte chunks, so the rows r and
+// r + 1 that a warp's two row groups read at one column sit in different banks.
+PYFA_HD int64_t fast_p_stride(int64_t Bc) { return Bc + 4; }
+
+PYFA_HD SmemLayout fa2_forward_fast_smem(int64_t Br, int64_t Bc, int64_t d) {
+    SmemLayout L;
+    L.add("Q_i^T", d, Br);        // transposed once: a thread's 8 rows at one x are 32 bytes
+    L.add("K_j^T", 2 * d, Bc);    // two buffers: K_{j+1} is stored while K_j is read
+    L.add("V_j", 2 * Bc, d);      // two buffers, filled by cp.async
+    L.add("P_ij", Br, fast_p_stride(Bc));
+    L.add("m_i", Br, 1);          // the new row max, from the lanes that hold it
+    L.add("alpha", Br, 1);        // exp(m_old - m_new); l_i at the end
+    return L;
+}
+
+// ---- FA2 backward dQ, fast variant (cuda/kernels/fast/fa2_backward_dq_fast.cuh): the
+// forward's thread layout; K_j is kept twice, transposed for S and row-major for dS K.
+PYFA_HD int fa2_backward_dq_fast_threads(int64_t Br) { return static_cast<int>(2 * Br); }
+
+enum Fa2BackwardDqFastTerm { FA2DQF_QiT, FA2DQF_dOiT, FA2DQF_KjT, FA2DQF_VjT, FA2DQF_Kj, FA2DQF_dSij, FA2DQF_dQi };
+
+PYFA_HD SmemLayout fa2_backward_dq_fast_smem(int64_t Br, int64_t Bc, int64_t d) {
+    SmemLayout L;
+    L.add("Q_i^T", d, Br);       // loaded once, transposed like the forward's
+    L.add("dO_i^T", d, Br);
+    L.add("K_j^T", d, Bc);       // for S = Q K^T
+    L.add("V_j^T", d, Bc);       // for dP = dO V^T
+    L.add("K_j", Bc, d);         // for dS K
+    L.add("dS_ij", Br, fast_p_stride(Bc));
+    L.add("dQ_i", Br, d);        // each thread's own elements: its registers go to S and dP
+    return L;
+}

@@ -172,8 +172,9 @@ typedef struct pyfa_config {
        taken back. */
     int (*progress)(void* user, int64_t done, int64_t total);
     void* progress_user; /* passed to progress as is */
-    int variant;         /* a pyfa_variant; this library has no fast variant yet, so
-                            PYFA_VARIANT_FAST is an error and AUTO is the reference */
+    int variant;         /* a pyfa_variant: which kernels run (AUTO: the fast ones where
+                            they apply); PYFA_VARIANT_FAST where they do not is
+                            PYFA_ERROR_INVALID_ARGUMENT naming what they lack */
 } pyfa_config;
 
 /* What the kernels are sized against: the GPU's limits, or the emulated device's. */
@@ -207,6 +208,14 @@ PYFA_API int64_t pyfa_smem_bytes(int kernel, int block_r, int block_c, int64_t h
 /* Tiles the kernel uses when pyfa_config asks for 0, for this head_dim on this backend. */
 PYFA_API pyfa_status pyfa_default_tiles(int kernel, int64_t head_dim, int backend,
                                         int* block_r, int* block_c);
+/* The same for one variant (a pyfa_variant): PYFA_VARIANT_FAST the register-tiled
+   kernel's (PYFA_ERROR_INVALID_ARGUMENT naming what it lacks where it has none for this
+   kernel, head_dim or tiles), PYFA_VARIANT_AUTO what a call with variant AUTO and zero
+   tiles would run. pyfa_variant_smem_bytes is 0 where the variant has no kernel. */
+PYFA_API int64_t pyfa_variant_smem_bytes(int kernel, int variant, int block_r, int block_c,
+                                         int64_t head_dim);
+PYFA_API pyfa_status pyfa_variant_default_tiles(int kernel, int variant, int64_t head_dim,
+                                                int backend, int* block_r, int* block_c);
 
 /* ---- FlashAttention-2 forward: O and LSE = m + log(l) per query row. ---- */
 PYFA_API pyfa_status pyfa_fa2_forward(const pyfa_problem* problem, const pyfa_config* config,

@@ -297,14 +297,7 @@ pyfa_status check_config(const pyfa_config* in, pyfa_config* cfg) {
     }
     pyfa_status st = copy_struct(in, "config->struct_size", cfg);
     if (st != PYFA_OK) return st;
-    switch (cfg->variant) {
-        case PYFA_VARIANT_AUTO:
-        case PYFA_VARIANT_REFERENCE: return PYFA_OK;
-        case PYFA_VARIANT_FAST:
-            return fail(PYFA_ERROR_INVALID_ARGUMENT,
-                        "config->variant: no fast variant in this library (PYFA_VARIANT_AUTO or "
-                        "PYFA_VARIANT_REFERENCE run the reference kernels)");
-    }
+    if (cfg->variant >= PYFA_VARIANT_AUTO && cfg->variant <= PYFA_VARIANT_FAST) return PYFA_OK;
     return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->variant: unknown variant %d", cfg->variant);
 }
 
@@ -490,17 +483,40 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     // Every kernel's tiles and launch are checked before anything is allocated or
     // launched, so that a configuration error never follows a kernel that has written.
     int tiles[kMaxKernels][2];
+    int ids[kMaxKernels];  // kernel table rows (kernels/table.h): the variant that runs
     LaunchShape shapes[kMaxKernels];
+    // What the fast kernels' 128-bit accesses need: every row of every tensor starts on
+    // 16 bytes (the caller's pointers and strides; staged copies keep both).
+    bool aligned = true;
+    for (int t = 0; t < n_in + n_out; ++t) {
+        const void* ptr = t < n_in ? static_cast<const void*>(inputs[t]) : outputs[t - n_in];
+        aligned = aligned && reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+        if (const TensorStrides* s = strides_slot(base, taken[t]))
+            aligned = aligned && s->batch % 4 == 0 && s->head % 4 == 0 && s->row % 4 == 0;
+    }
     for (int n = 0; n < op.kernel_count; ++n) {
         const int kernel = op.kernels[n];
         AttentionParams p = base;
-        if ((st = kernel_tiles(kernel, cfg, p.head_dim, profile, &p.block_r, &p.block_c)) != PYFA_OK) return st;
+        int id = kernel;
+        // The cpu backend has kernels of its own: the variants choose between the GPU's
+        // (and the emulator's).
+        if (backend == PYFA_BACKEND_CPU && cfg.variant == PYFA_VARIANT_FAST)
+            return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                        "config->variant: fast: the cpu backend has kernels of its own; PYFA_VARIANT_FAST "
+                        "chooses among the emulator's and CUDA's");
+        if (backend != PYFA_BACKEND_CPU &&
+            (st = select_kernel(kernel, cfg.variant, p, cfg.block_r, cfg.block_c, aligned, profile, &id,
+                                &p.block_r, &p.block_c)) != PYFA_OK)
+            return st;
+        if (id == kernel && (st = kernel_tiles(kernel, cfg, p.head_dim, profile, &p.block_r, &p.block_c)) != PYFA_OK)
+            return st;
         if (ceil_div(p.seqlen_q, p.block_r) > kMaxGridX || ceil_div(p.seqlen_k, p.block_c) > kMaxGridX)
             return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem: more than 2^31-1 tiles along a sequence");
         tiles[n][0] = p.block_r;
         tiles[n][1] = p.block_c;
-        shapes[n] = launch_shape(kernel, p);
-        if (backend == PYFA_BACKEND_CUDA && (st = cuda_check_launch(kernel, shapes[n])) != PYFA_OK) return st;
+        ids[n] = id;
+        shapes[n] = launch_shape(id, p);
+        if (backend == PYFA_BACKEND_CUDA && (st = cuda_check_launch(id, shapes[n])) != PYFA_OK) return st;
     }
 
     // Host entry points on CUDA work on the library's own stream.
@@ -568,7 +584,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
             AttentionParams p = bound;
             p.block_r = tiles[n][0];
             p.block_c = tiles[n][1];
-            if ((st = launch_kernel(backend, op.kernels[n], p, shapes[n], cfg, stream)) != PYFA_OK) return st;
+            if ((st = launch_kernel(backend, ids[n], p, shapes[n], cfg, stream)) != PYFA_OK) return st;
         }
     }
 
@@ -699,7 +715,14 @@ PYFA_API pyfa_status pyfa_device_profile_get(int backend, pyfa_device_profile* p
 
 PYFA_API int64_t pyfa_smem_bytes(int kernel, int block_r, int block_c, int64_t head_dim) {
     return guarded_value<int64_t>("pyfa_smem_bytes", 0, [&] {
-        const int64_t bytes = smem_bytes(kernel, block_r, block_c, head_dim);
+        const int64_t bytes = variant_smem_bytes(kernel, PYFA_VARIANT_REFERENCE, block_r, block_c, head_dim);
+        return bytes > 0 ? bytes : 0;
+    });
+}
+
+PYFA_API int64_t pyfa_variant_smem_bytes(int kernel, int variant, int block_r, int block_c, int64_t head_dim) {
+    return guarded_value<int64_t>("pyfa_variant_smem_bytes", 0, [&] {
+        const int64_t bytes = variant_smem_bytes(kernel, variant, block_r, block_c, head_dim);
         return bytes > 0 ? bytes : 0;
     });
 }
@@ -715,6 +738,21 @@ PYFA_API pyfa_status pyfa_default_tiles(int kernel, int64_t head_dim, int backen
         const pyfa_status st = device_profile_get(backend, &profile);
         if (st != PYFA_OK) return st;
         return default_tiles(kernel, head_dim, profile, block_r, block_c);
+    });
+}
+
+PYFA_API pyfa_status pyfa_variant_default_tiles(int kernel, int variant, int64_t head_dim, int backend,
+                                                int* block_r, int* block_c) {
+    clear_error();
+    return guarded("pyfa_variant_default_tiles", [&] {
+        if (!block_r || !block_c) return fail(PYFA_ERROR_INVALID_ARGUMENT, "block_r, block_c: null pointer");
+        if (head_dim < 1 || head_dim > kMaxHeadDim)
+            return fail(PYFA_ERROR_INVALID_ARGUMENT, "head_dim: must be in [1, 256], got %lld",
+                        static_cast<long long>(head_dim));
+        pyfa_device_profile profile;
+        const pyfa_status st = device_profile_get(backend, &profile);
+        if (st != PYFA_OK) return st;
+        return variant_default_tiles(kernel, variant, head_dim, profile, block_r, block_c);
     });
 }
 

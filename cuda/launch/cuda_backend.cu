@@ -60,8 +60,8 @@ const Availability& availability() {
     return a;
 }
 
-// pyfa_kernel ids are 0 .. kKernelSlots - 1.
-constexpr int kKernelSlots = 8;
+// Kernel table rows (kernels/table.h) are 0 .. kKernelSlots - 1.
+constexpr int kKernelSlots = kKernelRows;
 constexpr int kMaxDevices = 64;
 
 struct KernelLimits {

@@ -44,6 +44,19 @@ void smem_breakdown(int kernel, int64_t Br, int64_t Bc, int64_t d, char* buf, si
 const char* kernel_name(int kernel);
 pyfa_status default_tiles(int kernel, int64_t d, const pyfa_device_profile& profile, int* Br, int* Bc);
 
+// Variants (kernels/table.h). `kernel` is a pyfa_kernel; ids returned are table rows,
+// which launch_shape, smem_bytes, kernel_name and the backends take like a pyfa_kernel.
+// The row that runs `kernel` for p under `variant`: the reference (*id = kernel, tiles
+// left for kernel_tiles) or a fast row with its tiles in *Br, *Bc. want_br, want_bc: the
+// caller's tiles (0: default); aligned: every tensor 16-byte aligned with row strides a
+// multiple of 4. PYFA_VARIANT_FAST where no fast row applies is an error naming why.
+pyfa_status select_kernel(int kernel, int variant, const AttentionParams& p, int want_br, int want_bc,
+                          bool aligned, const pyfa_device_profile& profile, int* id, int* Br, int* Bc);
+pyfa_status variant_default_tiles(int kernel, int variant, int64_t d, const pyfa_device_profile& profile,
+                                  int* Br, int* Bc);
+// -1 where the variant has no kernel for these tiles.
+int64_t variant_smem_bytes(int kernel, int variant, int64_t Br, int64_t Bc, int64_t d);
+
 // ---- the emulator
 pyfa_status emu_profile(pyfa_device_profile* profile);
 pyfa_status emu_launch(int kernel, const AttentionParams& p, const LaunchShape& shape,

@@ -1,40 +1,66 @@
-// tiles.cpp: launch geometry, shared-memory sizes and default tiles of every kernel.
+// tiles.cpp: the kernel table (kernels/table.h) expanded: names, launch geometry,
+// shared-memory sizes, default tiles and the choice between variants.
 // sim/tiles.py mirrors the default-tile rules; tests/test_tiles.py holds them equal.
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 
 #include "common/smem.h"
 #include "common/tiling.h"
+#include "kernels/table.h"
 #include "launch/internal.h"
 
 namespace pyfa {
 
 namespace {
 
-bool layout_of(int kernel, int64_t Br, int64_t Bc, int64_t d, SmemLayout* L) {
-    switch (kernel) {
-        case PYFA_KERNEL_FA2_FORWARD: *L = fa2_forward_smem(Br, Bc, d); return true;
-        case PYFA_KERNEL_FA1_FORWARD: *L = fa1_forward_smem(Br, Bc, d); return true;
-        case PYFA_KERNEL_FA1_BACKWARD: *L = fa1_backward_smem(Br, Bc, d); return true;
-        case PYFA_KERNEL_FA2_BACKWARD_PREPROCESS: *L = fa2_backward_preprocess_smem(Br, Bc, d); return true;
-        case PYFA_KERNEL_FA2_BACKWARD_DKDV: *L = fa2_backward_dkdv_smem(Br, Bc, d); return true;
-        case PYFA_KERNEL_FA2_BACKWARD_DQ: *L = fa2_backward_dq_smem(Br, Bc, d); return true;
-        default: return false;
+// (grid x, grid y): x the Q tiles, the K/V tiles or 1; y the query heads or the K/V heads
+// (a kernel that serves a K/V head's whole group of query heads).
+enum Grid { kGridQTiles, kGridKvTilesKvHeads, kGridHeads, kGridKvHeads };
+
+struct Row {
+    int id;
+    const char* name;
+    int kernel, variant, d, br, bc;
+    Grid grid;
+};
+
+#define PYFA_KERNEL_ROW(ID, NAME, KERNEL, VARIANT, D, BR, BC, FN, LAYOUT, THREADS, GRID) \
+    Row{ID, NAME, KERNEL, VARIANT, D, BR, BC, GRID},
+const Row kRows[] = {PYFA_KERNEL_TABLE(PYFA_KERNEL_ROW)};
+#undef PYFA_KERNEL_ROW
+static_assert(sizeof(kRows) / sizeof(kRows[0]) == kKernelRows, "kKernelRows counts the table");
+
+const Row* row_of(int id) {
+    if (id < 0 || id >= kKernelRows || kRows[id].id != id) return nullptr;
+    return &kRows[id];
+}
+
+bool layout_of(int id, int64_t Br, int64_t Bc, int64_t d, SmemLayout* L) {
+    switch (id) {
+#define PYFA_KERNEL_LAYOUT(ID, NAME, KERNEL, VARIANT, D, BR, BC, FN, LAYOUT, THREADS, GRID) \
+    case ID: *L = LAYOUT(Br, Bc, d); return true;
+        PYFA_KERNEL_TABLE(PYFA_KERNEL_LAYOUT)
+#undef PYFA_KERNEL_LAYOUT
     }
+    return false;
+}
+
+unsigned threads_of(int id, int64_t Br) {
+    switch (id) {
+#define PYFA_KERNEL_THREADS(ID, NAME, KERNEL, VARIANT, D, BR, BC, FN, LAYOUT, THREADS, GRID) \
+    case ID: return static_cast<unsigned>(THREADS);
+        PYFA_KERNEL_TABLE(PYFA_KERNEL_THREADS)
+#undef PYFA_KERNEL_THREADS
+    }
+    return 0;
 }
 
 }  // namespace
 
 const char* kernel_name(int kernel) {
-    switch (kernel) {
-        case PYFA_KERNEL_FA1_FORWARD: return "fa1_forward";
-        case PYFA_KERNEL_FA2_FORWARD: return "fa2_forward";
-        case PYFA_KERNEL_FA1_BACKWARD: return "fa1_backward";
-        case PYFA_KERNEL_FA2_BACKWARD_PREPROCESS: return "fa2_backward_preprocess";
-        case PYFA_KERNEL_FA2_BACKWARD_DKDV: return "fa2_backward_dkdv";
-        case PYFA_KERNEL_FA2_BACKWARD_DQ: return "fa2_backward_dq";
-    }
-    return "unknown kernel";
+    const Row* r = row_of(kernel);
+    return r ? r->name : "unknown kernel";
 }
 
 int64_t smem_bytes(int kernel, int64_t Br, int64_t Bc, int64_t d) {
@@ -92,8 +118,7 @@ static pyfa_status fa1_default_tiles(int kernel, int64_t d, const pyfa_device_pr
 // Start from 64 x 64 and halve both until the tiles fit the device's shared memory.
 pyfa_status default_tiles(int kernel, int64_t d, const pyfa_device_profile& profile, int* Br,
                           int* Bc) {
-    SmemLayout L;
-    if (!layout_of(kernel, 1, 1, 1, &L))
+    if (!row_of(kernel) || row_of(kernel)->variant != PYFA_VARIANT_REFERENCE)
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "kernel: unknown kernel %d", kernel);
     if (d < 1)
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "head_dim: must be >= 1, got %lld", static_cast<long long>(d));
@@ -114,45 +139,123 @@ pyfa_status default_tiles(int kernel, int64_t d, const pyfa_device_profile& prof
 }
 
 LaunchShape launch_shape(int kernel, const AttentionParams& p) {
-    const int64_t Tr = ceil_div(p.seqlen_q, p.block_r);
     LaunchShape s{};
+    const Row* row = row_of(kernel);
+    if (!row) return s;
     s.smem_bytes = smem_bytes(kernel, p.block_r, p.block_c, p.head_dim);
-    switch (kernel) {
-        case PYFA_KERNEL_FA2_FORWARD:
-            s.grid[0] = static_cast<unsigned>(Tr);
-            s.grid[1] = static_cast<unsigned>(p.heads);
-            s.grid[2] = static_cast<unsigned>(p.batch);
-            s.threads = kFa2ForwardThreads;
-            break;
-        case PYFA_KERNEL_FA1_FORWARD:  // one block per (head, batch): FA1's parallelism
-            s.grid[0] = 1;
-            s.grid[1] = static_cast<unsigned>(p.heads);
-            s.grid[2] = static_cast<unsigned>(p.batch);
-            s.threads = kFa1ForwardThreads;
-            break;
-        case PYFA_KERNEL_FA1_BACKWARD:  // one block per (K/V head, batch): it serves the head's group
-            s.grid[0] = 1;
-            s.grid[1] = static_cast<unsigned>(p.heads_kv);
-            s.grid[2] = static_cast<unsigned>(p.batch);
-            s.threads = kFa1BackwardThreads;
-            break;
-        case PYFA_KERNEL_FA2_BACKWARD_PREPROCESS:
-        case PYFA_KERNEL_FA2_BACKWARD_DQ:  // one block per Q row block
-            s.grid[0] = static_cast<unsigned>(Tr);
-            s.grid[1] = static_cast<unsigned>(p.heads);
-            s.grid[2] = static_cast<unsigned>(p.batch);
-            s.threads = kFa2BackwardThreads;
-            break;
-        case PYFA_KERNEL_FA2_BACKWARD_DKDV:  // one block per (K/V column block, K/V head)
-            s.grid[0] = static_cast<unsigned>(ceil_div(p.seqlen_k, p.block_c));
-            s.grid[1] = static_cast<unsigned>(p.heads_kv);
-            s.grid[2] = static_cast<unsigned>(p.batch);
-            s.threads = kFa2BackwardThreads;
-            break;
-        default:
-            break;
+    s.threads = threads_of(kernel, p.block_r);
+    switch (row->grid) {
+        case kGridQTiles: s.grid[0] = static_cast<unsigned>(ceil_div(p.seqlen_q, p.block_r)); break;
+        case kGridKvTilesKvHeads: s.grid[0] = static_cast<unsigned>(ceil_div(p.seqlen_k, p.block_c)); break;
+        case kGridHeads:  // one block per (head, batch): FA1's parallelism
+        case kGridKvHeads: s.grid[0] = 1; break;
     }
+    const bool kv = row->grid == kGridKvTilesKvHeads || row->grid == kGridKvHeads;
+    s.grid[1] = static_cast<unsigned>(kv ? p.heads_kv : p.heads);
+    s.grid[2] = static_cast<unsigned>(p.batch);
     return s;
+}
+
+namespace {
+
+// The fast row for `kernel` at head dim d with the asked tiles (0: any) that fits the
+// device, the one with the most rows per tile; nullptr if none. *why names what is
+// missing when there is none.
+const Row* fast_row(int kernel, int64_t d, int want_br, int want_bc, const pyfa_device_profile& profile,
+                    char* why, size_t why_size) {
+    const Row* best = nullptr;
+    bool any = false, any_d = false, any_tiles = false;
+    char dims[64] = "", tiles[96] = "";
+    size_t nd = 0, nt = 0;
+    for (const Row& r : kRows) {
+        if (r.kernel != kernel || r.variant != PYFA_VARIANT_FAST) continue;
+        char dim[16];
+        std::snprintf(dim, sizeof(dim), "%d", r.d);
+        if (!any || std::strstr(dims, dim) == nullptr)
+            nd += std::snprintf(dims + nd, sizeof(dims) - nd, "%s%d", any ? ", " : "", r.d);
+        any = true;
+        if (r.d != d) continue;
+        nt += std::snprintf(tiles + nt, sizeof(tiles) - nt, "%s%dx%d", any_d ? ", " : "", r.br, r.bc);
+        any_d = true;
+        if ((want_br && want_br != r.br) || (want_bc && want_bc != r.bc)) continue;
+        any_tiles = true;
+        if (!smem_fits(r.id, r.br, r.bc, r.d, profile.smem_per_block)) continue;
+        if (!best || r.br > best->br) best = &r;
+    }
+    if (best) return best;
+    const char* name = kernel_name(kernel);
+    if (!any)
+        std::snprintf(why, why_size, "%s has no fast variant yet", name);
+    else if (!any_d)
+        std::snprintf(why, why_size, "the fast %s is compiled for head_dim %s, not %lld", name, dims,
+                      static_cast<long long>(d));
+    else if (!any_tiles)
+        std::snprintf(why, why_size, "the fast %s at head_dim=%lld has tiles (block_r x block_c) %s, not %dx%d",
+                      name, static_cast<long long>(d), tiles, want_br, want_bc);
+    else
+        std::snprintf(why, why_size, "the fast %s's tiles at head_dim=%lld do not fit in %s's %lld bytes of "
+                      "shared memory per block", name, static_cast<long long>(d), profile.name,
+                      static_cast<long long>(profile.smem_per_block));
+    return nullptr;
+}
+
+}  // namespace
+
+pyfa_status select_kernel(int kernel, int variant, const AttentionParams& p, int want_br, int want_bc,
+                          bool aligned, const pyfa_device_profile& profile, int* id, int* Br, int* Bc) {
+    if (variant < PYFA_VARIANT_AUTO || variant > PYFA_VARIANT_FAST)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->variant: unknown variant %d", variant);
+    *id = kernel;
+    if (variant == PYFA_VARIANT_REFERENCE) return PYFA_OK;
+    char why[256] = "";
+    const Row* r = fast_row(kernel, p.head_dim, want_br, want_bc, profile, why, sizeof(why));
+    // The fast kernels index inside a head with 32-bit integers.
+    const TensorStrides* st[] = {&p.q_strides, &p.k_strides, &p.v_strides, &p.o_strides,
+                                 &p.dout_strides, &p.dq_strides, &p.dk_strides, &p.dv_strides};
+    bool small = true;
+    for (const TensorStrides* t : st)
+        small = small && t->row <= INT32_MAX / (max64(p.seqlen_q, p.seqlen_k) + 1);
+    if (r && !aligned)
+        std::snprintf(why, sizeof(why), "the fast %s needs 16-byte aligned tensors", kernel_name(kernel));
+    else if (r && !small)
+        std::snprintf(why, sizeof(why), "the fast %s needs row stride * seqlen < 2^31 in every tensor",
+                      kernel_name(kernel));
+    if (r && aligned && small) {
+        *id = r->id;
+        *Br = r->br;
+        *Bc = r->bc;
+        return PYFA_OK;
+    }
+    if (variant == PYFA_VARIANT_AUTO) return PYFA_OK;
+    return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->variant: fast: %s (variant auto runs the reference kernel)",
+                why);
+}
+
+pyfa_status variant_default_tiles(int kernel, int variant, int64_t d, const pyfa_device_profile& profile,
+                                  int* Br, int* Bc) {
+    if (variant < PYFA_VARIANT_AUTO || variant > PYFA_VARIANT_FAST)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "variant: unknown variant %d", variant);
+    if (!row_of(kernel) || row_of(kernel)->variant != PYFA_VARIANT_REFERENCE)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "kernel: unknown kernel %d", kernel);
+    if (variant != PYFA_VARIANT_REFERENCE) {
+        char why[256] = "";
+        const Row* r = fast_row(kernel, d, 0, 0, profile, why, sizeof(why));
+        if (r) {
+            *Br = r->br;
+            *Bc = r->bc;
+            return PYFA_OK;
+        }
+        if (variant == PYFA_VARIANT_FAST) return fail(PYFA_ERROR_INVALID_ARGUMENT, "variant: fast: %s", why);
+    }
+    return default_tiles(kernel, d, profile, Br, Bc);
+}
+
+int64_t variant_smem_bytes(int kernel, int variant, int64_t Br, int64_t Bc, int64_t d) {
+    if (variant == PYFA_VARIANT_REFERENCE) return smem_bytes(kernel, Br, Bc, d);
+    for (const Row& r : kRows)
+        if (r.kernel == kernel && r.variant == PYFA_VARIANT_FAST && r.d == d && r.br == Br && r.bc == Bc)
+            return smem_bytes(r.id, Br, Bc, d);
+    return variant == PYFA_VARIANT_AUTO ? smem_bytes(kernel, Br, Bc, d) : -1;
 }
 
 }  // namespace pyfa

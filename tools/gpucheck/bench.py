@@ -1,6 +1,8 @@
 """gpu_bench.py bench: every op's device entry point (pyfa.api.OPS, `<c_function>_device`)
 timed with CUDA events on PyTorch's device tensors, checked against and timed beside
-PyTorch's SDPA on the same inputs. --backend emu runs the same plumbing on the emulator
+PyTorch's SDPA on the same inputs, once per kernel variant (--variants: the readable
+kernels as `<op>`, the fast ones as `<op>/fast` where every kernel of the op has one, and
+`<op>/auto` where only some have). --backend emu runs the same plumbing on the emulator
 (host pointers, wall clock), without a GPU."""
 
 import math
@@ -14,6 +16,9 @@ BENCH_SEQLENS = [1024, 2048, 4096, 8192]
 # (head_dim, tiles): None tiles are the library's defaults for the device.
 BENCH_VARIANTS = [(64, None), (64, (32, 32)), (128, None), (128, (32, 32))]
 BENCH_BATCH, BENCH_HEADS = 4, 8
+# pyfa.api.VARIANTS timed side by side; "reference" rows keep the op's plain name. "auto"
+# times an op whose kernels are only partly fast (the FA2 backward: a fast dQ kernel).
+BENCH_KERNEL_VARIANTS = ["reference", "fast", "auto"]
 GRADS = ("dq", "dk", "dv")
 
 # What the SDPA rows are: PyTorch picks its memory-efficient kernel for fp32 inputs, and
@@ -194,12 +199,41 @@ def make_problem(b, h, nq, nk, d, causal):
                                       "head_dim": d, "scale": 0.0, "causal": int(causal)})
 
 
-def make_config(backend_name, tiles):
+def make_config(backend_name, tiles, variant="reference"):
     import pyfa
     ffi, _ = pyfa._lib.load()
     br, bc = tiles or (0, 0)
     return ffi.new("pyfa_config *", {"backend": pyfa.api.BACKENDS[backend_name], "block_r": br,
-                                     "block_c": bc})
+                                     "block_c": bc, "variant": pyfa.api.VARIANTS[variant]})
+
+
+def op_label(op, variant):
+    return op.name if variant == "reference" else f"{op.name}/{variant}"
+
+
+def variant_tiles(op, d, tiles, backend_name, variant):
+    """({kernel: [Br, Bc]}, {kernel: variant it runs}) for the op's kernels under
+    `variant`, or a string saying why the row is not worth timing: "fast" where a kernel
+    has no fast version (or not for these tiles), "auto" where it would run the readable
+    kernels only (the reference row times that)."""
+    import pyfa
+    used, runs = {}, {}
+    for k in op.kernels:
+        fast = None
+        try:
+            fast = pyfa.default_tiles(k, d, backend_name, variant="fast")
+        except ValueError as e:
+            why = str(e)
+        if fast is not None and tiles and pyfa.smem_bytes(k, *tiles, d, variant="fast") == 0:
+            fast, why = None, f"{k}: no fast kernel for tiles {tiles_label(tiles)}"
+        if variant == "fast" and fast is None:
+            return why
+        runs[k] = "fast" if fast is not None and variant != "reference" else "reference"
+        used[k] = list(tiles or (fast if runs[k] == "fast" else
+                                 pyfa.default_tiles(k, d, backend_name, variant="reference")))
+    if variant == "auto" and "fast" not in runs.values():
+        return "no fast kernel applies (auto runs the readable ones: the reference row)"
+    return used, runs
 
 
 def bench_plan(seqlens, variants):
@@ -223,7 +257,7 @@ def dry_run(args, seqlens, variants):
     passes = " and ".join(sorted({op.pass_ for op in ops()}, reverse=True))
     for n, d, tiles in bench_plan(seqlens, variants):
         print(f"  would time B={args.batch} H={args.heads} N={n} d={d} tiles={tiles_label(tiles)}: "
-              f"{', '.join(op.name for op in ops())}{f', torch SDPA {passes}' if tiles is None else ''}")
+              f"{', '.join(op_label(op, v) for op in ops() for v in args.variants)}{f', torch SDPA {passes}' if tiles is None else ''}")
     return 0
 
 
@@ -277,15 +311,20 @@ def cmd_bench(args):
         sets = [{name: backend.randn((batch, heads, n, d)) for name in ("q", "k", "v", "do")}
                 for _ in range(n_sets)]
         problem = make_problem(batch, heads, n, n, d, args.causal)
-        config = make_config(backend.name, tiles)
         refs = {}
-        for op in ops():
-            base = {"op": op.name, "N": n, "d": d, "tiles": tiles_label(tiles), "sets": n_sets}
-            if out_of_time(op.name, n, d):
+        for op, variant in [(op, v) for op in ops() for v in args.variants]:
+            config = make_config(backend.name, tiles, variant)
+            base = {"op": op_label(op, variant), "variant": variant, "N": n, "d": d,
+                    "tiles": tiles_label(tiles), "sets": n_sets}
+            if out_of_time(base["op"], n, d):
                 record({**base, "ms": None, "status": "skipped: time budget"})
                 continue
+            plan = variant_tiles(op, d, tiles, backend.name, variant)
+            if isinstance(plan, str):
+                record({**base, "ms": None, "status": f"skipped: {plan}"})
+                continue
+            used, runs = plan
             try:
-                used = {k: list(tiles or pyfa.default_tiles(k, d, backend.name)) for k in op.kernels}
                 shapes = op.output_shapes(batch, heads, n, n, d)
                 outs = {t: backend.empty(shape) for t, shape in shapes.items()}
                 per_set_tensors = []
@@ -316,7 +355,7 @@ def cmd_bench(args):
                 rec = timed(base, op.pass_, call, n, d)
                 ok = finite and err is not None and err < 1e-3
                 record({**rec, "peak_share": peak_shares(rec["tflops"], peak), "rel_err": err,
-                        "compared": compared, "all_outputs_written": finite, "tiles_used": used,
+                        "compared": compared, "all_outputs_written": finite, "tiles_used": used, "kernel_variants": runs,
                         "status": "ok" if ok else "CHECK FAILED (outputs not all written or rel err >= 1e-3)"})
                 del outs, per_set_tensors
             except Exception as e:  # recorded, and the next configuration still runs
@@ -355,5 +394,7 @@ def add_parser(sub):
     p.add_argument("--causal", action="store_true")
     p.add_argument("--target-ms", type=float, default=100.0,
                    help="timed calls per measurement: about this many ms' worth, 3 to 20")
+    p.add_argument("--variants", nargs="+", default=BENCH_KERNEL_VARIANTS,
+                   choices=["reference", "fast", "auto"], help="kernel variants timed side by side")
     p.add_argument("--dry-run", action="store_true")
     p.set_defaults(run=cmd_bench)

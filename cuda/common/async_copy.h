@@ -1,0 +1,60 @@
+// async_copy.h: 16-byte global-to-shared copies that run in the background (cp.async,
+// sm_80 and later), and the warp-level sync the fast kernels use between a warp's own
+// shared-memory writes and reads. Under the emulator a copy is a plain memcpy done at
+// once (so commit and wait have nothing to do) and a warp sync is a shuffle, which every
+// lane must reach before any goes on: the same ordering the GPU gives.
+#pragma once
+
+#include <cstring>
+
+#include "common/device.h"
+
+// Device code only (warp and async-copy instructions): a __device__ function under nvcc,
+// so that its host compilation pass never sees them; a plain inline one for the emulator.
+#if defined(__CUDACC__)
+#define PYFA_DEV __device__ __forceinline__
+#else
+#define PYFA_DEV inline
+#endif
+
+// Copies 16 bytes from global `src` to shared `dst` (both 16-byte aligned), or writes 16
+// zero bytes when `valid` is false (rows past the end of a tensor); src is not read then.
+PYFA_DEV void pyfa_cp_async16(float* dst, const float* src, bool valid) {
+#if defined(__CUDA_ARCH__)
+    const unsigned saddr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    const int bytes = valid ? 16 : 0;  // cp.async fills the rest of the 16 bytes with zeros
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(src), "r"(bytes)
+                 : "memory");
+#else
+    if (valid)
+        std::memcpy(dst, src, 16);
+    else
+        std::memset(dst, 0, 16);
+#endif
+}
+
+// Closes the group of copies issued since the last commit.
+PYFA_DEV void pyfa_cp_async_commit() {
+#if defined(__CUDA_ARCH__)
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most N of this thread's committed groups are still in flight. Other
+// threads' copies become visible only after a __syncthreads that follows.
+template <int N>
+PYFA_DEV void pyfa_cp_async_wait() {
+#if defined(__CUDA_ARCH__)
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// Orders the shared-memory writes of a warp's lanes before their reads by other lanes of
+// the same warp.
+PYFA_DEV void pyfa_syncwarp() {
+#if defined(__CUDACC__)
+    __syncwarp();
+#else
+    (void)__shfl_sync(0xffffffffu, 0, 0);
+#endif
+}

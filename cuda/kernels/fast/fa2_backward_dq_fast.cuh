@@ -1,0 +1,230 @@
+// fa2_backward_dq_fast.cuh: FlashAttention-2 backward, the dQ kernel, register-tiled; the
+// same bits as fa2_backward_dq_kernel (cuda/kernels/fa2_backward.cuh) and
+// sim/fa2_backward.py.
+//
+// Against the readable kernel: the forward fast kernel's thread layout (warps own 16 rows,
+// each thread an 8 x 4 tile of S and of dP and an 8 x d/16 tile of dQ_i in registers);
+// Q_i, dO_i, K_j, V_j transposed in shared memory for 128-bit loads, K_j also row-major
+// for dS K; 128-bit global loads; LSE and D of the thread's rows in registers; 32-bit
+// indices inside a head; d and Br compile-time. Per element (docs/numerics.md §5):
+// S by pyfa_fma over x in order, times scale, -inf if masked; P = (LSE == -inf) ? 0 :
+// exp(S - LSE); dp over x in order; dS = P * (dp - D); dq over c in order from +0;
+// dQ_i = dQ_i + dq; at the end dQ = canonical(dQ_i * scale).
+#pragma once
+
+#include "kernels/fast/fa2_forward_fast.cuh"
+
+namespace PYFA_KERNELS {
+
+template <int D, int BR>
+__global__ void __launch_bounds__(2 * BR) fa2_backward_dq_fast_kernel(const AttentionParams p) {
+    constexpr int BC = kFastBc;
+    constexpr int NT = 2 * BR;
+    constexpr int DC = D / 4;
+    constexpr int XC = D / 64;
+    constexpr int LDP = BC + 4;  // fast_p_stride(BC)
+    static_assert(D == 64 || D == 128, "head dims 64 and 128");
+    static_assert(BR == 64 || BR == 128, "Br 64 or 128");
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int rg = lane >> 4, cg = lane & 15;
+    const int wrow = warp * 16;
+    const int64_t b = blockIdx.z, h = blockIdx.y;
+    const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
+    const int64_t hk = h / (p.heads / p.heads_kv);
+    const float* Q = p.q + p.q_strides.at(b, h, 0);         // (Nq, d), row stride ldq
+    const float* dO = p.dout + p.dout_strides.at(b, h, 0);  // (Nq, d), row stride lddo
+    const float* K = p.k + p.k_strides.at(b, hk, 0);        // (Nk, d), row stride ldk
+    const float* V = p.v + p.v_strides.at(b, hk, 0);        // (Nk, d), row stride ldv
+    float* dQ = p.dq + p.dq_strides.at(b, h, 0);            // (Nq, d), row stride lddq
+    const float* LSE = p.lse + (b * p.heads + h) * p.seqlen_q;  // (Nq), dense
+    const float* Drow = p.drow + (b * p.heads + h) * p.seqlen_q;  // (Nq), dense
+    const int ldq = static_cast<int>(p.q_strides.row), lddo = static_cast<int>(p.dout_strides.row);
+    const int ldk = static_cast<int>(p.k_strides.row), ldv = static_cast<int>(p.v_strides.row);
+    const int lddq = static_cast<int>(p.dq_strides.row);
+    const int row0 = static_cast<int>(blockIdx.x) * BR;
+    const int br = imin(BR, Nq - row0);
+    const Mask mask = p.mask;
+    const TileRange tiles = mask.kv_tiles(row0, br, BC, Nk);
+
+    PYFA_DYNAMIC_SMEM(smem_raw);
+    float* smem = reinterpret_cast<float*>(smem_raw);
+    const SmemLayout L = fa2_backward_dq_fast_smem(BR, BC, D);
+    float* QiT = smem + L.offset[FA2DQF_QiT];    // (d, Br), rows permuted by fast_q_pos
+    float* dOiT = smem + L.offset[FA2DQF_dOiT];  // (d, Br), the same permutation
+    float* KjT = smem + L.offset[FA2DQF_KjT];    // (d, Bc)
+    float* VjT = smem + L.offset[FA2DQF_VjT];    // (d, Bc)
+    float* Kj = smem + L.offset[FA2DQF_Kj];      // (Bc, d)
+    float* dSij = smem + L.offset[FA2DQF_dSij];  // (Br, Bc), row stride LDP
+    float* dQi = smem + L.offset[FA2DQF_dQi];    // (Br, d), unscaled; a thread's own elements
+
+    // Q_i^T and dO_i^T, once; rows past br are 0.
+PYFA_UNROLL
+    for (int t = 0; t < BR * DC / NT; ++t) {
+        const int e = tid + t * NT, r = e & (BR - 1), x4 = e / BR;
+        const bool ok = r < br;
+        const pyfa_f4 q = ok ? ld4(Q + (row0 + r) * ldq + 4 * x4) : pyfa_f4{0.f, 0.f, 0.f, 0.f};
+        const pyfa_f4 g = ok ? ld4(dO + (row0 + r) * lddo + 4 * x4) : pyfa_f4{0.f, 0.f, 0.f, 0.f};
+        const int pos = fast_q_pos(r);
+        QiT[(4 * x4 + 0) * BR + pos] = q.x;
+        QiT[(4 * x4 + 1) * BR + pos] = q.y;
+        QiT[(4 * x4 + 2) * BR + pos] = q.z;
+        QiT[(4 * x4 + 3) * BR + pos] = q.w;
+        dOiT[(4 * x4 + 0) * BR + pos] = g.x;
+        dOiT[(4 * x4 + 1) * BR + pos] = g.y;
+        dOiT[(4 * x4 + 2) * BR + pos] = g.z;
+        dOiT[(4 * x4 + 3) * BR + pos] = g.w;
+    }
+
+    float lse[8], drow[8];
+PYFA_UNROLL
+    for (int ii = 0; ii < 8; ++ii) {
+        const int r = wrow + rg + 2 * ii;
+        lse[ii] = r < br ? LSE[row0 + r] : -INFINITY;
+        drow[ii] = r < br ? Drow[row0 + r] : 0.0f;
+PYFA_UNROLL
+        for (int hh = 0; hh < XC; ++hh) st4(dQi + r * D + cg * 4 + 64 * hh, pyfa_f4{0.f, 0.f, 0.f, 0.f});
+    }
+
+    for (int j = static_cast<int>(tiles.begin); j < static_cast<int>(tiles.end); ++j) {
+        const int col0 = j * BC, bc = imin(BC, Nk - col0);
+        __syncthreads();  // every warp is done with tile j-1's K_j, V_j
+        // K_j (twice) and V_j^T; keys past bc are 0.
+PYFA_UNROLL
+        for (int t = 0; t < BC * DC / NT; ++t) {
+            const int e = tid + t * NT, c = e & (BC - 1), x4 = e / BC;
+            const bool ok = c < bc;
+            const pyfa_f4 kv = ok ? ld4(K + (col0 + c) * ldk + 4 * x4) : pyfa_f4{0.f, 0.f, 0.f, 0.f};
+            const pyfa_f4 vv = ok ? ld4(V + (col0 + c) * ldv + 4 * x4) : pyfa_f4{0.f, 0.f, 0.f, 0.f};
+            KjT[(4 * x4 + 0) * BC + c] = kv.x;
+            KjT[(4 * x4 + 1) * BC + c] = kv.y;
+            KjT[(4 * x4 + 2) * BC + c] = kv.z;
+            KjT[(4 * x4 + 3) * BC + c] = kv.w;
+            VjT[(4 * x4 + 0) * BC + c] = vv.x;
+            VjT[(4 * x4 + 1) * BC + c] = vv.y;
+            VjT[(4 * x4 + 2) * BC + c] = vv.z;
+            VjT[(4 * x4 + 3) * BC + c] = vv.w;
+            st4(Kj + c * D + 4 * x4, kv);
+        }
+        __syncthreads();
+
+        // S = Q_i K_j^T and dP = dO_i V_j^T, each summed x = 0 .. d-1 in order.
+        float s[8][4], dp[8][4];
+PYFA_UNROLL
+        for (int ii = 0; ii < 8; ++ii)
+PYFA_UNROLL
+            for (int kk = 0; kk < 4; ++kk) s[ii][kk] = dp[ii][kk] = 0.0f;
+        const float* qp = QiT + wrow + rg * 8;
+        const float* gp = dOiT + wrow + rg * 8;
+        const float* kp = KjT + cg * 4;
+        const float* vp = VjT + cg * 4;
+PYFA_UNROLL_BY(4)
+        for (int x = 0; x < D; ++x) {
+            const pyfa_f4 qa = ld4(qp + x * BR), qb = ld4(qp + x * BR + 4);
+            const pyfa_f4 ga = ld4(gp + x * BR), gb = ld4(gp + x * BR + 4);
+            const pyfa_f4 kv = ld4(kp + x * BC), vv = ld4(vp + x * BC);
+            const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+            const float gv[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
+            const float kx[4] = {kv.x, kv.y, kv.z, kv.w};
+            const float vx[4] = {vv.x, vv.y, vv.z, vv.w};
+PYFA_UNROLL
+            for (int ii = 0; ii < 8; ++ii)
+PYFA_UNROLL
+                for (int kk = 0; kk < 4; ++kk) {
+                    s[ii][kk] = pyfa_fma(qv[ii], kx[kk], s[ii][kk]);
+                    dp[ii][kk] = pyfa_fma(gv[ii], vx[kk], dp[ii][kk]);
+                }
+        }
+
+        // dS = P (dp - D), P = exp(S - LSE) (0 for a row that sees no key), into the warp's
+        // rows of dS_ij.
+        const bool whole = !mask.masked(row0 + br - 1, col0) && !mask.masked(row0, col0 + bc - 1);
+PYFA_UNROLL
+        for (int ii = 0; ii < 8; ++ii) {
+            const int r = wrow + rg + 2 * ii;
+            float ds[4];
+PYFA_UNROLL
+            for (int kk = 0; kk < 4; ++kk) {
+                const int c = cg * 4 + kk;
+                const bool masked = !whole && mask.masked(row0 + r, col0 + c);
+                const float sc = masked ? -INFINITY : s[ii][kk] * p.scale;
+                const float P = lse[ii] == -INFINITY ? 0.0f : pyfa_exp(sc - lse[ii]);
+                ds[kk] = P * (dp[ii][kk] - drow[ii]);
+            }
+            st4(dSij + r * LDP + cg * 4, pyfa_f4{ds[0], ds[1], ds[2], ds[3]});
+        }
+        pyfa_syncwarp();
+
+        // dq = sum_c dS[r, c] K[c, x], c = 0 .. bc-1 in order; dQ_i = dQ_i + dq. One
+        // 4-column chunk of the thread's columns at a time (two at d = 128): registers.
+        const float* dsp = dSij + (wrow + rg) * LDP;
+PYFA_UNROLL
+        for (int hh = 0; hh < XC; ++hh) {
+            const float* krow = Kj + cg * 4 + 64 * hh;
+            float dq[8][4];
+PYFA_UNROLL
+            for (int ii = 0; ii < 8; ++ii)
+PYFA_UNROLL
+                for (int x = 0; x < 4; ++x) dq[ii][x] = 0.0f;
+            int c = 0;
+            for (; c + 4 <= bc; c += 4) {
+                pyfa_f4 kx[4];
+PYFA_UNROLL
+                for (int cc = 0; cc < 4; ++cc) kx[cc] = ld4(krow + (c + cc) * D);
+PYFA_UNROLL
+                for (int ii = 0; ii < 8; ++ii) {
+                    const pyfa_f4 pr = ld4(dsp + 2 * ii * LDP + c);
+                    const float pc[4] = {pr.x, pr.y, pr.z, pr.w};
+PYFA_UNROLL
+                    for (int cc = 0; cc < 4; ++cc) {
+                        dq[ii][0] = pyfa_fma(pc[cc], kx[cc].x, dq[ii][0]);
+                        dq[ii][1] = pyfa_fma(pc[cc], kx[cc].y, dq[ii][1]);
+                        dq[ii][2] = pyfa_fma(pc[cc], kx[cc].z, dq[ii][2]);
+                        dq[ii][3] = pyfa_fma(pc[cc], kx[cc].w, dq[ii][3]);
+                    }
+                }
+            }
+            if (c < bc) {  // the last 1..3 keys of a tail tile, in order
+PYFA_UNROLL
+                for (int cc = 0; cc < 3; ++cc) {
+                    if (c + cc < bc) {
+                        const pyfa_f4 v = ld4(krow + (c + cc) * D);
+PYFA_UNROLL
+                        for (int ii = 0; ii < 8; ++ii) {
+                            const float pc = dsp[2 * ii * LDP + c + cc];
+                            dq[ii][0] = pyfa_fma(pc, v.x, dq[ii][0]);
+                            dq[ii][1] = pyfa_fma(pc, v.y, dq[ii][1]);
+                            dq[ii][2] = pyfa_fma(pc, v.z, dq[ii][2]);
+                            dq[ii][3] = pyfa_fma(pc, v.w, dq[ii][3]);
+                        }
+                    }
+                }
+            }
+PYFA_UNROLL
+            for (int ii = 0; ii < 8; ++ii) {
+                float* acc = dQi + (wrow + rg + 2 * ii) * D + cg * 4 + 64 * hh;
+                const pyfa_f4 a = ld4(acc);
+                st4(acc, pyfa_f4{a.x + dq[ii][0], a.y + dq[ii][1], a.z + dq[ii][2], a.w + dq[ii][3]});
+            }
+        }
+    }
+
+    // dQ = canonical(dQ_i * scale).
+PYFA_UNROLL
+    for (int ii = 0; ii < 8; ++ii) {
+        const int r = wrow + rg + 2 * ii;
+        if (r >= br) continue;
+PYFA_UNROLL
+        for (int hh = 0; hh < XC; ++hh) {
+            const pyfa_f4 a = ld4(dQi + r * D + cg * 4 + 64 * hh);
+            pyfa_f4 out;
+            out.x = pyfa_canonical_nan(a.x * p.scale);
+            out.y = pyfa_canonical_nan(a.y * p.scale);
+            out.z = pyfa_canonical_nan(a.z * p.scale);
+            out.w = pyfa_canonical_nan(a.w * p.scale);
+            st4(dQ + (row0 + r) * lddq + cg * 4 + 64 * hh, out);
+        }
+    }
+}
+
+}  // namespace PYFA_KERNELS

@@ -1,0 +1,89 @@
+// fast_common.h: what the register-tiled kernels share: 128-bit shared-memory access, the
+// chunk swizzles of their shared-memory tiles, and the ordered row max.
+#pragma once
+
+#include <cstring>
+
+#include "common/async_copy.h"
+#include "common/device.h"
+#include "common/numerics.h"
+
+// Loop unrolling: nvcc's pragma on the GPU, GCC's for the emulator.
+#if defined(__CUDACC__)
+#define PYFA_UNROLL _Pragma("unroll")
+#define PYFA_UNROLL_BY(n) _Pragma(PYFA_STRINGIFY(unroll n))
+#else
+#define __launch_bounds__(...)
+#define PYFA_UNROLL _Pragma("GCC unroll 16")
+#define PYFA_UNROLL_BY(n) _Pragma("GCC unroll 4")
+#endif
+#define PYFA_STRINGIFY(x) #x
+
+PYFA_HD int imin(int a, int b) { return a < b ? a : b; }
+
+#if defined(__CUDACC__)
+using pyfa_f4 = float4;
+#else
+struct alignas(16) pyfa_f4 {
+    float x, y, z, w;
+};
+#endif
+
+// 16-byte loads and stores of shared or global memory at a 16-byte aligned address.
+PYFA_DEV pyfa_f4 ld4(const float* p) {
+#if defined(__CUDACC__)
+    return *reinterpret_cast<const float4*>(p);
+#else
+    pyfa_f4 v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+#endif
+}
+
+PYFA_DEV void st4(float* p, pyfa_f4 v) {
+#if defined(__CUDACC__)
+    *reinterpret_cast<float4*>(p) = v;
+#else
+    std::memcpy(p, &v, sizeof(v));
+#endif
+}
+
+// Row-major tiles of 4-float chunks whose chunk index is XORed with a function of the
+// row, so that the 16 lanes reading 16 different rows at one chunk hit all 8 bank groups
+// (two wavefronts for 256 bytes) without padding. Both need at least 8 chunks per row.
+//
+// Q_i and K_j: lanes read rows cg*4 + kk (K_j, cg = 0..15) or rows r and r + 8 (Q_i).
+PYFA_HD int swz_qk(int row) { return (row >> 2) & 7; }
+// P_ij: lanes write rows r, r + 8 at chunks cg, read rows r, r + 8 at one chunk (the two
+// row groups of a warp), and lanes 0..15 read rows 0..15 at one chunk (the row sums).
+PYFA_HD int swz_p(int row) { return (row & 7) ^ ((row >> 3) & 1); }
+
+// Offset in floats of chunk `ch` (4 floats) of `row` in a tile of `chunks` chunks per row.
+PYFA_HD int swz_at(int row, int ch, int chunks, int swz) { return row * (chunks * 4) + ((ch ^ swz) << 2); }
+
+// The ordered row max of a row held by 16 lanes (lane bit 3..0 = cg, 4 columns each, cg
+// in column order), equal bit for bit to the sequential scan
+//     m = m_old; for c in order: m = pyfa_max(m, S[c]).
+// Each lane folds its own columns in order starting from m_old; the 16 partials are then
+// combined in a tree whose left operand is always the lower columns.
+//
+// Why that is the sequential scan's bits: with m_old not NaN, no partial is NaN
+// (pyfa_max ignores a NaN right operand), and pyfa_max keeps its left operand unless the
+// right one is strictly greater. So the scan returns the first element, in the order
+// (m_old, S[0], S[1], ...), that no later element exceeds and that exceeds every earlier
+// one: the first maximal element (+0 and -0 compare equal, so the earlier one wins). A
+// lane's partial is the first maximal element of (m_old, its columns), and a tree node
+// with the lower columns on the left returns the first maximal element of its two
+// halves, so the root returns the first maximal element of (m_old, S[0..3], m_old,
+// S[4..7], ...), which is the scan's (the extra copies of m_old are only ever chosen
+// when the first copy is). With m_old NaN every partial is that same NaN and so is the
+// root. tests/test_fast_kernels.py checks this argument on every ordering of special
+// values.
+PYFA_DEV float ordered_row_max16(float partial, int cg) {
+PYFA_UNROLL
+    for (int o = 1; o < 16; o <<= 1) {
+        const float other = __shfl_xor_sync(0xffffffffu, partial, o);
+        partial = (cg & o) ? pyfa_max(other, partial) : pyfa_max(partial, other);
+    }
+    return partial;
+}

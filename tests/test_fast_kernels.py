@@ -1,0 +1,292 @@
+"""The fast (register-tiled) kernels: the same bits as the readable kernels and the
+simulator on every case they take, under two thread orders; variant selection (auto falls
+back, fast names what it lacks); and the argument behind the ordered row-max tree."""
+
+import itertools
+import struct
+
+import numpy as np
+import pytest
+
+import grid
+import pyfa
+from reference import make_inputs, same_bits
+
+# (B, H, Nq, Nk, d, Br, Bc) the fast FA2 forward takes: both head dims and both row tiles,
+# one tile and less, tails of every residue of 4 (the P V loop's last 1..3 keys), Nq != Nk
+# both ways (with causal and Nq > Nk the first rows see no key), and the default tiles.
+FAST_CASES = [
+    (1, 1, 64, 64, 64, 64, 64),
+    (2, 2, 70, 131, 64, 64, 64),
+    (1, 1, 1, 1, 64, 64, 64),
+    (1, 2, 130, 67, 64, 128, 64),
+    (1, 1, 200, 66, 128, 128, 64),
+    (1, 1, 45, 190, 128, 64, 64),
+    (1, 1, 129, 129, 128, 128, 64),
+    (1, 2, 150, 150, 64, None, None),
+    (1, 1, 100, 100, 128, None, None),
+]
+
+VARIANTS = ["reference", "fast"]
+
+
+def _simulated(case, causal):
+    B, H, Nq, Nk, d, Br, Bc = case
+    q, k, v = make_inputs((B, H, Nq, d), (B, H, Nk, d), seed=grid.case_seed(case))
+    return (q, k, v), pyfa.sim.fa2_forward(q, k, v, causal=causal, block_r=Br, block_c=Bc)
+
+
+_SIM = {}
+
+
+def simulated(case, causal):
+    if (case, causal) not in _SIM:
+        _SIM[case, causal] = _simulated(case, causal)
+    return _SIM[case, causal]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("backend,order", grid.RUNS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", FAST_CASES, ids=grid.case_id)
+def test_fa2_forward_variants_equal_the_simulator(case, causal, backend, order, variant):
+    (q, k, v), sim = simulated(case, causal)
+    _, _, _, _, _, Br, Bc = case
+    if backend == "cpu" and variant == "fast":  # the cpu backend's kernels are its own
+        with pytest.raises(ValueError, match="config->variant: fast: the cpu backend"):
+            pyfa.fa2_forward(q, k, v, causal=causal, block_r=Br, block_c=Bc, backend=backend,
+                             variant=variant)
+        return
+    o, lse = pyfa.fa2_forward(q, k, v, causal=causal, block_r=Br, block_c=Bc, backend=backend,
+                              emu_order=order, variant=variant)
+    assert same_bits(o, sim.o), "O differs from the simulator"
+    assert same_bits(lse, sim.lse), "LSE differs from the simulator"
+
+
+# NaNs with payloads, infinities, huge values, the smallest subnormal and tiny values
+# whose products round to -0 (scores of either zero sign in one row).
+SPECIALS = np.concatenate([
+    np.array([0x7FC00000, 0xFFC00000, 0x7FC01234], np.uint32).view(np.float32),
+    np.array([np.inf, -np.inf, 3e38, -3e38, 1e-45, 1e-30, -1e-30, 0.0, -0.0], np.float32)])
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("order", ["forward", "reverse"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_fast_forward_special_values(d, causal, order):
+    rng = np.random.default_rng(d + causal)
+    q = rng.standard_normal((1, 2, 70, d), dtype=np.float32)
+    k = rng.standard_normal((1, 2, 90, d), dtype=np.float32)
+    v = rng.standard_normal((1, 2, 90, d), dtype=np.float32)
+    # Rows of tiny values: their scores are +-0, ties of the row max across lanes.
+    q[0, 0, 3] = 1e-30
+    k[0, 0, ::3] = -1e-30
+    for x in (q, k, v):
+        x.flat[rng.integers(0, x.size, 6)] = rng.choice(SPECIALS, 6)
+    sim = pyfa.sim.fa2_forward(q, k, v, causal=causal, block_r=64, block_c=64)
+    o, lse = pyfa.fa2_forward(q, k, v, causal=causal, block_r=64, block_c=64, backend="emu",
+                              emu_order=order, variant="fast")
+    assert same_bits(o, sim.o) and same_bits(lse, sim.lse)
+
+
+def test_auto_falls_back_and_fast_names_what_it_lacks():
+    q, k, v = make_inputs((1, 1, 20, 40), (1, 1, 20, 40), seed=1)
+    sim = pyfa.sim.fa2_forward(q, k, v, block_r=16, block_c=16)
+    o, lse = pyfa.fa2_forward(q, k, v, block_r=16, block_c=16, backend="emu", variant="auto")
+    assert same_bits(o, sim.o) and same_bits(lse, sim.lse)
+    with pytest.raises(ValueError, match=r"config->variant: fast: .*head_dim 64, 128, not 40"):
+        pyfa.fa2_forward(q, k, v, backend="emu", variant="fast")
+    q, k, v = make_inputs((1, 1, 20, 64), (1, 1, 20, 64), seed=1)
+    with pytest.raises(ValueError, match=r"config->variant: fast: .*64x64, 128x64, not 32x64"):
+        pyfa.fa2_forward(q, k, v, block_r=32, block_c=64, backend="emu", variant="fast")
+    with pytest.raises(ValueError, match=r"config->variant: fast: fa1_forward has no fast variant"):
+        pyfa.fa1_forward(q, k, v, backend="emu", variant="fast")
+    with pytest.raises(ValueError, match=r"variant: expected one of"):
+        pyfa.fa2_forward(q, k, v, backend="emu", variant="quick")
+
+
+def test_fast_needs_aligned_tensors():
+    q, k, v = make_inputs((1, 1, 20, 64), (1, 1, 20, 64), seed=2)
+    raw = np.zeros(q.size + 1, np.float32)
+    shifted = raw[1:].reshape(q.shape)  # 4 bytes past an aligned buffer
+    shifted[...] = q
+    assert shifted.ctypes.data % 16 != 0
+    with pytest.raises(ValueError, match=r"config->variant: fast: .*16-byte aligned"):
+        pyfa.fa2_forward(shifted, k, v, backend="emu", variant="fast")
+    sim = pyfa.sim.fa2_forward(q, k, v, block_r=64, block_c=64)
+    o, lse = pyfa.fa2_forward(shifted, k, v, block_r=64, block_c=64, backend="emu", variant="auto")
+    assert same_bits(o, sim.o) and same_bits(lse, sim.lse)
+
+
+def test_default_tiles_per_variant():
+    for d in (64, 128):
+        assert pyfa.default_tiles("fa2_forward", d, backend="emu") == pyfa.sim.default_tiles("fa2_forward", d)
+        fast = pyfa.default_tiles("fa2_forward", d, backend="emu", variant="fast")
+        assert fast == (128, 64)  # the emulator's H200 profile holds the larger tile
+        assert pyfa.default_tiles("fa2_forward", d, backend="emu", variant="auto") == fast
+        assert pyfa.smem_bytes("fa2_forward", *fast, d, variant="fast") <= 227 * 1024
+    assert pyfa.smem_bytes("fa2_forward", 32, 64, 64, variant="fast") == 0
+    assert pyfa.default_tiles("fa2_forward", 40, backend="emu", variant="auto") == \
+        pyfa.sim.default_tiles("fa2_forward", 40)
+    with pytest.raises(ValueError, match="variant: fast: fa1_backward has no fast variant"):
+        pyfa.default_tiles("fa1_backward", 64, backend="emu", variant="fast")
+    # The fast dQ kernel holds Q_i, dO_i and dQ_i: Br = 128 fits at d = 64 only.
+    assert pyfa.default_tiles("fa2_backward_dq", 64, backend="emu", variant="fast") == (128, 64)
+    assert pyfa.default_tiles("fa2_backward_dq", 128, backend="emu", variant="fast") == (64, 64)
+
+
+# ---- the ordered row max (cuda/kernels/fast/fast_common.h, ordered_row_max16)
+
+def f32(x):
+    return np.float32(x)
+
+
+def bits(x):
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+def pyfa_max(a, b):
+    """docs/numerics.md: (b > a) ? b : a (NaN on the right ignored, ties keep a)."""
+    return b if b > a else a
+
+
+def sequential(m_old, row):
+    m = m_old
+    for s in row:
+        m = pyfa_max(m, s)
+    return m
+
+
+def ordered_tree(m_old, row, lanes):
+    """The kernel's reduction: each lane folds its own consecutive columns from m_old, then
+    the xor-butterfly of ordered_row_max16 (the lower lanes on the left), as lane 0 sees it."""
+    per = len(row) // lanes
+    part = [sequential(m_old, row[i * per:(i + 1) * per]) for i in range(lanes)]
+    o = 1
+    while o < lanes:
+        part = [pyfa_max(part[i ^ o], part[i]) if i & o else pyfa_max(part[i], part[i ^ o])
+                for i in range(lanes)]
+        o <<= 1
+    assert len({bits(p) for p in part}) == 1, "the lanes disagree"
+    return part[0]
+
+
+VALUES = [f32("nan"), f32(-np.inf), f32(-0.0), f32(0.0), f32(1.0), f32(np.inf)]
+
+
+def vmax(a, b):
+    """pyfa_max on arrays (sim/numerics.py's form)."""
+    return np.where(b > a, b, a)
+
+
+def test_ordered_tree_equals_the_sequential_scan_exhaustively():
+    # Every row of 8 columns over 4 lanes (2 columns each) drawn from the classes the
+    # order relation tells apart, from every starting m: 6^9 cases, bit for bit.
+    vals = np.array(VALUES, np.float32)
+    idx = np.indices((6,) * 8).reshape(8, -1).T
+    rows = vals[idx]                                 # (6^8, 8)
+    for m_old in vals:
+        m = np.full(len(rows), m_old, np.float32)
+        seq = m.copy()
+        for c in range(8):
+            seq = vmax(seq, rows[:, c])
+        part = [vmax(vmax(m, rows[:, 2 * i]), rows[:, 2 * i + 1]) for i in range(4)]
+        o = 1
+        while o < 4:
+            part = [vmax(part[i ^ o], part[i]) if i & o else vmax(part[i], part[i ^ o])
+                    for i in range(4)]
+            o <<= 1
+        for p in part:
+            assert np.array_equal(p.view(np.uint32), seq.view(np.uint32)), m_old
+
+
+def test_ordered_tree_equals_the_sequential_scan_at_kernel_width():
+    # 64 columns over 16 lanes, as in the kernel, with many ties and special values.
+    rng = np.random.default_rng(5)
+    pool = np.array(VALUES + [f32(2.0), f32(-1.0)], np.float32)
+    for _ in range(3000):
+        row = list(rng.choice(pool, 64))
+        m_old = rng.choice(pool)
+        assert bits(ordered_tree(m_old, row, 16)) == bits(sequential(m_old, row))
+
+
+def test_an_unseeded_tree_would_differ():
+    # Why the lanes start from m_old: a plain tree over the scores lets a NaN on the left
+    # win, which the sequential scan never does.
+    row = [f32("nan"), f32(1.0)]
+    assert np.isnan(pyfa_max(row[0], row[1]))
+    assert sequential(f32(-np.inf), row) == 1.0
+
+
+# Masks (windows, both alignments), grouped-query heads and the (B, N, H, d) layout, which
+# the fast kernel reads through Mask, the head mapping and the strides.
+MASKED = [
+    dict(causal=True, causal_align="top_left"),
+    dict(window=(20, 5)),
+    dict(window=(None, 0), causal_align="top_left"),
+    dict(window=(7, None), causal=True),
+    dict(window=(0, 0)),
+]
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("heads,heads_kv", [(4, 2), (3, 1)])
+@pytest.mark.parametrize("mask", MASKED, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fast_forward_masks_gqa_layouts(mask, heads, heads_kv, layout, variant):
+    d = 64 if heads_kv == 2 else 128
+    Nq, Nk = (150, 97) if heads_kv == 2 else (70, 200)
+    rng = np.random.default_rng(heads + Nq)
+    shape_q = (1, heads, Nq, d) if layout == "bhnd" else (1, Nq, heads, d)
+    shape_k = (1, heads_kv, Nk, d) if layout == "bhnd" else (1, Nk, heads_kv, d)
+    q = rng.standard_normal(shape_q, dtype=np.float32)
+    k, v = (rng.standard_normal(shape_k, dtype=np.float32) for _ in range(2))
+    sim = pyfa.sim.fa2_forward(q, k, v, layout=layout, block_r=64, block_c=64, **mask)
+    for order in ("forward", "reverse"):
+        o, lse = pyfa.fa2_forward(q, k, v, layout=layout, block_r=64, block_c=64, backend="emu",
+                                  emu_order=order, variant=variant, **mask)
+        assert same_bits(o, sim.o) and same_bits(lse, sim.lse), order
+
+
+# The FA2 backward: its dQ kernel has a fast variant (auto runs it beside the readable
+# preprocess and dK/dV kernels); "fast" names the kernels that have none.
+BACKWARD_CASES = [
+    (1, 2, 100, 130, 64, 64, 64),
+    (1, 1, 200, 77, 64, 128, 64),
+    (2, 1, 70, 131, 128, 64, 64),
+    (1, 1, 45, 190, 128, None, None),
+]
+
+
+@pytest.mark.parametrize("variant", ["reference", "auto"])
+@pytest.mark.parametrize("order", ["forward", "reverse"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", BACKWARD_CASES, ids=grid.case_id)
+def test_fa2_backward_with_the_fast_dq_equals_the_simulator(case, causal, order, variant):
+    B, H, Nq, Nk, d, Br, Bc = case
+    q, k, v, do = make_inputs((B, H, Nq, d), (B, H, Nk, d), grid.case_seed(case), True)
+    fwd = pyfa.sim.fa2_forward(q, k, v, causal=causal)
+    sim = pyfa.sim.fa2_backward(q, k, v, fwd.o, fwd.lse, do, causal=causal, block_r=Br, block_c=Bc)
+    dq, dk, dv = pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, causal=causal, block_r=Br,
+                                   block_c=Bc, backend="emu", emu_order=order, variant=variant)
+    assert same_bits(dq, sim.dq) and same_bits(dk, sim.dk) and same_bits(dv, sim.dv)
+
+
+@pytest.mark.parametrize("mask", MASKED[:3], ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
+def test_fast_dq_masks_gqa(mask):
+    rng = np.random.default_rng(9)
+    q, do = (rng.standard_normal((1, 4, 110, 64), dtype=np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((1, 2, 90, 64), dtype=np.float32) for _ in range(2))
+    fwd = pyfa.sim.fa2_forward(q, k, v, **mask)
+    sim = pyfa.sim.fa2_backward(q, k, v, fwd.o, fwd.lse, do, block_r=64, block_c=64, **mask)
+    dq, dk, dv = pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, block_r=64, block_c=64,
+                                   backend="emu", variant="auto", **mask)
+    assert same_bits(dq, sim.dq) and same_bits(dk, sim.dk) and same_bits(dv, sim.dv)
+
+
+def test_fast_backward_names_the_kernels_without_a_fast_variant():
+    q, k, v, do = make_inputs((1, 1, 64, 64), (1, 1, 64, 64), 4, True)
+    fwd = pyfa.sim.fa2_forward(q, k, v)
+    with pytest.raises(ValueError, match="fa2_backward_preprocess has no fast variant"):
+        pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, backend="emu", variant="fast")

@@ -1,0 +1,417 @@
+#!/usr/bin/env python3
+"""SASS report of every CUDA kernel and variant: resources, hot-loop mix, H200 forecast.
+
+Builds cuda/launch/cuda_backend.cu to an sm_90 cubin with the library's CUDA flags (read
+from CMakeLists.txt, as tools/ptxas_report.py does), disassembles it with cuobjdump (the
+`dev` extra: nvidia-cuda-cuobjdump) and prints, per kernel and variant:
+- registers, spills (ptxas -v), dynamic shared memory at the default tiles and the
+  theoretical occupancy they give on an H200;
+- in the hot loops (the innermost loops, found as backward branches that enclose no other
+  backward branch, that hold an FFMA): issued instructions, the floating-point share of
+  them, shared-memory load instructions per FLOP, and any integer division (inline
+  I2F.*.RP sequences or calls to a subroutine that holds one);
+- a forecast of H200 TFLOP/s for B = 4, H = 8, N = 4096 at each head dim, from the bound
+  model in tools/README.md ("SASS report").
+
+The last line starts with `summary:` and lists, at the first --head-dim (default 64),
+`NAME fp_share=X lds_per_flop=Y forecast_tflops=Z` per kernel and variant at its default
+tiles, ` | ` between. A fast kernel compiled for several tile shapes gets a row for each.
+
+Needs nvcc and cuobjdump (PATH, CUDA_HOME, or the nvidia-cuda-cuobjdump wheel), no GPU.
+Exit status 0, or 2 when a tool is missing or the compile fails.
+
+    python tools/sass_report.py [--head-dim 64 128] [--json report.json]
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT))
+
+import ptxas_report  # noqa: E402  (flags, nvcc, ptxas -v parsing: one copy)
+
+# ---- H200 (SXM) as the model sees it; tools/README.md says where each number comes from.
+H200 = {
+    "sms": 132,
+    "clock_hz": 1.98e9,           # boost clock
+    "issue_per_clk": 4,           # warp instructions per SM per clock (4 schedulers)
+    "fp32_per_clk": 4,            # warp FFMA/FADD/FMUL per SM per clock (128 lanes)
+    "mufu_per_clk": 0.5,          # warp MUFU per SM per clock (16 lanes)
+    "smem_wavefronts_per_clk": 1,  # 128 bytes of shared memory per SM per clock
+    "regs_per_sm": 65536,
+    "max_warps_per_sm": 64,
+    "max_blocks_per_sm": 32,
+    "smem_per_sm": 233472,        # 228 KiB
+    "smem_reserved_per_block": 1024,
+    "latency_warps": 8,           # warps per SM that hide latency (2 per scheduler)
+}
+PROBLEM = {"batch": 4, "heads": 8, "seqlen": 4096}
+
+
+FP_OPCODES = {"FFMA", "FADD", "FMUL", "FMNMX", "FSEL", "FSETP", "FSET", "FCHK", "MUFU",
+              "FRND", "F2F", "FSWZADD"}
+FLOP_OF = {"FFMA": 2, "FADD": 1, "FMUL": 1}
+FP32_PIPE = {"FFMA", "FADD", "FMUL"}
+
+
+def find_tool(name):
+    """nvcc's sibling, PATH, CUDA_HOME, or the NVIDIA wheel's bin folder."""
+    found = shutil.which(name)
+    if found:
+        return found
+    for base in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if base and Path(base, "bin", name).is_file():
+            return str(Path(base, "bin", name))
+    try:
+        import nvidia  # the nvidia-cuda-* wheels install into this namespace package
+        for root in nvidia.__path__:
+            for cand in Path(root).glob(f"*/bin/{name}"):
+                if os.access(cand, os.X_OK):
+                    return str(cand)
+    except ImportError:
+        pass
+    return None
+
+
+INSN = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z0-9_.]+)(.*?);")
+
+
+def parse_sass(text):
+    """{mangled function: [(address, predicate, opcode, operands)]} from cuobjdump -sass."""
+    funcs, cur = {}, None
+    for line in text.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            cur = funcs.setdefault(m.group(1), [])
+            continue
+        m = INSN.match(line)
+        if m and cur is not None:
+            cur.append((int(m.group(1), 16), (m.group(2) or "").strip(), m.group(3),
+                        m.group(4).strip()))
+    return funcs
+
+
+def branch_target(operands):
+    m = re.search(r"0x([0-9a-f]+)", operands)
+    return int(m.group(1), 16) if m else None
+
+
+def division_subroutines(insns):
+    """Addresses of CALL targets whose body (up to its RET) holds an integer division."""
+    out = set()
+    by_addr = {a: n for n, (a, _, _, _) in enumerate(insns)}
+    for _, _, op, ops in insns:
+        if not op.startswith("CALL"):
+            continue
+        t = branch_target(ops)
+        n = by_addr.get(t)
+        while n is not None and n < len(insns):
+            o = insns[n][2]
+            if o.startswith("I2F.U32.RP") or o.startswith("I2F.U64.RP"):
+                out.add(t)
+                break
+            if o.startswith("RET"):
+                break
+            n += 1
+    return out
+
+
+def loops(insns):
+    """[(start, end)] of every backward branch: the loop body spans [target, branch]."""
+    out = []
+    for a, _, op, ops in insns:
+        if op.startswith("BRA"):
+            t = branch_target(ops)
+            if t is not None and t <= a:
+                out.append((t, a))
+    return out
+
+
+def hot_loops(insns):
+    """Innermost loops holding an FFMA, each with its instruction mix for one iteration."""
+    all_loops = loops(insns)
+    divs = division_subroutines(insns)
+    out = []
+    for (s, e) in all_loops:
+        if any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for (s2, e2) in all_loops):
+            continue  # encloses another loop: not innermost
+        body = [x for x in insns if s <= x[0] <= e]
+        ops = [x[2] for x in body]
+        if not any(o.split(".")[0] == "FFMA" for o in ops):
+            continue
+        base = [o.split(".")[0] for o in ops]
+        n_div = sum(1 for o in ops if o.startswith("I2F.U32.RP") or o.startswith("I2F.U64.RP"))
+        n_div += sum(1 for x in body if x[2].startswith("CALL") and branch_target(x[3]) in divs)
+        lds = [o for o in ops if o.startswith("LDS")]
+        out.append({
+            "start": s, "end": e,
+            "instructions": len(ops),
+            "fp": sum(1 for b in base if b in FP_OPCODES),
+            "fp32_pipe": sum(1 for b in base if b in FP32_PIPE),
+            "mufu": base.count("MUFU"),
+            "flop": sum(FLOP_OF.get(b, 0) for b in base),
+            "lds": len(lds),
+            "lds128": sum(1 for o in lds if ".128" in o),
+            "smem_wavefronts": sum(smem_wavefronts(o) for o in ops),
+            "int_div": n_div,
+        })
+    return out
+
+
+def smem_wavefronts(op):
+    """128-byte shared-memory wavefronts of one warp instruction, assuming no bank conflict
+    and no broadcast (see tools/README.md)."""
+    base = op.split(".")[0]
+    if base not in ("LDS", "STS", "LDSM"):
+        return 0
+    if ".128" in op:
+        return 4
+    if ".64" in op:
+        return 2
+    return 1
+
+
+def max_threads_attrs(cuobjdump, cubin):
+    """{mangled function: threads} from __launch_bounds__ (EIATTR_MAX_THREADS)."""
+    out = subprocess.run([cuobjdump, "-elf", cubin], capture_output=True, text=True).stdout
+    res, cur = {}, None
+    for line in out.splitlines():
+        m = re.search(r"\.nv\.info\.(\S+)", line)
+        if m:
+            cur = m.group(1)
+            continue
+        if cur and "EIATTR_MAX_THREADS" in line:
+            res[cur] = "pending"
+            continue
+        if cur and res.get(cur) == "pending":
+            m = re.search(r"Value:\s*0x([0-9a-f]+)", line)
+            if m:
+                res[cur] = int(m.group(1), 16)
+    return {k: v for k, v in res.items() if isinstance(v, int)}
+
+
+def reference_threads():
+    """{kernel: threads} of the readable kernels, from the constants in cuda/common/smem.h."""
+    text = (ROOT / "cuda/common/smem.h").read_text()
+    consts = dict((k, int(v)) for k, v in
+                  re.findall(r"constexpr int (k\w+Threads) = (\d+);", text))
+    return {"fa2_forward": consts.get("kFa2ForwardThreads"),
+            "fa2_backward_preprocess": consts.get("kFa2BackwardThreads"),
+            "fa2_backward_dkdv": consts.get("kFa2BackwardThreads"),
+            "fa2_backward_dq": consts.get("kFa2BackwardThreads"),
+            "fa1_forward": consts.get("kFa1ForwardThreads"),
+            "fa1_backward": consts.get("kFa1BackwardThreads")}
+
+
+def split_name(demangled):
+    """'void ns::fa2_forward_fast_kernel<64, 64, 64>(AttentionParams)' ->
+    ('fa2_forward', 'fast', (64, 64, 64)); the reference kernels have no template."""
+    head = demangled.split("(")[0]
+    targs = ()
+    m = re.search(r"<([^>]*)>", head)
+    if m:
+        targs = tuple(int(t) for t in re.findall(r"-?\d+", m.group(1)))
+        head = head[:m.start()]
+    base = head.split("::")[-1].split()[-1]
+    base = base[:-len("_kernel")] if base.endswith("_kernel") else base
+    if base.endswith("_fast"):
+        return base[:-len("_fast")], "fast", targs
+    return base, "reference", targs
+
+
+def tiles_and_smem(kernel, variant, d, targs=()):
+    """(Br, Bc, dynamic smem bytes, default): a fast kernel's own tiles (its template
+    arguments d, Br; Bc from the library's default) and whether they are the variant's
+    default; the readable kernel's default tiles. From the library (pyfa), or from
+    pyfa.sim for the readable kernels when the library cannot be loaded; None if
+    neither knows the kernel, variant and head dim."""
+    try:
+        import pyfa
+        br, bc = pyfa.default_tiles(kernel, d, backend="emu", variant=variant)
+        default = True
+        if variant == "fast" and len(targs) >= 2 and targs[1] != br:
+            br, default = targs[1], False
+        return br, bc, pyfa.smem_bytes(kernel, br, bc, d, variant=variant), default
+    except Exception:
+        if variant != "reference":
+            return None
+    try:
+        import pyfa.sim as sim
+        br, bc = sim.default_tiles(kernel, d)
+        return br, bc, sim.smem_bytes(kernel, br, bc, d), True
+    except Exception:
+        return None
+
+
+def occupancy(registers, threads, smem):
+    """(blocks per SM, warps per SM, limiter) on an H200."""
+    g = H200
+    warps = math.ceil(threads / 32)
+    regs_per_warp = math.ceil(max(registers, 1) * 32 / 256) * 256
+    lim = {"blocks": g["max_blocks_per_sm"],
+           "warps": g["max_warps_per_sm"] // warps,
+           "registers": g["regs_per_sm"] // (regs_per_warp * warps)}
+    if smem is not None:
+        lim["shared memory"] = g["smem_per_sm"] // (smem + g["smem_reserved_per_block"])
+    name = min(lim, key=lim.get)
+    blocks = lim[name]
+    return blocks, blocks * warps, name
+
+
+def grid_blocks(kernel, br, bc, d):
+    B, H, N = PROBLEM["batch"], PROBLEM["heads"], PROBLEM["seqlen"]
+    if kernel in ("fa1_forward", "fa1_backward"):
+        return B * H
+    if kernel == "fa2_backward_dkdv":
+        return B * H * math.ceil(N / bc)
+    return B * H * math.ceil(N / br)
+
+
+def forecast(kernel, loop, blocks_per_sm, threads, br, bc, d):
+    """H200 TFLOP/s from the hot loops' bound (issue, fp32 pipe, MUFU, shared memory),
+    times a latency factor (resident warps / latency_warps, at most 1) and the grid's
+    wave efficiency. None without a hot loop or with no block fitting an SM."""
+    g = H200
+    if not loop or loop["flop"] == 0 or blocks_per_sm == 0:
+        return None
+    cycles = max(loop["instructions"] / g["issue_per_clk"],
+                 loop["fp32_pipe"] / g["fp32_per_clk"],
+                 loop["mufu"] / g["mufu_per_clk"],
+                 loop["smem_wavefronts"] / g["smem_wavefronts_per_clk"])
+    flop_per_clk_sm = 32 * loop["flop"] / cycles
+    blocks = grid_blocks(kernel, br, bc, d)
+    # A grid smaller than the machine leaves SMs with fewer blocks (or none).
+    resident = min(blocks_per_sm, math.ceil(blocks / g["sms"]))
+    waves = math.ceil(blocks / (g["sms"] * resident))
+    wave_eff = blocks / (waves * g["sms"] * resident)
+    latency = min(1.0, resident * math.ceil(threads / 32) / g["latency_warps"])
+    return flop_per_clk_sm * g["sms"] * g["clock_hz"] * latency * wave_eff / 1e12
+
+
+def aggregate(loops_):
+    """The hot loops of one kernel summed, one iteration of each (tools/README.md)."""
+    if not loops_:
+        return None
+    keys = ("instructions", "fp", "fp32_pipe", "mufu", "flop", "lds", "lds128",
+            "smem_wavefronts", "int_div")
+    return {k: sum(x[k] for x in loops_) for k in keys}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", default="sm_90", help="GPU architecture (default sm_90)")
+    ap.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--source", default="cuda/launch/cuda_backend.cu")
+    ap.add_argument("--json", help="also write the report as JSON here")
+    args = ap.parse_args(argv)
+
+    nvcc = ptxas_report.find_nvcc()
+    cuobjdump = find_tool("cuobjdump")
+    if not nvcc or not cuobjdump:
+        print(f"sass_report: {'nvcc' if not nvcc else 'cuobjdump'} not found "
+              "(install the dev extra: pip install nvidia-cuda-cuobjdump); nothing to report")
+        return 2
+    flags = ptxas_report.cuda_flags_from_cmake()
+    origin = "CMakeLists.txt"
+    if flags is None:
+        flags, origin = ptxas_report.FALLBACK_CUDA_FLAGS, "built-in copy"
+    with tempfile.TemporaryDirectory(prefix="pyfa-sass-") as tmp:
+        Path(tmp, "pyfa_export.h").write_text("#define PYFA_API\n")
+        cubin = str(Path(tmp, "kernels.cubin"))
+        cmd = [nvcc, "-cubin", f"-arch={args.arch}", "-Xptxas", "-v", *flags, "-I", "cuda",
+               "-I", "cuda/include", "-I", tmp, '-DPYFA_VERSION_STRING="sass-report"',
+               "-o", cubin, args.source]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"sass_report: nvcc failed (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}")
+            return 2
+        resources = ptxas_report.parse_ptxas(proc.stdout + proc.stderr)
+        dis = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True)
+        if dis.returncode != 0:
+            print(f"sass_report: cuobjdump failed: {dis.stderr}")
+            return 2
+        sass = parse_sass(dis.stdout)
+        bounds = max_threads_attrs(cuobjdump, cubin)
+
+    names = ptxas_report.demangle(list(sass))
+    ref_threads = reference_threads()
+    rows = []
+    for mangled, insns in sass.items():
+        kernel, variant, targs = split_name(names[mangled])
+        res = resources.get(mangled, {})
+        hl = hot_loops(insns)
+        agg = aggregate(hl)
+        threads = bounds.get(mangled) or ref_threads.get(kernel)
+        for d in args.head_dim:
+            if variant == "fast" and targs and targs[0] != d:
+                continue  # a fast kernel is compiled for one head dim (its first template argument)
+            ts = tiles_and_smem(kernel, variant, d, targs)
+            br, bc, smem, default = ts if ts else (None, None, None, True)
+            if threads is None or res.get("registers") is None:
+                occ = (0, 0, "unknown")
+            else:
+                occ = occupancy(res["registers"], threads, smem)
+            fc = None
+            if agg and br:
+                fc = forecast(kernel, agg, occ[0], threads, br, bc, d)
+            rows.append({
+                "name": f"{kernel}/{variant}", "kernel": kernel, "variant": variant,
+                "default_tiles": default,
+                "function": names[mangled], "head_dim": d, "block_r": br, "block_c": bc,
+                "threads": threads, "registers": res.get("registers"),
+                "spill_bytes": (res.get("spill_stores") or 0) + (res.get("spill_loads") or 0),
+                "smem_bytes": smem, "blocks_per_sm": occ[0],
+                "occupancy": occ[1] / H200["max_warps_per_sm"], "occupancy_limit": occ[2],
+                "hot_loops": len(hl), "hot": agg,
+                "fp_share": agg["fp"] / agg["instructions"] if agg else None,
+                "lds_per_flop": agg["lds"] / agg["flop"] if agg and agg["flop"] else None,
+                "int_div": agg["int_div"] if agg else None,
+                "forecast_tflops": fc,
+            })
+    rows.sort(key=lambda r: (r["kernel"], r["variant"] != "reference", r["head_dim"],
+                             not r["default_tiles"]))
+
+    def f(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    print(f"SASS report for {args.arch}: nvcc {ptxas_report.find_nvcc()}, {args.source}, flags "
+          f"from {origin}: {' '.join(flags)}; H200 forecast for B={PROBLEM['batch']} "
+          f"H={PROBLEM['heads']} N={PROBLEM['seqlen']} (model: tools/README.md)")
+    print("| kernel/variant | d | tiles | threads | regs | spill B | smem B | occupancy (limit) "
+          "| hot loops | insns/iter | fp share | LDS/FLOP | LDS.128 | int div | TFLOP/s |")
+    print("|---" * 15 + "|")
+    for r in rows:
+        h = r["hot"] or {}
+        tiles = f"{r['block_r']}x{r['block_c']}" if r["block_r"] else "-"
+        tiles += "" if r["default_tiles"] else " (not default)"
+        print(f"| {r['name']} | {r['head_dim']} | {tiles} | {f(r['threads'], 'd')} | "
+              f"{f(r['registers'], 'd')} | {r['spill_bytes']} | {f(r['smem_bytes'], 'd')} | "
+              f"{r['occupancy']:.2f} ({r['occupancy_limit']}) | {r['hot_loops']} | "
+              f"{f(h.get('instructions'), 'd')} | {f(r['fp_share'], '.2f')} | "
+              f"{f(r['lds_per_flop'], '.3f')} | {f(h.get('lds128'), 'd')} | "
+              f"{f(r['int_div'], 'd')} | {f(r['forecast_tflops'], '.1f')} |")
+    d0 = args.head_dim[0]
+    parts = [f"{r['name']} fp_share={f(r['fp_share'], '.3f')} "
+             f"lds_per_flop={f(r['lds_per_flop'], '.3f')} "
+             f"forecast_tflops={f(r['forecast_tflops'], '.1f')}"
+             for r in rows if r["head_dim"] == d0 and r["default_tiles"]]
+    if args.json:
+        Path(args.json).write_text(json.dumps({"arch": args.arch, "flags": flags,
+                                               "model": H200, "problem": PROBLEM,
+                                               "rows": rows}, indent=2) + "\n")
+    print("summary: " + " | ".join(parts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
