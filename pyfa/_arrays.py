@@ -116,9 +116,8 @@ def host_array(name: str, x: Any) -> Any:
 
 @dataclass
 class DeviceTensor:
-    """A CUDA argument: its device pointer, shape and element strides (None: C-contiguous;
-    C-contiguous ones only until the library takes strides, issue 11), and what keeps its
-    memory exported."""
+    """A CUDA argument: its device pointer, shape and element strides (None: C-contiguous),
+    and what keeps its memory exported."""
     name: str
     ptr: int
     shape: Tuple[int, ...]
@@ -128,7 +127,19 @@ class DeviceTensor:
 
     @property
     def nbytes(self) -> int:
-        return 4 * int(np.prod(self.shape, dtype=np.int64))
+        """Bytes from its first element to the end of its last: the memory it spans."""
+        if self.strides is None or 0 in self.shape:
+            return 4 * int(np.prod(self.shape, dtype=np.int64))
+        return 4 * (1 + sum((n - 1) * s for n, s in zip(self.shape, self.strides)))
+
+    @property
+    def contiguous(self) -> bool:
+        expected = 1
+        for n, s in zip(reversed(self.shape), reversed(self.strides or ())):
+            if n != 1 and s != expected:
+                return False
+            expected *= n
+        return True
 
 
 class _DLDevice(ctypes.Structure):
@@ -200,16 +211,18 @@ def _from_capsule(name, capsule):
 
 
 def _check_layout(name, shape, strides, dtype_ok, dtype_text):
-    """float32 and C-contiguous (the shape is the API's to check)."""
+    """float32, non-negative strides, the last axis contiguous (the shape is the API's to
+    check): what the library can address in place."""
     if not dtype_ok:
         raise TypeError(f"{name}: expected dtype float32, got {dtype_text}")
-    if strides is not None:
-        expected = 1
-        for n, s in zip(reversed(shape), reversed(strides)):
-            if n != 1 and s != expected:
-                raise ValueError(f"{name}: a CUDA array must be C-contiguous until strides land "
-                                 f"(shape {shape}, element strides {tuple(strides)})")
-            expected *= n
+    if strides is None or not shape:
+        return
+    if any(s < 0 for s in strides):
+        raise ValueError(f"{name}: negative strides are not supported (element strides "
+                         f"{tuple(strides)})")
+    if shape[-1] != 1 and strides[-1] != 1:
+        raise ValueError(f"{name}: the last axis of a CUDA array must be contiguous (shape "
+                         f"{shape}, element strides {tuple(strides)})")
 
 
 def device_tensor(name: str, x: Any, stream: int) -> DeviceTensor:

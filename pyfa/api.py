@@ -201,6 +201,24 @@ def _in_place(x):
     return x, strides
 
 
+def _device_strides(t, shape4, rank, layout):
+    """The (batch, head, row) element strides of the CUDA array t (the caller's rank and
+    layout) seen as the (B, heads, N, d) tensor of shape4. As for CPU views (_strides), an
+    axis of length 1 gets its dense stride, so only a tensor broadcast along every axis
+    would read as all zeros (dense): that one is refused."""
+    if t.strides is None:
+        return _layout_strides(shape4, rank, layout)
+    caller = (0,) * (4 - rank) + tuple(t.strides)
+    b, first, second = caller[:3]
+    h, n = (second, first) if layout == "bnhd" and rank > 2 else (first, second)
+    B, H, N, d = shape4
+    strides = tuple(dense if size == 1 else s
+                    for size, s, dense in zip((B, H, N), (b, h, n), (H * N * d, N * d, d)))
+    if strides == (0, 0, 0):
+        raise ValueError(f"{t.name}: broadcast along every axis; pass a materialised array")
+    return strides
+
+
 def _layout_strides(shape4, rank, layout):
     """The strides of a C-contiguous array in the caller's layout, seen as the (B, H, N, d)
     tensor of shape4: None (dense) unless it is (B, N, H, d)."""
@@ -340,8 +358,12 @@ def _intake(args, stream, backend, layout, outs=None):
     handle = _cuda_stream(labelled, place, stream)
     tensors = {n: _arrays.device_tensor(n, x, handle) for n, x in args.items()}
     dims, rank = _check_device_shapes(tensors, layout)
+    for n, t in tensors.items():
+        if TENSOR_KINDS[n] == "row" and not t.contiguous:
+            raise ValueError(f"{n}: a per-row CUDA tensor must be C-contiguous")
     strides = {n: None if TENSOR_KINDS[n] == "row"
-               else _layout_strides(tensor_shape(n, *dims), rank, layout) for n in tensors}
+               else _device_strides(t, tensor_shape(n, *dims), rank, layout)
+               for n, t in tensors.items()}
     return _Intake(place, kind, tensors, strides, dims, rank, layout, handle)
 
 
@@ -447,8 +469,11 @@ def _run_device(op, intake, outs, problem, config, progress):
                 raise ValueError(f"{name}: overlaps {other}; outputs must not share memory "
                                  f"with each other or with the inputs")
     _set_strides(problem, {n: intake.strides[n] for n in op.inputs})
-    _set_strides(problem, {n: _layout_strides(intake.shape4(n), intake.rank, intake.layout)
-                           for n in op.outputs if TENSOR_KINDS[n] != "row"})
+    for n, (_, _, t) in targets.items():
+        if TENSOR_KINDS[n] == "row" and not t.contiguous:
+            raise ValueError(f"out ({n}): a per-row CUDA tensor must be C-contiguous")
+    _set_strides(problem, {n: _device_strides(t, intake.shape4(n), intake.rank, intake.layout)
+                           for n, (_, _, t) in targets.items() if TENSOR_KINDS[n] != "row"})
     fn = getattr(lib, op.device_function)
     switch = _arrays.device_switch(intake.kind, intake.place.index)
     if switch is not None:
@@ -500,7 +525,7 @@ _COMMON_DOC = """
     Arrays: NumPy, or any array with __dlpack__ (PyTorch, CuPy, JAX, ...) or
     __cuda_array_interface__, all on one device. CPU arrays run as NumPy arrays (any
     strides; read in place when the last axis is contiguous, else copied); CUDA arrays
-    must be C-contiguous (in the layout) and go to
+    need a contiguous last axis (any other strides, no copy) and go to
     the device entry point with no host copy, enqueued on `stream` (an int cudaStream_t or
     a PyTorch/CuPy stream object; default: the producer's current stream). Outputs are
     arrays of q's library (NumPy for a producer pyfa cannot hand DLPack to), or the

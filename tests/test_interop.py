@@ -292,7 +292,8 @@ _arrays.ALLOCATORS["__main__"] = lambda shape, index: FakeCuda(np.zeros(shape, n
 # The fake's test controls, beside the header's declarations.
 import cffi
 ffi = cffi.FFI()
-ffi.cdef("void fake_cuda_reset(int, int); const char* fake_cuda_log(void);")
+ffi.cdef("void fake_cuda_reset(int, int); const char* fake_cuda_log(void);"
+         "void fake_cuda_strides(int64_t*, int64_t*);")
 lib = ffi.dlopen(str(pyfa._lib.library_path()))
 rng = np.random.default_rng(0)
 B, H, N, D = 1, 2, 8, 4
@@ -368,9 +369,19 @@ def cancelled():
         return dict(error=str(e), o=values(o))
 results["cancelled"] = case(cancelled)
 
+def strided():
+    # q and out as (B, H, N, D) views of (B, N, H, D) memory: passed with their strides.
+    q_bnhd = FakeCuda(rng.standard_normal((B, N, H, D), dtype=np.float32).transpose(0, 2, 1, 3))
+    o = FakeCuda(np.zeros((B, N, H, D), np.float32).transpose(0, 2, 1, 3))
+    r = pyfa.attention(q_bnhd, k, v, out=o, block_r=4, block_c=4)
+    qs, os_ = ffi.new("int64_t[3]"), ffi.new("int64_t[3]")
+    lib.fake_cuda_strides(qs, os_)
+    return dict(same=r is o, o=values(o), q_strides=list(qs), o_strides=list(os_))
+results["strided"] = case(strided)
+
 errors = {
     "cai_stream_mismatch": lambda: pyfa.attention(FakeCuda(q.a, cai_stream=5), k, v, stream=6),
-    "non_contiguous": lambda: pyfa.attention(FakeCuda(np.zeros((B, N, H, D), np.float32).transpose(0, 2, 1, 3)), k, v),
+    "last_axis_strided": lambda: pyfa.attention(FakeCuda(np.zeros((B, H, D, N), np.float32).transpose(0, 1, 3, 2)), k, v),
     "float64": lambda: pyfa.attention(FakeCuda(q.a.astype(np.float64)), k, v),
     "emu": lambda: pyfa.attention(q, k, v, backend="emu"),
     "read_only_out": lambda: pyfa.attention(q, k, v, out=fresh(readonly=True)),
@@ -464,9 +475,17 @@ def test_fake_cuda_cancelled_before_enqueuing_writes_nothing(fake_cuda_pyfa):
     assert launches(r) == [] and not [e for e in r["log"] if e.startswith("malloc")], r["log"]
 
 
+def test_fake_cuda_strided_arrays_go_in_place_with_their_strides(fake_cuda_pyfa):
+    r = fake_cuda_pyfa["strided"]
+    assert r["error"] is None, r["error"]
+    assert r["value"]["same"] and r["value"]["o"] == [1.0]
+    assert r["value"]["q_strides"] == r["value"]["o_strides"] == [8 * 2 * 4, 4, 2 * 4]
+    assert not [e for e in r["log"] if e.startswith(("h2d", "d2h", "malloc"))], r["log"]
+
+
 @pytest.mark.parametrize("name, message", [
     ("cai_stream_mismatch", "ValueError: q: its __cuda_array_interface__ is on stream 0x5, but this call runs on stream 0x6"),
-    ("non_contiguous", "ValueError: q: a CUDA array must be C-contiguous until strides land"),
+    ("last_axis_strided", "ValueError: q: the last axis of a CUDA array must be contiguous"),
     ("float64", "TypeError: q: expected dtype float32"),
     ("emu", "ValueError: backend: 'emu' runs on host memory, but the arrays are on cuda:0"),
     ("read_only_out", r"ValueError: out (o): is read-only"),
@@ -514,8 +533,10 @@ def test_cuda_torch_tensors_in_and_out():
     assert pyfa.attention(tq, tk, tv, out=out, stream=torch.cuda.current_stream()) is out
     torch.cuda.synchronize()
     assert same_bits(out.cpu().numpy(), pyfa.attention(Q, K, V, backend="cuda"))
-    with pytest.raises(ValueError, match="must be C-contiguous until strides land"):
-        pyfa.attention(tq.transpose(1, 2).contiguous().transpose(1, 2), tk, tv)
+    # A (B, H, N, d) view of (B, N, H, d) memory goes in place, with the same bits.
+    strided = pyfa.attention(tq.transpose(1, 2).contiguous().transpose(1, 2), tk, tv)
+    torch.cuda.synchronize()
+    assert same_bits(strided.cpu().numpy(), pyfa.attention(Q, K, V, backend="cuda"))
 
 
 def test_cuda_cupy_arrays_in_and_out():

@@ -8,7 +8,8 @@
 // Test controls (extern "C", below): fake_cuda_reset(fail_check, fail_launch) makes
 // cuda_check_launch fail for kernel id `fail_check` and the `fail_launch`-th launch
 // (0-based) fail (-1: none); fake_cuda_log() returns the log, one event per line;
-// fake_cuda_live() the buffers allocated and not yet freed.
+// fake_cuda_live() the buffers allocated and not yet freed; fake_cuda_strides(q, o) the
+// (batch, head, row) strides of Q and O at the last launch.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -20,6 +21,7 @@ namespace {
 
 std::string g_log;
 int g_fail_check = -1, g_fail_launch = -1, g_launches = 0, g_live = 0;
+int64_t g_q_strides[3], g_o_strides[3];
 int g_library_stream_object;
 void* const kLibraryStream = &g_library_stream_object;
 
@@ -101,6 +103,13 @@ pyfa_status cuda_launch(int kernel, const AttentionParams& p, const LaunchShape&
         return fail(PYFA_ERROR_CUDA, "fake: launch of %s refused", kernel_name(kernel));
     }
     log_event("launch %s %s", kernel_name(kernel), stream_name(stream));
+    const TensorStrides* seen[] = {&p.q_strides, &p.o_strides};
+    int64_t* kept[] = {g_q_strides, g_o_strides};
+    for (int t = 0; t < 2; ++t) {
+        kept[t][0] = seen[t]->batch;
+        kept[t][1] = seen[t]->head;
+        kept[t][2] = seen[t]->row;
+    }
     const int64_t bh = p.batch * p.heads;
     const int64_t q_elems = bh * p.seqlen_q * p.head_dim;
     const int64_t k_elems = p.batch * p.heads_kv * p.seqlen_k * p.head_dim;  // dK, dV have Hkv heads
@@ -153,5 +162,10 @@ __attribute__((visibility("default"))) void fake_cuda_reset(int fail_check, int 
 __attribute__((visibility("default"))) const char* fake_cuda_log(void) { return g_log.c_str(); }
 
 __attribute__((visibility("default"))) int fake_cuda_live(void) { return g_live; }
+
+__attribute__((visibility("default"))) void fake_cuda_strides(int64_t* q, int64_t* o) {
+    std::memcpy(q, g_q_strides, sizeof g_q_strides);
+    std::memcpy(o, g_o_strides, sizeof g_o_strides);
+}
 
 }  // extern "C"
