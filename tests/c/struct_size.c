@@ -160,7 +160,7 @@ int main(void) {
                strstr(pyfa_last_error(), "config->struct_size") && untouched(),
            "larger config->struct_size, nonzero tail: not refused by name, or outputs written");
 
-    /* variant: REFERENCE is today's kernels; FAST, where this library has none, is refused. */
+    /* variant: REFERENCE runs the readable kernels, today's bits. */
     problem = todays_problem();
     config = todays_config();
     config.variant = PYFA_VARIANT_REFERENCE;
