@@ -144,22 +144,6 @@ def test_emu_on_a_device_entry_point_takes_host_pointers():
     assert np.all(o == 7.0) and np.all(lse == 7.0)
 
 
-def test_cpu_backend_is_reported_unavailable_with_a_reason():
-    ffi, lib = _lib.load()
-    pr = ffi.new("pyfa_problem *", dict(batch=1, heads=1, seqlen_q=4, seqlen_k=4, head_dim=8))
-    cfg = ffi.new("pyfa_config *", dict(backend=3))
-    x = np.ones((4, 8), np.float32)
-    o = np.full((4, 8), 7.0, np.float32)
-    lse = np.full(4, 7.0, np.float32)
-    ptr = lambda a: ffi.cast("float *", ffi.from_buffer(a))
-    if lib.pyfa_backend_available(3):
-        pytest.skip("this libpyfa has the cpu backend")
-    assert lib.pyfa_fa2_forward(pr, cfg, ptr(x), ptr(x), ptr(x), ptr(o), ptr(lse)) == 3
-    assert "config->backend: the cpu backend" in ffi.string(lib.pyfa_last_error()).decode()
-    assert ffi.string(lib.pyfa_backend_reason(3)).decode()
-    assert np.all(o == 7.0) and np.all(lse == 7.0)
-
-
 def test_backend_reason_says_why_and_is_empty_when_usable():
     ffi, lib = _lib.load()
     assert ffi.string(lib.pyfa_backend_reason(2)).decode() == ""

@@ -36,13 +36,24 @@ struct TensorSlot {
     const char* name;  // the argument's name, as in pyfa.h
     bool key_rows;     // K, V, dK, dV: rows are Nk rather than Nq, heads Hkv rather than H
     bool per_row;      // one value per row (LSE, m, l, D) rather than d; always dense
+    pyfa_strides pyfa_problem::*caller;   // its strides as the caller gives them (4-D tensors)
+    TensorStrides AttentionParams::*kernel;  // and as the kernels take them
 };
 
 const TensorSlot kTensors[] = {
-    {"", false, false},    {"q", false, false},  {"k", true, false},  {"v", true, false},
-    {"o", false, false},   {"lse", false, true}, {"m", false, true},  {"l", false, true},
-    {"do", false, false},  {"dq", false, false}, {"dk", true, false}, {"dv", true, false},
-    {"D", false, true},
+    {"", false, false, nullptr, nullptr},
+    {"q", false, false, &pyfa_problem::q, &AttentionParams::q_strides},
+    {"k", true, false, &pyfa_problem::k, &AttentionParams::k_strides},
+    {"v", true, false, &pyfa_problem::v, &AttentionParams::v_strides},
+    {"o", false, false, &pyfa_problem::o, &AttentionParams::o_strides},
+    {"lse", false, true, nullptr, nullptr},
+    {"m", false, true, nullptr, nullptr},
+    {"l", false, true, nullptr, nullptr},
+    {"do", false, false, &pyfa_problem::dout, &AttentionParams::dout_strides},
+    {"dq", false, false, &pyfa_problem::dq, &AttentionParams::dq_strides},
+    {"dk", true, false, &pyfa_problem::dk, &AttentionParams::dk_strides},
+    {"dv", true, false, &pyfa_problem::dv, &AttentionParams::dv_strides},
+    {"D", false, true, nullptr, nullptr},
 };
 
 // Heads of tensor t (pr.heads_kv already resolved from 0).
@@ -62,19 +73,9 @@ size_t tensor_bytes(TensorId t, const pyfa_problem& pr) {
     return sizeof(float) * static_cast<size_t>(tensor_elems(t, pr));
 }
 
-// The caller's strides of a 4-D tensor (not of a per-row one).
+// The caller's strides of a 4-D tensor; nullptr for a per-row one.
 const pyfa_strides* caller_strides(TensorId t, const pyfa_problem& pr) {
-    switch (t) {
-        case T_Q: return &pr.q;
-        case T_K: return &pr.k;
-        case T_V: return &pr.v;
-        case T_O: return &pr.o;
-        case T_DO: return &pr.dout;
-        case T_DQ: return &pr.dq;
-        case T_DK: return &pr.dk;
-        case T_DV: return &pr.dv;
-        default: return nullptr;
-    }
+    return kTensors[t].caller ? &(pr.*kTensors[t].caller) : nullptr;
 }
 
 // The field names of pyfa_problem's strides, for messages ("do" is the argument, "dout"
@@ -137,17 +138,7 @@ void scatter_rows(TensorId t, const pyfa_problem& pr, const float* dense, float*
 
 // The kernels' strides of a 4-D tensor; nullptr for the dense per-row ones.
 TensorStrides* strides_slot(AttentionParams& p, TensorId t) {
-    switch (t) {
-        case T_Q: return &p.q_strides;
-        case T_K: return &p.k_strides;
-        case T_V: return &p.v_strides;
-        case T_O: return &p.o_strides;
-        case T_DO: return &p.dout_strides;
-        case T_DQ: return &p.dq_strides;
-        case T_DK: return &p.dk_strides;
-        case T_DV: return &p.dv_strides;
-        default: return nullptr;
-    }
+    return kTensors[t].kernel ? &(p.*kTensors[t].kernel) : nullptr;
 }
 
 float*& param_slot(AttentionParams& p, TensorId t) {
