@@ -249,8 +249,8 @@ def test_fast_forward_masks_gqa_layouts(mask, heads, heads_kv, layout, variant):
         assert same_bits(o, sim.o) and same_bits(lse, sim.lse), order
 
 
-# The FA2 backward: its dQ kernel has a fast variant (auto runs it beside the readable
-# preprocess and dK/dV kernels); "fast" names the kernels that have none.
+# The FA2 backward: its dQ and dK/dV kernels have fast variants (auto runs them beside the
+# readable preprocess kernel); "fast" names the kernels that have none.
 BACKWARD_CASES = [
     (1, 2, 100, 130, 64, 64, 64),
     (1, 1, 200, 77, 64, 128, 64),
@@ -290,3 +290,82 @@ def test_fast_backward_names_the_kernels_without_a_fast_variant():
     fwd = pyfa.sim.fa2_forward(q, k, v)
     with pytest.raises(ValueError, match="fa2_backward_preprocess has no fast variant"):
         pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, backend="emu", variant="fast")
+
+
+# The fast dK/dV kernel (d = 64, Br = Bc = 64; variant auto runs it inside fa2_backward).
+# Q tails of every residue of 4 (the dS^T Q loop's last 1..3 rows), K/V tails, one tile
+# and less, and Nq != Nk both ways, so that with causal some K/V tiles have an empty band
+# (dK = dV = +0) and some query rows see no key (LSE = -inf, P = 0).
+DKDV_CASES = [
+    (1, 1, 64, 64, 64, 64, 64),
+    (2, 1, 70, 131, 64, 64, 64),
+    (1, 2, 131, 67, 64, 64, 64),
+    (1, 1, 1, 1, 64, 64, 64),
+    (1, 1, 129, 200, 64, 64, 64),
+    (1, 1, 200, 45, 64, 64, 64),
+]
+
+
+@pytest.mark.parametrize("variant", ["reference", "auto"])
+@pytest.mark.parametrize("order", ["forward", "reverse"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", DKDV_CASES, ids=grid.case_id)
+def test_fa2_backward_with_the_fast_dkdv_equals_the_simulator(case, causal, order, variant):
+    B, H, Nq, Nk, d, Br, Bc = case
+    q, k, v, do = make_inputs((B, H, Nq, d), (B, H, Nk, d), grid.case_seed(case), True)
+    fwd = pyfa.sim.fa2_forward(q, k, v, causal=causal)
+    sim = pyfa.sim.fa2_backward(q, k, v, fwd.o, fwd.lse, do, causal=causal, block_r=Br, block_c=Bc)
+    dq, dk, dv = pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, causal=causal, block_r=Br,
+                                   block_c=Bc, backend="emu", emu_order=order, variant=variant)
+    assert same_bits(dq, sim.dq) and same_bits(dk, sim.dk) and same_bits(dv, sim.dv)
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("mask", MASKED, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
+def test_fast_dkdv_masks_gqa_layouts(mask, layout):
+    # Three query heads per K/V head: dK, dV sum over g = 0, 1, 2 in order.
+    rng = np.random.default_rng(len(mask) + len(layout))
+    Nq, Nk = 75, 130
+    shape_q = (1, 3, Nq, 64) if layout == "bhnd" else (1, Nq, 3, 64)
+    shape_k = (1, 1, Nk, 64) if layout == "bhnd" else (1, Nk, 1, 64)
+    q, do = (rng.standard_normal(shape_q, dtype=np.float32) for _ in range(2))
+    k, v = (rng.standard_normal(shape_k, dtype=np.float32) for _ in range(2))
+    fwd = pyfa.sim.fa2_forward(q, k, v, layout=layout, **mask)
+    sim = pyfa.sim.fa2_backward(q, k, v, fwd.o, fwd.lse, do, layout=layout, block_r=64,
+                                block_c=64, **mask)
+    for order in ("forward", "reverse"):
+        dq, dk, dv = pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, layout=layout, block_r=64,
+                                       block_c=64, backend="emu", emu_order=order,
+                                       variant="auto", **mask)
+        assert same_bits(dq, sim.dq) and same_bits(dk, sim.dk) and same_bits(dv, sim.dv), order
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("order", ["forward", "reverse"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fast_dkdv_special_values(causal, order):
+    rng = np.random.default_rng(40 + causal)
+    q, do = (rng.standard_normal((1, 2, 70, 64), dtype=np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((1, 2, 90, 64), dtype=np.float32) for _ in range(2))
+    q[0, 0, 3] = 1e-30
+    k[0, 0, ::3] = -1e-30
+    for x in (q, k, v, do):
+        x.flat[rng.integers(0, x.size, 6)] = rng.choice(SPECIALS, 6)
+    fwd = pyfa.sim.fa2_forward(q, k, v, causal=causal, block_r=64, block_c=64)
+    sim = pyfa.sim.fa2_backward(q, k, v, fwd.o, fwd.lse, do, causal=causal, block_r=64, block_c=64)
+    dq, dk, dv = pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, causal=causal, block_r=64,
+                                   block_c=64, backend="emu", emu_order=order, variant="auto")
+    assert same_bits(dq, sim.dq) and same_bits(dk, sim.dk) and same_bits(dv, sim.dv)
+    assert np.isnan(dk).any()  # the specials reach dK
+
+
+def test_fast_dkdv_tiles():
+    assert pyfa.default_tiles("fa2_backward_dkdv", 64, backend="emu", variant="fast") == (64, 64)
+    # K_j, V_j, Q_i, dO_i (two copies each of the latter), P^T/dS^T, dK_j, dV_j: an A100's
+    # 163 KiB holds it.
+    assert pyfa.smem_bytes("fa2_backward_dkdv", 64, 64, 64, variant="fast") == \
+        4 * (8 * 64 * 64 + 64 * 68)
+    assert pyfa.smem_bytes("fa2_backward_dkdv", 128, 64, 64, variant="fast") == 0
+    with pytest.raises(ValueError, match=r"variant: fast: .*fa2_backward_dkdv is compiled for head_dim 64, "
+                                         r"not 128"):
+        pyfa.default_tiles("fa2_backward_dkdv", 128, backend="emu", variant="fast")

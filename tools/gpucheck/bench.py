@@ -17,7 +17,7 @@ BENCH_SEQLENS = [1024, 2048, 4096, 8192]
 BENCH_VARIANTS = [(64, None), (64, (32, 32)), (128, None), (128, (32, 32))]
 BENCH_BATCH, BENCH_HEADS = 4, 8
 # pyfa.api.VARIANTS timed side by side; "reference" rows keep the op's plain name. "auto"
-# times an op whose kernels are only partly fast (the FA2 backward: a fast dQ kernel).
+# times an op whose kernels are only partly fast (the FA2 backward: fast dQ and dK/dV kernels).
 BENCH_KERNEL_VARIANTS = ["reference", "fast", "auto"]
 GRADS = ("dq", "dk", "dv")
 
