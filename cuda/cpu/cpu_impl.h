@@ -158,12 +158,18 @@ inline int32_t clamp32(int64_t v, int64_t lo, int64_t hi) {
 // scalars broadcast to every lane. A register tile of NI vectors by NJ operands keeps
 // NI * NJ independent sums in flight, each a plain in-order chain.
 // ---------------------------------------------------------------------------------------
+// C, when given, holds sums stopped part way (C[j * ldc + i]): they go on from there, so
+// the chain of fused multiply-adds of each sum is the same as in one call. Always inlined:
+// left out of line (GCC's choice once it has more callers) it ran slower at d = 64.
 template <int NI, int NJ, class Epi>
-inline void micro(const float* A, int64_t lda, const float* B, int64_t sj, int64_t sk, int64_t K,
-                  int64_t i0, int64_t j0, Epi& epi) {
+__attribute__((always_inline)) inline void micro(const float* A, int64_t lda, const float* B,
+                                                 int64_t sj, int64_t sk, int64_t K, int64_t i0,
+                                                 int64_t j0, Epi& epi, const float* C = nullptr,
+                                                 int64_t ldc = 0) {
     vf acc[NJ][NI];
     for (int jj = 0; jj < NJ; ++jj)
-        for (int ii = 0; ii < NI; ++ii) acc[jj][ii] = vf{};
+        for (int ii = 0; ii < NI; ++ii)
+            acc[jj][ii] = C ? ld(C + (j0 + jj) * ldc + i0 + ii * W) : vf{};
     const float* a = A + i0;
     const float* b = B + j0 * sj;
 #pragma GCC unroll 4
@@ -181,10 +187,11 @@ inline void micro(const float* A, int64_t lda, const float* B, int64_t sj, int64
 
 template <int NI, int NJ, class Epi>
 inline void micro_tail(int64_t rem, const float* A, int64_t lda, const float* B, int64_t sj,
-                       int64_t sk, int64_t K, int64_t i0, int64_t j0, Epi& epi) {
+                       int64_t sk, int64_t K, int64_t i0, int64_t j0, Epi& epi,
+                       const float* C = nullptr, int64_t ldc = 0) {
     if constexpr (NJ > 0) {
-        if (rem == NJ) micro<NI, NJ>(A, lda, B, sj, sk, K, i0, j0, epi);
-        else micro_tail<NI, NJ - 1>(rem, A, lda, B, sj, sk, K, i0, j0, epi);
+        if (rem == NJ) micro<NI, NJ>(A, lda, B, sj, sk, K, i0, j0, epi, C, ldc);
+        else micro_tail<NI, NJ - 1>(rem, A, lda, B, sj, sk, K, i0, j0, epi, C, ldc);
     }
 }
 
@@ -203,6 +210,58 @@ inline void gemm(const float* A, int64_t lda, int64_t ni, const float* B, int64_
     int64_t i = 0;
     for (; i + RI * W <= ni; i += RI * W) gemm_cols<RI>(A, lda, B, sj, sk, K, nj, i, epi);
     for (; i < ni; i += W) gemm_cols<1>(A, lda, B, sj, sk, K, nj, i, epi);
+}
+
+// C[j * ldc + i] = sum_k A[k * lda + i] * B[j * sj + k * sk], as gemm stores it, but in
+// blocks of KB along k: each sum is stopped in C after a block and goes on from there with
+// the next, so its chain is unchanged, while a block of A and of B stays in L1 for every
+// register tile (at d = 128 the whole Q_i^T and K_j are 32 KiB each, L1's size here).
+constexpr int64_t KB = 64;
+inline void gemm_store_kb(const float* A, int64_t lda, int64_t ni, const float* B, int64_t sj,
+                          int64_t sk, int64_t K, int64_t nj, float* C, int64_t ldc) {
+    auto epi = [&](int64_t j, int64_t i, vf acc) { st(C + j * ldc + i, acc); };
+    if (K <= KB) return gemm(A, lda, ni, B, sj, sk, K, nj, epi);
+    for (int64_t k0 = 0; k0 < K; k0 += KB) {
+        const int64_t kn = min64(KB, K - k0);
+        const float* Ak = A + k0 * lda;
+        const float* Bk = B + k0 * sk;
+        const float* Ck = k0 == 0 ? nullptr : C;
+        int64_t i = 0;
+        for (; i < ni; i += (i + RI * W <= ni ? RI * W : W)) {
+            const bool full = i + RI * W <= ni;
+            int64_t j = 0;
+            for (; j + RJ <= nj; j += RJ) {
+                if (full) micro<RI, RJ>(Ak, lda, Bk, sj, sk, kn, i, j, epi, Ck, ldc);
+                else micro<1, RJ>(Ak, lda, Bk, sj, sk, kn, i, j, epi, Ck, ldc);
+            }
+            if (full) micro_tail<RI, RJ - 1>(nj - j, Ak, lda, Bk, sj, sk, kn, i, j, epi, Ck, ldc);
+            else micro_tail<1, RJ - 1>(nj - j, Ak, lda, Bk, sj, sk, kn, i, j, epi, Ck, ldc);
+        }
+    }
+}
+
+// gemm for the forward's P~_ij V_j when V_j is wider than KB (too large for L1 beside the
+// rest): the operands outside and the lanes inside, so a group of RJ columns of V_j stays
+// in L1 while every lane block passes and P~_ij is re-read from L1 instead of V_j from L2.
+// The same sums in the same order as gemm; only the order in which independent sums are
+// computed differs. A narrower V_j fits L1, and gemm's order re-reads less. (The
+// backward's dV, dK products measured no faster this way, so they keep gemm.)
+template <class Epi>
+inline void gemm_jo(const float* A, int64_t lda, int64_t ni, const float* B, int64_t sj, int64_t sk,
+                    int64_t K, int64_t nj, Epi epi) {
+    if (nj <= KB) return gemm(A, lda, ni, B, sj, sk, K, nj, epi);
+    int64_t j = 0;
+    for (; j + RJ <= nj; j += RJ) {
+        int64_t i = 0;
+        for (; i + RI * W <= ni; i += RI * W) micro<RI, RJ>(A, lda, B, sj, sk, K, i, j, epi);
+        for (; i < ni; i += W) micro<1, RJ>(A, lda, B, sj, sk, K, i, j, epi);
+    }
+    if (j < nj) {
+        int64_t i = 0;
+        for (; i + RI * W <= ni; i += RI * W)
+            micro_tail<RI, RJ - 1>(nj - j, A, lda, B, sj, sk, K, i, j, epi);
+        for (; i < ni; i += W) micro_tail<1, RJ - 1>(nj - j, A, lda, B, sj, sk, K, i, j, epi);
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -263,7 +322,7 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
         const float* K = p.k + (bkv * Nk + col0) * d;  // (bc, d)
         const float* V = p.v + (bkv * Nk + col0) * d;  // (bc, d)
         // S^T[c][r] = sum_x Q[r,x] K[c,x].
-        gemm(f.QT, Rp, Rp, K, d, 1, d, bc, [&](int64_t c, int64_t r, vf acc) { st(f.S + c * Rp + r, acc); });
+        gemm_store_kb(f.QT, Rp, Rp, K, d, 1, d, bc, f.S, Rp);
         // Key c is hidden from row r iff c - r > delta (the mask's right side) or
         // c - r < delta_lo (its left side).
         const int64_t delta = row0 + p.mask.off + p.mask.right - col0;
@@ -327,12 +386,12 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
 
         // pv^T[x][r] = sum_c P~[r,c] V[c,x], then the row update.
         if (!ctx.fa1) {
-            gemm(f.S, Rp, Rp, V, 1, d, bc, d, [&](int64_t x, int64_t r, vf pv) {
+            gemm_jo(f.S, Rp, Rp, V, 1, d, bc, d, [&](int64_t x, int64_t r, vf pv) {
                 float* o = f.OT + x * Rp + r;
                 st(o, vmadd(ld(f.a + r), ld(o), pv));
             });
         } else {
-            gemm(f.S, Rp, Rp, V, 1, d, bc, d, [&](int64_t x, int64_t r, vf pv) {
+            gemm_jo(f.S, Rp, Rp, V, 1, d, bc, d, [&](int64_t x, int64_t r, vf pv) {
                 float* o = f.OT + x * Rp + r;
                 const vf ln = ld(f.l + r);
                 const vf num = vmadd(ld(f.a + r), ld(o), ld(f.b + r) * pv);
@@ -430,8 +489,8 @@ void tile_pair(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i, int64_t 
     const float* Q = p.q + (bh * Nq + row0) * d;      // (br, d)
     const float* dO = p.dout + (bh * Nq + row0) * d;  // (br, d)
     // S[r][c] = sum_x Q[r,x] K[c,x]; dP[r][c] = sum_x dO[r,x] V[c,x].
-    gemm(b.KT, Cp, Cp, Q, d, 1, d, br, [&](int64_t r, int64_t c, vf acc) { st(b.P + r * Cp + c, acc); });
-    gemm(b.VT, Cp, Cp, dO, d, 1, d, br, [&](int64_t r, int64_t c, vf acc) { st(b.dS + r * Cp + c, acc); });
+    gemm_store_kb(b.KT, Cp, Cp, Q, d, 1, d, br, b.P, Cp);
+    gemm_store_kb(b.VT, Cp, Cp, dO, d, 1, d, br, b.dS, Cp);
 
     const vf scale = splat(p.scale), ninf = splat(-INFINITY), zero = splat(0.0f);
     const vi lane = iota();
