@@ -658,6 +658,28 @@ pyfa_status device_profile_get(int backend, pyfa_device_profile* profile) {
 
 using namespace pyfa;
 
+namespace pyfa {
+namespace {
+
+// pyfa_default_tiles is pyfa_variant_default_tiles for the readable kernels.
+pyfa_status default_tiles_entry(const char* entry, int kernel, int variant, int64_t head_dim, int backend,
+                                int* block_r, int* block_c) {
+    clear_error();
+    return guarded(entry, [&] {
+        if (!block_r || !block_c) return fail(PYFA_ERROR_INVALID_ARGUMENT, "block_r, block_c: null pointer");
+        if (head_dim < 1 || head_dim > kMaxHeadDim)
+            return fail(PYFA_ERROR_INVALID_ARGUMENT, "head_dim: must be in [1, 256], got %lld",
+                        static_cast<long long>(head_dim));
+        pyfa_device_profile profile;
+        const pyfa_status st = device_profile_get(backend, &profile);
+        if (st != PYFA_OK) return st;
+        return variant_default_tiles(kernel, variant, head_dim, profile, block_r, block_c);
+    });
+}
+
+}  // namespace
+}  // namespace pyfa
+
 extern "C" {
 
 PYFA_API const char* pyfa_version(void) { return PYFA_VERSION_STRING; }
@@ -719,32 +741,14 @@ PYFA_API int64_t pyfa_variant_smem_bytes(int kernel, int variant, int block_r, i
 }
 
 PYFA_API pyfa_status pyfa_default_tiles(int kernel, int64_t head_dim, int backend, int* block_r, int* block_c) {
-    clear_error();
-    return guarded("pyfa_default_tiles", [&] {
-        if (!block_r || !block_c) return fail(PYFA_ERROR_INVALID_ARGUMENT, "block_r, block_c: null pointer");
-        if (head_dim < 1 || head_dim > kMaxHeadDim)
-            return fail(PYFA_ERROR_INVALID_ARGUMENT, "head_dim: must be in [1, 256], got %lld",
-                        static_cast<long long>(head_dim));
-        pyfa_device_profile profile;
-        const pyfa_status st = device_profile_get(backend, &profile);
-        if (st != PYFA_OK) return st;
-        return default_tiles(kernel, head_dim, profile, block_r, block_c);
-    });
+    return default_tiles_entry("pyfa_default_tiles", kernel, PYFA_VARIANT_REFERENCE, head_dim, backend,
+                               block_r, block_c);
 }
 
 PYFA_API pyfa_status pyfa_variant_default_tiles(int kernel, int variant, int64_t head_dim, int backend,
                                                 int* block_r, int* block_c) {
-    clear_error();
-    return guarded("pyfa_variant_default_tiles", [&] {
-        if (!block_r || !block_c) return fail(PYFA_ERROR_INVALID_ARGUMENT, "block_r, block_c: null pointer");
-        if (head_dim < 1 || head_dim > kMaxHeadDim)
-            return fail(PYFA_ERROR_INVALID_ARGUMENT, "head_dim: must be in [1, 256], got %lld",
-                        static_cast<long long>(head_dim));
-        pyfa_device_profile profile;
-        const pyfa_status st = device_profile_get(backend, &profile);
-        if (st != PYFA_OK) return st;
-        return variant_default_tiles(kernel, variant, head_dim, profile, block_r, block_c);
-    });
+    return default_tiles_entry("pyfa_variant_default_tiles", kernel, variant, head_dim, backend, block_r,
+                               block_c);
 }
 
 PYFA_API pyfa_status pyfa_fa2_forward(const pyfa_problem* problem, const pyfa_config* config,
