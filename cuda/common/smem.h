@@ -236,3 +236,25 @@ PYFA_HD SmemLayout fa2_backward_dkdv_fast_smem(int64_t Br, int64_t Bc, int64_t d
     L.add("dV_j", Bc, d);
     return L;
 }
+
+// ---- FA1 backward, fast variant (cuda/kernels/fast/fa1_backward_fast.cuh): 8 warps, two
+// halves of 4 that each own the 64 keys of K_j (the P half: S, P, dV~_j; the dS half: dP,
+// dS, dK~_j); Br = Bc = 64, d = 64. dK~_j and dV~_j live in registers; Q_i, dO_i, O_i are
+// kept once, row-major with swizzled chunks, for both the transposed products and D_i.
+PYFA_HD int fa1_backward_fast_threads(int64_t) { return 4 * kFastBc; }
+
+enum Fa1BackwardFastTerm { FA1BF_KjT, FA1BF_VjT, FA1BF_Kj, FA1BF_Qi, FA1BF_dOi, FA1BF_Oi, FA1BF_PT, FA1BF_dST, FA1BF_Di };
+
+PYFA_HD SmemLayout fa1_backward_fast_smem(int64_t Br, int64_t Bc, int64_t d) {
+    SmemLayout L;
+    L.add("K_j^T", d, Bc);       // outer loop: loaded once per j, for S^T = K Q^T
+    L.add("V_j^T", d, Bc);       // for dP^T = V dO^T
+    L.add("K_j", Bc, d);         // for dS K
+    L.add("Q_i", Br, d);         // inner loop: reloaded for every (j, g, i)
+    L.add("dO_i", Br, d);
+    L.add("O_i", Br, d);         // for D_i only
+    L.add("P_ij^T", Bc, fast_p_stride(Br));
+    L.add("dS_ij^T", Bc, fast_p_stride(Br));
+    L.add("D_i", Br, 1);         // rowsum(dO_i o O_i), recomputed for every (j, g, i)
+    return L;
+}
