@@ -336,7 +336,10 @@ def cmd_bench(args):
                         fwd = forward_of(op)
                         fouts = {t: backend.empty(shape)
                                  for t, shape in fwd.output_shapes(batch, heads, n, n, d).items()}
-                        call_device(fwd, problem, config, {**s, **fouts}, backend)
+                        # Any variant of the forward makes valid inputs; the backward's
+                        # variant may have no forward twin.
+                        call_device(fwd, problem, make_config(backend.name, tiles, "auto"),
+                                    {**s, **fouts}, backend)
                         tensors.update(fouts)
                     tensors.update(outs)
                     per_set_tensors.append(tensors)
