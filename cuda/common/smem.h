@@ -239,8 +239,10 @@ PYFA_HD SmemLayout fa2_backward_dkdv_fast_smem(int64_t Br, int64_t Bc, int64_t d
 
 // ---- FA1 backward, fast variant (cuda/kernels/fast/fa1_backward_fast.cuh): 8 warps, two
 // halves of 4 that each own the 64 keys of K_j (the P half: S, P, dV~_j; the dS half: dP,
-// dS, dK~_j); Br = Bc = 64, d = 64. dK~_j and dV~_j live in registers; Q_i, dO_i, O_i are
-// kept once, row-major with swizzled chunks, for both the transposed products and D_i.
+// dS, dK~_j); Br = Bc = 64, d = 64 or 128. dK~_j and dV~_j live in registers; Q_i, dO_i,
+// O_i are kept once, row-major with swizzled chunks, for both the transposed products and
+// D_i: 130.25 KiB at d = 64 (an A100's 163 KiB holds it), 226.25 KiB at d = 128 (an H200's
+// 227 KiB).
 PYFA_HD int fa1_backward_fast_threads(int64_t) { return 4 * kFastBc; }
 
 enum Fa1BackwardFastTerm { FA1BF_KjT, FA1BF_VjT, FA1BF_Kj, FA1BF_Qi, FA1BF_dOi, FA1BF_Oi, FA1BF_PT, FA1BF_dST, FA1BF_Di };

@@ -55,7 +55,10 @@
       fa2_backward_dkdv_fast_threads(Br), kGridKvTilesKvHeads)                                        \
     X(14, "fa1_backward/fast d=64 64x64", PYFA_KERNEL_FA1_BACKWARD, PYFA_VARIANT_FAST, 64, 64, 64,    \
       (fa1_backward_fast_kernel<64>), fa1_backward_fast_smem, fa1_backward_fast_threads(Br),        \
+      kGridKvHeads)                                                                                   \
+    X(15, "fa1_backward/fast d=128 64x64", PYFA_KERNEL_FA1_BACKWARD, PYFA_VARIANT_FAST, 128, 64, 64,  \
+      (fa1_backward_fast_kernel<128>), fa1_backward_fast_smem, fa1_backward_fast_threads(Br),       \
       kGridKvHeads)
 
 // Rows in the table (ids 0 .. kKernelRows - 1).
-constexpr int kKernelRows = 15;
+constexpr int kKernelRows = 16;

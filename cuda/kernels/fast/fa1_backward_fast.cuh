@@ -6,23 +6,26 @@
 // heads g, then the Q tiles i of the band, inner; Q_i, O_i, dO_i, dQ_i, m_i, l_i read
 // from HBM at every (j, g, i) and dQ_i written back; D_i recomputed at every step.
 //
-// What changes, against the readable kernel: Br = Bc = 64 and d compile-time; 8 warps in
-// two halves of 4 with the same register tiles on different operands. Each warp owns 16
-// keys of K_j (a thread 8 keys c = w*16 + rg + 2 ii, w = warp & 3, lane = 16 rg + cg):
+// What changes, against the readable kernel: Br = Bc = 64 and d (64 or 128) compile-time;
+// 8 warps in two halves of 4 that run the same register tiles on different operands. Each
+// warp owns 16 keys of K_j (a thread 8 keys c = w*16 + rg + 2 ii, w = warp & 3, lane =
+// 16 rg + cg):
 //   step A  the "P" half computes an 8 x 4 tile of S^T (keys x query rows cg*4 .. +3) and
 //           P, the "dS" half the same tile of dP^T; two warps of the dS half compute D_i,
 //           one row per thread;
-//   step B  the P half adds its 8 x 4 tile of P^T dO_i to dV~_j, the dS half forms dS and
-//           adds its tile of scale * dS^T Q_i to dK~_j; dK~_j and dV~_j live in registers;
-//   step C  all 256 threads compute a 4 x 4 tile of dS K_j each and update dQ_i in HBM,
-//           each dQ element always by the same thread.
+//   step B  the P half adds its 8 x 4 (d = 128: 8 x 8) tile of P^T dO_i to dV~_j, the dS
+//           half forms dS and adds its tile of scale * dS^T Q_i to dK~_j; dK~_j and dV~_j
+//           live in registers;
+//   step C  all 256 threads compute a 4 x 4 (4 x 8) tile of dS K_j each and update dQ_i in
+//           HBM, each dQ element always by the same thread.
 // K_j, V_j are stored transposed (keys permuted by fast_q_pos) for 128-bit loads of a
-// thread's 8 keys, and row-major (K_j) for dS K; Q_i, dO_i, O_i row-major with the chunk
+// thread's 8 keys, and K_j row-major for dS K; Q_i, dO_i, O_i row-major with the chunk
 // swizzle swz_qk, read along rows in 128-bit loads without bank conflicts; P^T and dS^T
 // with the padded stride fast_p_stride. 128-bit global loads; the next step's Q_i, dO_i,
-// O_i come into registers while this step computes; 32-bit indices inside a head; no
-// division or modulo in the loops. Every element is computed with the operations and in
-// the order of docs/numerics.md (FA1 backward), so the simulator is unchanged.
+// O_i come by cp.async while this step's dS K computes; 32-bit indices inside a head; no
+// division or modulo in the loops; three barriers per step. Every element is computed with
+// the operations and in the order of docs/numerics.md (FA1 backward), so the simulator is
+// unchanged.
 #pragma once
 
 #include "kernels/fast/fa2_forward_fast.cuh"
@@ -38,7 +41,7 @@ __global__ void __launch_bounds__(4 * kFastBc) fa1_backward_fast_kernel(const At
     constexpr int XC = D / 64;          // 4-column chunks per thread per row in steps B, C
     constexpr int LDP = BR + 4;         // fast_p_stride(BR)
     constexpr int RPT = BR * DC / NT;   // chunks of each of Q_i, dO_i, O_i per thread
-    static_assert(D == 64, "head dim 64");
+    static_assert(D == 64 || D == 128, "head dims 64 and 128");
     static_assert(BR * BC == 16 * NT, "step C: a 4 x 4 tile of dQ_i per thread");
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -98,29 +101,22 @@ __global__ void __launch_bounds__(4 * kFastBc) fa1_backward_fast_kernel(const At
             st4(dQ + (e / DC) * lddq + 4 * (e & (DC - 1)), pyfa_f4{0.f, 0.f, 0.f, 0.f});
     }
 
-    // Q_i, dO_i, O_i of one step through registers (rows past br are 0), then into shared
-    // memory: 16 threads read one row's 256 bytes.
-    pyfa_f4 pq[RPT], pdo[RPT], po[RPT];
-    auto load_rows = [&](const Head& hd, int row0, int br) {
-PYFA_UNROLL
+    // Q_i, dO_i, O_i of one step by cp.async, 16 bytes at a time into their swizzled
+    // places (rows past br are 0): 16 threads copy one row's 256 bytes. The copies land
+    // while the threads compute; the wait and barrier at the top of the step publish them.
+    // Not unrolled: the addresses of unrolled copies would be hoisted into registers that
+    // the products need.
+    auto copy_rows = [&](const Head& hd, int row0, int br) {
+PYFA_UNROLL_BY(1)
         for (int t = 0; t < RPT; ++t) {
             const int e = tid + t * NT, r = e / DC, x4 = e & (DC - 1);
             const bool ok = r < br;
-            const pyfa_f4 z{0.f, 0.f, 0.f, 0.f};
-            pq[t] = ok ? ld4(hd.q + (row0 + r) * ldq + 4 * x4) : z;
-            pdo[t] = ok ? ld4(hd.dO + (row0 + r) * lddo + 4 * x4) : z;
-            po[t] = ok ? ld4(hd.o + (row0 + r) * ldo + 4 * x4) : z;
-        }
-    };
-    auto store_rows = [&]() {
-PYFA_UNROLL
-        for (int t = 0; t < RPT; ++t) {
-            const int e = tid + t * NT, r = e / DC, x4 = e & (DC - 1);
             const int at = swz_at(r, x4, DC, swz_qk(r));
-            st4(Qs + at, pq[t]);
-            st4(dOs + at, pdo[t]);
-            st4(Os + at, po[t]);
+            pyfa_cp_async16(Qs + at, ok ? hd.q + (row0 + r) * ldq + 4 * x4 : hd.q, ok);
+            pyfa_cp_async16(dOs + at, ok ? hd.dO + (row0 + r) * lddo + 4 * x4 : hd.dO, ok);
+            pyfa_cp_async16(Os + at, ok ? hd.o + (row0 + r) * ldo + 4 * x4 : hd.o, ok);
         }
+        pyfa_cp_async_commit();
     };
 
     const int Tc = (Nk + BC - 1) / BC;
@@ -140,7 +136,7 @@ PYFA_UNROLL
         if (ib < ie) {
             __syncthreads();  // every thread is done with tile j-1's K_j (and the dQ zeros are out)
             // K_j^T, V_j^T and K_j; keys past bc are 0.
-PYFA_UNROLL
+PYFA_UNROLL_BY(1)
             for (int t = 0; t < BC * DC / NT; ++t) {
                 const int e = tid + t * NT, c = e & (BC - 1), x4 = e / BC;
                 const bool ok = c < bc;
@@ -157,9 +153,7 @@ PYFA_UNROLL
                 VjT[(4 * x4 + 3) * BC + pos] = vv.w;
                 st4(Kj + c * D + 4 * x4, kv);
             }
-            Head cur = head(0);
-            load_rows(cur, ib * BR, imin(BR, Nq - ib * BR));
-            store_rows();
+            copy_rows(head(0), ib * BR, imin(BR, Nq - ib * BR));
         }
 
         // The steps (g, i): query heads g outer, the band's Q tiles i inner.
@@ -172,6 +166,7 @@ PYFA_UNROLL
                 ++gn;
             }
             const bool has_next = gn < G;
+            pyfa_cp_async_wait<0>();
             __syncthreads();  // Q_i, dO_i, O_i are in; the previous step's readers are done
 
             // m_i, l_i of the thread's rows cg*4 + kk (the P half); l = 0 past br gives P = 0.
@@ -329,7 +324,7 @@ PYFA_UNROLL
             __syncthreads();  // dS_ij^T is complete; Q_i, dO_i, O_i are free
 
             // The next step's Q_i, dO_i, O_i come in while step C computes.
-            if (has_next) load_rows(head(gn), in * BR, imin(BR, Nq - in * BR));
+            if (has_next) copy_rows(head(gn), in * BR, imin(BR, Nq - in * BR));
 
             // Step C: dq[r, x] = sum_c dS[r, c] K_j[c, x], c = 0 .. bc-1 in order from +0;
             // dQ_i = canonical(fma(scale, dq, dQ_i)), read from and written back to HBM.
@@ -399,7 +394,6 @@ PYFA_UNROLL
             }
 
             if (!has_next) break;
-            store_rows();  // read after the barrier at the top of the next step
             g = gn;
             i = in;
         }
