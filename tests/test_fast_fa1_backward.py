@@ -9,12 +9,13 @@ import pytest
 import grid
 import pyfa
 from reference import same_bits
+from test_fast_kernels import MASKED, SPECIALS  # the masks and special values of the FA2 tests
 
-# (B, H, Hkv, Nq, Nk, d): both head dims, one tile and less, Q tails of every residue of 4 (the dS^T Q and
-# P^T dO loops' last 1..3 rows), K/V tails of residues 1, 3 and 8 (the dS K loop's last
-# keys), Nq != Nk both ways (with causal and Nq > Nk the first rows see no key, l = 0; with
-# Nq < Nk some K/V tiles have an empty band: dK = dV = +0), and grouped-query heads (dK~_j,
-# dV~_j summed over g in order, dQ of every head of the group).
+# (B, H, Hkv, Nq, Nk, d): both head dims, one tile and less, Q tails of every residue of 4
+# (the dS^T Q and P^T dO loops' last 1..3 rows), K/V tails of residues 1, 3 and 8 (the dS K
+# loop's last keys), Nq != Nk both ways (with causal and Nq > Nk the first rows see no key,
+# l = 0; with Nq < Nk some K/V tiles have an empty band: dK = dV = +0), and grouped-query
+# heads (dK~_j, dV~_j summed over g in order, dQ of every head of the group).
 CASES = [
     (1, 1, 1, 64, 64, 64),
     (2, 1, 1, 70, 131, 64),
@@ -81,32 +82,16 @@ def test_fast_fa1_backward_equals_the_simulator(case, causal, backend, order):
     check(q, k, v, do, fwd, sim, backend, order, causal=causal)
 
 
-# Windows (both alignments, one side unbounded, a band of one key) and the (B, N, H, d)
-# layout, which the kernel reads through Mask and the strides.
-MASKS = [
-    dict(causal=True, causal_align="top_left"),
-    dict(window=(20, 5)),
-    dict(window=(None, 0), causal_align="top_left"),
-    dict(window=(7, None), causal=True),
-    dict(window=(0, 0)),
-]
-
-
+# Windows (both alignments, one side unbounded, a band of one key; the fast FA2 kernels'
+# list) and the (B, N, H, d) layout, which the kernel reads through Mask and the strides.
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
-@pytest.mark.parametrize("mask", MASKS, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
+@pytest.mark.parametrize("mask", MASKED, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
 def test_fast_fa1_backward_windows_gqa_layouts(mask, layout):
     case = (1, 4, 2, 150, 97, 64) if layout == "bhnd" else (1, 3, 1, 70, 200, 128)
     q, k, v, do = inputs(case, layout)
     fwd, sim = simulated(q, k, v, do, layout, **mask)
     for order in ("forward", "reverse"):
         check(q, k, v, do, fwd, sim, "emu", order, layout=layout, **mask)
-
-
-# NaNs with payloads, infinities, huge values, the smallest subnormal and tiny values
-# whose products round to -0.
-SPECIALS = np.concatenate([
-    np.array([0x7FC00000, 0xFFC00000, 0x7FC01234], np.uint32).view(np.float32),
-    np.array([np.inf, -np.inf, 3e38, -3e38, 1e-45, 1e-30, -1e-30, 0.0, -0.0], np.float32)])
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
