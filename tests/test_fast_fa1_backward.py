@@ -14,8 +14,8 @@ from test_fast_kernels import MASKED, SPECIALS  # the masks and special values o
 # (B, H, Hkv, Nq, Nk, d): both head dims, one tile and less, Q tails of every residue of 4
 # (the dS^T Q and P^T dO loops' last 1..3 rows), K/V tails of residues 1, 3 and 8 (the dS K
 # loop's last keys), Nq != Nk both ways (with causal and Nq > Nk the first rows see no key,
-# l = 0; with Nq < Nk some K/V tiles have an empty band: dK = dV = +0), and grouped-query
-# heads (dK~_j, dV~_j summed over g in order, dQ of every head of the group).
+# l = 0), and grouped-query heads (dK~_j, dV~_j summed over g in order, dQ of every head of
+# the group).
 CASES = [
     (1, 1, 1, 64, 64, 64),
     (2, 1, 1, 70, 131, 64),
@@ -84,6 +84,7 @@ def test_fast_fa1_backward_equals_the_simulator(case, causal, backend, order):
 
 # Windows (both alignments, one side unbounded, a band of one key; the fast FA2 kernels'
 # list) and the (B, N, H, d) layout, which the kernel reads through Mask and the strides.
+# Top-left alignment with Nq < Nk leaves the last K/V tiles an empty band: dK = dV = +0.
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 @pytest.mark.parametrize("mask", MASKED, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
 def test_fast_fa1_backward_windows_gqa_layouts(mask, layout):
