@@ -160,6 +160,10 @@ def test_auto_falls_back_and_runs_the_fast_kernel_at_its_tiles():
         assert pyfa.smem_bytes("fa1_backward", BR, BC, d, variant="auto") == fast
         assert pyfa.smem_bytes("fa1_backward", BR, BC, d, variant="reference") != fast
         assert pyfa.default_tiles("fa1_backward", d, backend="emu", variant="fast") == (BR, BC)
+        # Without tiles auto keeps the readable kernel's default tiles (the paper's rule:
+        # 64 x 128 at d = 64, which the fast kernel lacks; 64 x 64 at d = 128, which it has).
+        assert pyfa.default_tiles("fa1_backward", d, backend="emu", variant="auto") == \
+            pyfa.sim.default_tiles("fa1_backward", d)
     fwd, sim = simulated(q, k, v, do)
     for order in ("forward", "reverse"):
         check(q, k, v, do, fwd, sim, "emu", order, variant="auto")
