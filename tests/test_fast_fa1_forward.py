@@ -10,8 +10,9 @@ import pytest
 import grid
 import pyfa
 from reference import make_inputs, same_bits
+from test_fast_kernels import MASKED, SPECIALS  # masks and special values of the fast FA2 tests
 
-# (B, H, Nq, Nk, d, Br, Bc): both row tiles at d = 64, Br = 64 at d = 128; one tile and
+# (B, H, Nq, Nk, d, Br, Bc): both row tiles at both head dims; one tile and
 # less; K/V tails of every residue of 4 (the P V loop's last 1..3 keys: 131 and 67 leave
 # 3, 66 and 190 leave 2, 129 leaves 1); Nq != Nk both ways (with causal and Nq > Nk the
 # first rows see no key of the early tiles); several Q tiles per band, so that Q_{i+1} is
@@ -25,6 +26,7 @@ FAST_CASES = [
     (1, 1, 45, 190, 128, 64, 64),
     (1, 1, 129, 129, 128, 64, 64),
     (1, 1, 200, 70, 64, 64, 64),
+    (1, 2, 270, 131, 128, 128, 64),
 ]
 
 _SIM = {}
@@ -61,20 +63,12 @@ def test_fast_fa1_forward_equals_the_simulator(case, causal, backend, order, var
     assert same_result(got, sim)
 
 
-# Windows and both causal alignments, which the kernel reads through Mask (the bands
-# q_tiles(j), whole tiles and per-element tests), with grouped-query heads and the
+# MASKED: windows and both causal alignments, which the kernel reads through Mask (the
+# bands q_tiles(j), whole tiles and per-element tests); with grouped-query heads and the
 # (B, N, H, d) layout, which it reads through the head mapping and the strides.
-MASKED = [
-    dict(causal=True, causal_align="top_left"),
-    dict(window=(20, 5)),
-    dict(window=(None, 0), causal_align="top_left"),
-    dict(window=(7, None), causal=True),
-    dict(window=(0, 0)),
-]
-
-
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
-@pytest.mark.parametrize("heads,heads_kv,d,block_r", [(4, 2, 64, 128), (3, 1, 128, 64), (2, 2, 64, 64)])
+@pytest.mark.parametrize("heads,heads_kv,d,block_r", [(4, 2, 64, 128), (3, 1, 128, 64), (2, 2, 64, 64),
+                                                     (2, 1, 128, 128)])
 @pytest.mark.parametrize("mask", MASKED, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
 def test_fast_fa1_forward_masks_gqa_layouts(mask, heads, heads_kv, d, block_r, layout):
     Nq, Nk = (150, 97) if heads_kv == 2 else (70, 200)
@@ -90,17 +84,10 @@ def test_fast_fa1_forward_masks_gqa_layouts(mask, heads, heads_kv, d, block_r, l
         assert same_result(got, sim), order
 
 
-# NaNs with payloads, infinities, huge values, the smallest subnormal and tiny values
-# whose products round to -0 (ties of +0 and -0 in the tile's row max).
-SPECIALS = np.concatenate([
-    np.array([0x7FC00000, 0xFFC00000, 0x7FC01234], np.uint32).view(np.float32),
-    np.array([np.inf, -np.inf, 3e38, -3e38, 1e-45, 1e-30, -1e-30, 0.0, -0.0], np.float32)])
-
-
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("order", ["forward", "reverse"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d,block_r", [(64, 64), (64, 128), (128, 64)])
+@pytest.mark.parametrize("d,block_r", [(64, 64), (64, 128), (128, 64), (128, 128)])
 def test_fast_fa1_forward_special_values(d, block_r, causal, order):
     rng = np.random.default_rng(d + block_r + causal)
     q = rng.standard_normal((1, 2, 150, d), dtype=np.float32)
@@ -129,11 +116,10 @@ def test_fast_fa1_forward_names_what_it_lacks_and_writes_nothing():
     with pytest.raises(ValueError, match=r"config->variant: fast: .*not 64x32"):
         pyfa.fa1_forward(q, k, v, block_r=64, block_c=32, backend="emu", variant="fast")
     q, k, v = make_inputs((1, 1, 20, 128), (1, 1, 20, 128), seed=1)
-    # Two Q_i^T buffers of 128 rows at d = 128 do not fit beside K_j^T, V_j and P~_ij.
     outs = tuple(np.full(s, 7.0, np.float32) for s in [(1, 1, 20, 128), (1, 1, 20), (1, 1, 20)])
     with pytest.raises(ValueError, match=r"config->variant: fast: .*fa1_forward at head_dim=128 has tiles "
-                                         r"\(block_r x block_c\) 64x64, not 128x64"):
-        pyfa.fa1_forward(q, k, v, block_r=128, block_c=64, backend="emu", variant="fast", out=outs)
+                                         r"\(block_r x block_c\) 64x64, 128x64, not 32x32"):
+        pyfa.fa1_forward(q, k, v, block_r=32, block_c=32, backend="emu", variant="fast", out=outs)
     assert all((x == 7.0).all() for x in outs), "a failed call wrote the caller's outputs"
 
 
@@ -158,21 +144,22 @@ def test_fast_fa1_forward_needs_aligned_tensors_and_auto_falls_back():
 
 
 def fast_layout_bytes(Br, d, Bc=64):
-    """cuda/common/smem.h fa1_forward_fast_smem: K_j^T, V_j, two Q_i^T, P~_ij (row stride
-    Bc + 4), the per-row scales (4 floats) and m~_ij."""
-    return 4 * (d * Bc + Bc * d + 2 * d * Br + Br * (Bc + 4) + Br * 4 + Br)
+    """cuda/common/smem.h fa1_forward_fast_smem: K_j^T, V_j, two Q_i^T and P~_ij, whose
+    row stride Bc + 4 holds the row's scales."""
+    return 4 * (d * Bc + Bc * d + 2 * d * Br + Br * (Bc + 4))
 
 
 def test_fast_fa1_forward_tiles():
-    assert pyfa.default_tiles("fa1_forward", 64, backend="emu", variant="fast") == (128, 64)
-    assert pyfa.default_tiles("fa1_forward", 128, backend="emu", variant="fast") == (64, 64)
-    for Br, d in [(64, 64), (128, 64), (64, 128)]:
-        assert pyfa.smem_bytes("fa1_forward", Br, 64, d, variant="fast") == fast_layout_bytes(Br, d)
-        # With these tiles auto runs the fast kernel: its layout is what auto sizes.
-        assert pyfa.smem_bytes("fa1_forward", Br, 64, d, variant="auto") == fast_layout_bytes(Br, d)
-        assert pyfa.smem_bytes("fa1_forward", Br, 64, d, variant="reference") != fast_layout_bytes(Br, d)
-    assert fast_layout_bytes(128, 128) > 227 * 1024  # why d = 128 has no 128-row tile
-    assert pyfa.smem_bytes("fa1_forward", 128, 64, 128, variant="fast") == 0
+    for d in (64, 128):
+        assert pyfa.default_tiles("fa1_forward", d, backend="emu", variant="fast") == (128, 64)
+        for Br in (64, 128):
+            assert pyfa.smem_bytes("fa1_forward", Br, 64, d, variant="fast") == fast_layout_bytes(Br, d)
+            # With these tiles auto runs the fast kernel: its layout is what auto sizes.
+            assert pyfa.smem_bytes("fa1_forward", Br, 64, d, variant="auto") == fast_layout_bytes(Br, d)
+            assert pyfa.smem_bytes("fa1_forward", Br, 64, d, variant="reference") != \
+                fast_layout_bytes(Br, d)
+    assert fast_layout_bytes(128, 128) <= 227 * 1024  # an H200's (and the emulator's) opt-in
+    assert pyfa.smem_bytes("fa1_forward", 32, 64, 64, variant="fast") == 0
     with pytest.raises(ValueError, match=r"variant: fast: the fast fa1_forward is compiled for head_dim "
                                          r"64, 128, not 96"):
         pyfa.default_tiles("fa1_forward", 96, backend="emu", variant="fast")

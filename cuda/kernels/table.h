@@ -61,7 +61,10 @@
       kGridHeads)                                                                                     \
     X(16, "fa1_forward/fast d=128 64x64", PYFA_KERNEL_FA1_FORWARD, PYFA_VARIANT_FAST, 128, 64, 64,    \
       (fa1_forward_fast_kernel<128, 64>), fa1_forward_fast_smem, fa1_forward_fast_threads(Br),        \
+      kGridHeads)                                                                                     \
+    X(17, "fa1_forward/fast d=128 128x64", PYFA_KERNEL_FA1_FORWARD, PYFA_VARIANT_FAST, 128, 128, 64,  \
+      (fa1_forward_fast_kernel<128, 128>), fa1_forward_fast_smem, fa1_forward_fast_threads(Br),       \
       kGridHeads)
 
 // Rows in the table (ids 0 .. kKernelRows - 1).
-constexpr int kKernelRows = 17;
+constexpr int kKernelRows = 18;

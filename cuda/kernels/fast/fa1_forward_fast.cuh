@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(2 * BR) fa1_forward_fast_kernel(const Attentio
     constexpr int NT = 2 * BR;
     constexpr int DC = D / 4;      // 16-byte chunks per row of Q, K, V, O
     constexpr int XC = D / 64;     // O chunks per thread per row
-    constexpr int LDP = BC + 4;    // fast_p_stride(BC)
+    constexpr int LDP = BC + 4;    // fast_p_stride(BC): 4 floats past P~_ij's row for its scales
     static_assert(D == 64 || D == 128, "head dims 64 and 128");
     static_assert(BR == 64 || BR == 128, "Br 64 or 128");
 
@@ -65,9 +65,9 @@ __global__ void __launch_bounds__(2 * BR) fa1_forward_fast_kernel(const Attentio
     float* KjT = smem + L.offset[FA1FF_KjT];            // (d, Bc)
     float* Vj = smem + L.offset[FA1FF_Vj];              // (Bc, d)
     float* QiT = smem + L.offset[FA1FF_QiT];            // 2 x (d, Br), rows permuted by fast_q_pos
-    float* Pij = smem + L.offset[FA1FF_Pij];            // (Br, Bc), row stride LDP: P~_ij
-    float* rowscale = smem + L.offset[FA1FF_rowscale];  // (Br, 4): o_scale, pv_scale, l_new
-    float* mts = smem + L.offset[FA1FF_mtij];           // (Br)  m~_ij
+    // (Br, Bc) P~_ij, row stride LDP; columns Bc .. Bc + 3 of row r: its o_scale =
+    // l_i exp(m_i - m_new), pv_scale = exp(m~_ij - m_new), l_new and m~_ij.
+    float* Pij = smem + L.offset[FA1FF_Pij];
 
     // O = 0, m = -inf, l = 0 in HBM for all Nq rows, each element by its owner.
     const pyfa_f4 zero4{0.f, 0.f, 0.f, 0.f};
@@ -154,36 +154,14 @@ PYFA_UNROLL
             float s[8][4];
             fast_s_tile<D, BR, BC>(Qt + wrow + rg * 8, KjT + cg * 4, s);
             q_stage(1);
-            // A tile that the mask leaves whole skips the per-element test; keys past bc
-            // become -inf, which the row max passes over and the row sum and P V never visit.
-            const bool whole = !mask.masked(row0 + br - 1, col0) && !mask.masked(row0, col0 + bc - 1);
-PYFA_UNROLL
-            for (int ii = 0; ii < 8; ++ii) {
-                const int r = row0 + wrow + rg + 2 * ii;
-PYFA_UNROLL
-                for (int kk = 0; kk < 4; ++kk) {
-                    const int c = cg * 4 + kk;
-                    const bool hidden = c >= bc || (!whole && mask.masked(r, col0 + c));
-                    s[ii][kk] = hidden ? -INFINITY : s[ii][kk] * p.scale;
-                }
-            }
+            fast_scale_mask(s, mask, p.scale, row0, br, col0, bc, wrow, rg, cg);
 
-            // 2. m~_ij = pyfa_max over (-inf, S[r, 0 .. bc-1]) in order (the ordered tree
-            // from -inf); 3. P~_ij = exp(S_ij - safe_max(m~_ij)).
+            // 2. m~_ij = pyfa_max over (-inf, S[r, 0 .. bc-1]) in order; 3. P~_ij =
+            // exp(S_ij - safe_max(m~_ij)).
 PYFA_UNROLL
             for (int ii = 0; ii < 8; ++ii) {
-                float part = -INFINITY;
-PYFA_UNROLL
-                for (int kk = 0; kk < 4; ++kk) part = pyfa_max(part, s[ii][kk]);
-                const float mt = ordered_row_max16(part, cg);
-                const float ms = safe_max(mt);
-                pyfa_f4 pv4;
-                pv4.x = pyfa_exp(s[ii][0] - ms);
-                pv4.y = pyfa_exp(s[ii][1] - ms);
-                pv4.z = pyfa_exp(s[ii][2] - ms);
-                pv4.w = pyfa_exp(s[ii][3] - ms);
-                st4(Pij + (wrow + rg + 2 * ii) * LDP + cg * 4, pv4);
-                if (cg == 0) mts[wrow + rg + 2 * ii] = mt;
+                const float mt = fast_row_max_exp(s[ii], -INFINITY, cg, Pij + (wrow + rg + 2 * ii) * LDP + cg * 4);
+                if (cg == 0) Pij[(wrow + rg + 2 * ii) * LDP + BC + 3] = mt;
             }
             pyfa_syncwarp();
             q_stage(2);
@@ -191,8 +169,8 @@ PYFA_UNROLL
             // 4. l~_ij = sum_c P~_ij[r, c], c = 0 .. bc-1 in order; 5. the row statistics,
             // one lane per row, written back to HBM.
             if (lane < 16) {
-                const float mt = mts[my_row];
-                const float* prow = Pij + my_row * LDP;
+                float* prow = Pij + my_row * LDP;
+                const float mt = prow[BC + 3];
                 float lt = 0.0f;
                 for (int c = 0; c < bc; ++c) lt = lt + prow[c];
                 const float m_new = pyfa_max(m_old, mt);
@@ -200,7 +178,7 @@ PYFA_UNROLL
                 const float beta = pyfa_exp(mt - safe_max(m_new));      // exp(m~_ij - m_new)
                 const float os = l_old * alpha;
                 const float l_new = pyfa_fma(beta, lt, os);
-                st4(rowscale + my_row * 4, pyfa_f4{os, beta, l_new, 0.0f});
+                st4(prow + BC, pyfa_f4{os, beta, l_new, mt});
                 if (my_row < br) {
                     m[row0 + my_row] = pyfa_canonical_nan(m_new);
                     l[row0 + my_row] = pyfa_canonical_nan(l_new);
@@ -225,7 +203,7 @@ PYFA_UNROLL
             for (int ii = 0; ii < 8; ++ii) {
                 const int r = wrow + rg + 2 * ii;
                 if (r >= br) continue;
-                const pyfa_f4 rs = ld4(rowscale + r * 4);
+                const pyfa_f4 rs = ld4(Pij + r * LDP + BC);
                 const float os = rs.x, beta = rs.y, ln = rs.z;
 PYFA_UNROLL
                 for (int hh = 0; hh < XC; ++hh) {

@@ -174,35 +174,12 @@ PYFA_UNROLL
             if (KPARTS == 2) load_k(j + 1, 1);
         }
 
-        // Scale and mask. A tile that the mask leaves whole skips the per-element test;
-        // keys past bc become -inf, which the row max passes over (pyfa_max(m, -inf) = m)
-        // and the row sum and P V never visit.
-        const bool whole = !mask.masked(row0 + br - 1, col0) && !mask.masked(row0, col0 + bc - 1);
-PYFA_UNROLL
-        for (int ii = 0; ii < 8; ++ii) {
-            const int r = row0 + wrow + rg + 2 * ii;
-PYFA_UNROLL
-            for (int kk = 0; kk < 4; ++kk) {
-                const int c = cg * 4 + kk;
-                const bool hidden = c >= bc || (!whole && mask.masked(r, col0 + c));
-                s[ii][kk] = hidden ? -INFINITY : s[ii][kk] * p.scale;
-            }
-        }
+        fast_scale_mask(s, mask, p.scale, row0, br, col0, bc, wrow, rg, cg);
 
         // m_new = pyfa_max over (m_old, S[r, 0 .. bc-1]) in order; P = exp(S - safe_max(m_new)).
 PYFA_UNROLL
         for (int ii = 0; ii < 8; ++ii) {
-            float part = m[ii];
-PYFA_UNROLL
-            for (int kk = 0; kk < 4; ++kk) part = pyfa_max(part, s[ii][kk]);
-            m[ii] = ordered_row_max16(part, cg);
-            const float ms = safe_max(m[ii]);
-            pyfa_f4 pv4;
-            pv4.x = pyfa_exp(s[ii][0] - ms);
-            pv4.y = pyfa_exp(s[ii][1] - ms);
-            pv4.z = pyfa_exp(s[ii][2] - ms);
-            pv4.w = pyfa_exp(s[ii][3] - ms);
-            st4(Pij + (wrow + rg + 2 * ii) * LDP + cg * 4, pv4);
+            m[ii] = fast_row_max_exp(s[ii], m[ii], cg, Pij + (wrow + rg + 2 * ii) * LDP + cg * 4);
             if (cg == 0) mi[wrow + rg + 2 * ii] = m[ii];
         }
         pyfa_syncwarp();

@@ -7,6 +7,8 @@
 // O columns the 4-float chunks cg (and cg + 16 when d = 128).
 #pragma once
 
+#include "common/mask.h"
+#include "common/numerics.h"
 #include "kernels/fast/fast_common.h"
 
 namespace PYFA_KERNELS {
@@ -63,6 +65,45 @@ PYFA_UNROLL
 PYFA_UNROLL
             for (int kk = 0; kk < 4; ++kk) s[ii][kk] = pyfa_fma(qv[ii], kx[kk], s[ii][kk]);
     }
+}
+
+// S_ij[r, c] = s * scale, or -inf where the mask hides key c from row r or c >= bc
+// (docs/numerics.md, step 1), on the thread's 8 x 4 tile: rows row0 + wrow + rg + 2 ii,
+// keys col0 + cg*4 + kk. A tile that the mask leaves whole skips the per-element test;
+// keys past bc become -inf, which the row max passes over (pyfa_max(m, -inf) = m) and the
+// row sum and P V never visit.
+PYFA_DEV void fast_scale_mask(float (&s)[8][4], const Mask& mask, float scale, int row0, int br, int col0,
+                              int bc, int wrow, int rg, int cg) {
+    const bool whole = !mask.masked(row0 + br - 1, col0) && !mask.masked(row0, col0 + bc - 1);
+PYFA_UNROLL
+    for (int ii = 0; ii < 8; ++ii) {
+        const int r = row0 + wrow + rg + 2 * ii;
+PYFA_UNROLL
+        for (int kk = 0; kk < 4; ++kk) {
+            const int c = cg * 4 + kk;
+            const bool hidden = c >= bc || (!whole && mask.masked(r, col0 + c));
+            s[ii][kk] = hidden ? -INFINITY : s[ii][kk] * scale;
+        }
+    }
+}
+
+// One row of the tile, held by 16 lanes: returns m = pyfa_max over (seed, S[r, 0 .. bc-1])
+// in order (the ordered tree, fast_common.h) and stores the thread's 4 columns of
+// exp(S - safe_max(m)) at `prow` (16-byte aligned). FA2 seeds with the running m_old,
+// FA1 with -inf (the tile's own max m~_ij).
+PYFA_DEV float fast_row_max_exp(const float (&s)[4], float seed, int cg, float* prow) {
+    float part = seed;
+PYFA_UNROLL
+    for (int kk = 0; kk < 4; ++kk) part = pyfa_max(part, s[kk]);
+    const float m = ordered_row_max16(part, cg);
+    const float ms = safe_max(m);
+    pyfa_f4 e;
+    e.x = pyfa_exp(s[0] - ms);
+    e.y = pyfa_exp(s[1] - ms);
+    e.z = pyfa_exp(s[2] - ms);
+    e.w = pyfa_exp(s[3] - ms);
+    st4(prow, e);
+    return m;
 }
 
 // pv[ii][x] = sum_c P[row ii, c] V[c, column x], c = 0 .. bc-1 in order from +0, one
