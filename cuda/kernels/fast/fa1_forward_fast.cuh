@@ -103,13 +103,7 @@ PYFA_UNROLL
         if (ib == ie) continue;  // no row sees this tile: not even loaded
         // Every warp is done with K_{j-1}, V_{j-1} and both Q buffers.
         __syncthreads();
-PYFA_UNROLL
-        for (int t = 0; t < BC * DC / NT; ++t) {  // V_j, keys past bc zero
-            const int e = tid + t * NT, c = e / DC, x4 = e & (DC - 1);
-            const bool ok = c < bc;
-            pyfa_cp_async16(Vj + c * D + 4 * x4, ok ? V + (col0 + c) * ldv + 4 * x4 : V, ok);
-        }
-        pyfa_cp_async_commit();
+        fast_cp_async_rows<BC, D, NT>(Vj, V + col0 * ldv, ldv, bc, tid);  // keys past bc zero
         for (int part = 0; part < KPARTS; ++part) {  // K_j^T, keys past bc zero
             fast_load_chunks<BC, NT>(pre, K + col0 * ldk, ldk, bc, part * PART, tid);
             fast_store_chunks_t<BC, NT, PART, false>(KjT, pre, part * PART, tid);

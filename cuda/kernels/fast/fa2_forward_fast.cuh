@@ -113,14 +113,8 @@ PYFA_UNROLL
     auto store_k = [&](float* dst, int part) { fast_store_chunks_t<BC, NT, KPART, false>(dst, kpre, part * KPART, tid); };
     // V_j by cp.async, rows along rows; keys past bc are 0.
     auto load_v = [&](int j, float* dst) {
-        const int col0 = j * BC, bc = imin(BC, Nk - col0);
-PYFA_UNROLL
-        for (int t = 0; t < BC * DC / NT; ++t) {
-            const int e = tid + t * NT, c = e / DC, x4 = e & (DC - 1);
-            const bool ok = c < bc;
-            pyfa_cp_async16(dst + c * D + 4 * x4, ok ? g.v + (col0 + c) * g.ldv + 4 * x4 : g.v, ok);
-        }
-        pyfa_cp_async_commit();
+        const int col0 = j * BC;
+        fast_cp_async_rows<BC, D, NT>(dst, g.v + col0 * g.ldv, g.ldv, imin(BC, Nk - col0), tid);
     };
 
     if (jb < je) {

@@ -45,6 +45,20 @@ PYFA_UNROLL
     }
 }
 
+// A (ROWS, D) tile of global memory at `src` (row stride ld) copied by cp.async into
+// `dst` (row stride D) and committed as one group; rows from n on are written as zeros.
+template <int ROWS, int D, int NT>
+PYFA_DEV void fast_cp_async_rows(float* dst, const float* src, int ld, int n, int tid) {
+    constexpr int DC = D / 4;
+PYFA_UNROLL
+    for (int t = 0; t < ROWS * DC / NT; ++t) {
+        const int e = tid + t * NT, c = e / DC, x4 = e & (DC - 1);
+        const bool ok = c < n;
+        pyfa_cp_async16(dst + c * D + 4 * x4, ok ? src + c * ld + 4 * x4 : src, ok);
+    }
+    pyfa_cp_async_commit();
+}
+
 // S = Q_i K_j^T on the thread's 8 x 4 tile: s[ii][kk] = sum_x Q[row ii, x] K[key kk, x],
 // x = 0 .. D-1 in order from +0, one pyfa_fma per step. qp: Q_i^T (d, BR) at the thread's
 // 8 rows (w*16 + rg*8); kp: K_j^T (d, BC) at its 4 keys (cg*4).
