@@ -533,8 +533,12 @@ _COMMON_DOC = """
 
     variant: "auto" (the fast, register-tiled kernels where they apply, else the
     readable ones), "reference" (the readable ones) or "fast" (ValueError naming what
-    they lack where they do not apply); the same bits either way. The cpu backend has
-    kernels of its own ("fast" is refused there)."""
+    they lack where they do not apply); at the same tiles, the same bits either way.
+    Without tiles "auto" keeps the readable kernels' default tiles wherever they set
+    the bits (so FA1, whose defaults follow the paper's rule, runs its fast kernels only
+    with tiles they are compiled for, e.g. block_r=block_c=64), and "fast" uses its own
+    (pyfa.default_tiles(..., variant="fast")). The cpu backend has kernels of its own
+    ("fast" is refused there)."""
 
 
 def fa2_forward(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,

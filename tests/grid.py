@@ -19,6 +19,8 @@ CASES = [
     (1, 1, 20, 17, 256, 16, 8),
     (1, 1, 70, 40, 64, 32, 16),
     (1, 2, 100, 100, 64, None, None),
+    (1, 2, 130, 70, 64, 64, 64),
+    (1, 1, 70, 150, 128, 64, 64),
 ]
 
 # The emulator under two thread orders (a missing __syncthreads shows as different bits),
@@ -41,3 +43,55 @@ def case_id(case):
 def case_seed(case):
     """A seed fixed by the case itself, the same in every process."""
     return zlib.crc32(case_id(case).encode())
+
+
+# RUNS with the kernel variant: the emulator and the GPU run the readable kernels and the
+# fast ones (cuda/kernels/fast/); the cpu backend has kernels of its own ("auto").
+VARIANT_RUNS = [("emu", "forward", "reference"), ("emu", "reverse", "reference"),
+                ("emu", "forward", "fast"), ("emu", "reverse", "fast"),
+                ("cpu", "forward", "auto")] + [
+    pytest.param("cuda", "forward", v, marks=pytest.mark.skipif(not HAS_CUDA, reason="no usable CUDA GPU here"))
+    for v in ("reference", "fast")]
+
+
+def variant_runs(case):
+    """VARIANT_RUNS for one case. Without tiles variant "fast" picks tiles of its own, which
+    the simulator is not given here (tests/test_fast_kernels.py and its siblings cover
+    them); "auto" runs instead, which must give the bits of the readable kernels at their
+    default tiles, fast kernels or not."""
+    if case[5] is not None and case[6] is not None:
+        return VARIANT_RUNS
+    out = []
+    for run in VARIANT_RUNS:
+        values = run.values if hasattr(run, "values") else run
+        marks = run.marks if hasattr(run, "marks") else ()
+        values = values[:2] + ("auto" if values[2] == "fast" else values[2],)
+        out.append(pytest.param(*values, marks=marks))
+    return out
+
+
+def variant_params(cases):
+    """(case, backend, order, variant) for every case and its variant runs."""
+    out = []
+    for case in cases:
+        for run in variant_runs(case):
+            marks = run.marks if hasattr(run, "marks") else ()
+            values = run.values if hasattr(run, "values") else run
+            out.append(pytest.param(case, *values, marks=marks,
+                                    id=f"{case_id(case)}-{values[0]}-{values[1]}-{values[2]}"))
+    return out
+
+
+def run_variant(op_name, case, variant, call):
+    """call() under `variant`. Where variant "fast" does not apply (some kernel of the op
+    has no fast form at this head dim and these tiles, as the library's own table says),
+    checks the ValueError that names it and returns None; else returns call()'s result."""
+    import pyfa
+    if variant == "fast":
+        d, Br, Bc = case[4], case[5], case[6]
+        kernels = pyfa.api.OPS[op_name].kernels
+        if not all(pyfa.smem_bytes(k, Br, Bc, d, variant="fast") > 0 for k in kernels):
+            with pytest.raises(ValueError, match="config->variant: fast: "):
+                call()
+            return None
+    return call()

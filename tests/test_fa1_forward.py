@@ -26,14 +26,17 @@ def simulated(case, causal):
     return (q, k, v), pyfa.sim.fa1_forward(q, k, v, causal=causal, block_r=Br, block_c=Bc)
 
 
-@pytest.mark.parametrize("backend,order", grid.RUNS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", CASES, ids=grid.case_id)
-def test_kernel_equals_simulator_bitwise(case, causal, backend, order):
+@pytest.mark.parametrize("case,backend,order,variant", grid.variant_params(CASES))
+def test_kernel_equals_simulator_bitwise(case, causal, backend, order, variant):
     (q, k, v), sim = simulated(case, causal)
     _, _, _, _, _, Br, Bc = case
-    o, m, l = pyfa.fa1_forward(q, k, v, causal=causal, block_r=Br, block_c=Bc,
-                               backend=backend, emu_order=order)
+    got = grid.run_variant("fa1_forward", case, variant, lambda: pyfa.fa1_forward(
+        q, k, v, causal=causal, block_r=Br, block_c=Bc, backend=backend, emu_order=order,
+        variant=variant))
+    if got is None:
+        return
+    o, m, l = got
     assert same_bits(o, sim.o), "O differs from the simulator"
     assert same_bits(m, sim.m), "m differs from the simulator"
     assert same_bits(l, sim.l), "l differs from the simulator"

@@ -29,14 +29,17 @@ def simulated(case, causal):
     return (q, k, v, do), (fwd.o, fwd.lse), bwd
 
 
-@pytest.mark.parametrize("backend,order", grid.RUNS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", CASES, ids=grid.case_id)
-def test_kernel_equals_simulator_bitwise(case, causal, backend, order):
+@pytest.mark.parametrize("case,backend,order,variant", grid.variant_params(CASES))
+def test_kernel_equals_simulator_bitwise(case, causal, backend, order, variant):
     (q, k, v, do), (o, lse), sim = simulated(case, causal)
     _, _, _, _, _, Br, Bc = case
-    dq, dk, dv = pyfa.fa2_backward(q, k, v, o, lse, do, causal=causal, block_r=Br, block_c=Bc,
-                                   backend=backend, emu_order=order)
+    got = grid.run_variant("fa2_backward", case, variant, lambda: pyfa.fa2_backward(
+        q, k, v, o, lse, do, causal=causal, block_r=Br, block_c=Bc, backend=backend,
+        emu_order=order, variant=variant))
+    if got is None:
+        return
+    dq, dk, dv = got
     assert same_bits(dq, sim.dq), "dQ differs from the simulator"
     assert same_bits(dk, sim.dk), "dK differs from the simulator"
     assert same_bits(dv, sim.dv), "dV differs from the simulator"

@@ -18,14 +18,17 @@ def simulated(case, causal):
     return (q, k, v), pyfa.sim.fa2_forward(q, k, v, causal=causal, block_r=Br, block_c=Bc)
 
 
-@pytest.mark.parametrize("backend,order", grid.RUNS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", grid.CASES, ids=grid.case_id)
-def test_kernel_equals_simulator_bitwise(case, causal, backend, order):
+@pytest.mark.parametrize("case,backend,order,variant", grid.variant_params(grid.CASES))
+def test_kernel_equals_simulator_bitwise(case, causal, backend, order, variant):
     (q, k, v), sim = simulated(case, causal)
     _, _, _, _, _, Br, Bc = case
-    o, lse = pyfa.fa2_forward(q, k, v, causal=causal, block_r=Br, block_c=Bc,
-                              backend=backend, emu_order=order)
+    got = grid.run_variant("fa2_forward", case, variant, lambda: pyfa.fa2_forward(
+        q, k, v, causal=causal, block_r=Br, block_c=Bc, backend=backend, emu_order=order,
+        variant=variant))
+    if got is None:
+        return
+    o, lse = got
     assert same_bits(o, sim.o), "O differs from the simulator"
     assert same_bits(lse, sim.lse), "LSE differs from the simulator"
 

@@ -247,8 +247,8 @@ def test_fast_forward_masks_gqa_layouts(mask, heads, heads_kv, layout, variant):
         assert same_bits(o, sim.o) and same_bits(lse, sim.lse), order
 
 
-# The FA2 backward: its dQ and dK/dV kernels have fast variants (auto runs them beside the
-# readable preprocess kernel); "fast" names the kernels that have none.
+# The FA2 backward: its dQ and dK/dV kernels have fast variants (auto and fast run them
+# beside the one preprocess kernel; tests/test_variants.py).
 BACKWARD_CASES = [
     (1, 2, 100, 130, 64, 64, 64),
     (1, 1, 200, 77, 64, 128, 64),
@@ -281,13 +281,6 @@ def test_fast_dq_masks_gqa(mask):
     dq, dk, dv = pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, block_r=64, block_c=64,
                                    backend="emu", variant="auto", **mask)
     assert same_bits(dq, sim.dq) and same_bits(dk, sim.dk) and same_bits(dv, sim.dv)
-
-
-def test_fast_backward_names_the_kernels_without_a_fast_variant():
-    q, k, v, do = make_inputs((1, 1, 64, 64), (1, 1, 64, 64), 4, True)
-    fwd = pyfa.sim.fa2_forward(q, k, v)
-    with pytest.raises(ValueError, match="fa2_backward_preprocess has no fast variant"):
-        pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, backend="emu", variant="fast")
 
 
 # The fast dK/dV kernel (d = 64, Br = Bc = 64; variant auto runs it inside fa2_backward).

@@ -11,7 +11,9 @@ Every column runs in the same process, on the same float32 inputs:
   numpy   softmax(scale * Q K^T) V as matmul, softmax, matmul; for the backward the
           textbook gradient from the saved O (P recomputed, dV = P^T dO, dS = P o (dP - D))
   cpu     the native cpu backend (backend "cpu"): the same bits, vectorised
-  emu     the CUDA kernels run on the CPU by the emulator (backend "emu")
+  emu     the CUDA kernels run on the CPU by the emulator (backend "emu"): the readable ones
+  emu/fast  the same with variant="fast" (the register-tiled kernels, at their own default
+          tiles); where an algorithm has none, the column names what is missing
   sim     the NumPy simulator of the same kernels (pyfa.sim)
   torch   torch.nn.functional.scaled_dot_product_attention on the CPU (backward:
           autograd.grad of it), when torch imports
@@ -216,22 +218,34 @@ def run(args):
                 "cpu != emu: BITS DIFFER"
         return note
 
+    def fast_note(kernels):
+        def note(_, results):
+            tiles = ", ".join(f"{kn} {'x'.join(map(str, pyfa.default_tiles(kn, d, 'emu', variant='fast')))}"
+                              for kn in kernels)
+            return f"variant fast, tiles {tiles}"
+        return note
+
     groups, sims = [], {}  # sims: algo -> the simulator's forward result (saved tensors)
     for algo in sorted(pyfa.api._FORWARD):
         sim_fn = getattr(pyfa.sim, f"{algo}_forward", None)
         cols = [Column("numpy", lambda: numpy_forward(q, k, v, causal, scale)),
-                Column("emu", lambda: pyfa.attention(q, k, v, causal=causal, algo=algo, backend="emu"), emu_note),
+                Column("emu", lambda: pyfa.attention(q, k, v, causal=causal, algo=algo, backend="emu",
+                                                     variant="reference"), emu_note),
+                Column("emu/fast", lambda: pyfa.attention(q, k, v, causal=causal, algo=algo, backend="emu",
+                                                          variant="fast"),
+                       fast_note(pyfa.api.OPS[f"{algo}_forward"].kernels)),
                 Column("cpu", lambda: pyfa.attention(q, k, v, causal=causal, algo=algo, backend="cpu"),
                        cpu_note(lambda o: [o])),
                 Column("sim", sim_fn and (lambda: sim_fn(q, k, v, causal=causal)),
                        bits_note(lambda r: [r.o], lambda o: [o]))]
+        sim_col = cols[-1]
         if sim_fn is None:
-            cols[3].note = f"pyfa.sim has no {algo}_forward"
+            sim_col.note = f"pyfa.sim has no {algo}_forward"
         if torch is not None:
             cols.append(Column("torch", lambda: sdpa(tq, tk, tv, is_causal=causal),
                                lambda r, _: f"{torch.get_num_threads()} threads"))
         groups.append((f"{algo} forward", time_group(cols, repeats), fwd_flops))
-        sims[algo] = cols[3].result
+        sims[algo] = sim_col.result
 
     for algo in sorted(pyfa.api._FORWARD):
         bwd = getattr(pyfa, f"{algo}_backward", None) or getattr(pyfa.api, f"{algo}_backward", None)
@@ -242,16 +256,19 @@ def run(args):
             saved.update({t: getattr(sims[algo], t) for t in SAVED if hasattr(sims[algo], t)})
         sim_fn = getattr(pyfa.sim, f"{algo}_backward", None)
         cols = [Column("numpy", lambda: numpy_backward(q, k, v, o_ref, do, causal, scale)),
-                Column("emu", bind_by_name(bwd, saved, {"causal": causal, "backend": "emu"})),
+                Column("emu", bind_by_name(bwd, saved, {"causal": causal, "backend": "emu",
+                                                        "variant": "reference"})),
+                Column("emu/fast", bind_by_name(bwd, saved, {"causal": causal, "backend": "emu",
+                                                             "variant": "fast"}),
+                       fast_note(pyfa.api.OPS[f"{algo}_backward"].kernels)),
                 Column("cpu", bind_by_name(bwd, saved, {"causal": causal, "backend": "cpu"}), cpu_note(lambda g: g)),
                 Column("sim", sim_fn and bind_by_name(sim_fn, saved, {"causal": causal}),
                        bits_note(lambda r: [r.dq, r.dk, r.dv], lambda g: g))]
-        if cols[1].fn is None:
-            cols[1].note = f"pyfa.{algo}_backward: arguments not known, or no saved forward tensors"
-        if cols[2].fn is None:
-            cols[2].note = f"pyfa.{algo}_backward: arguments not known, or no saved forward tensors"
-        if cols[3].fn is None:
-            cols[3].note = f"pyfa.sim.{algo}_backward not found or its arguments not known"
+        for c in cols[1:4]:
+            if c.fn is None:
+                c.note = f"pyfa.{algo}_backward: arguments not known, or no saved forward tensors"
+        if cols[4].fn is None:
+            cols[4].note = f"pyfa.sim.{algo}_backward not found or its arguments not known"
         if torch is not None:
             leaves = [t.clone().requires_grad_() for t in (tq, tk, tv)]
             out = sdpa(*leaves, is_causal=causal)
@@ -265,17 +282,17 @@ def run(args):
 def report(shape, groups):
     b, h, n, d, _ = shape
     print("FLOPs: forward 4*B*H*N^2*d (halved if causal), backward 2.5x forward, as in the FA2 paper")
-    print(f"{'':18} {'column':7} {'ms':>10} {'x numpy':>9} {'GFLOP/s':>9} {'min ms':>10}  note")
+    print(f"{'':18} {'column':8} {'ms':>10} {'x numpy':>9} {'GFLOP/s':>9} {'min ms':>10}  note")
     parts = []
     for label, cols, flops in groups:
         base = cols[0][1]
         ratios = []
         for name, ms, fastest, note in cols:
             if ms is None:
-                print(f"{label:18} {name:7} {'-':>10} {'-':>9} {'-':>9} {'-':>10}  {note}".rstrip())
+                print(f"{label:18} {name:8} {'-':>10} {'-':>9} {'-':>9} {'-':>10}  {note}".rstrip())
                 continue
             ratio = ms / base
-            print(f"{label:18} {name:7} {ms:10.3f} {ratio:8.2f}x {flops / ms / 1e6:9.2f} {fastest:10.3f}  "
+            print(f"{label:18} {name:8} {ms:10.3f} {ratio:8.2f}x {flops / ms / 1e6:9.2f} {fastest:10.3f}  "
                   f"{note}".rstrip())
             if name != "numpy":
                 ratios.append(f"{name}/numpy={ratio:.2f}x")

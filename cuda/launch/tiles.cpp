@@ -199,6 +199,43 @@ const Row* fast_row(int kernel, int64_t d, int want_br, int want_bc, const pyfa_
     return nullptr;
 }
 
+// Which tile sides a kernel's results depend on (docs/numerics.md): FA2's forward and dQ
+// sum each row over K/V tiles of Bc columns and treat rows alone, so Br never changes a
+// bit; the dK/dV kernel sums over Q tiles of Br rows and treats columns alone; FA1 updates
+// O, l, m per (K/V tile, Q tile) pair and depends on both; the preprocess on neither.
+struct TileSides {
+    bool br, bc;
+};
+TileSides tile_sides_in_bits(int kernel) {
+    switch (kernel) {
+        case PYFA_KERNEL_FA2_FORWARD:
+        case PYFA_KERNEL_FA2_BACKWARD_DQ: return {false, true};
+        case PYFA_KERNEL_FA2_BACKWARD_DKDV: return {true, false};
+        case PYFA_KERNEL_FA2_BACKWARD_PREPROCESS: return {false, false};
+        default: return {true, true};
+    }
+}
+
+// Variant auto gives the reference kernel's bits: a side the caller left to the default
+// is pinned to the reference's default wherever it changes the results (so without tiles
+// FA1, whose defaults follow the paper's rule, stays on the readable kernel unless a fast
+// one has exactly those tiles). 0 leaves a side free.
+// The preprocess (one dot per row, bound by memory) has one form, which serves the fast
+// FA2 backward as it serves the readable one.
+bool one_form(int kernel) { return kernel == PYFA_KERNEL_FA2_BACKWARD_PREPROCESS; }
+
+pyfa_status auto_wanted_tiles(int kernel, int64_t d, const pyfa_device_profile& profile, int* want_br,
+                              int* want_bc) {
+    if (*want_br && *want_bc) return PYFA_OK;
+    int r = 0, c = 0;
+    const pyfa_status st = default_tiles(kernel, d, profile, &r, &c);
+    if (st != PYFA_OK) return st;
+    const TileSides sides = tile_sides_in_bits(kernel);
+    if (!*want_br && sides.br) *want_br = r;
+    if (!*want_bc && sides.bc) *want_bc = c;
+    return PYFA_OK;
+}
+
 }  // namespace
 
 pyfa_status select_kernel(int kernel, int variant, const AttentionParams& p, int want_br, int want_bc,
@@ -206,7 +243,11 @@ pyfa_status select_kernel(int kernel, int variant, const AttentionParams& p, int
     if (variant < PYFA_VARIANT_AUTO || variant > PYFA_VARIANT_FAST)
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->variant: unknown variant %d", variant);
     *id = kernel;
-    if (variant == PYFA_VARIANT_REFERENCE) return PYFA_OK;
+    if (variant == PYFA_VARIANT_REFERENCE || one_form(kernel)) return PYFA_OK;
+    // A default the reference cannot size is the reference's error to report.
+    if (variant == PYFA_VARIANT_AUTO && want_br >= 0 && want_bc >= 0 &&
+        auto_wanted_tiles(kernel, p.head_dim, profile, &want_br, &want_bc) != PYFA_OK)
+        return PYFA_OK;
     char why[256] = "";
     const Row* r = fast_row(kernel, p.head_dim, want_br, want_bc, profile, why, sizeof(why));
     // The fast kernels index inside a head with 32-bit integers.
@@ -237,9 +278,14 @@ pyfa_status variant_default_tiles(int kernel, int variant, int64_t d, const pyfa
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "variant: unknown variant %d", variant);
     if (!row_of(kernel) || row_of(kernel)->variant != PYFA_VARIANT_REFERENCE)
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "kernel: unknown kernel %d", kernel);
-    if (variant != PYFA_VARIANT_REFERENCE) {
+    if (variant != PYFA_VARIANT_REFERENCE && !one_form(kernel)) {
         char why[256] = "";
-        const Row* r = fast_row(kernel, d, 0, 0, profile, why, sizeof(why));
+        int want_br = 0, want_bc = 0;
+        if (variant == PYFA_VARIANT_AUTO) {
+            const pyfa_status st = auto_wanted_tiles(kernel, d, profile, &want_br, &want_bc);
+            if (st != PYFA_OK) return st;
+        }
+        const Row* r = fast_row(kernel, d, want_br, want_bc, profile, why, sizeof(why));
         if (r) {
             *Br = r->br;
             *Bc = r->bc;
@@ -251,7 +297,7 @@ pyfa_status variant_default_tiles(int kernel, int variant, int64_t d, const pyfa
 }
 
 int64_t variant_smem_bytes(int kernel, int variant, int64_t Br, int64_t Bc, int64_t d) {
-    if (variant == PYFA_VARIANT_REFERENCE) return smem_bytes(kernel, Br, Bc, d);
+    if (variant == PYFA_VARIANT_REFERENCE || one_form(kernel)) return smem_bytes(kernel, Br, Bc, d);
     for (const Row& r : kRows)
         if (r.kernel == kernel && r.variant == PYFA_VARIANT_FAST && r.d == d && r.br == Br && r.bc == Bc)
             return smem_bytes(r.id, Br, Bc, d);
