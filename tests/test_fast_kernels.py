@@ -100,8 +100,6 @@ def test_auto_falls_back_and_fast_names_what_it_lacks():
     q, k, v = make_inputs((1, 1, 20, 64), (1, 1, 20, 64), seed=1)
     with pytest.raises(ValueError, match=r"config->variant: fast: .*64x64, 128x64, not 32x64"):
         pyfa.fa2_forward(q, k, v, block_r=32, block_c=64, backend="emu", variant="fast")
-    with pytest.raises(ValueError, match=r"config->variant: fast: fa1_forward has no fast variant"):
-        pyfa.fa1_forward(q, k, v, backend="emu", variant="fast")
     with pytest.raises(ValueError, match=r"variant: expected one of"):
         pyfa.fa2_forward(q, k, v, backend="emu", variant="quick")
 

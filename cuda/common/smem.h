@@ -260,3 +260,20 @@ PYFA_HD SmemLayout fa1_backward_fast_smem(int64_t Br, int64_t Bc, int64_t d) {
     L.add("D_i", Br, 1);         // rowsum(dO_i o O_i), recomputed for every (j, g, i)
     return L;
 }
+
+// ---- FA1 forward, fast variant (cuda/kernels/fast/fa1_forward_fast.cuh): the fast FA2
+// forward's thread layout (16 rows per warp, 2 * Br threads); Bc = 64, d = 64 or 128.
+PYFA_HD int fa1_forward_fast_threads(int64_t Br) { return static_cast<int>(2 * Br); }
+
+enum Fa1ForwardFastTerm { FA1FF_KjT, FA1FF_Vj, FA1FF_QiT, FA1FF_Pij };
+
+// The row scales of a step sit in each P~_ij row's 4 floats of padding (columns Bc ..
+// Bc + 3: o_scale, pv_scale, l_new, m~_ij), so that d = 128 fits 128 rows in 227 KiB.
+PYFA_HD SmemLayout fa1_forward_fast_smem(int64_t Br, int64_t Bc, int64_t d) {
+    SmemLayout L;
+    L.add("K_j^T", d, Bc);        // outer loop: loaded once, used against every Q_i
+    L.add("V_j", Bc, d);
+    L.add("Q_i^T", 2 * d, Br);    // two buffers: Q_{i+1} is stored while Q_i is read
+    L.add("P~_ij, row scales", Br, fast_p_stride(Bc));
+    return L;
+}

@@ -7,6 +7,7 @@
 #include "kernels/fa1_forward.cuh"
 #include "kernels/fa2_backward.cuh"
 #include "kernels/fa2_forward.cuh"
+#include "kernels/fast/fa1_forward_fast.cuh"
 #include "kernels/fast/fa1_backward_fast.cuh"
 #include "kernels/fast/fa2_backward_dkdv_fast.cuh"
 #include "kernels/fast/fa2_backward_dq_fast.cuh"

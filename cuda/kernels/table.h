@@ -53,12 +53,24 @@
     X(13, "fa2_backward_dkdv/fast d=64 64x64", PYFA_KERNEL_FA2_BACKWARD_DKDV, PYFA_VARIANT_FAST, 64, 64, \
       64, (fa2_backward_dkdv_fast_kernel<64>), fa2_backward_dkdv_fast_smem,                            \
       fa2_backward_dkdv_fast_threads(Br), kGridKvTilesKvHeads)                                        \
-    X(14, "fa1_backward/fast d=64 64x64", PYFA_KERNEL_FA1_BACKWARD, PYFA_VARIANT_FAST, 64, 64, 64,    \
+    X(14, "fa1_forward/fast d=64 64x64", PYFA_KERNEL_FA1_FORWARD, PYFA_VARIANT_FAST, 64, 64, 64,      \
+      (fa1_forward_fast_kernel<64, 64>), fa1_forward_fast_smem, fa1_forward_fast_threads(Br),         \
+      kGridHeads)                                                                                     \
+    X(15, "fa1_forward/fast d=64 128x64", PYFA_KERNEL_FA1_FORWARD, PYFA_VARIANT_FAST, 64, 128, 64,    \
+      (fa1_forward_fast_kernel<64, 128>), fa1_forward_fast_smem, fa1_forward_fast_threads(Br),        \
+      kGridHeads)                                                                                     \
+    X(16, "fa1_forward/fast d=128 64x64", PYFA_KERNEL_FA1_FORWARD, PYFA_VARIANT_FAST, 128, 64, 64,    \
+      (fa1_forward_fast_kernel<128, 64>), fa1_forward_fast_smem, fa1_forward_fast_threads(Br),        \
+      kGridHeads)                                                                                     \
+    X(17, "fa1_forward/fast d=128 128x64", PYFA_KERNEL_FA1_FORWARD, PYFA_VARIANT_FAST, 128, 128, 64,  \
+      (fa1_forward_fast_kernel<128, 128>), fa1_forward_fast_smem, fa1_forward_fast_threads(Br),       \
+      kGridHeads)                                                                                     \
+    X(18, "fa1_backward/fast d=64 64x64", PYFA_KERNEL_FA1_BACKWARD, PYFA_VARIANT_FAST, 64, 64, 64,    \
       (fa1_backward_fast_kernel<64>), fa1_backward_fast_smem, fa1_backward_fast_threads(Br),        \
       kGridKvHeads)                                                                                   \
-    X(15, "fa1_backward/fast d=128 64x64", PYFA_KERNEL_FA1_BACKWARD, PYFA_VARIANT_FAST, 128, 64, 64,  \
+    X(19, "fa1_backward/fast d=128 64x64", PYFA_KERNEL_FA1_BACKWARD, PYFA_VARIANT_FAST, 128, 64, 64,  \
       (fa1_backward_fast_kernel<128>), fa1_backward_fast_smem, fa1_backward_fast_threads(Br),       \
       kGridKvHeads)
 
 // Rows in the table (ids 0 .. kKernelRows - 1).
-constexpr int kKernelRows = 16;
+constexpr int kKernelRows = 20;

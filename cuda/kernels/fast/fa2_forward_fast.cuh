@@ -22,7 +22,7 @@
 #include "common/params.h"
 #include "common/smem.h"
 #include "common/tiling.h"
-#include "kernels/fast/fast_common.h"
+#include "kernels/fast/forward_tiles.h"
 
 namespace PYFA_KERNELS {
 
@@ -51,10 +51,6 @@ PYFA_HD FastHead fast_head(const AttentionParams& p, int64_t b, int64_t h) {
     f.ldo = static_cast<int>(p.o_strides.row);
     return f;
 }
-
-// Position of tile row r in Q_i^T: a thread's 8 rows (w*16 + rg + 2 ii) become 8
-// consecutive floats (w*16 + rg*8 + ii), two 128-bit loads.
-PYFA_HD int fast_q_pos(int r) { return (r & ~15) | ((r & 1) << 3) | ((r >> 1) & 7); }
 
 template <int D, int BR>
 __global__ void __launch_bounds__(2 * BR) fa2_forward_fast_kernel(const AttentionParams p) {
@@ -111,33 +107,14 @@ PYFA_UNROLL
     static_assert(KPT % KPART == 0, "K_j splits into parts of 4 chunks per thread");
     pyfa_f4 kpre[KPART];
     auto load_k = [&](int j, int part) {
-        const int col0 = j * BC, bc = imin(BC, Nk - col0);
-PYFA_UNROLL
-        for (int t = 0; t < KPART; ++t) {
-            const int e = tid + (part * KPART + t) * NT, c = e & (BC - 1), x4 = e / BC;
-            kpre[t] = c < bc ? ld4(g.k + (col0 + c) * g.ldk + 4 * x4) : pyfa_f4{0.f, 0.f, 0.f, 0.f};
-        }
+        const int col0 = j * BC;
+        fast_load_chunks<BC, NT>(kpre, g.k + col0 * g.ldk, g.ldk, imin(BC, Nk - col0), part * KPART, tid);
     };
-    auto store_k = [&](float* dst, int part) {
-PYFA_UNROLL
-        for (int t = 0; t < KPART; ++t) {
-            const int e = tid + (part * KPART + t) * NT, c = e & (BC - 1), x4 = e / BC;
-            dst[(4 * x4 + 0) * BC + c] = kpre[t].x;
-            dst[(4 * x4 + 1) * BC + c] = kpre[t].y;
-            dst[(4 * x4 + 2) * BC + c] = kpre[t].z;
-            dst[(4 * x4 + 3) * BC + c] = kpre[t].w;
-        }
-    };
+    auto store_k = [&](float* dst, int part) { fast_store_chunks_t<BC, NT, KPART, false>(dst, kpre, part * KPART, tid); };
     // V_j by cp.async, rows along rows; keys past bc are 0.
     auto load_v = [&](int j, float* dst) {
-        const int col0 = j * BC, bc = imin(BC, Nk - col0);
-PYFA_UNROLL
-        for (int t = 0; t < BC * DC / NT; ++t) {
-            const int e = tid + t * NT, c = e / DC, x4 = e & (DC - 1);
-            const bool ok = c < bc;
-            pyfa_cp_async16(dst + c * D + 4 * x4, ok ? g.v + (col0 + c) * g.ldv + 4 * x4 : g.v, ok);
-        }
-        pyfa_cp_async_commit();
+        const int col0 = j * BC;
+        fast_cp_async_rows<BC, D, NT>(dst, g.v + col0 * g.ldv, g.ldv, imin(BC, Nk - col0), tid);
     };
 
     if (jb < je) {
@@ -185,57 +162,18 @@ PYFA_UNROLL
 
         // S = Q_i K_j^T: s[ii][kk] = sum_x Q[row ii, x] K[col cg*4+kk, x], x in order.
         float s[8][4];
-PYFA_UNROLL
-        for (int ii = 0; ii < 8; ++ii)
-PYFA_UNROLL
-            for (int kk = 0; kk < 4; ++kk) s[ii][kk] = 0.0f;
-        const float* qp = QiT + wrow + rg * 8;
-        const float* kp = Kt + cg * 4;
-PYFA_UNROLL_BY(4)
-        for (int x = 0; x < D; ++x) {
-            const pyfa_f4 qa = ld4(qp + x * BR), qb = ld4(qp + x * BR + 4);
-            const pyfa_f4 kv = ld4(kp + x * BC);
-            const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
-            const float kx[4] = {kv.x, kv.y, kv.z, kv.w};
-PYFA_UNROLL
-            for (int ii = 0; ii < 8; ++ii)
-PYFA_UNROLL
-                for (int kk = 0; kk < 4; ++kk) s[ii][kk] = pyfa_fma(qv[ii], kx[kk], s[ii][kk]);
-        }
+        fast_s_tile<D, BR, BC>(QiT + wrow + rg * 8, Kt + cg * 4, s);
         if (has_next && KPARTS <= 2) {
             store_k(Knext, 0);
             if (KPARTS == 2) load_k(j + 1, 1);
         }
 
-        // Scale and mask. A tile that the mask leaves whole skips the per-element test;
-        // keys past bc become -inf, which the row max passes over (pyfa_max(m, -inf) = m)
-        // and the row sum and P V never visit.
-        const bool whole = !mask.masked(row0 + br - 1, col0) && !mask.masked(row0, col0 + bc - 1);
-PYFA_UNROLL
-        for (int ii = 0; ii < 8; ++ii) {
-            const int r = row0 + wrow + rg + 2 * ii;
-PYFA_UNROLL
-            for (int kk = 0; kk < 4; ++kk) {
-                const int c = cg * 4 + kk;
-                const bool hidden = c >= bc || (!whole && mask.masked(r, col0 + c));
-                s[ii][kk] = hidden ? -INFINITY : s[ii][kk] * p.scale;
-            }
-        }
+        fast_scale_mask(s, mask, p.scale, row0, br, col0, bc, wrow, rg, cg);
 
         // m_new = pyfa_max over (m_old, S[r, 0 .. bc-1]) in order; P = exp(S - safe_max(m_new)).
 PYFA_UNROLL
         for (int ii = 0; ii < 8; ++ii) {
-            float part = m[ii];
-PYFA_UNROLL
-            for (int kk = 0; kk < 4; ++kk) part = pyfa_max(part, s[ii][kk]);
-            m[ii] = ordered_row_max16(part, cg);
-            const float ms = safe_max(m[ii]);
-            pyfa_f4 pv4;
-            pv4.x = pyfa_exp(s[ii][0] - ms);
-            pv4.y = pyfa_exp(s[ii][1] - ms);
-            pv4.z = pyfa_exp(s[ii][2] - ms);
-            pv4.w = pyfa_exp(s[ii][3] - ms);
-            st4(Pij + (wrow + rg + 2 * ii) * LDP + cg * 4, pv4);
+            m[ii] = fast_row_max_exp(s[ii], m[ii], cg, Pij + (wrow + rg + 2 * ii) * LDP + cg * 4);
             if (cg == 0) mi[wrow + rg + 2 * ii] = m[ii];
         }
         pyfa_syncwarp();
@@ -258,54 +196,7 @@ PYFA_UNROLL
 
         // pv = sum_c P[r, c] V[c, x], c in order; O = fma(alpha, O, pv).
         float pv[8][4 * XC];
-PYFA_UNROLL
-        for (int ii = 0; ii < 8; ++ii)
-PYFA_UNROLL
-            for (int x = 0; x < 4 * XC; ++x) pv[ii][x] = 0.0f;
-        const float* pp = Pij + (wrow + rg) * LDP;
-        const float* vp = Vt + cg * 4;
-        int c = 0;
-        for (; c + 4 <= bc; c += 4) {
-            float vx[4][4 * XC];  // V[c + cc, the thread's columns]
-PYFA_UNROLL
-            for (int cc = 0; cc < 4; ++cc)
-PYFA_UNROLL
-                for (int h = 0; h < XC; ++h) {
-                    const pyfa_f4 v = ld4(vp + (c + cc) * D + 64 * h);
-                    vx[cc][4 * h + 0] = v.x;
-                    vx[cc][4 * h + 1] = v.y;
-                    vx[cc][4 * h + 2] = v.z;
-                    vx[cc][4 * h + 3] = v.w;
-                }
-PYFA_UNROLL
-            for (int ii = 0; ii < 8; ++ii) {
-                const pyfa_f4 pr = ld4(pp + 2 * ii * LDP + c);
-                const float pc[4] = {pr.x, pr.y, pr.z, pr.w};
-PYFA_UNROLL
-                for (int cc = 0; cc < 4; ++cc)
-PYFA_UNROLL
-                    for (int x = 0; x < 4 * XC; ++x) pv[ii][x] = pyfa_fma(pc[cc], vx[cc][x], pv[ii][x]);
-            }
-        }
-        if (c < bc) {  // the last 1..3 keys of a tail tile, in order
-PYFA_UNROLL
-            for (int cc = 0; cc < 3; ++cc) {
-                if (c + cc < bc) {
-PYFA_UNROLL
-                    for (int ii = 0; ii < 8; ++ii) {
-                        const float pc = pp[2 * ii * LDP + c + cc];
-PYFA_UNROLL
-                        for (int h = 0; h < XC; ++h) {
-                            const pyfa_f4 v = ld4(vp + (c + cc) * D + 64 * h);
-                            pv[ii][4 * h + 0] = pyfa_fma(pc, v.x, pv[ii][4 * h + 0]);
-                            pv[ii][4 * h + 1] = pyfa_fma(pc, v.y, pv[ii][4 * h + 1]);
-                            pv[ii][4 * h + 2] = pyfa_fma(pc, v.z, pv[ii][4 * h + 2]);
-                            pv[ii][4 * h + 3] = pyfa_fma(pc, v.w, pv[ii][4 * h + 3]);
-                        }
-                    }
-                }
-            }
-        }
+        fast_pv_tile<D, LDP>(Pij + (wrow + rg) * LDP, Vt + cg * 4, bc, pv);
 PYFA_UNROLL
         for (int ii = 0; ii < 8; ++ii) {
             const float a = alpha_s[wrow + rg + 2 * ii];
