@@ -76,11 +76,49 @@ inline float ssafe(float m) { return m == -INFINITY ? 0.0f : m; }  // safe_max
 inline vf vmax(vf a, vf b) { return b > a ? b : a; }  // pyfa_max
 inline vf vsafe(vf m) { return m == splat(-INFINITY) ? splat(0.0f) : m; }  // safe_max
 
-// pyfa_exp, lane by lane. One difference that changes no result: a lane below X_LO (or
-// NaN) computes with the stand-in 0 rather than X_LO. Its result is replaced by the final
-// selects either way, and X_LO's would pass through subnormal numbers, which cost a
-// microcode assist per operation on many CPUs; every masked score (-inf) is such a lane.
+// True when every lane of the comparison mask m is set.
+inline bool all_set(vi m) {
+#if PYFA_CPU_W == 8 && defined(__AVX__)
+    return _mm256_movemask_ps(reinterpret_cast<__m256>(m)) == 0xFF;
+#elif PYFA_CPU_W == 16 && defined(__AVX512F__)
+    return _mm512_cmpneq_epi32_mask(reinterpret_cast<__m512i>(m), _mm512_setzero_si512()) == 0xFFFF;
+#else
+    int32_t a = -1;
+    for (int k = 0; k < W; ++k) a &= m[k];
+    return a != 0;
+#endif
+}
+
+// pyfa_exp, lane by lane. Two shortcuts that change no result:
+// - When every lane lies in [EXP_FAST_LO, EXP_FAST_HI] (the usual case in a softmax), the
+//   clamps and the final selects are identities, n lies in [-124, 127] and p in
+//   [0.70, 1.42], so p * 2^n1 * 2^n2 (two exact scalings) is the normal number whose bits
+//   are p's with n added to the exponent field: one integer addition instead of the two
+//   factors. Everything before that is pyfa_exp's operations on the same values.
+// - Otherwise a lane below X_LO (or NaN) computes with the stand-in 0 rather than X_LO.
+//   Its result is replaced by the final selects either way, and X_LO's would pass through
+//   subnormal numbers, which cost a microcode assist per operation on many CPUs; every
+//   masked score (-inf) is such a lane.
+constexpr float EXP_FAST_LO = -86.0f, EXP_FAST_HI = 88.0f;
 inline vf vexp(vf x) {
+    if (all_set((x >= splat(EXP_FAST_LO)) & (x <= splat(EXP_FAST_HI)))) {
+        vf t = x * PYFA_LOG2E;
+        t = t + PYFA_ROUND_MAGIC;
+        const vf nf = t - PYFA_ROUND_MAGIC;
+        const vi n = reinterpret_cast<vi>(t) - static_cast<int32_t>(PYFA_ROUND_MAGIC_BITS);
+        vf r = x - nf * PYFA_LN2_HI;
+        r = r - nf * PYFA_LN2_LO;
+        vf q = splat(PYFA_EXP_C6);
+        q = q * r + PYFA_EXP_C5;
+        q = q * r + PYFA_EXP_C4;
+        q = q * r + PYFA_EXP_C3;
+        q = q * r + PYFA_EXP_C2;
+        const vf r2 = r * r;
+        q = r2 * q;
+        q = r + q;
+        const vf p = q + 0x1p+0f;
+        return reinterpret_cast<vf>(reinterpret_cast<vi>(p) + (n << 23));
+    }
     vf xc = x >= splat(PYFA_EXP_X_LO) ? x : splat(0.0f);
     xc = xc > splat(PYFA_EXP_X_HI) ? splat(PYFA_EXP_X_HI) : xc;
     vf t = xc * PYFA_LOG2E;
