@@ -237,10 +237,12 @@ pyfa_status cpu_run(const int* kernels, const AttentionParams* params, size_t co
         plans.emplace_back(p0, k0 == PYFA_KERNEL_FA1_FORWARD, nullptr);
         const Plan& f = plans[0];
         const int64_t Tr = f.Tr();
-        // Q tiles from the last: under a causal mask the last ones visit the most K/V
-        // tiles, and handing out the longest items first keeps the threads evenly busy.
-        phases.push_back({BH * Tr, [&, Tr, BH](int64_t k, float* ws) {
-                              isa->forward(f.ctx, k % BH, Tr - 1 - k / BH, ws);
+        // Head by head, so that the threads walk one head's K and V (which at d = 128
+        // outgrow L2) while they are still in the caches; within a head Q tiles from the
+        // last: under a causal mask the last ones visit the most K/V tiles, and handing out
+        // the longest items first keeps the threads evenly busy.
+        phases.push_back({BH * Tr, [&, Tr](int64_t k, float* ws) {
+                              isa->forward(f.ctx, k / Tr, Tr - 1 - k % Tr, ws);
                               runner->done_one();
                           }});
         total = BH * Tr;
