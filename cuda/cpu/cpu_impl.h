@@ -306,9 +306,14 @@ inline void gemm_jo(const float* A, int64_t lda, int64_t ni, const float* B, int
 // Forward (FA1 and FA2), one Q tile: lanes are the tile's rows, so the row max, the row
 // sum and every per-row factor are element-wise across the Bc scores of a column.
 // ---------------------------------------------------------------------------------------
+// Row stride of the copies of V_j (forward), Q_i and dO_i (backward): the products that
+// walk them down a column (P~ V, dV, dK) would find rows d = 64 or 128 floats apart in a
+// few L1 sets only and evict each other; W floats more spread them over all sets.
+inline int64_t pad_stride(int64_t d) { return round_up(d, W) + W; }
+
 struct FwdBufs {
-    int64_t Rp;
-    float *QT, *S, *OT, *m, *l, *a, *b;
+    int64_t Rp, Ep;
+    float *QT, *S, *OT, *m, *l, *a, *b, *Vj;
 };
 
 inline FwdBufs fwd_bufs(const AttentionParams& p, float* ws) {
@@ -322,12 +327,14 @@ inline FwdBufs fwd_bufs(const AttentionParams& p, float* ws) {
     f.l = f.m + f.Rp;              // (Rp)
     f.a = f.l + f.Rp;              // (Rp)      FA2: alpha; FA1: o_scale; at the end LSE
     f.b = f.a + f.Rp;              // (Rp)      FA1: beta
+    f.Ep = pad_stride(d);
+    f.Vj = f.b + f.Rp;             // (Bc, Ep)  V_j, rows padded to Ep
     return f;
 }
 
 inline size_t fwd_floats(const AttentionParams& p) {
     const int64_t Rp = round_up(p.block_r, W);
-    return static_cast<size_t>(2 * p.head_dim * Rp + p.block_c * Rp + 4 * Rp);
+    return static_cast<size_t>(2 * p.head_dim * Rp + p.block_c * Rp + 4 * Rp + p.block_c * pad_stride(p.head_dim));
 }
 
 // The K/V head (b * Hkv + hk) that query head bh = b * H + h reads: hk = h / (H / Hkv).
@@ -423,13 +430,15 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
         }
 
         // pv^T[x][r] = sum_c P~[r,c] V[c,x], then the row update.
+        for (int64_t c = 0; c < bc; ++c)
+            std::memcpy(f.Vj + c * f.Ep, V + c * d, sizeof(float) * static_cast<size_t>(d));
         if (!ctx.fa1) {
-            gemm_jo(f.S, Rp, Rp, V, 1, d, bc, d, [&](int64_t x, int64_t r, vf pv) {
+            gemm_jo(f.S, Rp, Rp, f.Vj, 1, f.Ep, bc, d, [&](int64_t x, int64_t r, vf pv) {
                 float* o = f.OT + x * Rp + r;
                 st(o, vmadd(ld(f.a + r), ld(o), pv));
             });
         } else {
-            gemm_jo(f.S, Rp, Rp, V, 1, d, bc, d, [&](int64_t x, int64_t r, vf pv) {
+            gemm_jo(f.S, Rp, Rp, f.Vj, 1, f.Ep, bc, d, [&](int64_t x, int64_t r, vf pv) {
                 float* o = f.OT + x * Rp + r;
                 const vf ln = ld(f.l + r);
                 const vf num = vmadd(ld(f.a + r), ld(o), ld(f.b + r) * pv);
@@ -469,15 +478,18 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
 // dV_j are kept transposed, dQ rows with lanes along x.
 // ---------------------------------------------------------------------------------------
 struct BwdBufs {
-    int64_t Cp, Dp;
-    float *KT, *VT, *Kp, *P, *dS, *dKT, *dVT, *dQi;
+    int64_t Cp, Dp, Ep;
+    float *KT, *VT, *Kp, *P, *dS, *dKT, *dVT, *dQi, *Qi, *dOi;
 };
+
+
 
 inline BwdBufs bwd_bufs(const AttentionParams& p, float* ws) {
     BwdBufs b;
     const int64_t d = p.head_dim, Br = p.block_r, Bc = p.block_c;
     b.Cp = round_up(Bc, W);
     b.Dp = round_up(d, W);
+    b.Ep = pad_stride(d);
     b.KT = ws;                 // (d, Cp)   K_j transposed, columns past bc zero
     b.VT = b.KT + d * b.Cp;    // (d, Cp)   V_j transposed
     b.Kp = b.VT + d * b.Cp;    // (Bc, Dp)  K_j with rows padded to Dp
@@ -486,13 +498,15 @@ inline BwdBufs bwd_bufs(const AttentionParams& p, float* ws) {
     b.dKT = b.dS + Br * b.Cp;  // (d, Cp)   dK_j transposed, accumulated
     b.dVT = b.dKT + d * b.Cp;  // (d, Cp)   dV_j transposed, accumulated
     b.dQi = b.dVT + d * b.Cp;  // (Br, Dp)  dQ rows of tile i
+    b.Qi = b.dQi + Br * b.Dp;  // (Br, Ep)  Q_i, rows padded to Ep
+    b.dOi = b.Qi + Br * b.Ep;  // (Br, Ep)  dO_i, rows padded to Ep
     return b;
 }
 
 inline size_t bwd_floats(const AttentionParams& p) {
     const int64_t d = p.head_dim, Br = p.block_r, Bc = p.block_c;
-    const int64_t Cp = round_up(Bc, W), Dp = round_up(d, W);
-    return static_cast<size_t>(4 * d * Cp + Bc * Dp + 2 * Br * Cp + Br * Dp);
+    const int64_t Cp = round_up(Bc, W), Dp = round_up(d, W), Ep = pad_stride(d);
+    return static_cast<size_t>(4 * d * Cp + Bc * Dp + 2 * Br * Cp + Br * Dp + 2 * Br * Ep);
 }
 
 size_t workspace_floats(const Ctx& ctx) {
@@ -517,18 +531,29 @@ void load_kv(const Ctx& ctx, const BwdBufs& b, int64_t bkv, int64_t j, bool with
             for (int64_t x = 0; x < b.Dp; ++x) b.Kp[c * b.Dp + x] = x < d ? K[c * d + x] : 0.0f;
 }
 
-// P_ij into b.P and dS_ij into b.dS, rows r < br of Q tile i, columns of K/V tile j
-// (loaded by load_kv).
+// Q_i and dO_i of head bh into b.Qi, b.dOi.
+void load_q(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i) {
+    const AttentionParams& p = ctx.p;
+    const int64_t d = p.head_dim, Nq = p.seqlen_q, Br = p.block_r;
+    const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
+    const float* Q = p.q + (bh * Nq + row0) * d;      // (br, d)
+    const float* dO = p.dout + (bh * Nq + row0) * d;  // (br, d)
+    for (int64_t r = 0; r < br; ++r) {
+        std::memcpy(b.Qi + r * b.Ep, Q + r * d, sizeof(float) * static_cast<size_t>(d));
+        std::memcpy(b.dOi + r * b.Ep, dO + r * d, sizeof(float) * static_cast<size_t>(d));
+    }
+}
+
+// P_ij into b.P and dS_ij into b.dS, rows r < br of Q tile i (loaded by load_q), columns
+// of K/V tile j (loaded by load_kv).
 void tile_pair(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i, int64_t j) {
     const AttentionParams& p = ctx.p;
     const int64_t d = p.head_dim, Nq = p.seqlen_q;
-    const int64_t Br = p.block_r, Bc = p.block_c, Cp = b.Cp;
+    const int64_t Br = p.block_r, Bc = p.block_c, Cp = b.Cp, Ep = b.Ep;
     const int64_t row0 = i * Br, br = min64(Br, Nq - row0), col0 = j * Bc;
-    const float* Q = p.q + (bh * Nq + row0) * d;      // (br, d)
-    const float* dO = p.dout + (bh * Nq + row0) * d;  // (br, d)
     // S[r][c] = sum_x Q[r,x] K[c,x]; dP[r][c] = sum_x dO[r,x] V[c,x].
-    gemm_store_kb(b.KT, Cp, Cp, Q, d, 1, d, br, b.P, Cp);
-    gemm_store_kb(b.VT, Cp, Cp, dO, d, 1, d, br, b.dS, Cp);
+    gemm_store_kb(b.KT, Cp, Cp, b.Qi, Ep, 1, d, br, b.P, Cp);
+    gemm_store_kb(b.VT, Cp, Cp, b.dOi, Ep, 1, d, br, b.dS, Cp);
 
     const vf scale = splat(p.scale), ninf = splat(-INFINITY), zero = splat(0.0f);
     const vi lane = iota();
@@ -590,21 +615,21 @@ void backward_kv(const Ctx& ctx, int64_t bkv, int64_t j, bool with_dq, float* ws
         const int64_t bh = (bkv / p.heads_kv) * p.heads + (bkv % p.heads_kv) * G + g;
         for (int64_t i = ctx.q_begin[j]; i < ctx.q_end[j]; ++i) {
             const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
-            const float* Q = p.q + (bh * Nq + row0) * d;      // (br, d)
-            const float* dO = p.dout + (bh * Nq + row0) * d;  // (br, d)
+            const int64_t Ep = b.Ep;
+            load_q(ctx, b, bh, i);
             tile_pair(ctx, b, bh, i, j);
             // dv^T[x][c] = sum_r P[r,c] dO[r,x]; dk^T[x][c] = sum_r dS[r,c] Q[r,x].
-            gemm(b.P, Cp, Cp, dO, 1, d, br, d, [&](int64_t x, int64_t c, vf dv) {
+            gemm(b.P, Cp, Cp, b.dOi, 1, Ep, br, d, [&](int64_t x, int64_t c, vf dv) {
                 float* a = b.dVT + x * Cp + c;
                 st(a, ld(a) + dv);
             });
             if (!ctx.fa1) {
-                gemm(b.dS, Cp, Cp, Q, 1, d, br, d, [&](int64_t x, int64_t c, vf dk) {
+                gemm(b.dS, Cp, Cp, b.Qi, 1, Ep, br, d, [&](int64_t x, int64_t c, vf dk) {
                     float* a = b.dKT + x * Cp + c;
                     st(a, ld(a) + dk);
                 });
             } else {
-                gemm(b.dS, Cp, Cp, Q, 1, d, br, d, [&](int64_t x, int64_t c, vf dk) {
+                gemm(b.dS, Cp, Cp, b.Qi, 1, Ep, br, d, [&](int64_t x, int64_t c, vf dk) {
                     float* a = b.dKT + x * Cp + c;
                     st(a, vmadd(scale, dk, ld(a)));
                 });
@@ -645,6 +670,7 @@ void backward_dq(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
     const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
     const vf scale = splat(p.scale);
     for (int64_t e = 0; e < br * Dp; ++e) b.dQi[e] = 0.0f;
+    load_q(ctx, b, bh, i);
 
     for (int64_t j = ctx.kv_begin[i]; j < ctx.kv_end[i]; ++j) {
         const int64_t bc = min64(Bc, Nk - j * Bc);
