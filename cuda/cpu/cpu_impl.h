@@ -306,9 +306,10 @@ inline void gemm_jo(const float* A, int64_t lda, int64_t ni, const float* B, int
 // Forward (FA1 and FA2), one Q tile: lanes are the tile's rows, so the row max, the row
 // sum and every per-row factor are element-wise across the Bc scores of a column.
 // ---------------------------------------------------------------------------------------
-// Row stride of the copies of V_j (forward), Q_i and dO_i (backward): the products that
-// walk them down a column (P~ V, dV, dK) would find rows d = 64 or 128 floats apart in a
-// few L1 sets only and evict each other; W floats more spread them over all sets.
+// Row stride of the copies of V_j (forward), Q_i, dO_i and K_j (backward): the products
+// that walk them down a column (P~ V, dV, dK, dQ) would find rows d = 64 or 128 floats
+// apart in a few L1 sets only and evict each other; W floats more spread them over all
+// sets. (The forward's S = Q K^T reads K_j in place: a padded copy measured no faster.)
 inline int64_t pad_stride(int64_t d) { return round_up(d, W) + W; }
 
 struct FwdBufs {
@@ -492,8 +493,8 @@ inline BwdBufs bwd_bufs(const AttentionParams& p, float* ws) {
     b.Ep = pad_stride(d);
     b.KT = ws;                 // (d, Cp)   K_j transposed, columns past bc zero
     b.VT = b.KT + d * b.Cp;    // (d, Cp)   V_j transposed
-    b.Kp = b.VT + d * b.Cp;    // (Bc, Dp)  K_j with rows padded to Dp
-    b.P = b.Kp + Bc * b.Dp;    // (Br, Cp)  S_ij, then P_ij
+    b.Kp = b.VT + d * b.Cp;    // (Bc, Ep)  K_j, columns d .. Dp-1 zero
+    b.P = b.Kp + Bc * b.Ep;    // (Br, Cp)  S_ij, then P_ij
     b.dS = b.P + Br * b.Cp;    // (Br, Cp)  dP_ij, then dS_ij
     b.dKT = b.dS + Br * b.Cp;  // (d, Cp)   dK_j transposed, accumulated
     b.dVT = b.dKT + d * b.Cp;  // (d, Cp)   dV_j transposed, accumulated
@@ -506,7 +507,7 @@ inline BwdBufs bwd_bufs(const AttentionParams& p, float* ws) {
 inline size_t bwd_floats(const AttentionParams& p) {
     const int64_t d = p.head_dim, Br = p.block_r, Bc = p.block_c;
     const int64_t Cp = round_up(Bc, W), Dp = round_up(d, W), Ep = pad_stride(d);
-    return static_cast<size_t>(4 * d * Cp + Bc * Dp + 2 * Br * Cp + Br * Dp + 2 * Br * Ep);
+    return static_cast<size_t>(4 * d * Cp + Bc * Ep + 2 * Br * Cp + Br * Dp + 2 * Br * Ep);
 }
 
 size_t workspace_floats(const Ctx& ctx) {
@@ -528,7 +529,7 @@ void load_kv(const Ctx& ctx, const BwdBufs& b, int64_t bkv, int64_t j, bool with
         }
     if (with_kp)
         for (int64_t c = 0; c < bc; ++c)
-            for (int64_t x = 0; x < b.Dp; ++x) b.Kp[c * b.Dp + x] = x < d ? K[c * d + x] : 0.0f;
+            for (int64_t x = 0; x < b.Dp; ++x) b.Kp[c * b.Ep + x] = x < d ? K[c * d + x] : 0.0f;
 }
 
 // Q_i and dO_i of head bh into b.Qi, b.dOi.
@@ -636,7 +637,7 @@ void backward_kv(const Ctx& ctx, int64_t bkv, int64_t j, bool with_dq, float* ws
             }
             if (with_dq) {
                 // dq[r][x] = sum_c dS[r,c] K[c,x], added to the head's dQ rows in place.
-                gemm(b.Kp, Dp, Dp, b.dS, Cp, 1, bc, br,
+                gemm(b.Kp, b.Ep, Dp, b.dS, Cp, 1, bc, br,
                      [&](int64_t r, int64_t x, vf dq) { st(b.dQi + r * Dp + x, dq); });
                 float* dQ = p.dq + (bh * Nq + row0) * d;  // (br, d)
                 for (int64_t r = 0; r < br; ++r) {
@@ -677,12 +678,12 @@ void backward_dq(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
         load_kv(ctx, b, kv_head(p, bh), j, true);
         tile_pair(ctx, b, bh, i, j);
         if (!ctx.fa1) {
-            gemm(b.Kp, Dp, Dp, b.dS, Cp, 1, bc, br, [&](int64_t r, int64_t x, vf dq) {
+            gemm(b.Kp, b.Ep, Dp, b.dS, Cp, 1, bc, br, [&](int64_t r, int64_t x, vf dq) {
                 float* a = b.dQi + r * Dp + x;
                 st(a, ld(a) + dq);
             });
         } else {
-            gemm(b.Kp, Dp, Dp, b.dS, Cp, 1, bc, br, [&](int64_t r, int64_t x, vf dq) {
+            gemm(b.Kp, b.Ep, Dp, b.dS, Cp, 1, bc, br, [&](int64_t r, int64_t x, vf dq) {
                 float* a = b.dQi + r * Dp + x;
                 st(a, vmadd(scale, dq, ld(a)));
             });
