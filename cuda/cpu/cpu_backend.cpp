@@ -262,10 +262,6 @@ pyfa_status cpu_run(const int* kernels, const AttentionParams* params, size_t co
         const Plan& kv = plans[1];
         const Plan& dq = plans[2];
         const int64_t Trp = pre.Tr();
-        phases.push_back({BH * Trp, [&, Trp](int64_t k, float*) {
-                              isa->rowdot(pre.ctx, k / Trp, k % Trp);
-                              runner->done_one();
-                          }});
         total = BH * Trp;
         // One pass over the tile pairs can also build dQ when the dQ kernel's tiles are the
         // dK/dV kernel's (then both walk the same pairs) and a K/V head per thread keeps
@@ -275,11 +271,23 @@ pyfa_status cpu_run(const int* kernels, const AttentionParams* params, size_t co
         const bool fused = kv.ctx.p.block_r == dq.ctx.p.block_r && kv.ctx.p.block_c == dq.ctx.p.block_c &&
                            BHkv >= threads;
         const int64_t Tc = kv.Tc(), Tr = dq.Tr();
+        if (!fused)
+            phases.push_back({BH * Trp, [&, Trp](int64_t k, float*) {
+                                  isa->rowdot(pre.ctx, k / Trp, k % Trp);
+                                  runner->done_one();
+                              }});
         if (fused) {
-            // Query head bkv / Hkv * H + (bkv % Hkv) * G + g of K/V head bkv.
-            phases.push_back({BHkv, [&, Tc, G](int64_t bkv, float* ws) {
+            // Query head bkv / Hkv * H + (bkv % Hkv) * G + g of K/V head bkv. Only this item
+            // reads those heads' D, so it computes them first: no phase of its own, whose
+            // start and end would cost more than its work on two threads.
+            phases.push_back({BHkv, [&, Tc, G, Trp](int64_t bkv, float* ws) {
                                   const AttentionParams& p = kv.ctx.p;
                                   const int64_t bh0 = (bkv / p.heads_kv) * p.heads + (bkv % p.heads_kv) * G;
+                                  for (int64_t g = 0; g < G; ++g)
+                                      for (int64_t i = 0; i < Trp; ++i) {
+                                          isa->rowdot(pre.ctx, bh0 + g, i);
+                                          runner->done_one();
+                                      }
                                   for (int64_t g = 0; g < G; ++g) isa->zero_dq(kv.ctx, bh0 + g);
                                   for (int64_t j = 0; j < Tc && !runner->stopped(); ++j) {
                                       isa->backward_kv(kv.ctx, bkv, j, true, ws);

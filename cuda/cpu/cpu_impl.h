@@ -718,7 +718,16 @@ void rowdot(const Ctx& ctx, int64_t bh, int64_t i) {
     const float* O = p.o + (bh * Nq + row0) * d;      // (br, d)
     const float* dO = p.dout + (bh * Nq + row0) * d;  // (br, d)
     float* D = ctx.D + bh * Nq + row0;                // (br)
-    for (int64_t r = 0; r < br; ++r) {
+    // RB rows at a time: RB independent chains instead of one latency-bound chain.
+    constexpr int64_t RB = 8;
+    int64_t r = 0;
+    for (; r + RB <= br; r += RB) {
+        float s[RB] = {};
+        for (int64_t x = 0; x < d; ++x)
+            for (int64_t k = 0; k < RB; ++k) s[k] = madd(dO[(r + k) * d + x], O[(r + k) * d + x], s[k]);
+        for (int64_t k = 0; k < RB; ++k) D[r + k] = s[k];
+    }
+    for (; r < br; ++r) {
         float s = 0.0f;
         for (int64_t x = 0; x < d; ++x) s = madd(dO[r * d + x], O[r * d + x], s);
         D[r] = s;
