@@ -335,7 +335,8 @@ inline FwdBufs fwd_bufs(const AttentionParams& p, float* ws) {
 
 inline size_t fwd_floats(const AttentionParams& p) {
     const int64_t Rp = round_up(p.block_r, W);
-    return static_cast<size_t>(2 * p.head_dim * Rp + p.block_c * Rp + 4 * Rp + p.block_c * pad_stride(p.head_dim));
+    return static_cast<size_t>(2 * p.head_dim * Rp + p.block_c * Rp + 4 * Rp +
+                               p.block_c * pad_stride(p.head_dim));
 }
 
 // The K/V head (b * Hkv + hk) that query head bh = b * H + h reads: hk = h / (H / Hkv).
@@ -483,8 +484,6 @@ struct BwdBufs {
     float *KT, *VT, *Kp, *P, *dS, *dKT, *dVT, *dQi, *Qi, *dOi;
 };
 
-
-
 inline BwdBufs bwd_bufs(const AttentionParams& p, float* ws) {
     BwdBufs b;
     const int64_t d = p.head_dim, Br = p.block_r, Bc = p.block_c;
@@ -602,7 +601,7 @@ void backward_kv(const Ctx& ctx, int64_t bkv, int64_t j, bool with_dq, float* ws
     const int64_t d = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
     const int64_t Br = p.block_r, Bc = p.block_c;
     const BwdBufs b = bwd_bufs(p, ws);
-    const int64_t Cp = b.Cp, Dp = b.Dp;
+    const int64_t Cp = b.Cp, Dp = b.Dp, Ep = b.Ep;
     const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0);
     const vf scale = splat(p.scale);
     load_kv(ctx, b, bkv, j, with_dq);
@@ -616,7 +615,6 @@ void backward_kv(const Ctx& ctx, int64_t bkv, int64_t j, bool with_dq, float* ws
         const int64_t bh = (bkv / p.heads_kv) * p.heads + (bkv % p.heads_kv) * G + g;
         for (int64_t i = ctx.q_begin[j]; i < ctx.q_end[j]; ++i) {
             const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
-            const int64_t Ep = b.Ep;
             load_q(ctx, b, bh, i);
             tile_pair(ctx, b, bh, i, j);
             // dv^T[x][c] = sum_r P[r,c] dO[r,x]; dk^T[x][c] = sum_r dS[r,c] Q[r,x].
@@ -637,7 +635,7 @@ void backward_kv(const Ctx& ctx, int64_t bkv, int64_t j, bool with_dq, float* ws
             }
             if (with_dq) {
                 // dq[r][x] = sum_c dS[r,c] K[c,x], added to the head's dQ rows in place.
-                gemm(b.Kp, b.Ep, Dp, b.dS, Cp, 1, bc, br,
+                gemm(b.Kp, Ep, Dp, b.dS, Cp, 1, bc, br,
                      [&](int64_t r, int64_t x, vf dq) { st(b.dQi + r * Dp + x, dq); });
                 float* dQ = p.dq + (bh * Nq + row0) * d;  // (br, d)
                 for (int64_t r = 0; r < br; ++r) {
