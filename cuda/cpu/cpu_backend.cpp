@@ -237,10 +237,12 @@ pyfa_status cpu_run(const int* kernels, const AttentionParams* params, size_t co
         plans.emplace_back(p0, k0 == PYFA_KERNEL_FA1_FORWARD, nullptr);
         const Plan& f = plans[0];
         const int64_t Tr = f.Tr();
-        // Q tiles from the last: under a causal mask the last ones visit the most K/V
-        // tiles, and handing out the longest items first keeps the threads evenly busy.
-        phases.push_back({BH * Tr, [&, Tr, BH](int64_t k, float* ws) {
-                              isa->forward(f.ctx, k % BH, Tr - 1 - k / BH, ws);
+        // Head by head, so that the threads walk one head's K and V (which at d = 128
+        // outgrow L2) while they are still in the caches; within a head Q tiles from the
+        // last: under a causal mask the last ones visit the most K/V tiles, and handing out
+        // the longest items first keeps the threads evenly busy.
+        phases.push_back({BH * Tr, [&, Tr](int64_t k, float* ws) {
+                              isa->forward(f.ctx, k / Tr, Tr - 1 - k % Tr, ws);
                               runner->done_one();
                           }});
         total = BH * Tr;
@@ -260,10 +262,6 @@ pyfa_status cpu_run(const int* kernels, const AttentionParams* params, size_t co
         const Plan& kv = plans[1];
         const Plan& dq = plans[2];
         const int64_t Trp = pre.Tr();
-        phases.push_back({BH * Trp, [&, Trp](int64_t k, float*) {
-                              isa->rowdot(pre.ctx, k / Trp, k % Trp);
-                              runner->done_one();
-                          }});
         total = BH * Trp;
         // One pass over the tile pairs can also build dQ when the dQ kernel's tiles are the
         // dK/dV kernel's (then both walk the same pairs) and a K/V head per thread keeps
@@ -273,11 +271,23 @@ pyfa_status cpu_run(const int* kernels, const AttentionParams* params, size_t co
         const bool fused = kv.ctx.p.block_r == dq.ctx.p.block_r && kv.ctx.p.block_c == dq.ctx.p.block_c &&
                            BHkv >= threads;
         const int64_t Tc = kv.Tc(), Tr = dq.Tr();
+        if (!fused)
+            phases.push_back({BH * Trp, [&, Trp](int64_t k, float*) {
+                                  isa->rowdot(pre.ctx, k / Trp, k % Trp);
+                                  runner->done_one();
+                              }});
         if (fused) {
-            // Query head bkv / Hkv * H + (bkv % Hkv) * G + g of K/V head bkv.
-            phases.push_back({BHkv, [&, Tc, G](int64_t bkv, float* ws) {
+            // Query head bkv / Hkv * H + (bkv % Hkv) * G + g of K/V head bkv. Only this item
+            // reads those heads' D, so it computes them first: no phase of its own, whose
+            // start and end would cost more than its work on two threads.
+            phases.push_back({BHkv, [&, Tc, G, Trp](int64_t bkv, float* ws) {
                                   const AttentionParams& p = kv.ctx.p;
                                   const int64_t bh0 = (bkv / p.heads_kv) * p.heads + (bkv % p.heads_kv) * G;
+                                  for (int64_t g = 0; g < G; ++g)
+                                      for (int64_t i = 0; i < Trp; ++i) {
+                                          isa->rowdot(pre.ctx, bh0 + g, i);
+                                          runner->done_one();
+                                      }
                                   for (int64_t g = 0; g < G; ++g) isa->zero_dq(kv.ctx, bh0 + g);
                                   for (int64_t j = 0; j < Tc && !runner->stopped(); ++j) {
                                       isa->backward_kv(kv.ctx, bkv, j, true, ws);

@@ -76,11 +76,49 @@ inline float ssafe(float m) { return m == -INFINITY ? 0.0f : m; }  // safe_max
 inline vf vmax(vf a, vf b) { return b > a ? b : a; }  // pyfa_max
 inline vf vsafe(vf m) { return m == splat(-INFINITY) ? splat(0.0f) : m; }  // safe_max
 
-// pyfa_exp, lane by lane. One difference that changes no result: a lane below X_LO (or
-// NaN) computes with the stand-in 0 rather than X_LO. Its result is replaced by the final
-// selects either way, and X_LO's would pass through subnormal numbers, which cost a
-// microcode assist per operation on many CPUs; every masked score (-inf) is such a lane.
+// True when every lane of the comparison mask m is set.
+inline bool all_set(vi m) {
+#if PYFA_CPU_W == 8 && defined(__AVX__)
+    return _mm256_movemask_ps(reinterpret_cast<__m256>(m)) == 0xFF;
+#elif PYFA_CPU_W == 16 && defined(__AVX512F__)
+    return _mm512_cmpneq_epi32_mask(reinterpret_cast<__m512i>(m), _mm512_setzero_si512()) == 0xFFFF;
+#else
+    int32_t a = -1;
+    for (int k = 0; k < W; ++k) a &= m[k];
+    return a != 0;
+#endif
+}
+
+// pyfa_exp, lane by lane. Two shortcuts that change no result:
+// - When every lane lies in [EXP_FAST_LO, EXP_FAST_HI] (the usual case in a softmax), the
+//   clamps and the final selects are identities, n lies in [-124, 127] and p in
+//   [0.70, 1.42], so p * 2^n1 * 2^n2 (two exact scalings) is the normal number whose bits
+//   are p's with n added to the exponent field: one integer addition instead of the two
+//   factors. Everything before that is pyfa_exp's operations on the same values.
+// - Otherwise a lane below X_LO (or NaN) computes with the stand-in 0 rather than X_LO.
+//   Its result is replaced by the final selects either way, and X_LO's would pass through
+//   subnormal numbers, which cost a microcode assist per operation on many CPUs; every
+//   masked score (-inf) is such a lane.
+constexpr float EXP_FAST_LO = -86.0f, EXP_FAST_HI = 88.0f;
 inline vf vexp(vf x) {
+    if (all_set((x >= splat(EXP_FAST_LO)) & (x <= splat(EXP_FAST_HI)))) {
+        vf t = x * PYFA_LOG2E;
+        t = t + PYFA_ROUND_MAGIC;
+        const vf nf = t - PYFA_ROUND_MAGIC;
+        const vi n = reinterpret_cast<vi>(t) - static_cast<int32_t>(PYFA_ROUND_MAGIC_BITS);
+        vf r = x - nf * PYFA_LN2_HI;
+        r = r - nf * PYFA_LN2_LO;
+        vf q = splat(PYFA_EXP_C6);
+        q = q * r + PYFA_EXP_C5;
+        q = q * r + PYFA_EXP_C4;
+        q = q * r + PYFA_EXP_C3;
+        q = q * r + PYFA_EXP_C2;
+        const vf r2 = r * r;
+        q = r2 * q;
+        q = r + q;
+        const vf p = q + 0x1p+0f;
+        return reinterpret_cast<vf>(reinterpret_cast<vi>(p) + (n << 23));
+    }
     vf xc = x >= splat(PYFA_EXP_X_LO) ? x : splat(0.0f);
     xc = xc > splat(PYFA_EXP_X_HI) ? splat(PYFA_EXP_X_HI) : xc;
     vf t = xc * PYFA_LOG2E;
@@ -268,9 +306,15 @@ inline void gemm_jo(const float* A, int64_t lda, int64_t ni, const float* B, int
 // Forward (FA1 and FA2), one Q tile: lanes are the tile's rows, so the row max, the row
 // sum and every per-row factor are element-wise across the Bc scores of a column.
 // ---------------------------------------------------------------------------------------
+// Row stride of the copies of V_j (forward), Q_i, dO_i and K_j (backward): the products
+// that walk them down a column (P~ V, dV, dK, dQ) would find rows d = 64 or 128 floats
+// apart in a few L1 sets only and evict each other; W floats more spread them over all
+// sets. (The forward's S = Q K^T reads K_j in place: a padded copy measured no faster.)
+inline int64_t pad_stride(int64_t d) { return round_up(d, W) + W; }
+
 struct FwdBufs {
-    int64_t Rp;
-    float *QT, *S, *OT, *m, *l, *a, *b;
+    int64_t Rp, Ep;
+    float *QT, *S, *OT, *m, *l, *a, *b, *Vj;
 };
 
 inline FwdBufs fwd_bufs(const AttentionParams& p, float* ws) {
@@ -284,12 +328,15 @@ inline FwdBufs fwd_bufs(const AttentionParams& p, float* ws) {
     f.l = f.m + f.Rp;              // (Rp)
     f.a = f.l + f.Rp;              // (Rp)      FA2: alpha; FA1: o_scale; at the end LSE
     f.b = f.a + f.Rp;              // (Rp)      FA1: beta
+    f.Ep = pad_stride(d);
+    f.Vj = f.b + f.Rp;             // (Bc, Ep)  V_j, rows padded to Ep
     return f;
 }
 
 inline size_t fwd_floats(const AttentionParams& p) {
     const int64_t Rp = round_up(p.block_r, W);
-    return static_cast<size_t>(2 * p.head_dim * Rp + p.block_c * Rp + 4 * Rp);
+    return static_cast<size_t>(2 * p.head_dim * Rp + p.block_c * Rp + 4 * Rp +
+                               p.block_c * pad_stride(p.head_dim));
 }
 
 // The K/V head (b * Hkv + hk) that query head bh = b * H + h reads: hk = h / (H / Hkv).
@@ -385,13 +432,15 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
         }
 
         // pv^T[x][r] = sum_c P~[r,c] V[c,x], then the row update.
+        for (int64_t c = 0; c < bc; ++c)
+            std::memcpy(f.Vj + c * f.Ep, V + c * d, sizeof(float) * static_cast<size_t>(d));
         if (!ctx.fa1) {
-            gemm_jo(f.S, Rp, Rp, V, 1, d, bc, d, [&](int64_t x, int64_t r, vf pv) {
+            gemm_jo(f.S, Rp, Rp, f.Vj, 1, f.Ep, bc, d, [&](int64_t x, int64_t r, vf pv) {
                 float* o = f.OT + x * Rp + r;
                 st(o, vmadd(ld(f.a + r), ld(o), pv));
             });
         } else {
-            gemm_jo(f.S, Rp, Rp, V, 1, d, bc, d, [&](int64_t x, int64_t r, vf pv) {
+            gemm_jo(f.S, Rp, Rp, f.Vj, 1, f.Ep, bc, d, [&](int64_t x, int64_t r, vf pv) {
                 float* o = f.OT + x * Rp + r;
                 const vf ln = ld(f.l + r);
                 const vf num = vmadd(ld(f.a + r), ld(o), ld(f.b + r) * pv);
@@ -431,8 +480,8 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
 // dV_j are kept transposed, dQ rows with lanes along x.
 // ---------------------------------------------------------------------------------------
 struct BwdBufs {
-    int64_t Cp, Dp;
-    float *KT, *VT, *Kp, *P, *dS, *dKT, *dVT, *dQi;
+    int64_t Cp, Dp, Ep;
+    float *KT, *VT, *Kp, *P, *dS, *dKT, *dVT, *dQi, *Qi, *dOi;
 };
 
 inline BwdBufs bwd_bufs(const AttentionParams& p, float* ws) {
@@ -440,21 +489,24 @@ inline BwdBufs bwd_bufs(const AttentionParams& p, float* ws) {
     const int64_t d = p.head_dim, Br = p.block_r, Bc = p.block_c;
     b.Cp = round_up(Bc, W);
     b.Dp = round_up(d, W);
+    b.Ep = pad_stride(d);
     b.KT = ws;                 // (d, Cp)   K_j transposed, columns past bc zero
     b.VT = b.KT + d * b.Cp;    // (d, Cp)   V_j transposed
-    b.Kp = b.VT + d * b.Cp;    // (Bc, Dp)  K_j with rows padded to Dp
-    b.P = b.Kp + Bc * b.Dp;    // (Br, Cp)  S_ij, then P_ij
+    b.Kp = b.VT + d * b.Cp;    // (Bc, Ep)  K_j, columns d .. Dp-1 zero
+    b.P = b.Kp + Bc * b.Ep;    // (Br, Cp)  S_ij, then P_ij
     b.dS = b.P + Br * b.Cp;    // (Br, Cp)  dP_ij, then dS_ij
     b.dKT = b.dS + Br * b.Cp;  // (d, Cp)   dK_j transposed, accumulated
     b.dVT = b.dKT + d * b.Cp;  // (d, Cp)   dV_j transposed, accumulated
     b.dQi = b.dVT + d * b.Cp;  // (Br, Dp)  dQ rows of tile i
+    b.Qi = b.dQi + Br * b.Dp;  // (Br, Ep)  Q_i, rows padded to Ep
+    b.dOi = b.Qi + Br * b.Ep;  // (Br, Ep)  dO_i, rows padded to Ep
     return b;
 }
 
 inline size_t bwd_floats(const AttentionParams& p) {
     const int64_t d = p.head_dim, Br = p.block_r, Bc = p.block_c;
-    const int64_t Cp = round_up(Bc, W), Dp = round_up(d, W);
-    return static_cast<size_t>(4 * d * Cp + Bc * Dp + 2 * Br * Cp + Br * Dp);
+    const int64_t Cp = round_up(Bc, W), Dp = round_up(d, W), Ep = pad_stride(d);
+    return static_cast<size_t>(4 * d * Cp + Bc * Ep + 2 * Br * Cp + Br * Dp + 2 * Br * Ep);
 }
 
 size_t workspace_floats(const Ctx& ctx) {
@@ -476,21 +528,32 @@ void load_kv(const Ctx& ctx, const BwdBufs& b, int64_t bkv, int64_t j, bool with
         }
     if (with_kp)
         for (int64_t c = 0; c < bc; ++c)
-            for (int64_t x = 0; x < b.Dp; ++x) b.Kp[c * b.Dp + x] = x < d ? K[c * d + x] : 0.0f;
+            for (int64_t x = 0; x < b.Dp; ++x) b.Kp[c * b.Ep + x] = x < d ? K[c * d + x] : 0.0f;
 }
 
-// P_ij into b.P and dS_ij into b.dS, rows r < br of Q tile i, columns of K/V tile j
-// (loaded by load_kv).
+// Q_i and dO_i of head bh into b.Qi, b.dOi.
+void load_q(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i) {
+    const AttentionParams& p = ctx.p;
+    const int64_t d = p.head_dim, Nq = p.seqlen_q, Br = p.block_r;
+    const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
+    const float* Q = p.q + (bh * Nq + row0) * d;      // (br, d)
+    const float* dO = p.dout + (bh * Nq + row0) * d;  // (br, d)
+    for (int64_t r = 0; r < br; ++r) {
+        std::memcpy(b.Qi + r * b.Ep, Q + r * d, sizeof(float) * static_cast<size_t>(d));
+        std::memcpy(b.dOi + r * b.Ep, dO + r * d, sizeof(float) * static_cast<size_t>(d));
+    }
+}
+
+// P_ij into b.P and dS_ij into b.dS, rows r < br of Q tile i (loaded by load_q), columns
+// of K/V tile j (loaded by load_kv).
 void tile_pair(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i, int64_t j) {
     const AttentionParams& p = ctx.p;
     const int64_t d = p.head_dim, Nq = p.seqlen_q;
-    const int64_t Br = p.block_r, Bc = p.block_c, Cp = b.Cp;
+    const int64_t Br = p.block_r, Bc = p.block_c, Cp = b.Cp, Ep = b.Ep;
     const int64_t row0 = i * Br, br = min64(Br, Nq - row0), col0 = j * Bc;
-    const float* Q = p.q + (bh * Nq + row0) * d;      // (br, d)
-    const float* dO = p.dout + (bh * Nq + row0) * d;  // (br, d)
     // S[r][c] = sum_x Q[r,x] K[c,x]; dP[r][c] = sum_x dO[r,x] V[c,x].
-    gemm_store_kb(b.KT, Cp, Cp, Q, d, 1, d, br, b.P, Cp);
-    gemm_store_kb(b.VT, Cp, Cp, dO, d, 1, d, br, b.dS, Cp);
+    gemm_store_kb(b.KT, Cp, Cp, b.Qi, Ep, 1, d, br, b.P, Cp);
+    gemm_store_kb(b.VT, Cp, Cp, b.dOi, Ep, 1, d, br, b.dS, Cp);
 
     const vf scale = splat(p.scale), ninf = splat(-INFINITY), zero = splat(0.0f);
     const vi lane = iota();
@@ -538,7 +601,7 @@ void backward_kv(const Ctx& ctx, int64_t bkv, int64_t j, bool with_dq, float* ws
     const int64_t d = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
     const int64_t Br = p.block_r, Bc = p.block_c;
     const BwdBufs b = bwd_bufs(p, ws);
-    const int64_t Cp = b.Cp, Dp = b.Dp;
+    const int64_t Cp = b.Cp, Dp = b.Dp, Ep = b.Ep;
     const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0);
     const vf scale = splat(p.scale);
     load_kv(ctx, b, bkv, j, with_dq);
@@ -552,28 +615,27 @@ void backward_kv(const Ctx& ctx, int64_t bkv, int64_t j, bool with_dq, float* ws
         const int64_t bh = (bkv / p.heads_kv) * p.heads + (bkv % p.heads_kv) * G + g;
         for (int64_t i = ctx.q_begin[j]; i < ctx.q_end[j]; ++i) {
             const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
-            const float* Q = p.q + (bh * Nq + row0) * d;      // (br, d)
-            const float* dO = p.dout + (bh * Nq + row0) * d;  // (br, d)
+            load_q(ctx, b, bh, i);
             tile_pair(ctx, b, bh, i, j);
             // dv^T[x][c] = sum_r P[r,c] dO[r,x]; dk^T[x][c] = sum_r dS[r,c] Q[r,x].
-            gemm(b.P, Cp, Cp, dO, 1, d, br, d, [&](int64_t x, int64_t c, vf dv) {
+            gemm(b.P, Cp, Cp, b.dOi, 1, Ep, br, d, [&](int64_t x, int64_t c, vf dv) {
                 float* a = b.dVT + x * Cp + c;
                 st(a, ld(a) + dv);
             });
             if (!ctx.fa1) {
-                gemm(b.dS, Cp, Cp, Q, 1, d, br, d, [&](int64_t x, int64_t c, vf dk) {
+                gemm(b.dS, Cp, Cp, b.Qi, 1, Ep, br, d, [&](int64_t x, int64_t c, vf dk) {
                     float* a = b.dKT + x * Cp + c;
                     st(a, ld(a) + dk);
                 });
             } else {
-                gemm(b.dS, Cp, Cp, Q, 1, d, br, d, [&](int64_t x, int64_t c, vf dk) {
+                gemm(b.dS, Cp, Cp, b.Qi, 1, Ep, br, d, [&](int64_t x, int64_t c, vf dk) {
                     float* a = b.dKT + x * Cp + c;
                     st(a, vmadd(scale, dk, ld(a)));
                 });
             }
             if (with_dq) {
                 // dq[r][x] = sum_c dS[r,c] K[c,x], added to the head's dQ rows in place.
-                gemm(b.Kp, Dp, Dp, b.dS, Cp, 1, bc, br,
+                gemm(b.Kp, Ep, Dp, b.dS, Cp, 1, bc, br,
                      [&](int64_t r, int64_t x, vf dq) { st(b.dQi + r * Dp + x, dq); });
                 float* dQ = p.dq + (bh * Nq + row0) * d;  // (br, d)
                 for (int64_t r = 0; r < br; ++r) {
@@ -607,18 +669,19 @@ void backward_dq(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
     const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
     const vf scale = splat(p.scale);
     for (int64_t e = 0; e < br * Dp; ++e) b.dQi[e] = 0.0f;
+    load_q(ctx, b, bh, i);
 
     for (int64_t j = ctx.kv_begin[i]; j < ctx.kv_end[i]; ++j) {
         const int64_t bc = min64(Bc, Nk - j * Bc);
         load_kv(ctx, b, kv_head(p, bh), j, true);
         tile_pair(ctx, b, bh, i, j);
         if (!ctx.fa1) {
-            gemm(b.Kp, Dp, Dp, b.dS, Cp, 1, bc, br, [&](int64_t r, int64_t x, vf dq) {
+            gemm(b.Kp, b.Ep, Dp, b.dS, Cp, 1, bc, br, [&](int64_t r, int64_t x, vf dq) {
                 float* a = b.dQi + r * Dp + x;
                 st(a, ld(a) + dq);
             });
         } else {
-            gemm(b.Kp, Dp, Dp, b.dS, Cp, 1, bc, br, [&](int64_t r, int64_t x, vf dq) {
+            gemm(b.Kp, b.Ep, Dp, b.dS, Cp, 1, bc, br, [&](int64_t r, int64_t x, vf dq) {
                 float* a = b.dQi + r * Dp + x;
                 st(a, vmadd(scale, dq, ld(a)));
             });
@@ -653,7 +716,16 @@ void rowdot(const Ctx& ctx, int64_t bh, int64_t i) {
     const float* O = p.o + (bh * Nq + row0) * d;      // (br, d)
     const float* dO = p.dout + (bh * Nq + row0) * d;  // (br, d)
     float* D = ctx.D + bh * Nq + row0;                // (br)
-    for (int64_t r = 0; r < br; ++r) {
+    // RB rows at a time: RB independent chains instead of one latency-bound chain.
+    constexpr int64_t RB = 8;
+    int64_t r = 0;
+    for (; r + RB <= br; r += RB) {
+        float s[RB] = {};
+        for (int64_t x = 0; x < d; ++x)
+            for (int64_t k = 0; k < RB; ++k) s[k] = madd(dO[(r + k) * d + x], O[(r + k) * d + x], s[k]);
+        for (int64_t k = 0; k < RB; ++k) D[r + k] = s[k];
+    }
+    for (; r < br; ++r) {
         float s = 0.0f;
         for (int64_t x = 0; x < d; ++x) s = madd(dO[r * d + x], O[r * d + x], s);
         D[r] = s;
