@@ -52,7 +52,10 @@
       fa2_backward_dq_fast_threads(Br), kGridQTiles)                                                  \
     X(13, "fa2_backward_dkdv/fast d=64 64x64", PYFA_KERNEL_FA2_BACKWARD_DKDV, PYFA_VARIANT_FAST, 64, 64, \
       64, (fa2_backward_dkdv_fast_kernel<64>), fa2_backward_dkdv_fast_smem,                            \
+      fa2_backward_dkdv_fast_threads(Br), kGridKvTilesKvHeads)                                        \
+    X(14, "fa2_backward_dkdv/fast d=128 64x64", PYFA_KERNEL_FA2_BACKWARD_DKDV, PYFA_VARIANT_FAST, 128, \
+      64, 64, (fa2_backward_dkdv_fast_kernel<128>), fa2_backward_dkdv_fast_smem,                       \
       fa2_backward_dkdv_fast_threads(Br), kGridKvTilesKvHeads)
 
 // Rows in the table (ids 0 .. kKernelRows - 1).
-constexpr int kKernelRows = 14;
+constexpr int kKernelRows = 15;
