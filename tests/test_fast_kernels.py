@@ -273,15 +273,33 @@ def test_fa2_backward_with_the_fast_dq_equals_the_simulator(case, causal, order,
     assert same_bits(dq, sim.dq) and same_bits(dk, sim.dk) and same_bits(dv, sim.dv)
 
 
-@pytest.mark.parametrize("mask", MASKED[:3], ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
-def test_fast_dq_masks_gqa(mask):
-    rng = np.random.default_rng(9)
-    q, do = (rng.standard_normal((1, 4, 110, 64), dtype=np.float32) for _ in range(2))
-    k, v = (rng.standard_normal((1, 2, 90, 64), dtype=np.float32) for _ in range(2))
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("mask", MASKED, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
+def test_fast_dq_masks_gqa(mask, d):
+    # d = 128 runs the two-role dQ kernel (fa2_backward_dq_fast_roles); Nq, Nk with tails.
+    rng = np.random.default_rng(9 + d)
+    Nq, Nk = (110, 90) if d == 64 else (75, 150)
+    q, do = (rng.standard_normal((1, 4, Nq, d), dtype=np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((1, 2, Nk, d), dtype=np.float32) for _ in range(2))
     fwd = pyfa.sim.fa2_forward(q, k, v, **mask)
     sim = pyfa.sim.fa2_backward(q, k, v, fwd.o, fwd.lse, do, block_r=64, block_c=64, **mask)
-    dq, dk, dv = pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, block_r=64, block_c=64,
-                                   backend="emu", variant="auto", **mask)
+    for order in ("forward", "reverse"):
+        dq, dk, dv = pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, block_r=64, block_c=64,
+                                       backend="emu", emu_order=order, variant="auto", **mask)
+        assert same_bits(dq, sim.dq) and same_bits(dk, sim.dk) and same_bits(dv, sim.dv), order
+
+
+def test_fast_dq_tiles_at_d128():
+    # Q_i^T, dO_i^T, K_j, V_j, P_ij, dS_ij (dQ_i in registers): an A100's 163 KiB holds it.
+    assert pyfa.smem_bytes("fa2_backward_dq", 64, 64, 128, variant="fast") == \
+        4 * (4 * 64 * 128 + 2 * 64 * 68)
+    assert pyfa.smem_bytes("fa2_backward_dq", 128, 64, 128, variant="fast") == 0
+    # Tiles it lacks: variant auto runs the readable dQ (and dK/dV) kernel at those tiles.
+    q, k, v, do = make_inputs((1, 1, 150, 128), (1, 1, 140, 128), 6, True)
+    fwd = pyfa.sim.fa2_forward(q, k, v)
+    sim = pyfa.sim.fa2_backward(q, k, v, fwd.o, fwd.lse, do, block_r=32, block_c=64)
+    dq, dk, dv = pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, block_r=32, block_c=64,
+                                   backend="emu", variant="auto")
     assert same_bits(dq, sim.dq) and same_bits(dk, sim.dk) and same_bits(dv, sim.dv)
 
 

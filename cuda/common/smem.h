@@ -195,8 +195,8 @@ PYFA_HD SmemLayout fa2_forward_fast_smem(int64_t Br, int64_t Bc, int64_t d) {
     return L;
 }
 
-// ---- FA2 backward dQ, fast variant (cuda/kernels/fast/fa2_backward_dq_fast.cuh): the
-// forward's thread layout; K_j is kept twice, transposed for S and row-major for dS K.
+// ---- FA2 backward dQ, fast variant (cuda/kernels/fast/fa2_backward_dq_fast.cuh), d = 64:
+// the forward's thread layout; K_j is kept twice, transposed for S and row-major for dS K.
 PYFA_HD int fa2_backward_dq_fast_threads(int64_t Br) { return static_cast<int>(2 * Br); }
 
 enum Fa2BackwardDqFastTerm { FA2DQF_QiT, FA2DQF_dOiT, FA2DQF_KjT, FA2DQF_VjT, FA2DQF_Kj, FA2DQF_dSij, FA2DQF_dQi };
@@ -210,6 +210,24 @@ PYFA_HD SmemLayout fa2_backward_dq_fast_smem(int64_t Br, int64_t Bc, int64_t d) 
     L.add("K_j", Bc, d);         // for dS K
     L.add("dS_ij", Br, fast_p_stride(Bc));
     L.add("dQ_i", Br, d);        // each thread's own elements: its registers go to S and dP
+    return L;
+}
+
+// At d = 128 (Br = Bc = 64) the dQ fast kernel runs 8 warps in two roles, like the dK/dV
+// one (4 * Bc threads): dQ_i in registers, K_j and V_j once row-major (by cp.async, no
+// transposed copies), P_ij and dS_ij each a buffer. 165,888 bytes.
+PYFA_HD int fa2_backward_dq_fast_roles_threads(int64_t) { return 4 * kFastBc; }
+
+enum Fa2BackwardDqRolesTerm { FA2DQR_QiT, FA2DQR_dOiT, FA2DQR_Kj, FA2DQR_Vj, FA2DQR_Pij, FA2DQR_dSij };
+
+PYFA_HD SmemLayout fa2_backward_dq_fast_roles_smem(int64_t Br, int64_t Bc, int64_t d) {
+    SmemLayout L;
+    L.add("Q_i^T", d, Br);       // loaded once, rows permuted
+    L.add("dO_i^T", d, Br);
+    L.add("K_j", Bc, d);         // for S = Q K^T and dS K, chunks swizzled
+    L.add("V_j", Bc, d);         // for dP = dO V^T
+    L.add("P_ij", Br, fast_p_stride(Bc));
+    L.add("dS_ij", Br, fast_p_stride(Bc));
     return L;
 }
 

@@ -48,8 +48,8 @@
       64, (fa2_backward_dq_fast_kernel<64, 128>), fa2_backward_dq_fast_smem,                           \
       fa2_backward_dq_fast_threads(Br), kGridQTiles)                                                  \
     X(12, "fa2_backward_dq/fast d=128 64x64", PYFA_KERNEL_FA2_BACKWARD_DQ, PYFA_VARIANT_FAST, 128, 64,  \
-      64, (fa2_backward_dq_fast_kernel<128, 64>), fa2_backward_dq_fast_smem,                           \
-      fa2_backward_dq_fast_threads(Br), kGridQTiles)                                                  \
+      64, (fa2_backward_dq_fast_kernel<128, 64>), fa2_backward_dq_fast_roles_smem,                     \
+      fa2_backward_dq_fast_roles_threads(Br), kGridQTiles)                                                  \
     X(13, "fa2_backward_dkdv/fast d=64 64x64", PYFA_KERNEL_FA2_BACKWARD_DKDV, PYFA_VARIANT_FAST, 64, 64, \
       64, (fa2_backward_dkdv_fast_kernel<64>), fa2_backward_dkdv_fast_smem,                            \
       fa2_backward_dkdv_fast_threads(Br), kGridKvTilesKvHeads)                                        \

@@ -24,103 +24,9 @@
 #pragma once
 
 #include "kernels/fast/fa2_forward_fast.cuh"
+#include "kernels/fast/fast_tiles.h"
 
 namespace PYFA_KERNELS {
-
-// s[ii][kk] = sum_x A[c, x] B[r, x] (x = 0 .. D-1 in order, from +0) over the thread's keys
-// c (ii = 0..7) and query rows r = cg*4 + kk. at: the thread's 8 consecutive floats of
-// A^T (D, Bc) at x = 0; b: B (Br, D) row-major, chunks swizzled by swz_qk.
-template <int D>
-PYFA_DEV void fast_dkdv_scores(const float* at, const float* b, int cg, float (&s)[8][4]) {
-    constexpr int BC = kFastBc;
-PYFA_UNROLL
-    for (int ii = 0; ii < 8; ++ii)
-PYFA_UNROLL
-        for (int kk = 0; kk < 4; ++kk) s[ii][kk] = 0.0f;
-    const float* brow = b + cg * 4 * D;  // rows cg*4 .. cg*4+3 share one swizzle
-    const int sw = swz_qk(cg * 4);
-PYFA_UNROLL_BY(2)
-    for (int x4 = 0; x4 < D / 4; ++x4) {
-        pyfa_f4 bq[4];
-PYFA_UNROLL
-        for (int kk = 0; kk < 4; ++kk) bq[kk] = ld4(brow + kk * D + ((x4 ^ sw) << 2));
-        const float bx[4][4] = {{bq[0].x, bq[1].x, bq[2].x, bq[3].x},
-                                {bq[0].y, bq[1].y, bq[2].y, bq[3].y},
-                                {bq[0].z, bq[1].z, bq[2].z, bq[3].z},
-                                {bq[0].w, bq[1].w, bq[2].w, bq[3].w}};
-PYFA_UNROLL
-        for (int xx = 0; xx < 4; ++xx) {
-            const float* ap = at + (4 * x4 + xx) * BC;
-            const pyfa_f4 a0 = ld4(ap), a1 = ld4(ap + 4);
-            const float ax[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-PYFA_UNROLL
-            for (int ii = 0; ii < 8; ++ii)
-PYFA_UNROLL
-                for (int kk = 0; kk < 4; ++kk) s[ii][kk] = pyfa_fma(bx[xx][kk], ax[ii], s[ii][kk]);
-        }
-    }
-}
-
-// One Q tile's product: t[c, x] = sum_r A^T[c, r] B[r, x] (r = 0 .. br-1 in order, from
-// +0), then acc[c, x] = acc[c, x] + t[c, x], over the thread's keys c = first + 2 ii and the
-// columns of chunks cg + 16 hh (hh < D/64). at: the thread's first key row of A^T (row
-// stride LDP); b: B (Br, D) row-major, chunks swizzled by swz_qk.
-template <int D, int LDP>
-PYFA_DEV void fast_dkdv_product(const float* at, const float* b, int br, int cg, float (&acc)[8][D / 16]) {
-    constexpr int XC = D / 64;
-    float t[8][4 * XC];
-PYFA_UNROLL
-    for (int ii = 0; ii < 8; ++ii)
-PYFA_UNROLL
-        for (int x = 0; x < 4 * XC; ++x) t[ii][x] = 0.0f;
-    int r = 0;
-    for (; r + 4 <= br; r += 4) {
-        const float* brow = b + r * D + ((cg ^ swz_qk(r)) << 2);  // rows r .. r+3 share one swizzle
-        pyfa_f4 bx[4][XC];
-PYFA_UNROLL
-        for (int rr = 0; rr < 4; ++rr)
-PYFA_UNROLL
-            for (int hh = 0; hh < XC; ++hh) bx[rr][hh] = ld4(brow + rr * D + 64 * hh);
-PYFA_UNROLL
-        for (int ii = 0; ii < 8; ++ii) {
-            const pyfa_f4 ar = ld4(at + 2 * ii * LDP + r);
-            const float ac[4] = {ar.x, ar.y, ar.z, ar.w};
-PYFA_UNROLL
-            for (int rr = 0; rr < 4; ++rr)
-PYFA_UNROLL
-                for (int hh = 0; hh < XC; ++hh) {
-                    t[ii][4 * hh + 0] = pyfa_fma(ac[rr], bx[rr][hh].x, t[ii][4 * hh + 0]);
-                    t[ii][4 * hh + 1] = pyfa_fma(ac[rr], bx[rr][hh].y, t[ii][4 * hh + 1]);
-                    t[ii][4 * hh + 2] = pyfa_fma(ac[rr], bx[rr][hh].z, t[ii][4 * hh + 2]);
-                    t[ii][4 * hh + 3] = pyfa_fma(ac[rr], bx[rr][hh].w, t[ii][4 * hh + 3]);
-                }
-        }
-    }
-    if (r < br) {  // the last 1..3 rows of a tail Q tile, in order
-PYFA_UNROLL
-        for (int rr = 0; rr < 3; ++rr) {
-            if (r + rr < br) {
-                const float* brow = b + (r + rr) * D + ((cg ^ swz_qk(r + rr)) << 2);
-PYFA_UNROLL
-                for (int hh = 0; hh < XC; ++hh) {
-                    const pyfa_f4 v = ld4(brow + 64 * hh);
-PYFA_UNROLL
-                    for (int ii = 0; ii < 8; ++ii) {
-                        const float ac = at[2 * ii * LDP + r + rr];
-                        t[ii][4 * hh + 0] = pyfa_fma(ac, v.x, t[ii][4 * hh + 0]);
-                        t[ii][4 * hh + 1] = pyfa_fma(ac, v.y, t[ii][4 * hh + 1]);
-                        t[ii][4 * hh + 2] = pyfa_fma(ac, v.z, t[ii][4 * hh + 2]);
-                        t[ii][4 * hh + 3] = pyfa_fma(ac, v.w, t[ii][4 * hh + 3]);
-                    }
-                }
-            }
-        }
-    }
-PYFA_UNROLL
-    for (int ii = 0; ii < 8; ++ii)
-PYFA_UNROLL
-        for (int x = 0; x < 4 * XC; ++x) acc[ii][x] = acc[ii][x] + t[ii][x];
-}
 
 // One block per SM is asked for: left to itself ptxas holds d = 64 to 128 registers (two
 // blocks) and spills there.
@@ -224,7 +130,7 @@ PYFA_UNROLL
 
             // S^T = K_j Q_i^T (warps 0..3) or dP^T = V_j dO_i^T (warps 4..7), over x in order.
             float s[8][4];
-            fast_dkdv_scores<D>(score_at, score_b, cg, s);
+            fast_scores_8x4<D>(score_at, score_b, cg, s);
 
             float* prow = PT + (wcol + rg) * LDP;  // the thread's keys' rows of P_ij^T
             if (!dk_role) {
@@ -257,7 +163,7 @@ PYFA_UNROLL
                 pyfa_syncwarp();
             }
             // dV_j += P_ij^T dO_i (warps 0..3) or dK_j += dS_ij^T Q_i (warps 4..7).
-            fast_dkdv_product<D, LDP>(prod_at, prod_b, br, cg, acc);
+            fast_product_8x4<D, XC, LDP>(prod_at, prod_b, br, cg, acc);
         }
     }
 
