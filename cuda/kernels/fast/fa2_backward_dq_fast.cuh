@@ -378,9 +378,12 @@ PYFA_UNROLL
     }
 }
 
-// The threads of the kernel's block: 2 * Br at d = 64, 4 * Bc at d = 128.
+// Threads per block: 2 * Br at d = 64, 4 * Bc at d = 128. At d = 128 one block per SM is
+// asked for (left to itself, ptxas holds sm_120 to 128 registers and spills); 0 asks
+// nothing at d = 64.
 template <int D, int BR>
-__global__ void __launch_bounds__(D == 128 ? 4 * kFastBc : 2 * BR) fa2_backward_dq_fast_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(D == 128 ? 4 * kFastBc : 2 * BR, D == 128 ? 1 : 0)
+    fa2_backward_dq_fast_kernel(const AttentionParams p) {
     if constexpr (D == 128)
         fa2_backward_dq_fast_roles<D>(p);
     else
