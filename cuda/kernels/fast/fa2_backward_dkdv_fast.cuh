@@ -70,24 +70,7 @@ __global__ void __launch_bounds__(4 * kFastBc, 1) fa2_backward_dkdv_fast_kernel(
     float* dST = smem + L.offset[FA2KVF_dST];    // (Bc, Br), row stride LDP: dS_ij^T
 
     // K_j^T and V_j^T, once (not at all for an empty band); keys past bc are 0.
-    if (visit.begin < visit.end) {
-PYFA_UNROLL
-        for (int t = 0; t < BC * DC / NT; ++t) {
-            const int e = tid + t * NT, c = e & (BC - 1), x4 = e / BC;
-            const bool ok = c < bc;
-            const pyfa_f4 kv = ok ? ld4(K + (col0 + c) * ldk + 4 * x4) : pyfa_f4{0.f, 0.f, 0.f, 0.f};
-            const pyfa_f4 vv = ok ? ld4(V + (col0 + c) * ldv + 4 * x4) : pyfa_f4{0.f, 0.f, 0.f, 0.f};
-            const int pos = fast_q_pos(c);
-            KjT[(4 * x4 + 0) * BC + pos] = kv.x;
-            KjT[(4 * x4 + 1) * BC + pos] = kv.y;
-            KjT[(4 * x4 + 2) * BC + pos] = kv.z;
-            KjT[(4 * x4 + 3) * BC + pos] = kv.w;
-            VjT[(4 * x4 + 0) * BC + pos] = vv.x;
-            VjT[(4 * x4 + 1) * BC + pos] = vv.y;
-            VjT[(4 * x4 + 2) * BC + pos] = vv.z;
-            VjT[(4 * x4 + 3) * BC + pos] = vv.w;
-        }
-    }
+    if (visit.begin < visit.end) fast_load_transposed2<D, BC, NT>(KjT, VjT, K, ldk, V, ldv, col0, bc, tid);
     // The role's operands: the scores' A^T and B, the product's A^T rows and B.
     const float* score_at = (dk_role ? VjT : KjT) + wcol + rg * 8;
     const float* score_b = dk_role ? dOi : Qi;

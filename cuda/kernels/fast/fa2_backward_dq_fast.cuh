@@ -64,22 +64,7 @@ PYFA_DEV void fa2_backward_dq_fast_rows(const AttentionParams& p) {
     float* dQi = smem + L.offset[FA2DQF_dQi];    // (Br, d), unscaled; a thread's own elements
 
     // Q_i^T and dO_i^T, once; rows past br are 0.
-PYFA_UNROLL
-    for (int t = 0; t < BR * DC / NT; ++t) {
-        const int e = tid + t * NT, r = e & (BR - 1), x4 = e / BR;
-        const bool ok = r < br;
-        const pyfa_f4 q = ok ? ld4(Q + (row0 + r) * ldq + 4 * x4) : pyfa_f4{0.f, 0.f, 0.f, 0.f};
-        const pyfa_f4 g = ok ? ld4(dO + (row0 + r) * lddo + 4 * x4) : pyfa_f4{0.f, 0.f, 0.f, 0.f};
-        const int pos = fast_q_pos(r);
-        QiT[(4 * x4 + 0) * BR + pos] = q.x;
-        QiT[(4 * x4 + 1) * BR + pos] = q.y;
-        QiT[(4 * x4 + 2) * BR + pos] = q.z;
-        QiT[(4 * x4 + 3) * BR + pos] = q.w;
-        dOiT[(4 * x4 + 0) * BR + pos] = g.x;
-        dOiT[(4 * x4 + 1) * BR + pos] = g.y;
-        dOiT[(4 * x4 + 2) * BR + pos] = g.z;
-        dOiT[(4 * x4 + 3) * BR + pos] = g.w;
-    }
+    fast_load_transposed2<D, BR, NT>(QiT, dOiT, Q, ldq, dO, lddo, row0, br, tid);
 
     float lse[8], drow[8];
 PYFA_UNROLL
@@ -281,22 +266,7 @@ PYFA_DEV void fa2_backward_dq_fast_roles(const AttentionParams& p) {
     float* dSij = smem + L.offset[FA2DQR_dSij];  // (Br, Bc), row stride LDP
 
     // Q_i^T and dO_i^T, once; rows past br are 0.
-PYFA_UNROLL
-    for (int t = 0; t < BR * DC / NT; ++t) {
-        const int e = tid + t * NT, r = e & (BR - 1), x4 = e / BR;
-        const bool ok = r < br;
-        const pyfa_f4 q = ok ? ld4(Q + (row0 + r) * ldq + 4 * x4) : pyfa_f4{0.f, 0.f, 0.f, 0.f};
-        const pyfa_f4 g = ok ? ld4(dO + (row0 + r) * lddo + 4 * x4) : pyfa_f4{0.f, 0.f, 0.f, 0.f};
-        const int pos = fast_q_pos(r);
-        QiT[(4 * x4 + 0) * BR + pos] = q.x;
-        QiT[(4 * x4 + 1) * BR + pos] = q.y;
-        QiT[(4 * x4 + 2) * BR + pos] = q.z;
-        QiT[(4 * x4 + 3) * BR + pos] = q.w;
-        dOiT[(4 * x4 + 0) * BR + pos] = g.x;
-        dOiT[(4 * x4 + 1) * BR + pos] = g.y;
-        dOiT[(4 * x4 + 2) * BR + pos] = g.z;
-        dOiT[(4 * x4 + 3) * BR + pos] = g.w;
-    }
+    fast_load_transposed2<D, BR, NT>(QiT, dOiT, Q, ldq, dO, lddo, row0, br, tid);
     // The role's row values: LSE (-inf past br) for P, D (0 past br) for dS.
     float rowv[8];
 PYFA_UNROLL

@@ -10,9 +10,34 @@
 #pragma once
 
 #include "common/smem.h"
+#include "kernels/fast/fa2_forward_fast.cuh"
 #include "kernels/fast/fast_common.h"
 
 namespace PYFA_KERNELS {
+
+// Rows row0 .. row0+n-1 of two (N, D) tensors a and b (row strides lda, ldb) into shared
+// memory transposed, at (D, ROWS) and bt (D, ROWS), rows permuted by fast_q_pos so that a
+// thread's 8 rows at one x are 32 bytes; rows past n are 0. NT threads, 128-bit loads.
+template <int D, int ROWS, int NT>
+PYFA_DEV void fast_load_transposed2(float* at, float* bt, const float* a, int lda, const float* b, int ldb,
+                                    int row0, int n, int tid) {
+PYFA_UNROLL
+    for (int t = 0; t < ROWS * (D / 4) / NT; ++t) {
+        const int e = tid + t * NT, r = e & (ROWS - 1), x4 = e / ROWS;
+        const bool ok = r < n;
+        const pyfa_f4 av = ok ? ld4(a + (row0 + r) * lda + 4 * x4) : pyfa_f4{0.f, 0.f, 0.f, 0.f};
+        const pyfa_f4 bv = ok ? ld4(b + (row0 + r) * ldb + 4 * x4) : pyfa_f4{0.f, 0.f, 0.f, 0.f};
+        const int pos = fast_q_pos(r);
+        at[(4 * x4 + 0) * ROWS + pos] = av.x;
+        at[(4 * x4 + 1) * ROWS + pos] = av.y;
+        at[(4 * x4 + 2) * ROWS + pos] = av.z;
+        at[(4 * x4 + 3) * ROWS + pos] = av.w;
+        bt[(4 * x4 + 0) * ROWS + pos] = bv.x;
+        bt[(4 * x4 + 1) * ROWS + pos] = bv.y;
+        bt[(4 * x4 + 2) * ROWS + pos] = bv.z;
+        bt[(4 * x4 + 3) * ROWS + pos] = bv.w;
+    }
+}
 
 // s[ii][kk] = sum_x A[a_ii, x] B[cg*4 + kk, x] (x = 0 .. D-1 in order, from +0) over the
 // thread's 8 rows a_ii of A and 4 rows of B. at: the thread's 8 consecutive floats of A^T
