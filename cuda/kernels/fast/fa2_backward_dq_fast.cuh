@@ -20,6 +20,44 @@
 
 namespace PYFA_KERNELS {
 
+// What both dQ paths read of AttentionParams: the block's Q tile (rows row0 .. row0+br-1)
+// of query head blockIdx.y, the K/V head it reads, and the band of K/V tiles it visits.
+struct FastDqBlock {
+    const float* Q;     // (Nq, d), row stride ldq
+    const float* dO;    // (Nq, d), row stride lddo
+    const float* K;     // (Nk, d), row stride ldk
+    const float* V;     // (Nk, d), row stride ldv
+    float* dQ;          // (Nq, d), row stride lddq
+    const float* LSE;   // (Nq), dense
+    const float* Drow;  // (Nq), dense
+    int ldq, lddo, ldk, ldv, lddq;
+    int Nk, row0, br;
+    TileRange tiles;
+};
+
+PYFA_DEV FastDqBlock fast_dq_block(const AttentionParams& p, int Br, int Bc) {
+    const int64_t b = blockIdx.z, h = blockIdx.y;
+    const int64_t hk = h / (p.heads / p.heads_kv);
+    FastDqBlock f;
+    f.Q = p.q + p.q_strides.at(b, h, 0);
+    f.dO = p.dout + p.dout_strides.at(b, h, 0);
+    f.K = p.k + p.k_strides.at(b, hk, 0);
+    f.V = p.v + p.v_strides.at(b, hk, 0);
+    f.dQ = p.dq + p.dq_strides.at(b, h, 0);
+    f.LSE = p.lse + (b * p.heads + h) * p.seqlen_q;
+    f.Drow = p.drow + (b * p.heads + h) * p.seqlen_q;
+    f.ldq = static_cast<int>(p.q_strides.row);
+    f.lddo = static_cast<int>(p.dout_strides.row);
+    f.ldk = static_cast<int>(p.k_strides.row);
+    f.ldv = static_cast<int>(p.v_strides.row);
+    f.lddq = static_cast<int>(p.dq_strides.row);
+    f.Nk = static_cast<int>(p.seqlen_k);
+    f.row0 = static_cast<int>(blockIdx.x) * Br;
+    f.br = imin(Br, static_cast<int>(p.seqlen_q) - f.row0);
+    f.tiles = p.mask.kv_tiles(f.row0, f.br, Bc, f.Nk);
+    return f;
+}
+
 // d = 64: warps own 16 rows (2 * Br threads).
 template <int D, int BR>
 PYFA_DEV void fa2_backward_dq_fast_rows(const AttentionParams& p) {
@@ -34,23 +72,9 @@ PYFA_DEV void fa2_backward_dq_fast_rows(const AttentionParams& p) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int rg = lane >> 4, cg = lane & 15;
     const int wrow = warp * 16;
-    const int64_t b = blockIdx.z, h = blockIdx.y;
-    const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
-    const int64_t hk = h / (p.heads / p.heads_kv);
-    const float* Q = p.q + p.q_strides.at(b, h, 0);         // (Nq, d), row stride ldq
-    const float* dO = p.dout + p.dout_strides.at(b, h, 0);  // (Nq, d), row stride lddo
-    const float* K = p.k + p.k_strides.at(b, hk, 0);        // (Nk, d), row stride ldk
-    const float* V = p.v + p.v_strides.at(b, hk, 0);        // (Nk, d), row stride ldv
-    float* dQ = p.dq + p.dq_strides.at(b, h, 0);            // (Nq, d), row stride lddq
-    const float* LSE = p.lse + (b * p.heads + h) * p.seqlen_q;  // (Nq), dense
-    const float* Drow = p.drow + (b * p.heads + h) * p.seqlen_q;  // (Nq), dense
-    const int ldq = static_cast<int>(p.q_strides.row), lddo = static_cast<int>(p.dout_strides.row);
-    const int ldk = static_cast<int>(p.k_strides.row), ldv = static_cast<int>(p.v_strides.row);
-    const int lddq = static_cast<int>(p.dq_strides.row);
-    const int row0 = static_cast<int>(blockIdx.x) * BR;
-    const int br = imin(BR, Nq - row0);
+    const auto [Q, dO, K, V, dQ, LSE, Drow, ldq, lddo, ldk, ldv, lddq, Nk, row0, br, tiles] =
+        fast_dq_block(p, BR, BC);
     const Mask mask = p.mask;
-    const TileRange tiles = mask.kv_tiles(row0, br, BC, Nk);
 
     PYFA_DYNAMIC_SMEM(smem_raw);
     float* smem = reinterpret_cast<float*>(smem_raw);
@@ -237,23 +261,9 @@ PYFA_DEV void fa2_backward_dq_fast_roles(const AttentionParams& p) {
     const int rg = lane >> 4, cg = lane & 15;
     const int role = warp >> 2;  // 0: S, P and dQ's columns 0..63; 1: dP, dS and columns 64..127
     const int wrow = (warp & 3) * 16;
-    const int64_t b = blockIdx.z, h = blockIdx.y;
-    const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
-    const int64_t hk = h / (p.heads / p.heads_kv);
-    const float* Q = p.q + p.q_strides.at(b, h, 0);         // (Nq, d), row stride ldq
-    const float* dO = p.dout + p.dout_strides.at(b, h, 0);  // (Nq, d), row stride lddo
-    const float* K = p.k + p.k_strides.at(b, hk, 0);        // (Nk, d), row stride ldk
-    const float* V = p.v + p.v_strides.at(b, hk, 0);        // (Nk, d), row stride ldv
-    float* dQ = p.dq + p.dq_strides.at(b, h, 0);            // (Nq, d), row stride lddq
-    const float* LSE = p.lse + (b * p.heads + h) * p.seqlen_q;  // (Nq), dense
-    const float* Drow = p.drow + (b * p.heads + h) * p.seqlen_q;  // (Nq), dense
-    const int ldq = static_cast<int>(p.q_strides.row), lddo = static_cast<int>(p.dout_strides.row);
-    const int ldk = static_cast<int>(p.k_strides.row), ldv = static_cast<int>(p.v_strides.row);
-    const int lddq = static_cast<int>(p.dq_strides.row);
-    const int row0 = static_cast<int>(blockIdx.x) * BR;
-    const int br = imin(BR, Nq - row0);
+    const auto [Q, dO, K, V, dQ, LSE, Drow, ldq, lddo, ldk, ldv, lddq, Nk, row0, br, tiles] =
+        fast_dq_block(p, BR, BC);
     const Mask mask = p.mask;
-    const TileRange tiles = mask.kv_tiles(row0, br, BC, Nk);
 
     PYFA_DYNAMIC_SMEM(smem_raw);
     float* smem = reinterpret_cast<float*>(smem_raw);
