@@ -28,10 +28,11 @@
 
 namespace PYFA_KERNELS {
 
-// One block per SM is asked for: left to itself ptxas holds d = 64 to 128 registers (two
-// blocks) and spills there.
+// Blocks per SM asked of ptxas: two at d = 64 (128 registers, which the scores' loop, not
+// unrolled, fits without spilling on sm_80, sm_90 and sm_120), one at d = 128 (left to
+// itself ptxas would hold it to 128 registers and spill).
 template <int D>
-__global__ void __launch_bounds__(4 * kFastBc, 1) fa2_backward_dkdv_fast_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(4 * kFastBc, D == 64 ? 2 : 1) fa2_backward_dkdv_fast_kernel(const AttentionParams p) {
     constexpr int BC = kFastBc;
     constexpr int BR = kFastBc;
     constexpr int NT = 4 * BC;

@@ -52,7 +52,10 @@ PYFA_UNROLL
         for (int kk = 0; kk < 4; ++kk) s[ii][kk] = 0.0f;
     const float* brow = b + cg * 4 * D;  // rows cg*4 .. cg*4+3 share one swizzle
     const int sw = swz_qk(cg * 4);
-PYFA_UNROLL_BY(2)
+    // Not unrolled: 4 x a step is 128 fma against 12 128-bit loads already, and unrolling
+    // holds the next step's 48 floats in registers (the dK/dV kernel at d = 64 would spill
+    // at two blocks per SM).
+PYFA_UNROLL_BY(1)
     for (int x4 = 0; x4 < D / 4; ++x4) {
         pyfa_f4 bq[4];
 PYFA_UNROLL
