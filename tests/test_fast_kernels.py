@@ -269,22 +269,40 @@ def test_fa2_backward_with_the_fast_dq_equals_the_simulator(case, causal, order,
     assert same_bits(dq, sim.dq) and same_bits(dk, sim.dk) and same_bits(dv, sim.dv)
 
 
-@pytest.mark.parametrize("mask", MASKED[:3], ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
-def test_fast_dq_masks_gqa(mask):
-    rng = np.random.default_rng(9)
-    q, do = (rng.standard_normal((1, 4, 110, 64), dtype=np.float32) for _ in range(2))
-    k, v = (rng.standard_normal((1, 2, 90, 64), dtype=np.float32) for _ in range(2))
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("mask", MASKED, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
+def test_fast_dq_masks_gqa(mask, d):
+    # d = 128 runs the two-role dQ kernel (fa2_backward_dq_fast_roles); Nq, Nk with tails.
+    rng = np.random.default_rng(9 + d)
+    Nq, Nk = (110, 90) if d == 64 else (75, 150)
+    q, do = (rng.standard_normal((1, 4, Nq, d), dtype=np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((1, 2, Nk, d), dtype=np.float32) for _ in range(2))
     fwd = pyfa.sim.fa2_forward(q, k, v, **mask)
     sim = pyfa.sim.fa2_backward(q, k, v, fwd.o, fwd.lse, do, block_r=64, block_c=64, **mask)
-    dq, dk, dv = pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, block_r=64, block_c=64,
-                                   backend="emu", variant="auto", **mask)
+    for order in ("forward", "reverse"):
+        dq, dk, dv = pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, block_r=64, block_c=64,
+                                       backend="emu", emu_order=order, variant="auto", **mask)
+        assert same_bits(dq, sim.dq) and same_bits(dk, sim.dk) and same_bits(dv, sim.dv), order
+
+
+def test_fast_dq_tiles_at_d128():
+    # Q_i^T, dO_i^T, K_j, V_j, P_ij, dS_ij (dQ_i in registers): an A100's 163 KiB holds it.
+    assert pyfa.smem_bytes("fa2_backward_dq", 64, 64, 128, variant="fast") == \
+        4 * (4 * 64 * 128 + 2 * 64 * 68)
+    assert pyfa.smem_bytes("fa2_backward_dq", 128, 64, 128, variant="fast") == 0
+    # Tiles it lacks: variant auto runs the readable dQ (and dK/dV) kernel at those tiles.
+    q, k, v, do = make_inputs((1, 1, 150, 128), (1, 1, 140, 128), 6, True)
+    fwd = pyfa.sim.fa2_forward(q, k, v)
+    sim = pyfa.sim.fa2_backward(q, k, v, fwd.o, fwd.lse, do, block_r=32, block_c=64)
+    dq, dk, dv = pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, block_r=32, block_c=64,
+                                   backend="emu", variant="auto")
     assert same_bits(dq, sim.dq) and same_bits(dk, sim.dk) and same_bits(dv, sim.dv)
 
 
-# The fast dK/dV kernel (d = 64, Br = Bc = 64; variant auto runs it inside fa2_backward).
-# Q tails of every residue of 4 (the dS^T Q loop's last 1..3 rows), K/V tails, one tile
-# and less, and Nq != Nk both ways, so that with causal some K/V tiles have an empty band
-# (dK = dV = +0) and some query rows see no key (LSE = -inf, P = 0).
+# The fast dK/dV kernel (d = 64 and 128, Br = Bc = 64; variant auto runs it inside
+# fa2_backward). Q tails of every residue of 4 (the dS^T Q loop's last 1..3 rows), K/V
+# tails, one tile and less, and Nq != Nk both ways, so that with causal some K/V tiles have
+# an empty band (dK = dV = +0) and some query rows see no key (LSE = -inf, P = 0).
 DKDV_CASES = [
     (1, 1, 64, 64, 64, 64, 64),
     (2, 1, 70, 131, 64, 64, 64),
@@ -292,31 +310,43 @@ DKDV_CASES = [
     (1, 1, 1, 1, 64, 64, 64),
     (1, 1, 129, 200, 64, 64, 64),
     (1, 1, 200, 45, 64, 64, 64),
+    (1, 1, 64, 64, 128, 64, 64),
+    (2, 1, 70, 131, 128, 64, 64),
+    (1, 2, 131, 67, 128, 64, 64),
+    (1, 1, 1, 1, 128, 64, 64),
+    (1, 1, 129, 200, 128, 64, 64),
+    (1, 1, 202, 45, 128, 64, 64),
+    (1, 1, 63, 30, 128, None, None),
 ]
+
+# The emulator under both thread orders, and the GPU when one is here (the cpu backend's
+# kernels are its own: variant auto never runs a fast kernel there).
+DKDV_RUNS = [r for r in grid.RUNS if getattr(r, "values", r)[0] != "cpu"]
 
 
 @pytest.mark.parametrize("variant", ["reference", "auto"])
-@pytest.mark.parametrize("order", ["forward", "reverse"])
+@pytest.mark.parametrize("backend,order", DKDV_RUNS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", DKDV_CASES, ids=grid.case_id)
-def test_fa2_backward_with_the_fast_dkdv_equals_the_simulator(case, causal, order, variant):
+def test_fa2_backward_with_the_fast_dkdv_equals_the_simulator(case, causal, backend, order, variant):
     B, H, Nq, Nk, d, Br, Bc = case
     q, k, v, do = make_inputs((B, H, Nq, d), (B, H, Nk, d), grid.case_seed(case), True)
     fwd = pyfa.sim.fa2_forward(q, k, v, causal=causal)
     sim = pyfa.sim.fa2_backward(q, k, v, fwd.o, fwd.lse, do, causal=causal, block_r=Br, block_c=Bc)
     dq, dk, dv = pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, causal=causal, block_r=Br,
-                                   block_c=Bc, backend="emu", emu_order=order, variant=variant)
+                                   block_c=Bc, backend=backend, emu_order=order, variant=variant)
     assert same_bits(dq, sim.dq) and same_bits(dk, sim.dk) and same_bits(dv, sim.dv)
 
 
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 @pytest.mark.parametrize("mask", MASKED, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
-def test_fast_dkdv_masks_gqa_layouts(mask, layout):
+def test_fast_dkdv_masks_gqa_layouts(mask, layout, d):
     # Three query heads per K/V head: dK, dV sum over g = 0, 1, 2 in order.
-    rng = np.random.default_rng(len(mask) + len(layout))
-    Nq, Nk = 75, 130
-    shape_q = (1, 3, Nq, 64) if layout == "bhnd" else (1, Nq, 3, 64)
-    shape_k = (1, 1, Nk, 64) if layout == "bhnd" else (1, Nk, 1, 64)
+    rng = np.random.default_rng(len(mask) + len(layout) + d)
+    Nq, Nk = (75, 130) if d == 64 else (133, 70)
+    shape_q = (1, 3, Nq, d) if layout == "bhnd" else (1, Nq, 3, d)
+    shape_k = (1, 1, Nk, d) if layout == "bhnd" else (1, Nk, 1, d)
     q, do = (rng.standard_normal(shape_q, dtype=np.float32) for _ in range(2))
     k, v = (rng.standard_normal(shape_k, dtype=np.float32) for _ in range(2))
     fwd = pyfa.sim.fa2_forward(q, k, v, layout=layout, **mask)
@@ -332,10 +362,11 @@ def test_fast_dkdv_masks_gqa_layouts(mask, layout):
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("order", ["forward", "reverse"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_fast_dkdv_special_values(causal, order):
-    rng = np.random.default_rng(40 + causal)
-    q, do = (rng.standard_normal((1, 2, 70, 64), dtype=np.float32) for _ in range(2))
-    k, v = (rng.standard_normal((1, 2, 90, 64), dtype=np.float32) for _ in range(2))
+@pytest.mark.parametrize("d", [64, 128])
+def test_fast_dkdv_special_values(d, causal, order):
+    rng = np.random.default_rng(40 + causal + d)
+    q, do = (rng.standard_normal((1, 2, 70, d), dtype=np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((1, 2, 90, d), dtype=np.float32) for _ in range(2))
     q[0, 0, 3] = 1e-30
     k[0, 0, ::3] = -1e-30
     for x in (q, k, v, do):
@@ -345,16 +376,33 @@ def test_fast_dkdv_special_values(causal, order):
     dq, dk, dv = pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, causal=causal, block_r=64,
                                    block_c=64, backend="emu", emu_order=order, variant="auto")
     assert same_bits(dq, sim.dq) and same_bits(dk, sim.dk) and same_bits(dv, sim.dv)
-    assert np.isnan(dk).any()  # the specials reach dK
+    assert np.isnan(dk).any() and np.isnan(dv).any()  # the specials reach dK and dV
 
 
 def test_fast_dkdv_tiles():
-    assert pyfa.default_tiles("fa2_backward_dkdv", 64, backend="emu", variant="fast") == (64, 64)
-    # K_j, V_j, Q_i, dO_i (two copies each of the latter), P^T/dS^T, dK_j, dV_j: an A100's
-    # 163 KiB holds it.
-    assert pyfa.smem_bytes("fa2_backward_dkdv", 64, 64, 64, variant="fast") == \
-        4 * (8 * 64 * 64 + 64 * 68)
-    assert pyfa.smem_bytes("fa2_backward_dkdv", 128, 64, 64, variant="fast") == 0
-    with pytest.raises(ValueError, match=r"variant: fast: .*fa2_backward_dkdv is compiled for head_dim 64, "
-                                         r"not 128"):
-        pyfa.default_tiles("fa2_backward_dkdv", 128, backend="emu", variant="fast")
+    for d in (64, 128):
+        assert pyfa.default_tiles("fa2_backward_dkdv", d, backend="emu", variant="fast") == (64, 64)
+        assert pyfa.default_tiles("fa2_backward_dkdv", d, backend="emu", variant="auto") == (64, 64)
+        # K_j^T, V_j^T, Q_i, dO_i, P^T, dS^T (dK_j, dV_j in registers): an A100's 163 KiB
+        # (166,912 bytes) holds it at d = 128.
+        assert pyfa.smem_bytes("fa2_backward_dkdv", 64, 64, d, variant="fast") == \
+            4 * (4 * 64 * d + 2 * 64 * 68)
+        assert pyfa.smem_bytes("fa2_backward_dkdv", 128, 64, d, variant="fast") == 0
+        assert pyfa.smem_bytes("fa2_backward_dkdv", 32, 32, d, variant="fast") == 0
+    assert pyfa.smem_bytes("fa2_backward_dkdv", 64, 64, 128, variant="fast") <= 166912
+    for d in (32, 96, 256):
+        with pytest.raises(ValueError, match=r"variant: fast: .*fa2_backward_dkdv is compiled for "
+                                             rf"head_dim 64, 128, not {d}"):
+            pyfa.default_tiles("fa2_backward_dkdv", d, backend="emu", variant="fast")
+
+
+@pytest.mark.parametrize("d,tiles", [(128, (32, 32)), (128, (64, 32)), (96, (64, 64)), (256, (32, 32))])
+def test_fast_dkdv_auto_falls_back(d, tiles):
+    # Tiles or a head dim the fast dK/dV lacks: variant auto runs the readable kernel.
+    q, k, v, do = make_inputs((1, 2, 70, d), (1, 2, 75, d), d + tiles[0], True)
+    fwd = pyfa.sim.fa2_forward(q, k, v, causal=True)
+    sim = pyfa.sim.fa2_backward(q, k, v, fwd.o, fwd.lse, do, causal=True, block_r=tiles[0],
+                                block_c=tiles[1])
+    dq, dk, dv = pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, causal=True, block_r=tiles[0],
+                                   block_c=tiles[1], backend="emu", variant="auto")
+    assert same_bits(dq, sim.dq) and same_bits(dk, sim.dk) and same_bits(dv, sim.dv)

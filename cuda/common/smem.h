@@ -195,8 +195,8 @@ PYFA_HD SmemLayout fa2_forward_fast_smem(int64_t Br, int64_t Bc, int64_t d) {
     return L;
 }
 
-// ---- FA2 backward dQ, fast variant (cuda/kernels/fast/fa2_backward_dq_fast.cuh): the
-// forward's thread layout; K_j is kept twice, transposed for S and row-major for dS K.
+// ---- FA2 backward dQ, fast variant (cuda/kernels/fast/fa2_backward_dq_fast.cuh), d = 64:
+// the forward's thread layout; K_j is kept twice, transposed for S and row-major for dS K.
 PYFA_HD int fa2_backward_dq_fast_threads(int64_t Br) { return static_cast<int>(2 * Br); }
 
 enum Fa2BackwardDqFastTerm { FA2DQF_QiT, FA2DQF_dOiT, FA2DQF_KjT, FA2DQF_VjT, FA2DQF_Kj, FA2DQF_dSij, FA2DQF_dQi };
@@ -213,27 +213,42 @@ PYFA_HD SmemLayout fa2_backward_dq_fast_smem(int64_t Br, int64_t Bc, int64_t d) 
     return L;
 }
 
-// ---- FA2 backward dK/dV, fast variant (cuda/kernels/fast/fa2_backward_dkdv_fast.cuh):
-// warps own 16 keys (2 * Bc threads); Br = Bc = 64, d = 64. P_ij^T and dS_ij^T share one
-// buffer (a warp reads its own rows of P^T before it writes dS^T), so that the tile fits in
-// an A100's 163 KiB as well as an H200's 227 KiB.
-PYFA_HD int fa2_backward_dkdv_fast_threads(int64_t) { return 2 * kFastBc; }
+// At d = 128 (Br = Bc = 64) the dQ fast kernel runs 8 warps in two roles, like the dK/dV
+// one (4 * Bc threads): dQ_i in registers, K_j and V_j once row-major (by cp.async, no
+// transposed copies), P_ij and dS_ij each a buffer. 165,888 bytes.
+PYFA_HD int fa2_backward_dq_fast_roles_threads(int64_t) { return 4 * kFastBc; }
 
-enum Fa2BackwardDkdvFastTerm {
-    FA2KVF_KjT, FA2KVF_VjT, FA2KVF_QiT, FA2KVF_dOiT, FA2KVF_Qi, FA2KVF_dOi, FA2KVF_PdS, FA2KVF_dKj, FA2KVF_dVj
-};
+enum Fa2BackwardDqRolesTerm { FA2DQR_QiT, FA2DQR_dOiT, FA2DQR_Kj, FA2DQR_Vj, FA2DQR_Pij, FA2DQR_dSij };
+
+PYFA_HD SmemLayout fa2_backward_dq_fast_roles_smem(int64_t Br, int64_t Bc, int64_t d) {
+    SmemLayout L;
+    L.add("Q_i^T", d, Br);       // loaded once, rows permuted
+    L.add("dO_i^T", d, Br);
+    L.add("K_j", Bc, d);         // for S = Q K^T and dS K, chunks swizzled
+    L.add("V_j", Bc, d);         // for dP = dO V^T
+    L.add("P_ij", Br, fast_p_stride(Bc));
+    L.add("dS_ij", Br, fast_p_stride(Bc));
+    return L;
+}
+
+// ---- FA2 backward dK/dV, fast variant (cuda/kernels/fast/fa2_backward_dkdv_fast.cuh):
+// Br = Bc = 64, d = 64 or 128; 8 warps, two per 16 keys (warps 0..3: S, P, dV; warps
+// 4..7: dP, dS, dK), so 4 * Bc threads. dK_j and dV_j live in registers; Q_i and dO_i are
+// kept once, row-major (no transposed copies), and P_ij^T and dS_ij^T each get a buffer,
+// since the dV warps read P^T while the dK warps write dS^T. 165,888 bytes at d = 128: an
+// A100's 163 KiB holds it.
+PYFA_HD int fa2_backward_dkdv_fast_threads(int64_t) { return 4 * kFastBc; }
+
+enum Fa2BackwardDkdvFastTerm { FA2KVF_KjT, FA2KVF_VjT, FA2KVF_Qi, FA2KVF_dOi, FA2KVF_PT, FA2KVF_dST };
 
 PYFA_HD SmemLayout fa2_backward_dkdv_fast_smem(int64_t Br, int64_t Bc, int64_t d) {
     SmemLayout L;
     L.add("K_j^T", d, Bc);       // loaded once: a thread's 8 keys at one x are 32 bytes
     L.add("V_j^T", d, Bc);
-    L.add("Q_i^T", d, Br);       // for S^T = K Q^T
-    L.add("dO_i^T", d, Br);      // for dP^T = V dO^T
-    L.add("Q_i", Br, d);         // for dS^T Q
-    L.add("dO_i", Br, d);        // for P^T dO
-    L.add("P_ij^T, dS_ij^T", Bc, fast_p_stride(Br));
-    L.add("dK_j", Bc, d);        // each thread's own elements: its registers go to S and dP
-    L.add("dV_j", Bc, d);
+    L.add("Q_i", Br, d);         // for S^T = K Q^T and dS^T Q, chunks swizzled
+    L.add("dO_i", Br, d);        // for dP^T = V dO^T and P^T dO
+    L.add("P_ij^T", Bc, fast_p_stride(Br));
+    L.add("dS_ij^T", Bc, fast_p_stride(Br));
     return L;
 }
 

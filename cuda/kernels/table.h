@@ -48,8 +48,8 @@
       64, (fa2_backward_dq_fast_kernel<64, 128>), fa2_backward_dq_fast_smem,                           \
       fa2_backward_dq_fast_threads(Br), kGridQTiles)                                                  \
     X(12, "fa2_backward_dq/fast d=128 64x64", PYFA_KERNEL_FA2_BACKWARD_DQ, PYFA_VARIANT_FAST, 128, 64,  \
-      64, (fa2_backward_dq_fast_kernel<128, 64>), fa2_backward_dq_fast_smem,                           \
-      fa2_backward_dq_fast_threads(Br), kGridQTiles)                                                  \
+      64, (fa2_backward_dq_fast_kernel<128, 64>), fa2_backward_dq_fast_roles_smem,                     \
+      fa2_backward_dq_fast_roles_threads(Br), kGridQTiles)                                                  \
     X(13, "fa2_backward_dkdv/fast d=64 64x64", PYFA_KERNEL_FA2_BACKWARD_DKDV, PYFA_VARIANT_FAST, 64, 64, \
       64, (fa2_backward_dkdv_fast_kernel<64>), fa2_backward_dkdv_fast_smem,                            \
       fa2_backward_dkdv_fast_threads(Br), kGridKvTilesKvHeads)                                        \
@@ -70,7 +70,10 @@
       kGridKvHeads)                                                                                   \
     X(19, "fa1_backward/fast d=128 64x64", PYFA_KERNEL_FA1_BACKWARD, PYFA_VARIANT_FAST, 128, 64, 64,  \
       (fa1_backward_fast_kernel<128>), fa1_backward_fast_smem, fa1_backward_fast_threads(Br),       \
-      kGridKvHeads)
+      kGridKvHeads)                                                                                   \
+    X(20, "fa2_backward_dkdv/fast d=128 64x64", PYFA_KERNEL_FA2_BACKWARD_DKDV, PYFA_VARIANT_FAST, 128, \
+      64, 64, (fa2_backward_dkdv_fast_kernel<128>), fa2_backward_dkdv_fast_smem,                       \
+      fa2_backward_dkdv_fast_threads(Br), kGridKvTilesKvHeads)
 
 // Rows in the table (ids 0 .. kKernelRows - 1).
-constexpr int kKernelRows = 20;
+constexpr int kKernelRows = 21;

@@ -2,92 +2,49 @@
 // the same bits as fa2_backward_dkdv_kernel (cuda/kernels/fa2_backward.cuh) and
 // sim/fa2_backward.py.
 //
-// The dQ fast kernel's thread layout with the roles of rows and columns swapped: warps own
-// 16 keys of K_j, each thread an 8 x 4 tile of S^T and dP^T (8 keys, 4 query rows) and an
-// 8 x 4 tile of each Q tile's dv and dk products. K_j, V_j stored transposed once (keys
-// permuted by fast_q_pos); Q_i, dO_i transposed for S and dP and row-major for dS^T Q and
-// P^T dO; dK_j, dV_j in shared memory, each thread its own elements. Per element
-// (docs/numerics.md, FA2 dK/dV): S by pyfa_fma over x in order, times scale, -inf if
-// masked; P = (LSE == -inf) ? 0 : exp(S - LSE); dp over x in order; dS = P * (dp - D);
-// per Q tile dv and dk summed over r in order from +0, then added to dV_j and dK_j; query
-// heads of the group g outer, Q tiles of the band inner; at the end
+// Against the readable kernel: 8 warps in two roles over one K/V tile (Bc = 64 keys) and
+// each Q tile (Br = 64 rows). Warp w owns the 16 keys (w & 3) * 16 ..; a thread the 8 keys
+// (w & 3) * 16 + rg + 2 ii (ii = 0..7) and, of a Q tile, the 4 query rows cg*4 .. cg*4+3.
+// Warps 0..3 form S^T = K_j Q_i^T and P, store P_ij^T and add P_ij^T dO_i to dV_j;
+// warps 4..7 form dP^T = V_j dO_i^T, take their twin thread's P from P_ij^T, store dS_ij^T
+// and add dS_ij^T Q_i to dK_j. So the two halves run the same loops on other operands, and
+// dK_j, dV_j (8 keys x d/16 columns a thread) never leave the registers of the warps that
+// own them. K_j, V_j are stored transposed once (keys permuted by fast_q_pos: a thread's
+// 8 keys at one x are 32 bytes); Q_i and dO_i only row-major, chunks swizzled (swz_qk), by
+// cp.async: S^T reads 4 query rows at 4 x, the products 4 rows at one chunk, both 128 bits.
+// Shared memory: K_j^T, V_j^T, Q_i, dO_i, P_ij^T, dS_ij^T, 98 KiB at d = 64 and 162 KiB at
+// d = 128 (an A100's 163 KiB holds both). 128-bit global loads, 32-bit indices inside a
+// head, d compile-time.
+//
+// Per element (docs/numerics.md, FA2 dK/dV): S by pyfa_fma over x in order, times scale,
+// -inf if masked; P = (LSE == -inf) ? 0 : exp(S - LSE); dp over x in order;
+// dS = P * (dp - D); per Q tile dv and dk summed over r in order from +0, then added to
+// dV_j and dK_j; query heads of the group g outer, Q tiles of the band inner; at the end
 // dK = canonical(dK_j * scale), dV = canonical(dV_j).
 #pragma once
 
 #include "kernels/fast/fa2_forward_fast.cuh"
+#include "kernels/fast/fast_tiles.h"
 
 namespace PYFA_KERNELS {
 
-// One Q tile's product dst[c, x] += sum_r A^T[c, r] B[r, x] (r = 0 .. br-1 in order, from
-// +0) over the thread's keys c = wcol + rg + 2 ii and columns x = cg*4 + 64 hh.
-// at: the thread's first key row of A^T (row stride LDP); b: B (Br, D) row-major.
-template <int D, int LDP>
-PYFA_DEV void fast_dkdv_tile_product(const float* at, const float* b, int br, int cg, float* acc_rows) {
-    constexpr int XC = D / 64;
-PYFA_UNROLL
-    for (int hh = 0; hh < XC; ++hh) {
-        const float* bcol = b + cg * 4 + 64 * hh;
-        float t[8][4];
-PYFA_UNROLL
-        for (int ii = 0; ii < 8; ++ii)
-PYFA_UNROLL
-            for (int x = 0; x < 4; ++x) t[ii][x] = 0.0f;
-        int r = 0;
-        for (; r + 4 <= br; r += 4) {
-            pyfa_f4 bx[4];
-PYFA_UNROLL
-            for (int rr = 0; rr < 4; ++rr) bx[rr] = ld4(bcol + (r + rr) * D);
-PYFA_UNROLL
-            for (int ii = 0; ii < 8; ++ii) {
-                const pyfa_f4 ar = ld4(at + 2 * ii * LDP + r);
-                const float ac[4] = {ar.x, ar.y, ar.z, ar.w};
-PYFA_UNROLL
-                for (int rr = 0; rr < 4; ++rr) {
-                    t[ii][0] = pyfa_fma(ac[rr], bx[rr].x, t[ii][0]);
-                    t[ii][1] = pyfa_fma(ac[rr], bx[rr].y, t[ii][1]);
-                    t[ii][2] = pyfa_fma(ac[rr], bx[rr].z, t[ii][2]);
-                    t[ii][3] = pyfa_fma(ac[rr], bx[rr].w, t[ii][3]);
-                }
-            }
-        }
-        if (r < br) {  // the last 1..3 rows of a tail Q tile, in order
-PYFA_UNROLL
-            for (int rr = 0; rr < 3; ++rr) {
-                if (r + rr < br) {
-                    const pyfa_f4 v = ld4(bcol + (r + rr) * D);
-PYFA_UNROLL
-                    for (int ii = 0; ii < 8; ++ii) {
-                        const float ac = at[2 * ii * LDP + r + rr];
-                        t[ii][0] = pyfa_fma(ac, v.x, t[ii][0]);
-                        t[ii][1] = pyfa_fma(ac, v.y, t[ii][1]);
-                        t[ii][2] = pyfa_fma(ac, v.z, t[ii][2]);
-                        t[ii][3] = pyfa_fma(ac, v.w, t[ii][3]);
-                    }
-                }
-            }
-        }
-PYFA_UNROLL
-        for (int ii = 0; ii < 8; ++ii) {
-            float* acc = acc_rows + 2 * ii * D + cg * 4 + 64 * hh;
-            const pyfa_f4 a = ld4(acc);
-            st4(acc, pyfa_f4{a.x + t[ii][0], a.y + t[ii][1], a.z + t[ii][2], a.w + t[ii][3]});
-        }
-    }
-}
-
+// Blocks per SM asked of ptxas: two at d = 64 (128 registers, which the scores' loop, not
+// unrolled, fits without spilling on sm_80, sm_90 and sm_120), one at d = 128 (left to
+// itself ptxas would hold it to 128 registers and spill).
 template <int D>
-__global__ void __launch_bounds__(2 * kFastBc) fa2_backward_dkdv_fast_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(4 * kFastBc, D == 64 ? 2 : 1) fa2_backward_dkdv_fast_kernel(const AttentionParams p) {
     constexpr int BC = kFastBc;
-    constexpr int BR = kFastBc;  // the S^T tile is Bc x Br, 16 lanes x 4 query rows
-    constexpr int NT = 2 * BC;
+    constexpr int BR = kFastBc;
+    constexpr int NT = 4 * BC;
     constexpr int DC = D / 4;
     constexpr int XC = D / 64;
-    constexpr int LDP = BC + 4;  // fast_p_stride(BR)
-    static_assert(D == 64, "head dim 64");
+    constexpr int LDP = BR + 4;  // fast_p_stride(BR)
+    static_assert(D == 64 || D == 128, "head dims 64 and 128");
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int rg = lane >> 4, cg = lane & 15;
-    const int wcol = warp * 16;
+    const bool dk_role = warp >= 4;  // warps 4..7: dP, dS, dK; warps 0..3: S, P, dV
+    const int wcol = (warp & 3) * 16;
     const int64_t b = blockIdx.z, hk = blockIdx.y;
     const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
     const int64_t G = p.heads / p.heads_kv;  // query heads per K/V head
@@ -108,41 +65,23 @@ __global__ void __launch_bounds__(2 * kFastBc) fa2_backward_dkdv_fast_kernel(con
     const SmemLayout L = fa2_backward_dkdv_fast_smem(BR, BC, D);
     float* KjT = smem + L.offset[FA2KVF_KjT];    // (d, Bc), keys permuted by fast_q_pos
     float* VjT = smem + L.offset[FA2KVF_VjT];    // (d, Bc), the same permutation
-    float* QiT = smem + L.offset[FA2KVF_QiT];    // (d, Br)
-    float* dOiT = smem + L.offset[FA2KVF_dOiT];  // (d, Br)
-    float* Qi = smem + L.offset[FA2KVF_Qi];      // (Br, d)
-    float* dOi = smem + L.offset[FA2KVF_dOi];    // (Br, d)
-    float* PdS = smem + L.offset[FA2KVF_PdS];    // (Bc, Br), row stride LDP: P_ij^T, then dS_ij^T
-    float* dKj = smem + L.offset[FA2KVF_dKj];    // (Bc, d), unscaled; a thread's own elements
-    float* dVj = smem + L.offset[FA2KVF_dVj];    // (Bc, d), a thread's own elements
+    float* Qi = smem + L.offset[FA2KVF_Qi];      // (Br, d), chunks swizzled by swz_qk
+    float* dOi = smem + L.offset[FA2KVF_dOi];    // (Br, d), chunks swizzled by swz_qk
+    float* PT = smem + L.offset[FA2KVF_PT];      // (Bc, Br), row stride LDP: P_ij^T
+    float* dST = smem + L.offset[FA2KVF_dST];    // (Bc, Br), row stride LDP: dS_ij^T
 
     // K_j^T and V_j^T, once (not at all for an empty band); keys past bc are 0.
-    if (visit.begin < visit.end) {
-PYFA_UNROLL
-        for (int t = 0; t < BC * DC / NT; ++t) {
-            const int e = tid + t * NT, c = e & (BC - 1), x4 = e / BC;
-            const bool ok = c < bc;
-            const pyfa_f4 kv = ok ? ld4(K + (col0 + c) * ldk + 4 * x4) : pyfa_f4{0.f, 0.f, 0.f, 0.f};
-            const pyfa_f4 vv = ok ? ld4(V + (col0 + c) * ldv + 4 * x4) : pyfa_f4{0.f, 0.f, 0.f, 0.f};
-            const int pos = fast_q_pos(c);
-            KjT[(4 * x4 + 0) * BC + pos] = kv.x;
-            KjT[(4 * x4 + 1) * BC + pos] = kv.y;
-            KjT[(4 * x4 + 2) * BC + pos] = kv.z;
-            KjT[(4 * x4 + 3) * BC + pos] = kv.w;
-            VjT[(4 * x4 + 0) * BC + pos] = vv.x;
-            VjT[(4 * x4 + 1) * BC + pos] = vv.y;
-            VjT[(4 * x4 + 2) * BC + pos] = vv.z;
-            VjT[(4 * x4 + 3) * BC + pos] = vv.w;
-        }
-    }
+    if (visit.begin < visit.end) fast_load_transposed2<D, BC, NT>(KjT, VjT, K, ldk, V, ldv, col0, bc, tid);
+    // The role's operands: the scores' A^T and B, the product's A^T rows and B.
+    const float* score_at = (dk_role ? VjT : KjT) + wcol + rg * 8;
+    const float* score_b = dk_role ? dOi : Qi;
+    float* prod_at = (dk_role ? dST : PT) + (wcol + rg) * LDP;
+    const float* prod_b = dk_role ? Qi : dOi;
+    float acc[8][4 * XC];  // dK_j (unscaled) or dV_j of the thread's keys and columns
 PYFA_UNROLL
     for (int ii = 0; ii < 8; ++ii)
 PYFA_UNROLL
-        for (int hh = 0; hh < XC; ++hh) {
-            const int c = wcol + rg + 2 * ii;
-            st4(dKj + c * D + cg * 4 + 64 * hh, pyfa_f4{0.f, 0.f, 0.f, 0.f});
-            st4(dVj + c * D + cg * 4 + 64 * hh, pyfa_f4{0.f, 0.f, 0.f, 0.f});
-        }
+        for (int x = 0; x < 4 * XC; ++x) acc[ii][x] = 0.0f;
 
     for (int64_t g = 0; g < G; ++g) {
         const int64_t h = hk * G + g;
@@ -152,108 +91,82 @@ PYFA_UNROLL
         const float* Drow = p.drow + (b * p.heads + h) * p.seqlen_q;  // (Nq), dense
         for (int i = static_cast<int>(visit.begin); i < static_cast<int>(visit.end); ++i) {
             const int row0 = i * BR, br = imin(BR, Nq - row0);
-            __syncthreads();  // every warp is done with the previous step's Q_i, dO_i
-            // Q_i and dO_i, transposed and row-major; rows past br are 0.
+            __syncthreads();  // every warp is done with the previous step's Q_i, dO_i, P^T, dS^T
+            // Q_i and dO_i, 16 bytes a copy; rows past br are 0.
 PYFA_UNROLL
             for (int t = 0; t < BR * DC / NT; ++t) {
-                const int e = tid + t * NT, r = e & (BR - 1), x4 = e / BR;
+                const int e = tid + t * NT, r = e / DC, ch = e % DC;
                 const bool ok = r < br;
-                const pyfa_f4 q = ok ? ld4(Q + (row0 + r) * ldq + 4 * x4) : pyfa_f4{0.f, 0.f, 0.f, 0.f};
-                const pyfa_f4 o = ok ? ld4(dO + (row0 + r) * lddo + 4 * x4) : pyfa_f4{0.f, 0.f, 0.f, 0.f};
-                QiT[(4 * x4 + 0) * BR + r] = q.x;
-                QiT[(4 * x4 + 1) * BR + r] = q.y;
-                QiT[(4 * x4 + 2) * BR + r] = q.z;
-                QiT[(4 * x4 + 3) * BR + r] = q.w;
-                dOiT[(4 * x4 + 0) * BR + r] = o.x;
-                dOiT[(4 * x4 + 1) * BR + r] = o.y;
-                dOiT[(4 * x4 + 2) * BR + r] = o.z;
-                dOiT[(4 * x4 + 3) * BR + r] = o.w;
-                st4(Qi + r * D + 4 * x4, q);
-                st4(dOi + r * D + 4 * x4, o);
+                const int at = swz_at(r, ch, DC, swz_qk(r)), src = (ok ? row0 + r : 0);
+                pyfa_cp_async16(Qi + at, Q + src * ldq + 4 * ch, ok);
+                pyfa_cp_async16(dOi + at, dO + src * lddo + 4 * ch, ok);
             }
-            float lse[4], drow[4];
+            pyfa_cp_async_commit();
+            // The role's row values: LSE (-inf past br) for P, D (0 past br) for dS.
+            float rowv[4];
 PYFA_UNROLL
             for (int kk = 0; kk < 4; ++kk) {
                 const int r = cg * 4 + kk;
-                lse[kk] = r < br ? LSE[row0 + r] : -INFINITY;
-                drow[kk] = r < br ? Drow[row0 + r] : 0.0f;
+                rowv[kk] = dk_role ? (r < br ? Drow[row0 + r] : 0.0f) : (r < br ? LSE[row0 + r] : -INFINITY);
             }
+            pyfa_cp_async_wait<0>();
             __syncthreads();
 
-            // S^T = K_j Q_i^T and dP^T = V_j dO_i^T, each summed x = 0 .. d-1 in order.
-            float s[8][4], dp[8][4];
+            // S^T = K_j Q_i^T (warps 0..3) or dP^T = V_j dO_i^T (warps 4..7), over x in order.
+            float s[8][4];
+            fast_scores_8x4<D>(score_at, score_b, cg, s);
+
+            float* prow = PT + (wcol + rg) * LDP;  // the thread's keys' rows of P_ij^T
+            if (!dk_role) {
+                // P = exp(S - LSE) (0 for a row that sees no key) into P_ij^T.
+                const bool whole = !mask.masked(row0 + br - 1, col0) && !mask.masked(row0, col0 + bc - 1);
 PYFA_UNROLL
-            for (int ii = 0; ii < 8; ++ii)
-PYFA_UNROLL
-                for (int kk = 0; kk < 4; ++kk) s[ii][kk] = dp[ii][kk] = 0.0f;
-            const float* kp = KjT + wcol + rg * 8;
-            const float* vp = VjT + wcol + rg * 8;
-            const float* qp = QiT + cg * 4;
-            const float* gp = dOiT + cg * 4;
-PYFA_UNROLL_BY(4)
-            for (int x = 0; x < D; ++x) {
-                const pyfa_f4 ka = ld4(kp + x * BC), kb = ld4(kp + x * BC + 4);
-                const pyfa_f4 va = ld4(vp + x * BC), vb = ld4(vp + x * BC + 4);
-                const pyfa_f4 qv = ld4(qp + x * BR), gv = ld4(gp + x * BR);
-                const float kx[8] = {ka.x, ka.y, ka.z, ka.w, kb.x, kb.y, kb.z, kb.w};
-                const float vx[8] = {va.x, va.y, va.z, va.w, vb.x, vb.y, vb.z, vb.w};
-                const float qx[4] = {qv.x, qv.y, qv.z, qv.w};
-                const float gx[4] = {gv.x, gv.y, gv.z, gv.w};
-PYFA_UNROLL
-                for (int ii = 0; ii < 8; ++ii)
+                for (int ii = 0; ii < 8; ++ii) {
+                    const int c = wcol + rg + 2 * ii;
+                    float P[4];
 PYFA_UNROLL
                     for (int kk = 0; kk < 4; ++kk) {
-                        s[ii][kk] = pyfa_fma(qx[kk], kx[ii], s[ii][kk]);
-                        dp[ii][kk] = pyfa_fma(gx[kk], vx[ii], dp[ii][kk]);
+                        const int r = cg * 4 + kk;
+                        const bool masked = !whole && mask.masked(row0 + r, col0 + c);
+                        const float sc = masked ? -INFINITY : s[ii][kk] * p.scale;
+                        P[kk] = rowv[kk] == -INFINITY ? 0.0f : pyfa_exp(sc - rowv[kk]);
                     }
-            }
-
-            // P = exp(S - LSE) (0 for a row that sees no key) into P_ij^T; dS = P (dp - D)
-            // kept in s until P_ij^T has been read.
-            const bool whole = !mask.masked(row0 + br - 1, col0) && !mask.masked(row0, col0 + bc - 1);
-            float* prow = PdS + (wcol + rg) * LDP;
-PYFA_UNROLL
-            for (int ii = 0; ii < 8; ++ii) {
-                const int c = wcol + rg + 2 * ii;
-                float P[4];
-PYFA_UNROLL
-                for (int kk = 0; kk < 4; ++kk) {
-                    const int r = cg * 4 + kk;
-                    const bool masked = !whole && mask.masked(row0 + r, col0 + c);
-                    const float sc = masked ? -INFINITY : s[ii][kk] * p.scale;
-                    P[kk] = lse[kk] == -INFINITY ? 0.0f : pyfa_exp(sc - lse[kk]);
-                    s[ii][kk] = P[kk] * (dp[ii][kk] - drow[kk]);
+                    st4(prow + 2 * ii * LDP + cg * 4, pyfa_f4{P[0], P[1], P[2], P[3]});
                 }
-                st4(prow + 2 * ii * LDP + cg * 4, pyfa_f4{P[0], P[1], P[2], P[3]});
             }
-            pyfa_syncwarp();
-            // dV_j += P_ij^T dO_i.
-            fast_dkdv_tile_product<D, LDP>(prow, dOi, br, cg, dVj + (wcol + rg) * D);
-            pyfa_syncwarp();  // the warp's P_ij^T rows are read before dS_ij^T replaces them
+            __syncthreads();  // P_ij^T is whole
+            if (dk_role) {
+                // dS = P (dp - D), P from the twin thread of warp w - 4, into dS_ij^T.
 PYFA_UNROLL
-            for (int ii = 0; ii < 8; ++ii)
-                st4(prow + 2 * ii * LDP + cg * 4, pyfa_f4{s[ii][0], s[ii][1], s[ii][2], s[ii][3]});
-            pyfa_syncwarp();
-            // dK_j += dS_ij^T Q_i.
-            fast_dkdv_tile_product<D, LDP>(prow, Qi, br, cg, dKj + (wcol + rg) * D);
+                for (int ii = 0; ii < 8; ++ii) {
+                    const pyfa_f4 P = ld4(prow + 2 * ii * LDP + cg * 4);
+                    st4(prod_at + 2 * ii * LDP + cg * 4,
+                        pyfa_f4{P.x * (s[ii][0] - rowv[0]), P.y * (s[ii][1] - rowv[1]),
+                                P.z * (s[ii][2] - rowv[2]), P.w * (s[ii][3] - rowv[3])});
+                }
+                pyfa_syncwarp();
+            }
+            // dV_j += P_ij^T dO_i (warps 0..3) or dK_j += dS_ij^T Q_i (warps 4..7).
+            fast_product_8x4<D, XC, LDP>(prod_at, prod_b, br, cg, acc);
         }
     }
 
     // dK = canonical(dK_j * scale), dV = canonical(dV_j); +0 for an empty band.
+    float* out = dk_role ? dK : dV;
+    const int ldout = dk_role ? lddk : lddv;
 PYFA_UNROLL
     for (int ii = 0; ii < 8; ++ii) {
         const int c = wcol + rg + 2 * ii;
         if (c >= bc) continue;
 PYFA_UNROLL
         for (int hh = 0; hh < XC; ++hh) {
-            const pyfa_f4 a = ld4(dKj + c * D + cg * 4 + 64 * hh);
-            const pyfa_f4 v = ld4(dVj + c * D + cg * 4 + 64 * hh);
-            st4(dK + (col0 + c) * lddk + cg * 4 + 64 * hh,
-                pyfa_f4{pyfa_canonical_nan(a.x * p.scale), pyfa_canonical_nan(a.y * p.scale),
-                        pyfa_canonical_nan(a.z * p.scale), pyfa_canonical_nan(a.w * p.scale)});
-            st4(dV + (col0 + c) * lddv + cg * 4 + 64 * hh,
-                pyfa_f4{pyfa_canonical_nan(v.x), pyfa_canonical_nan(v.y), pyfa_canonical_nan(v.z),
-                        pyfa_canonical_nan(v.w)});
+            float o[4];
+PYFA_UNROLL
+            for (int x = 0; x < 4; ++x) {
+                const float a = acc[ii][4 * hh + x];
+                o[x] = pyfa_canonical_nan(dk_role ? a * p.scale : a);
+            }
+            st4(out + (col0 + c) * ldout + cg * 4 + 64 * hh, pyfa_f4{o[0], o[1], o[2], o[3]});
         }
     }
 }

@@ -1,0 +1,141 @@
+// fast_tiles.h: the two register-tile loops of the kernels whose warps split into roles
+// (fa2_backward_dkdv_fast.cuh, fa2_backward_dq_fast.cuh at d = 128): a thread's 8 x 4 tile
+// of scores from a transposed operand and a row-major one, and a thread's 8 x 4*XC tile of
+// a product summed over the tile's other index. Both keep the contract's order (every sum
+// in index order from +0), so a kernel that uses them keeps the simulator's bits.
+//
+// Row-major operands (B) sit in shared memory as (rows, D) with 16-byte chunks swizzled by
+// swz_qk (fast_common.h): a warp reads 16 rows cg*4 + kk at one chunk (the scores) or one
+// row at 16 chunks (the products), each in two wavefronts per 128-bit load.
+#pragma once
+
+#include "common/smem.h"
+#include "kernels/fast/fa2_forward_fast.cuh"
+#include "kernels/fast/fast_common.h"
+
+namespace PYFA_KERNELS {
+
+// Rows row0 .. row0+n-1 of two (N, D) tensors a and b (row strides lda, ldb) into shared
+// memory transposed, at (D, ROWS) and bt (D, ROWS), rows permuted by fast_q_pos so that a
+// thread's 8 rows at one x are 32 bytes; rows past n are 0. NT threads, 128-bit loads.
+template <int D, int ROWS, int NT>
+PYFA_DEV void fast_load_transposed2(float* at, float* bt, const float* a, int lda, const float* b, int ldb,
+                                    int row0, int n, int tid) {
+PYFA_UNROLL
+    for (int t = 0; t < ROWS * (D / 4) / NT; ++t) {
+        const int e = tid + t * NT, r = e & (ROWS - 1), x4 = e / ROWS;
+        const bool ok = r < n;
+        const pyfa_f4 av = ok ? ld4(a + (row0 + r) * lda + 4 * x4) : pyfa_f4{0.f, 0.f, 0.f, 0.f};
+        const pyfa_f4 bv = ok ? ld4(b + (row0 + r) * ldb + 4 * x4) : pyfa_f4{0.f, 0.f, 0.f, 0.f};
+        const int pos = fast_q_pos(r);
+        at[(4 * x4 + 0) * ROWS + pos] = av.x;
+        at[(4 * x4 + 1) * ROWS + pos] = av.y;
+        at[(4 * x4 + 2) * ROWS + pos] = av.z;
+        at[(4 * x4 + 3) * ROWS + pos] = av.w;
+        bt[(4 * x4 + 0) * ROWS + pos] = bv.x;
+        bt[(4 * x4 + 1) * ROWS + pos] = bv.y;
+        bt[(4 * x4 + 2) * ROWS + pos] = bv.z;
+        bt[(4 * x4 + 3) * ROWS + pos] = bv.w;
+    }
+}
+
+// s[ii][kk] = sum_x A[a_ii, x] B[cg*4 + kk, x] (x = 0 .. D-1 in order, from +0) over the
+// thread's 8 rows a_ii of A and 4 rows of B. at: the thread's 8 consecutive floats of A^T
+// (D, 64) at x = 0 (A's rows permuted so that they are consecutive: fast_q_pos); b: B
+// (64, D) row-major, chunks swizzled.
+template <int D>
+PYFA_DEV void fast_scores_8x4(const float* at, const float* b, int cg, float (&s)[8][4]) {
+    constexpr int BC = kFastBc;
+PYFA_UNROLL
+    for (int ii = 0; ii < 8; ++ii)
+PYFA_UNROLL
+        for (int kk = 0; kk < 4; ++kk) s[ii][kk] = 0.0f;
+    const float* brow = b + cg * 4 * D;  // rows cg*4 .. cg*4+3 share one swizzle
+    const int sw = swz_qk(cg * 4);
+    // Not unrolled: 4 x a step is 128 fma against 12 128-bit loads already, and unrolling
+    // holds the next step's 48 floats in registers (the dK/dV kernel at d = 64 would spill
+    // at two blocks per SM).
+PYFA_UNROLL_BY(1)
+    for (int x4 = 0; x4 < D / 4; ++x4) {
+        pyfa_f4 bq[4];
+PYFA_UNROLL
+        for (int kk = 0; kk < 4; ++kk) bq[kk] = ld4(brow + kk * D + ((x4 ^ sw) << 2));
+        const float bx[4][4] = {{bq[0].x, bq[1].x, bq[2].x, bq[3].x},
+                                {bq[0].y, bq[1].y, bq[2].y, bq[3].y},
+                                {bq[0].z, bq[1].z, bq[2].z, bq[3].z},
+                                {bq[0].w, bq[1].w, bq[2].w, bq[3].w}};
+PYFA_UNROLL
+        for (int xx = 0; xx < 4; ++xx) {
+            const float* ap = at + (4 * x4 + xx) * BC;
+            const pyfa_f4 a0 = ld4(ap), a1 = ld4(ap + 4);
+            const float ax[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+PYFA_UNROLL
+            for (int ii = 0; ii < 8; ++ii)
+PYFA_UNROLL
+                for (int kk = 0; kk < 4; ++kk) s[ii][kk] = pyfa_fma(bx[xx][kk], ax[ii], s[ii][kk]);
+        }
+    }
+}
+
+// One tile's product: t[c, x] = sum_r A^T[c, r] B[r, x] (r = 0 .. br-1 in order, from +0),
+// then acc[c, x] = acc[c, x] + t[c, x], over the thread's rows c = first + 2 ii of A^T and
+// the columns of B's chunks cg + 16 hh (hh < XC). at: the thread's first row of A^T (row
+// stride LDP); b: B (br, D) row-major, chunks swizzled, from the first column this thread
+// group covers (a multiple of 64).
+template <int D, int XC, int LDP>
+PYFA_DEV void fast_product_8x4(const float* at, const float* b, int br, int cg, float (&acc)[8][4 * XC]) {
+    float t[8][4 * XC];
+PYFA_UNROLL
+    for (int ii = 0; ii < 8; ++ii)
+PYFA_UNROLL
+        for (int x = 0; x < 4 * XC; ++x) t[ii][x] = 0.0f;
+    int r = 0;
+    for (; r + 4 <= br; r += 4) {
+        const float* brow = b + r * D + ((cg ^ swz_qk(r)) << 2);  // rows r .. r+3 share one swizzle
+        pyfa_f4 bx[4][XC];
+PYFA_UNROLL
+        for (int rr = 0; rr < 4; ++rr)
+PYFA_UNROLL
+            for (int hh = 0; hh < XC; ++hh) bx[rr][hh] = ld4(brow + rr * D + 64 * hh);
+PYFA_UNROLL
+        for (int ii = 0; ii < 8; ++ii) {
+            const pyfa_f4 ar = ld4(at + 2 * ii * LDP + r);
+            const float ac[4] = {ar.x, ar.y, ar.z, ar.w};
+PYFA_UNROLL
+            for (int rr = 0; rr < 4; ++rr)
+PYFA_UNROLL
+                for (int hh = 0; hh < XC; ++hh) {
+                    t[ii][4 * hh + 0] = pyfa_fma(ac[rr], bx[rr][hh].x, t[ii][4 * hh + 0]);
+                    t[ii][4 * hh + 1] = pyfa_fma(ac[rr], bx[rr][hh].y, t[ii][4 * hh + 1]);
+                    t[ii][4 * hh + 2] = pyfa_fma(ac[rr], bx[rr][hh].z, t[ii][4 * hh + 2]);
+                    t[ii][4 * hh + 3] = pyfa_fma(ac[rr], bx[rr][hh].w, t[ii][4 * hh + 3]);
+                }
+        }
+    }
+    if (r < br) {  // the last 1..3 rows of a tail Q tile, in order
+PYFA_UNROLL
+        for (int rr = 0; rr < 3; ++rr) {
+            if (r + rr < br) {
+                const float* brow = b + (r + rr) * D + ((cg ^ swz_qk(r + rr)) << 2);
+PYFA_UNROLL
+                for (int hh = 0; hh < XC; ++hh) {
+                    const pyfa_f4 v = ld4(brow + 64 * hh);
+PYFA_UNROLL
+                    for (int ii = 0; ii < 8; ++ii) {
+                        const float ac = at[2 * ii * LDP + r + rr];
+                        t[ii][4 * hh + 0] = pyfa_fma(ac, v.x, t[ii][4 * hh + 0]);
+                        t[ii][4 * hh + 1] = pyfa_fma(ac, v.y, t[ii][4 * hh + 1]);
+                        t[ii][4 * hh + 2] = pyfa_fma(ac, v.z, t[ii][4 * hh + 2]);
+                        t[ii][4 * hh + 3] = pyfa_fma(ac, v.w, t[ii][4 * hh + 3]);
+                    }
+                }
+            }
+        }
+    }
+PYFA_UNROLL
+    for (int ii = 0; ii < 8; ++ii)
+PYFA_UNROLL
+        for (int x = 0; x < 4 * XC; ++x) acc[ii][x] = acc[ii][x] + t[ii][x];
+}
+
+}  // namespace PYFA_KERNELS
