@@ -207,6 +207,28 @@ def test_calls_from_other_threads_run_there():
     assert isinstance(out["error"], ValueError) and "block_r" in str(out["error"])
 
 
+def test_a_forked_child_gets_a_helper_thread_of_its_own():
+    # The main thread's calls go to one long-lived helper thread; a child forked after the
+    # first call inherits its queue but not the thread, and must start its own.
+    code = textwrap.dedent("""
+        import os
+        import numpy as np
+        import pyfa
+        q = np.random.default_rng(1).standard_normal((1, 2, 40, 16), dtype=np.float32)
+        first = pyfa.attention(q, q, q, backend="cpu")
+        pid = os.fork()
+        if pid == 0:
+            again = pyfa.attention(q, q, q, backend="cpu")
+            os._exit(0 if np.array_equal(again, first) else 3)
+        _, status = os.waitpid(pid, 0)
+        print("child", os.waitstatus_to_exitcode(status))
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=child_env(), cwd=ROOT)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.split() == ["child", "0"], run.stdout + run.stderr
+
+
 def test_library_errors_keep_their_message_across_the_helper_thread():
     # The library's message is per thread: it must be read on the thread that called.
     q = np.zeros((1, 1, 8, 256), np.float32)
