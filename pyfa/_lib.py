@@ -310,8 +310,7 @@ def call(fn, config, *args, progress=None):
     progress(done, total) is called now and then while the call runs (on some library
     thread); returning True cancels the call, which then raises CancelledError. On the
     main thread the call runs on a long-lived helper thread while this one waits in short
-    waits, so
-    that Ctrl-C is seen at once: it cancels the call through the progress callback, waits
+    waits, so that Ctrl-C is seen at once: it cancels the call through the progress callback, waits
     for the library to stop (it writes nothing of the caller's then), and raises
     KeyboardInterrupt. Elsewhere the call runs on the calling thread.
     """
