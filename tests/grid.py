@@ -49,36 +49,23 @@ def case_seed(case):
 # fast ones (cuda/kernels/fast/); the cpu backend has kernels of its own ("auto").
 VARIANT_RUNS = [("emu", "forward", "reference"), ("emu", "reverse", "reference"),
                 ("emu", "forward", "fast"), ("emu", "reverse", "fast"),
-                ("cpu", "forward", "auto")] + [
-    pytest.param("cuda", "forward", v, marks=pytest.mark.skipif(not HAS_CUDA, reason="no usable CUDA GPU here"))
-    for v in ("reference", "fast")]
-
-
-def variant_runs(case):
-    """VARIANT_RUNS for one case. Without tiles variant "fast" picks tiles of its own, which
-    the simulator is not given here (tests/test_fast_kernels.py and its siblings cover
-    them); "auto" runs instead, which must give the bits of the readable kernels at their
-    default tiles, fast kernels or not."""
-    if case[5] is not None and case[6] is not None:
-        return VARIANT_RUNS
-    out = []
-    for run in VARIANT_RUNS:
-        values = run.values if hasattr(run, "values") else run
-        marks = run.marks if hasattr(run, "marks") else ()
-        values = values[:2] + ("auto" if values[2] == "fast" else values[2],)
-        out.append(pytest.param(*values, marks=marks))
-    return out
+                ("cpu", "forward", "auto"), ("cuda", "forward", "reference"),
+                ("cuda", "forward", "fast")]
 
 
 def variant_params(cases):
-    """(case, backend, order, variant) for every case and its variant runs."""
+    """(case, backend, order, variant) for every case and VARIANT_RUNS. Without tiles
+    variant "fast" picks tiles of its own, which the simulator is not given here
+    (tests/test_fast_kernels.py and its siblings cover them); "auto" runs instead, which
+    must give the bits of the readable kernels at their default tiles, fast kernels or not."""
     out = []
     for case in cases:
-        for run in variant_runs(case):
-            marks = run.marks if hasattr(run, "marks") else ()
-            values = run.values if hasattr(run, "values") else run
-            out.append(pytest.param(case, *values, marks=marks,
-                                    id=f"{case_id(case)}-{values[0]}-{values[1]}-{values[2]}"))
+        for backend, order, variant in VARIANT_RUNS:
+            if variant == "fast" and (case[5] is None or case[6] is None):
+                variant = "auto"
+            marks = pytest.mark.skipif(not HAS_CUDA, reason="no usable CUDA GPU here") if backend == "cuda" else ()
+            out.append(pytest.param(case, backend, order, variant, marks=marks,
+                                    id=f"{case_id(case)}-{backend}-{order}-{variant}"))
     return out
 
 

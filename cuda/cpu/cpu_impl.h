@@ -89,6 +89,26 @@ inline bool all_set(vi m) {
 #endif
 }
 
+// pyfa_exp's range reduction and polynomial, lane by lane: x = n ln2 + r; returns
+// p = 1 + r + r^2 q(r) ~ e^r and n. Both paths of vexp share it.
+inline vf vexp_reduced(vf x, vi& n) {
+    vf t = x * PYFA_LOG2E;
+    t = t + PYFA_ROUND_MAGIC;
+    const vf nf = t - PYFA_ROUND_MAGIC;
+    n = reinterpret_cast<vi>(t) - static_cast<int32_t>(PYFA_ROUND_MAGIC_BITS);
+    vf r = x - nf * PYFA_LN2_HI;
+    r = r - nf * PYFA_LN2_LO;
+    vf q = splat(PYFA_EXP_C6);
+    q = q * r + PYFA_EXP_C5;
+    q = q * r + PYFA_EXP_C4;
+    q = q * r + PYFA_EXP_C3;
+    q = q * r + PYFA_EXP_C2;
+    const vf r2 = r * r;
+    q = r2 * q;
+    q = r + q;
+    return q + 0x1p+0f;
+}
+
 // pyfa_exp, lane by lane. Two shortcuts that change no result:
 // - When every lane lies in [EXP_FAST_LO, EXP_FAST_HI] (the usual case in a softmax), the
 //   clamps and the final selects are identities, n lies in [-124, 127] and p in
@@ -101,41 +121,14 @@ inline bool all_set(vi m) {
 //   masked score (-inf) is such a lane.
 constexpr float EXP_FAST_LO = -86.0f, EXP_FAST_HI = 88.0f;
 inline vf vexp(vf x) {
+    vi n;
     if (all_set((x >= splat(EXP_FAST_LO)) & (x <= splat(EXP_FAST_HI)))) {
-        vf t = x * PYFA_LOG2E;
-        t = t + PYFA_ROUND_MAGIC;
-        const vf nf = t - PYFA_ROUND_MAGIC;
-        const vi n = reinterpret_cast<vi>(t) - static_cast<int32_t>(PYFA_ROUND_MAGIC_BITS);
-        vf r = x - nf * PYFA_LN2_HI;
-        r = r - nf * PYFA_LN2_LO;
-        vf q = splat(PYFA_EXP_C6);
-        q = q * r + PYFA_EXP_C5;
-        q = q * r + PYFA_EXP_C4;
-        q = q * r + PYFA_EXP_C3;
-        q = q * r + PYFA_EXP_C2;
-        const vf r2 = r * r;
-        q = r2 * q;
-        q = r + q;
-        const vf p = q + 0x1p+0f;
+        const vf p = vexp_reduced(x, n);
         return reinterpret_cast<vf>(reinterpret_cast<vi>(p) + (n << 23));
     }
     vf xc = x >= splat(PYFA_EXP_X_LO) ? x : splat(0.0f);
     xc = xc > splat(PYFA_EXP_X_HI) ? splat(PYFA_EXP_X_HI) : xc;
-    vf t = xc * PYFA_LOG2E;
-    t = t + PYFA_ROUND_MAGIC;
-    const vf nf = t - PYFA_ROUND_MAGIC;
-    const vi n = reinterpret_cast<vi>(t) - static_cast<int32_t>(PYFA_ROUND_MAGIC_BITS);
-    vf r = xc - nf * PYFA_LN2_HI;
-    r = r - nf * PYFA_LN2_LO;
-    vf q = splat(PYFA_EXP_C6);
-    q = q * r + PYFA_EXP_C5;
-    q = q * r + PYFA_EXP_C4;
-    q = q * r + PYFA_EXP_C3;
-    q = q * r + PYFA_EXP_C2;
-    const vf r2 = r * r;
-    q = r2 * q;
-    q = r + q;
-    const vf p = q + 0x1p+0f;
+    const vf p = vexp_reduced(xc, n);
     const vi n1 = ((n + 150) >> 1) - 75;
     const vi n2 = n - n1;
     const vf s1 = reinterpret_cast<vf>((n1 + 127) << 23);
