@@ -135,6 +135,7 @@ def _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers, threads
             variant="auto"):
     ffi, lib = _lib.load()
     cfg = ffi.new("pyfa_config *")
+    cfg.struct_size = ffi.sizeof("pyfa_config")  # this layout, flags included
     cfg.variant = _choice("variant", variant, VARIANTS)
     cfg.backend = _choice("backend", backend, BACKENDS)
     if backend == "auto":
@@ -416,6 +417,10 @@ def _run_host(op, intake, outs, problem, config, progress):
                            for n in op.outputs if TENSOR_KINDS[n] != "row"})
     pointers = [_address(ffi, x)
                 for x in [intake.tensors[n] for n in op.inputs] + [w for _, _, w in targets.values()]]
+    if all(view is not written for _, view, written in targets.values()):
+        # Every array the library writes is ours until the call returns: a cancelled call
+        # may leave them partly written, and no staging copy is needed.
+        config.flags |= lib.PYFA_FLAG_IN_PLACE
     _lib.call(getattr(lib, op.c_function), config, problem, config, *pointers, progress=progress)
     results = []
     for given, view, written in targets.values():

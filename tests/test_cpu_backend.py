@@ -10,6 +10,8 @@ import platform
 import re
 import subprocess
 import sys
+import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +23,9 @@ from pyfa import _lib
 from reference import make_inputs, same_bits
 from test_random_shapes import draw
 from test_special_values import poisoned_inputs
+
+# Children import the pyfa under test from here.
+ROOT = Path(pyfa.__file__).resolve().parents[1]
 
 
 def cpu_flags():
@@ -182,6 +187,57 @@ def test_results_do_not_depend_on_the_thread_count():
                 assert_same(got, first, f"B={B} H={H} threads={threads}")
 
 
+def test_calls_from_several_threads_at_once_keep_their_bits():
+    # The library keeps its worker threads between calls (cuda/cpu/thread_pool.cpp); a call
+    # that finds them busy with another call starts threads of its own.
+    q, k, v, do = make_inputs((2, 3, 200, 64), (2, 3, 260, 64), 6, "do")
+    want = run_cpu((q, k, v, do), dict(causal=True), threads=1)
+    results, errors = {}, []
+
+    def caller(n):
+        try:
+            for _ in range(3):
+                results.setdefault(n, []).append(run_cpu((q, k, v, do), dict(causal=True), threads=2 + n % 2))
+        except Exception as e:  # reported below, with the thread's number
+            errors.append((n, e))
+
+    callers = [threading.Thread(target=caller, args=(n,)) for n in range(4)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join(300)
+    assert not errors, errors
+    assert sorted(results) == [0, 1, 2, 3] and all(len(r) == 3 for r in results.values())
+    for n, runs in results.items():
+        for got in runs:
+            assert_same(got, want, f"caller {n}")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_runs_multithreaded_calls():
+    # The parent's worker threads are not in a child forked after a call: the child must
+    # start its own instead of waiting for threads that do not exist.
+    code = textwrap.dedent("""
+        import os
+        import numpy as np
+        import pyfa
+        q = np.random.default_rng(1).standard_normal((1, 4, 256, 32), dtype=np.float32)
+        first = pyfa.attention(q, q, q, backend="cpu", threads=2)
+        pid = os.fork()
+        if pid == 0:
+            again = pyfa.attention(q, q, q, backend="cpu", threads=3)
+            os._exit(0 if np.array_equal(again, first) else 3)
+        _, status = os.waitpid(pid, 0)
+        print("child", os.waitstatus_to_exitcode(status))
+    """)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=env, cwd=ROOT)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.split() == ["child", "0"], run.stdout + run.stderr
+
+
 def test_auto_is_cpu_without_a_gpu_and_backends_lists_cpu():
     assert "cpu" in pyfa.backends() and "emu" in pyfa.backends()
     if grid.HAS_CUDA:
@@ -208,14 +264,16 @@ def test_threads_argument_is_checked():
             pyfa.attention(q, k, v, backend="cpu", threads=bad)
 
 
-def c_call(threads=0, progress=None):
-    """pyfa_fa2_backward on the cpu backend through the C ABI, outputs prefilled with 7."""
+def c_call(threads=0, progress=None, flags=0, struct_size=None):
+    """pyfa_fa2_backward on the cpu backend through the C ABI, outputs prefilled with 7;
+    struct_size None: sizeof(pyfa_config)."""
     ffi, lib = _lib.load()
     q, k, v, do = make_inputs((2, 2, 256, 32), (2, 2, 256, 32), 3, "do")
     o, lse = pyfa.fa2_forward(q, k, v, backend="cpu")
     outs = [np.full_like(q, 7.0) for _ in range(3)]
     pr = ffi.new("pyfa_problem *", dict(batch=2, heads=2, seqlen_q=256, seqlen_k=256, head_dim=32))
-    cfg = ffi.new("pyfa_config *", dict(backend=3, block_r=16, block_c=16, threads=threads))
+    cfg = ffi.new("pyfa_config *", dict(backend=3, block_r=16, block_c=16, threads=threads, flags=flags))
+    cfg.struct_size = ffi.sizeof("pyfa_config") if struct_size is None else struct_size
     if progress is not None:
         cfg.progress = progress
     ptr = lambda a: ffi.cast("float *", ffi.from_buffer(a))
@@ -255,6 +313,69 @@ def test_progress_reports_and_cancels_without_writing():
     assert st == 8 and "cancel" in msg, msg
     assert len(calls) == 1, "polled again after asking to stop"
     assert all(np.all(x == 7.0) for x in outs), "a cancelled call wrote the caller's outputs"
+
+
+def test_in_place_writes_the_outputs_directly_and_only_when_asked():
+    ffi, lib = _lib.load()
+    calls = []
+
+    @ffi.callback("int(void *, int64_t, int64_t)")
+    def stop(user, done, total):
+        calls.append(done)
+        return 1
+
+    in_place = lib.PYFA_FLAG_IN_PLACE
+    # The same bits either way.
+    st, outs, _ = c_call(threads=2, flags=in_place)
+    assert st == 0 and all(same_bits(a, b) for a, b in zip(outs, c_call(threads=2)[1]))
+    # Cancelled at the first poll, after the first work item: in place, that item's
+    # outputs are already in the caller's arrays; staged, nothing is.
+    st, outs, _ = c_call(threads=1, progress=stop, flags=in_place)
+    assert st == 8 and any(np.any(x != 7.0) for x in outs), "in place, yet nothing was written"
+    # struct_size 0 is ABI 3's layout, which ends before flags: they are not read.
+    st, outs, _ = c_call(threads=1, progress=stop, flags=in_place, struct_size=0)
+    assert st == 8 and all(np.all(x == 7.0) for x in outs), "struct_size 0 read config->flags"
+    st, outs, msg = c_call(flags=in_place | 8)
+    assert st == 1 and "config->flags" in msg and all(np.all(x == 7.0) for x in outs)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc")
+def test_peak_memory_is_inputs_and_outputs_and_a_few_tiles():
+    # Issue 13: a call needs its inputs, its outputs and O(threads x tile), nothing N x N
+    # and no second copy of the outputs. In a fresh process, the high-water mark of its
+    # resident memory (VmHWM) is read before and after one forward and one backward.
+    code = textwrap.dedent("""
+        import numpy as np
+        import pyfa
+        def hwm():
+            for line in open("/proc/self/status"):
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        B, H, N, d = 1, 4, 2048, 128
+        rng = np.random.default_rng(0)
+        q, k, v, do = (rng.standard_normal((B, H, N, d), dtype=np.float32) for _ in range(4))
+        small = q[:, :, :64]
+        pyfa.fa2_backward(small, small, small, *pyfa.fa2_forward(small, small, small, backend="cpu"),
+                          small, backend="cpu", threads=2)
+        base = hwm()
+        o, lse = pyfa.fa2_forward(q, k, v, backend="cpu", threads=2)
+        fwd = hwm() - base
+        grads = pyfa.fa2_backward(q, k, v, o, lse, do, backend="cpu", threads=2)
+        bwd = hwm() - base
+        print(fwd, bwd, q.nbytes)
+    """)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=env, cwd=ROOT)
+    assert run.returncode == 0, run.stdout + run.stderr
+    fwd, bwd, tensor = map(int, run.stdout.split())
+    # Two threads' workspaces (about 0.4 MiB each at d = 128), stacks, allocator noise;
+    # a staged copy of the outputs (4 MiB forward, 12 MiB backward) does not fit.
+    slack = 2 << 20
+    # Forward: O and LSE (tensor + tensor / d); then dQ, dK, dV and D (B x H x N) too.
+    assert fwd <= tensor + tensor // 128 + slack, (fwd / 2**20, tensor / 2**20)
+    assert bwd <= fwd + 3 * tensor + tensor // 128 + slack, (bwd / 2**20, tensor / 2**20)
 
 
 def test_bench_sweep_smoke_prints_ratios_on_its_last_line():

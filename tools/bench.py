@@ -311,7 +311,21 @@ THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def peak_rss_mib():
+    """This process's peak resident memory: VmHWM where Linux has it, since ru_maxrss
+    survives fork and exec, so a worker reported its parent's peak (the sweep process
+    that had imported torch) whenever that was higher than its own."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+# Each sweep process warms each pass up for at least this long (and 2 calls) before timing.
+WARMUP_S = 0.3
 
 
 def sweep_worker(spec):
@@ -363,7 +377,12 @@ def sweep_worker(spec):
     times = {"fwd": [], "fwd+bwd": []}
     cpu_times = {"fwd": [], "fwd+bwd": []}
     for label, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
-        fn()
+        # Warm-up: torch's first few calls run slower than its later ones (8.5 ms, then
+        # 6.6 ms at N=1024 d=64 on two threads), so one call is not enough to be fair to it.
+        warm_until, warm_calls = time.perf_counter() + WARMUP_S, 0
+        while warm_calls < 2 or time.perf_counter() < warm_until:
+            fn()
+            warm_calls += 1
         for _ in range(repeats):
             c0, t0 = time.process_time(), time.perf_counter()
             fn()
@@ -401,12 +420,13 @@ def sweep(args):
     torch = import_torch() if "torch" in contenders else None
     print(f"pyfa bench --sweep: FA2 on the cpu backend vs {', '.join(c for c in contenders if c != 'cpu')}; "
           f"B={args.batch} H={args.heads}; each contender in its own process, {args.rounds} round(s) of "
-          f"{args.repeats} timed calls after a warm-up, {args.gap:.1f} s idle between processes")
+          f"{args.repeats} timed calls after a warm-up of {WARMUP_S} s, {args.gap:.1f} s idle between processes")
     print(f"{os.cpu_count()} cores ({platform.machine()}), load average {os.getloadavg()[0]:.2f} at the start; "
           f"numpy {np.__version__} (BLAS {blas_name()}); torch {torch.__version__ if torch else 'not used'}; "
           f"PYFA_CPU_ISA={os.environ.get('PYFA_CPU_ISA', 'auto')}")
     print("GFLOP/s: forward 4*B*H*N^2*d (halved if causal), forward+backward 3.5x that; "
-          "ms: median over all timed calls (min beside it); RSS: the process's peak, and above its inputs; "
+          "ms: median over all timed calls (min beside it); RSS: the process's peak, and above its inputs "
+          "(one forward+backward's outputs O, LSE, dQ, dK, dV: about 16*B*H*N*d bytes); "
           "cpu: the process's CPU ms per call (all its threads), the steadier figure on a busy machine")
     print(f"{'N':>5} {'d':>4} {'causal':>6} {'thr':>3} {'contender':9} {'fwd ms':>9} {'min':>8} {'GFLOP/s':>8} "
           f"{'f+b ms':>9} {'min':>8} {'GFLOP/s':>8} {'RSS MiB':>8} {'+MiB':>6} {'fwd cpu':>9} {'f+b cpu':>9}")

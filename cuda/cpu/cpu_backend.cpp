@@ -11,7 +11,6 @@
 #include <functional>
 #include <mutex>
 #include <string>
-#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -21,6 +20,7 @@
 
 #include "common/tiling.h"
 #include "cpu/cpu_kernels.h"
+#include "cpu/thread_pool.h"
 #include "launch/internal.h"
 
 namespace pyfa {
@@ -112,17 +112,7 @@ public:
                     ph.run(k, ws);
                 }
             };
-            const int n = static_cast<int>(std::min<int64_t>(threads_, ph.items));
-            std::vector<std::thread> pool;
-            for (int t = 1; t < n; ++t) {
-                try {
-                    pool.emplace_back(worker, t);
-                } catch (const std::system_error&) {
-                    break;  // fewer threads: the same results, later
-                }
-            }
-            worker(0);
-            for (std::thread& th : pool) th.join();
+            pyfa_cpu::run_on_threads(static_cast<int>(std::min<int64_t>(threads_, ph.items)), worker);
         }
         return !cancelled_;
     }

@@ -15,6 +15,7 @@
 // reporting a failure must work when allocation does not: every extern "C" function runs
 // its body under guarded(), and no failure path allocates.
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -196,12 +197,21 @@ constexpr int64_t kMaxGridYZ = 65535;
 // tensor's byte count must fit in int64_t (and so in size_t).
 constexpr int64_t kMaxTensorElems = INT64_MAX / static_cast<int64_t>(sizeof(float));
 
+// What struct_size 0 means: ABI 3's layout. pyfa_config's later fields start at or after
+// ABI 3's sizeof, never in its tail padding, which an ABI 3 caller leaves unset.
+template <class T>
+constexpr size_t kAbi3Size = sizeof(T);
+template <>
+constexpr size_t kAbi3Size<pyfa_config> = offsetof(pyfa_config, flags);
+static_assert(offsetof(pyfa_config, flags) == offsetof(pyfa_config, variant) + sizeof(void*),
+              "pyfa_config.flags must start where ABI 3's pyfa_config ended");
+
 // The caller's struct copied into a zeroed one of this library's layout: min(struct_size,
-// sizeof) bytes, struct_size 0 meaning sizeof; bytes the library does not know must be 0.
+// sizeof) bytes, struct_size 0 meaning ABI 3's size; bytes the library does not know must be 0.
 template <class T>
 pyfa_status copy_struct(const T* in, const char* field, T* out) {
     *out = T{};
-    const uint32_t size = in->struct_size ? in->struct_size : static_cast<uint32_t>(sizeof(T));
+    const uint32_t size = in->struct_size ? in->struct_size : static_cast<uint32_t>(kAbi3Size<T>);
     if (size < sizeof(uint32_t))
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: %u is smaller than the field itself (0 means this layout)",
                     field, size);
@@ -288,8 +298,12 @@ pyfa_status check_config(const pyfa_config* in, pyfa_config* cfg) {
     }
     pyfa_status st = copy_struct(in, "config->struct_size", cfg);
     if (st != PYFA_OK) return st;
-    if (cfg->variant >= PYFA_VARIANT_AUTO && cfg->variant <= PYFA_VARIANT_FAST) return PYFA_OK;
-    return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->variant: unknown variant %d", cfg->variant);
+    if (cfg->variant < PYFA_VARIANT_AUTO || cfg->variant > PYFA_VARIANT_FAST)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->variant: unknown variant %d", cfg->variant);
+    if (cfg->flags & ~static_cast<uint64_t>(PYFA_FLAG_IN_PLACE))
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->flags: unknown bits 0x%llx",
+                    static_cast<unsigned long long>(cfg->flags & ~static_cast<uint64_t>(PYFA_FLAG_IN_PLACE)));
+    return PYFA_OK;
 }
 
 // The backend a call runs on; `arg` names the argument in messages. On a *_device entry
@@ -516,8 +530,10 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
 
     // Bind tensors. Inputs: their whole span (as the strides lay it out) copied to the GPU
     // for a host entry point on CUDA, else read in place. Outputs: staged dense in owned
-    // buffers unless they are the GPU's own (a *_device entry point on CUDA, where the
-    // stream orders everything and the kernels write the caller's strides directly).
+    // buffers, copied to the caller's once the call has succeeded, unless written in place:
+    // the GPU's own memory (a *_device entry point on CUDA, where the stream orders
+    // everything and the kernels write the caller's strides directly), or host memory the
+    // caller lets a host backend write (PYFA_FLAG_IN_PLACE; the cpu backend: dense only).
     Scratch owned;
     owned.backend = backend;
     owned.stream = stream;
@@ -526,7 +542,9 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     const bool stage_inputs = !device_pointers && backend == PYFA_BACKEND_CUDA;
     // The cpu backend addresses dense tensors only: strided inputs are gathered first.
     const bool gather_inputs = backend == PYFA_BACKEND_CPU;
-    const bool stage_outputs = !device_pointers || host_memory(backend);
+    const bool host_in_place = host_memory(backend) && (cfg.flags & PYFA_FLAG_IN_PLACE);
+    bool staged[kMaxOutputs] = {};
+    bool any_staged = false;
     for (int t = 0; t < n_in; ++t) {
         float*& slot = param_slot(bound, op.inputs[t]);
         slot = const_cast<float*>(inputs[t]);
@@ -543,7 +561,12 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     for (int t = 0; t < n_out; ++t) {
         float*& slot = param_slot(bound, op.outputs[t]);
         slot = outputs[t];
-        if (stage_outputs) {
+        staged[t] = backend == PYFA_BACKEND_CUDA
+                        ? !device_pointers
+                        : !host_in_place || (gather_inputs && !kTensors[op.outputs[t]].per_row &&
+                                             !is_dense(op.outputs[t], pr));
+        any_staged = any_staged || staged[t];
+        if (staged[t]) {
             if ((st = owned.alloc(tensor_bytes(op.outputs[t], pr), &slot)) != PYFA_OK) return st;
             if (TensorStrides* s = strides_slot(bound, op.outputs[t])) *s = dense_strides(op.outputs[t], pr);
         }
@@ -579,7 +602,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         }
     }
 
-    if (!stage_outputs) return owned.release();
+    if (!any_staged) return owned.release();
     if (backend == PYFA_BACKEND_CUDA) {
         if ((st = cuda_synchronize(stream)) != PYFA_OK) return st;
         if (cuda_polls && (st = poll_progress(cfg, op.kernel_count, op.kernel_count)) != PYFA_OK) return st;
@@ -590,7 +613,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     for (int t = 0; t < n_out; ++t) {
         const TensorId id = op.outputs[t];
         dense_out[t] = param_slot(bound, id);
-        if (backend != PYFA_BACKEND_CUDA || is_dense(id, pr)) continue;
+        if (!staged[t] || backend != PYFA_BACKEND_CUDA || is_dense(id, pr)) continue;
         float* bounce = nullptr;
         if ((st = host_owned.alloc(tensor_bytes(id, pr), &bounce)) != PYFA_OK) return st;
         if ((st = cuda_copy_to_host(bounce, dense_out[t], tensor_bytes(id, pr), stream)) != PYFA_OK) return st;
@@ -599,6 +622,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     if (backend == PYFA_BACKEND_CUDA && (st = cuda_synchronize(stream)) != PYFA_OK) return st;
     for (int t = 0; t < n_out; ++t) {
         const TensorId id = op.outputs[t];
+        if (!staged[t]) continue;
         if (backend == PYFA_BACKEND_CUDA && is_dense(id, pr)) {
             if ((st = cuda_copy_to_host(outputs[t], dense_out[t], tensor_bytes(id, pr), stream)) != PYFA_OK) return st;
         } else {
