@@ -512,7 +512,7 @@ def main(argv=None):
     sw.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048], help="N (Nq = Nk)")
     sw.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     sw.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    sw.add_argument("--rounds", type=int, default=2, help="processes per contender and configuration")
+    sw.add_argument("--rounds", type=int, default=3, help="processes per contender and configuration")
     sw.add_argument("--gap", type=float, default=0.5, help="idle seconds after each process")
     sw.add_argument("--contenders", default=",".join(CONTENDERS))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
