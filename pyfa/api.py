@@ -150,9 +150,9 @@ def _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers, threads
 
 
 def _problem(dims, scale, causal, window, causal_align):
-    """The pyfa_problem (struct_size 0: this layout) of sizes dims = (B, H, Nq, Nk, d, Hkv)
-    and the mask arguments, checked as the simulator checks them; the strides are set
-    by the caller."""
+    """The pyfa_problem (struct_size 0: ABI 3's layout, which is all of it) of sizes
+    dims = (B, H, Nq, Nk, d, Hkv) and the mask arguments, checked as the simulator checks
+    them; the strides are set by the caller."""
     ffi, _ = _lib.load()
     Mask.resolve(causal, window, causal_align, dims[2], dims[3])  # the argument checks
     pr = ffi.new("pyfa_problem *")

@@ -203,7 +203,10 @@ template <class T>
 constexpr size_t kAbi3Size = sizeof(T);
 template <>
 constexpr size_t kAbi3Size<pyfa_config> = offsetof(pyfa_config, flags);
-static_assert(offsetof(pyfa_config, flags) == offsetof(pyfa_config, variant) + sizeof(void*),
+// ABI 3's pyfa_config ended after variant, padded to the struct's alignment (unchanged by
+// flags: emu_seed is a uint64_t too).
+static_assert(offsetof(pyfa_config, flags) == (offsetof(pyfa_config, variant) + sizeof(int) + alignof(pyfa_config) - 1) /
+                                                  alignof(pyfa_config) * alignof(pyfa_config),
               "pyfa_config.flags must start where ABI 3's pyfa_config ended");
 
 // The caller's struct copied into a zeroed one of this library's layout: min(struct_size,
@@ -213,7 +216,7 @@ pyfa_status copy_struct(const T* in, const char* field, T* out) {
     *out = T{};
     const uint32_t size = in->struct_size ? in->struct_size : static_cast<uint32_t>(kAbi3Size<T>);
     if (size < sizeof(uint32_t))
-        return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: %u is smaller than the field itself (0 means this layout)",
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: %u is smaller than the field itself (0 means ABI 3's layout)",
                     field, size);
     const unsigned char* bytes = reinterpret_cast<const unsigned char*>(in);
     for (size_t n = sizeof(T); n < size; ++n)
