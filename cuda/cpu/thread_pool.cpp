@@ -64,15 +64,14 @@ public:
         int helpers = 0;
         {
             std::lock_guard<std::mutex> lk(m_);
-            while (static_cast<int>(threads_.size()) < n - 1) {
-                try {
-                    threads_.reserve(threads_.size() + 1);
-                    // A thread's first generation is passed in: started now, it must not
-                    // take the one this call is about to publish for its own start.
+            try {
+                threads_.reserve(static_cast<size_t>(n - 1));
+                // A thread's first generation is passed in: started now, it must not take
+                // the one this call is about to publish for its own start.
+                while (static_cast<int>(threads_.size()) < n - 1)
                     threads_.emplace_back(&Pool::loop, this, static_cast<int>(threads_.size()) + 1, generation_);
-                } catch (const std::exception&) {
-                    break;
-                }
+            } catch (const std::exception&) {
+                // fewer threads: the same results, later
             }
             helpers = std::min(n - 1, static_cast<int>(threads_.size()));
             job_ = &job;
@@ -174,12 +173,12 @@ __attribute__((destructor)) void stop_pool() {
 
 int run_on_threads(int n, const Job& job) {
     n = std::max(n, 1);
-    std::exception_ptr err;
-    int ran = 0;
     if (n == 1) {
         job(0);
         return 1;
     }
+    std::exception_ptr err;
+    int ran = 0;
     if (n - 1 > kMostPooled || !this_process_pool()->try_run(n, job, &ran))
         ran = run_on_fresh_threads(n, job, &err);
     if (err) std::rethrow_exception(err);

@@ -543,8 +543,9 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     Scratch host_owned;  // host bounce buffers of strided outputs coming back from CUDA
     AttentionParams bound = base;
     const bool stage_inputs = !device_pointers && backend == PYFA_BACKEND_CUDA;
-    // The cpu backend addresses dense tensors only: strided inputs are gathered first.
-    const bool gather_inputs = backend == PYFA_BACKEND_CPU;
+    // The cpu backend addresses dense tensors only: strided inputs are gathered first, and
+    // strided outputs are always staged.
+    const bool dense_only = backend == PYFA_BACKEND_CPU;
     const bool host_in_place = host_memory(backend) && (cfg.flags & PYFA_FLAG_IN_PLACE);
     bool staged[kMaxOutputs] = {};
     bool any_staged = false;
@@ -555,7 +556,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
             const size_t bytes = sizeof(float) * static_cast<size_t>(tensor_extent(op.inputs[t], pr));
             if ((st = owned.alloc(bytes, &slot)) != PYFA_OK) return st;
             if ((st = cuda_copy_to_device(slot, inputs[t], bytes, stream)) != PYFA_OK) return st;
-        } else if (gather_inputs && !kTensors[op.inputs[t]].per_row && !is_dense(op.inputs[t], pr)) {
+        } else if (dense_only && !kTensors[op.inputs[t]].per_row && !is_dense(op.inputs[t], pr)) {
             if ((st = owned.alloc(tensor_bytes(op.inputs[t], pr), &slot)) != PYFA_OK) return st;
             gather_rows(op.inputs[t], pr, inputs[t], slot);
             *strides_slot(bound, op.inputs[t]) = dense_strides(op.inputs[t], pr);
@@ -566,7 +567,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         slot = outputs[t];
         staged[t] = backend == PYFA_BACKEND_CUDA
                         ? !device_pointers
-                        : !host_in_place || (gather_inputs && !kTensors[op.outputs[t]].per_row &&
+                        : !host_in_place || (dense_only && !kTensors[op.outputs[t]].per_row &&
                                              !is_dense(op.outputs[t], pr));
         any_staged = any_staged || staged[t];
         if (staged[t]) {

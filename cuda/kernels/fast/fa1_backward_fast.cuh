@@ -29,6 +29,7 @@
 #pragma once
 
 #include "kernels/fast/fa2_forward_fast.cuh"
+#include "kernels/fast/fast_tiles.h"
 
 namespace PYFA_KERNELS {
 
@@ -183,34 +184,7 @@ PYFA_UNROLL
             // rows r = cg*4 + kk, x = 0 .. d-1 in order: S^T = K_j Q_i^T (P half) or
             // dP^T = V_j dO_i^T (dS half).
             float s[8][4];
-PYFA_UNROLL
-            for (int ii = 0; ii < 8; ++ii)
-PYFA_UNROLL
-                for (int kk = 0; kk < 4; ++kk) s[ii][kk] = 0.0f;
-            {
-                const float* ap = (half ? VjT : KjT) + wcol + rg * 8;
-                const float* bp = (half ? dOs : Qs) + cg * 4 * D;
-                const int sw = swz_qk(cg * 4);  // the same for the thread's 4 rows
-PYFA_UNROLL_BY(1)
-                for (int x4 = 0; x4 < DC; ++x4) {
-                    pyfa_f4 bv[4];
-PYFA_UNROLL
-                    for (int kk = 0; kk < 4; ++kk) bv[kk] = ld4(bp + kk * D + ((x4 ^ sw) << 2));
-                    const float bx[4][4] = {{bv[0].x, bv[1].x, bv[2].x, bv[3].x},
-                                            {bv[0].y, bv[1].y, bv[2].y, bv[3].y},
-                                            {bv[0].z, bv[1].z, bv[2].z, bv[3].z},
-                                            {bv[0].w, bv[1].w, bv[2].w, bv[3].w}};
-PYFA_UNROLL
-                    for (int xx = 0; xx < 4; ++xx) {
-                        const pyfa_f4 a0 = ld4(ap + (4 * x4 + xx) * BC), a1 = ld4(ap + (4 * x4 + xx) * BC + 4);
-                        const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-PYFA_UNROLL
-                        for (int ii = 0; ii < 8; ++ii)
-PYFA_UNROLL
-                            for (int kk = 0; kk < 4; ++kk) s[ii][kk] = pyfa_fma(bx[xx][kk], av[ii], s[ii][kk]);
-                    }
-                }
-            }
+            fast_scores_8x4<D>((half ? VjT : KjT) + wcol + rg * 8, half ? dOs : Qs, cg, s);
 
             if (half == 0) {
                 // S = s * scale, -inf if masked; P = (l == 0) ? 0 : exp(S - safe_max(m)) / l,
