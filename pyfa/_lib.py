@@ -78,7 +78,7 @@ _STATUS_ERRORS = {
 
 
 def _header_paths():
-    return [_HERE / "include" / "pyfa.h", _SOURCE_ROOT / "cuda" / "include" / "pyfa.h"]
+    return [_HERE / "include" / "pyfa.h", _SOURCE_ROOT / "src" / "include" / "pyfa.h"]
 
 
 def _library_names():

@@ -75,7 +75,7 @@ class Walk:
 
 
 def fa2_forward_io(w):
-    """cuda/kernels/fa2_forward.cuh, per query head: Q_i read once, K_j and V_j once per
+    """src/kernels/fa2_forward.cuh, per query head: Q_i read once, K_j and V_j once per
     visited (i, j), O_i and LSE_i written once."""
     io = IORecord()
     io.read("Q", w.Nq * w.d * w.e)
@@ -132,7 +132,7 @@ def fa2_backward_dq_io(w):
 
 
 def fa1_forward_io(w):
-    """cuda/kernels/fa1_forward.cuh, per query head: O, m, l initialized in HBM; K_j, V_j
+    """src/kernels/fa1_forward.cuh, per query head: O, m, l initialized in HBM; K_j, V_j
     read once (when some Q tile visits j); Q_i, O_i, m_i, l_i read and O_i, m_i, l_i
     written once per visited (j, i)."""
     io = IORecord()
@@ -154,7 +154,7 @@ def fa1_forward_io(w):
 
 
 def fa1_backward_io(w):
-    """cuda/kernels/fa1_backward.cuh, one block per K/V head: dQ of its G query heads
+    """src/kernels/fa1_backward.cuh, one block per K/V head: dQ of its G query heads
     initialized in HBM; K_j, V_j read once (when some Q tile visits j); for each query head
     g, Q_i, O_i, dO_i, dQ_i, m_i, l_i read and dQ_i written once per visited (j, i); dK_j,
     dV_j written once."""

@@ -1,4 +1,4 @@
-"""FlashAttention-1 backward, simulated: the twin of cuda/kernels/fa1_backward.cuh.
+"""FlashAttention-1 backward, simulated: the twin of src/kernels/fa1_backward.cuh.
 
 The loops are the kernel's (Dao et al. 2022, Algorithm 4): one block per (K/V head,
 batch); K/V tiles j outside, then the group's query heads g (h = hk * G + g), then the Q

@@ -1,4 +1,4 @@
-"""FlashAttention-1 forward, simulated: the twin of cuda/kernels/fa1_forward.cuh.
+"""FlashAttention-1 forward, simulated: the twin of src/kernels/fa1_forward.cuh.
 
 The loops are the kernel's (Dao et al. 2022, Algorithm 1): one block per (query head h,
 batch b), reading K/V head h // (H / Hkv); K/V tiles j outside, the Q tiles i of the

@@ -1,4 +1,4 @@
-"""FlashAttention-2 backward, simulated: the twin of cuda/kernels/fa2_backward.cuh.
+"""FlashAttention-2 backward, simulated: the twin of src/kernels/fa2_backward.cuh.
 
 Three kernels, as on the device: the preprocess (D = rowsum(dO o O), per query head),
 the dK/dV kernel (one block per (K/V column block j, K/V head), walking for each query

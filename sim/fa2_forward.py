@@ -1,4 +1,4 @@
-"""FlashAttention-2 forward, simulated: the twin of cuda/kernels/fa2_forward.cuh.
+"""FlashAttention-2 forward, simulated: the twin of src/kernels/fa2_forward.cuh.
 
 The loops are the kernel's: one block per (Q row block i, query head h, batch b), each
 walking the K/V tiles j of its band mask.kv_tiles(i) in increasing order, then within a

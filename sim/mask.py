@@ -1,4 +1,4 @@
-"""The attention mask as a value: the twin of cuda/common/mask.h, and the one place in
+"""The attention mask as a value: the twin of src/common/mask.h, and the one place in
 Python where the mask formula is written (tests, tools and the simulator use it).
 
 Key j is visible to query row i iff  i + off - left <= j <= i + off + right,  where

@@ -1,4 +1,4 @@
-"""NumPy twins of cuda/common/numerics.h: pyfa's float32 max, exp and log.
+"""NumPy twins of src/common/numerics.h: pyfa's float32 max, exp and log.
 
 Every function performs exactly the float32 operations of its C/CUDA twin, in the same
 order, vectorized over arrays, so that the simulator reproduces the kernels' bits.

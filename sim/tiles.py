@@ -1,5 +1,5 @@
 """Shared-memory layouts, device profiles and default tiles: the twin of
-cuda/common/smem.h and the default-tile rules in cuda/launch/tiles.cpp.
+src/common/smem.h and the default-tile rules in src/core/tiles.cpp.
 
 tests/test_tiles.py checks every function here against the compiled library.
 """
@@ -39,38 +39,38 @@ def padded(row):
 
 
 def fa2_forward_smem(Br, Bc, d):
-    """Terms (name, floats) in memory order: cuda/common/smem.h fa2_forward_smem."""
+    """Terms (name, floats) in memory order: src/common/smem.h fa2_forward_smem."""
     return [("Q_i", Br * d), ("K_j", Bc * padded(d)), ("V_j", Bc * d),
             ("S_ij", Br * padded(Bc)), ("O_i", Br * d), ("m_i", Br), ("l_i", Br), ("alpha", Br)]
 
 
 def fa2_backward_preprocess_smem(Br, Bc, d):
-    """cuda/common/smem.h fa2_backward_preprocess_smem (Bc unused)."""
+    """src/common/smem.h fa2_backward_preprocess_smem (Bc unused)."""
     return [("dO_i", Br * padded(d))]
 
 
 def fa2_backward_dkdv_smem(Br, Bc, d):
-    """cuda/common/smem.h fa2_backward_dkdv_smem."""
+    """src/common/smem.h fa2_backward_dkdv_smem."""
     return [("K_j", Bc * padded(d)), ("V_j", Bc * padded(d)), ("dK_j", Bc * d),
             ("dV_j", Bc * d), ("Q_i", Br * d), ("dO_i", Br * d), ("P_ij", Br * Bc),
             ("dS_ij", Br * Bc), ("LSE_i", Br), ("D_i", Br)]
 
 
 def fa2_backward_dq_smem(Br, Bc, d):
-    """cuda/common/smem.h fa2_backward_dq_smem."""
+    """src/common/smem.h fa2_backward_dq_smem."""
     return [("Q_i", Br * d), ("dO_i", Br * d), ("dQ_i", Br * d), ("K_j", Bc * padded(d)),
             ("V_j", Bc * padded(d)), ("dS_ij", Br * Bc), ("LSE_i", Br), ("D_i", Br)]
 
 
 def fa1_forward_smem(Br, Bc, d):
-    """Terms (name, floats) in memory order: cuda/common/smem.h fa1_forward_smem."""
+    """Terms (name, floats) in memory order: src/common/smem.h fa1_forward_smem."""
     return [("K_j", Bc * padded(d)), ("V_j", Bc * d), ("Q_i", Br * d),
             ("S_ij", Br * padded(Bc)), ("m~_ij", Br), ("l_new", Br), ("o_scale", Br),
             ("pv_scale", Br)]
 
 
 def fa1_backward_smem(Br, Bc, d):
-    """Terms (name, floats) in memory order: cuda/common/smem.h fa1_backward_smem."""
+    """Terms (name, floats) in memory order: src/common/smem.h fa1_backward_smem."""
     return [("K_j", Bc * padded(d)), ("V_j", Bc * padded(d)), ("dK_j", Bc * d),
             ("dV_j", Bc * d), ("Q_i", Br * d), ("dO_i", Br * padded(d)), ("P_ij", Br * Bc),
             ("dS_ij", Br * Bc), ("m_i", Br), ("l_i", Br), ("D_i", Br)]
@@ -152,7 +152,7 @@ def launch_tiles(kernel, d, block_r, block_c):
 
 @lru_cache(maxsize=None)
 def fa1_default_tiles(kernel, d, profile=EMU_PROFILE):
-    """FA1's rule (Dao et al. 2022, Algorithms 1 and 4; cuda/launch/tiles.cpp
+    """FA1's rule (Dao et al. 2022, Algorithms 1 and 4; src/core/tiles.cpp
     fa1_default_tiles): Bc = ceil(M / 4d), Br = min(Bc, d), M the profile's shared memory
     in floats; then Bc is lowered one at a time, Br following it down whenever it would
     exceed Bc, until the kernel's layout fits."""

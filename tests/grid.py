@@ -46,7 +46,7 @@ def case_seed(case):
 
 
 # RUNS with the kernel variant: the emulator and the GPU run the readable kernels and the
-# fast ones (cuda/kernels/fast/); the cpu backend has kernels of its own ("auto").
+# fast ones (src/kernels/fast/); the cpu backend has kernels of its own ("auto").
 VARIANT_RUNS = [("emu", "forward", "reference"), ("emu", "reverse", "reference"),
                 ("emu", "forward", "fast"), ("emu", "reverse", "fast"),
                 ("cpu", "forward", "auto"), ("cuda", "forward", "reference"),

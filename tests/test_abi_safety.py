@@ -302,9 +302,9 @@ def fake_cuda_library(tmp_path_factory):
         pytest.skip("no C++ compiler")
     pytest.importorskip("cffi")
     out = tmp_path_factory.mktemp("fake_cuda") / "libpyfa_fake_cuda.so"
-    launch = ROOT / "cuda" / "launch"
+    launch = ROOT / "src" / "core"
     subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-O1", "-Wall", "-Wextra",
-                    "-Werror", f"-I{ROOT / 'cuda'}", f"-I{pyfa.get_include()}",
+                    "-Werror", f"-I{ROOT / 'src'}", f"-I{pyfa.get_include()}",
                     '-DPYFA_VERSION_STRING="fake"', str(launch / "api.cpp"), str(launch / "errors.cpp"),
                     str(launch / "tiles.cpp"), str(HERE / "c" / "fake_cuda.cpp"), "-o", str(out)], check=True)
     return out
@@ -313,7 +313,7 @@ def fake_cuda_library(tmp_path_factory):
 def fake_cuda(library, *cases):
     env = child_env()
     run = subprocess.run([sys.executable, "-c", textwrap.dedent(FAKE_CUDA_SCRIPT),
-                          str(ROOT / "cuda" / "include" / "pyfa.h"), str(library), json.dumps(list(cases))],
+                          str(ROOT / "src" / "include" / "pyfa.h"), str(library), json.dumps(list(cases))],
                          capture_output=True, text=True, env=env, timeout=120)
     return json_result(run)
 

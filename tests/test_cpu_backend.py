@@ -41,7 +41,7 @@ def cpu_flags():
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 FLAGS = cpu_flags()
-# What each build needs (cuda/cpu/cpu_backend.cpp): None when we cannot tell here.
+# What each build needs (src/backends/cpu/cpu_backend.cpp): None when we cannot tell here.
 NEEDS = {"avx512": {"avx512f", "fma"}, "avx2": {"avx2", "fma"}, "portable": set()}
 
 
@@ -188,7 +188,7 @@ def test_results_do_not_depend_on_the_thread_count():
 
 
 def test_calls_from_several_threads_at_once_keep_their_bits():
-    # The library keeps its worker threads between calls (cuda/cpu/thread_pool.cpp); a call
+    # The library keeps its worker threads between calls (src/backends/cpu/thread_pool.cpp); a call
     # that finds them busy with another call starts threads of its own.
     q, k, v, do = make_inputs((2, 3, 200, 64), (2, 3, 260, 64), 6, "do")
     want = run_cpu((q, k, v, do), dict(causal=True), threads=1)

@@ -1,4 +1,4 @@
-"""The host emulation runtime (cuda/emu): its C++ self-test, the library's kernels on it
+"""The host emulation runtime (src/backends/emu): its C++ self-test, the library's kernels on it
 under memory exhaustion, and its limits as the C ABI reports them."""
 
 import os
@@ -14,7 +14,8 @@ import emu_abi
 import pyfa
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-EMU_SOURCES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "cuda" / "emu").glob("*.cpp"))
+EMU_SOURCES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "src" / "backends" / "emu").glob("*.cpp")
+                     if p.name != "emu_backend.cpp")  # the runtime alone, without the library's adapter
 MAX_WORKERS = 256  # pyfa_emu::kMaxWorkers
 FIBER_STACK_BYTES = 64 * 1024  # pyfa_emu::kFiberStackBytes
 
@@ -29,7 +30,7 @@ def compiler(name):
 def build_cxx(tmp_path, name, main_source):
     exe = tmp_path / name
     build = subprocess.run(
-        [compiler("g++"), "-std=c++17", "-O2", "-ffp-contract=off", "-pthread", "-I", "cuda",
+        [compiler("g++"), "-std=c++17", "-O2", "-ffp-contract=off", "-pthread", "-I", "src",
          "-I", pyfa.get_include(), main_source, *EMU_SOURCES, "-o", str(exe), "-ldl"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )

@@ -1,4 +1,4 @@
-"""The fast FA1 backward (cuda/kernels/fast/fa1_backward_fast.cuh): the same bits as the
+"""The fast FA1 backward (src/kernels/fast/fa1_backward_fast.cuh): the same bits as the
 simulator, and so as the readable kernel, on every case it takes, under two thread orders;
 variant selection (fast names what it lacks, auto falls back, auto with the fast kernel's
 tiles runs it)."""

@@ -1,4 +1,4 @@
-"""The fast FA1 forward (cuda/kernels/fast/fa1_forward_fast.cuh): the same O, m and l bits
+"""The fast FA1 forward (src/kernels/fast/fa1_forward_fast.cuh): the same O, m and l bits
 as the simulator, and so as the readable kernel, on every case it takes, under two thread
 orders; masks, grouped-query heads and both layouts; special values; what variant="fast"
 says it lacks, and variant="auto" falling back to the readable kernel. FA1's results
@@ -144,7 +144,7 @@ def test_fast_fa1_forward_needs_aligned_tensors_and_auto_falls_back():
 
 
 def fast_layout_bytes(Br, d, Bc=64):
-    """cuda/common/smem.h fa1_forward_fast_smem: K_j^T, V_j, two Q_i^T and P~_ij, whose
+    """src/common/smem.h fa1_forward_fast_smem: K_j^T, V_j, two Q_i^T and P~_ij, whose
     row stride Bc + 4 holds the row's scales."""
     return 4 * (d * Bc + Bc * d + 2 * d * Br + Br * (Bc + 4))
 

@@ -132,7 +132,7 @@ def test_default_tiles_per_variant():
     assert pyfa.default_tiles("fa2_backward_dq", 128, backend="emu", variant="fast") == (64, 64)
 
 
-# ---- the ordered row max (cuda/kernels/fast/fast_common.h, ordered_row_max16)
+# ---- the ordered row max (src/kernels/fast/fast_common.h, ordered_row_max16)
 
 def f32(x):
     return np.float32(x)

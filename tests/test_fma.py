@@ -43,7 +43,7 @@ def c_side(tmp_path_factory):
         pytest.skip("g++ not found")
     d = tmp_path_factory.mktemp("fma")
     exe = d / "numerics_check"
-    subprocess.run([gxx, "-std=c++17", "-O2", "-ffp-contract=off", "-I", str(REPO / "cuda"),
+    subprocess.run([gxx, "-std=c++17", "-O2", "-ffp-contract=off", "-I", str(REPO / "src"),
                     str(CHECK_SRC), "-o", str(exe)], check=True)
 
     def run(fn, *arrays):

@@ -404,9 +404,9 @@ def fake_cuda_pyfa(tmp_path_factory):
     if cxx is None:
         pytest.skip("no C++ compiler to build the fake CUDA backend")
     out = tmp_path_factory.mktemp("fake_cuda_interop") / "libpyfa.so"
-    launch = ROOT / "cuda" / "launch"
+    launch = ROOT / "src" / "core"
     subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-O1",
-                    f"-I{ROOT / 'cuda'}", f"-I{pyfa.get_include()}",
+                    f"-I{ROOT / 'src'}", f"-I{pyfa.get_include()}",
                     f'-DPYFA_VERSION_STRING="{pyfa.__version__}"',
                     str(launch / "api.cpp"), str(launch / "errors.cpp"), str(launch / "tiles.cpp"),
                     str(HERE / "c" / "fake_cuda.cpp"), "-o", str(out)], check=True)

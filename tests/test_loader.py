@@ -113,8 +113,8 @@ def test_a_checkout_without_a_build_finds_the_installed_library(tmp_path):
     checkout, site = tmp_path / "clone", tmp_path / "site"
     shutil.copytree(REPO / "pyfa", checkout / "pyfa", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     shutil.copytree(REPO / "sim", checkout / "sim", ignore=shutil.ignore_patterns("__pycache__"))
-    (checkout / "cuda" / "include").mkdir(parents=True)
-    shutil.copy(REPO / "cuda" / "include" / "pyfa.h", checkout / "cuda" / "include" / "pyfa.h")
+    (checkout / "src" / "include").mkdir(parents=True)
+    shutil.copy(REPO / "src" / "include" / "pyfa.h", checkout / "src" / "include" / "pyfa.h")
     (checkout / "CMakeLists.txt").write_text("# a checkout\n")
     lib_name = _lib.library_path().name
     (site / "pyfa").mkdir(parents=True)

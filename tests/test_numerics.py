@@ -1,4 +1,4 @@
-"""pyfa's own float32 exp/log/max: the C++ build of cuda/common/numerics.h against the NumPy
+"""pyfa's own float32 exp/log/max: the C++ build of src/common/numerics.h against the NumPy
 twins in sim/numerics.py (bit for bit), and both against float64 references (accuracy).
 
 Needs g++ (skipped without it). About 4.3 million inputs per function.
@@ -124,7 +124,7 @@ def checker(tmp_path_factory):
         pytest.skip("g++ not found")
     d = tmp_path_factory.mktemp("numerics")
     exe = d / "numerics_check"
-    subprocess.run([gxx, "-std=c++17", "-O2", "-ffp-contract=off", "-I", str(REPO / "cuda"),
+    subprocess.run([gxx, "-std=c++17", "-O2", "-ffp-contract=off", "-I", str(REPO / "src"),
                     str(CHECK_SRC), "-o", str(exe)], check=True)
 
     def run(fn, x):

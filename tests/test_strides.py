@@ -214,9 +214,9 @@ def test_cuda_host_entry_writes_strided_outputs_row_by_row(tmp_path):
     if cxx is None:
         pytest.skip("no C++ compiler to build the fake CUDA backend")
     root = Path(__file__).resolve().parents[1]
-    launch = root / "cuda" / "launch"
+    launch = root / "src" / "core"
     out = tmp_path / "libpyfa_fake_cuda.so"
-    subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", "-O1", f"-I{root / 'cuda'}",
+    subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", "-O1", f"-I{root / 'src'}",
                     f"-I{pyfa.get_include()}", '-DPYFA_VERSION_STRING="fake"',
                     str(launch / "api.cpp"), str(launch / "errors.cpp"), str(launch / "tiles.cpp"),
                     str(root / "tests" / "c" / "fake_cuda.cpp"), "-o", str(out)], check=True)

@@ -1,5 +1,5 @@
 """Variant auto gives the readable kernels' bits. Without tiles it may run a fast kernel
-at other tiles only along a side the results do not depend on (cuda/launch/tiles.cpp,
+at other tiles only along a side the results do not depend on (src/core/tiles.cpp,
 tile_sides_in_bits); the simulator shows those sides are free, and the library's
 defaults keep every other side."""
 

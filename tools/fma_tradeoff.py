@@ -56,14 +56,14 @@ def mul_feeding_add(ptx):
     return count
 
 
-def kernel_ptx(nvcc, cuda_dir, flags):
+def kernel_ptx(nvcc, src_dir, flags):
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "k.ptx"
         # pyfa.h includes the export header CMake generates; device code needs none of it.
         Path(tmp, "pyfa_export.h").write_text("#define PYFA_API\n")
-        subprocess.run([nvcc, "-arch=sm_90", "-ptx", "-std=c++17", *flags, "-I", str(cuda_dir),
-                        "-I", str(cuda_dir / "include"), "-I", tmp,
-                        str(cuda_dir / "launch" / "cuda_backend.cu"), "-o", str(out)],
+        subprocess.run([nvcc, "-arch=sm_90", "-ptx", "-std=c++17", *flags, "-I", str(src_dir),
+                        "-I", str(src_dir / "include"), "-I", tmp,
+                        str(src_dir / "backends" / "cuda" / "cuda_backend.cu"), "-o", str(out)],
                        check=True, capture_output=True, text=True)
         return out.read_text()
 
@@ -74,8 +74,8 @@ def ptx_table(nvcc):
     flags = flags or ["-fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true"]
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        unfused = Path(tmp) / "cuda"
-        shutil.copytree(ROOT / "cuda", unfused)
+        unfused = Path(tmp) / "src"
+        shutil.copytree(ROOT / "src", unfused)
         header = unfused / "common" / "numerics.h"
         text = header.read_text()
         fused_def = re.search(r"PYFA_HD float pyfa_fma\(float a, float b, float c\) \{.*?\n\}",
@@ -83,8 +83,8 @@ def ptx_table(nvcc):
         if fused_def is None:
             raise RuntimeError("pyfa_fma not found in numerics.h")
         header.write_text(text.replace(fused_def.group(0), UNFUSED_FMA))
-        for variant, cuda_dir in (("fused (shipped)", ROOT / "cuda"), ("unfused", unfused)):
-            ptx = kernel_ptx(nvcc, cuda_dir, flags)
+        for variant, src_dir in (("fused (shipped)", ROOT / "src"), ("unfused", unfused)):
+            ptx = kernel_ptx(nvcc, src_dir, flags)
             sections = ptx_sections(ptx)
             names = demangle([n for n in sections if "kernel" in n])
             out[variant] = {kernel_key(names[n]): {

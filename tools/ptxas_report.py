@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """ptxas resource report of every CUDA kernel, for one GPU architecture (default sm_90).
 
-Compiles cuda/launch/cuda_backend.cu (which includes every kernel) to a cubin with
+Compiles src/backends/cuda/cuda_backend.cu (which includes every kernel) to a cubin with
 `nvcc -Xptxas -v`, using the CUDA flags of CMakeLists.txt (the numerical contract's
 -fmad=false -ftz=false -prec-div=true -prec-sqrt=true), and prints one row per kernel:
 registers, static shared memory, spill stores and loads, stack frame, and the float
@@ -146,7 +146,7 @@ def compile_report(nvcc, arch, source, flags):
         Path(tmp, "pyfa_export.h").write_text("#define PYFA_API\n")
         # -cubin skips the host compile; -keep leaves the PTX of the same compile beside it.
         cmd = [nvcc, "-cubin", f"-arch={arch}", "-Xptxas", "-v", "-keep", "-keep-dir", tmp,
-               *flags, "-I", "cuda", "-I", "cuda/include", "-I", tmp,
+               *flags, "-I", "src", "-I", "src/include", "-I", tmp,
                '-DPYFA_VERSION_STRING="ptxas-report"', "-o", str(Path(tmp, "kernels.cubin")), source]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         log = proc.stdout + proc.stderr
@@ -170,7 +170,7 @@ def main(argv=None):
     ap.add_argument("--arch", default="sm_90", help="GPU architecture (default sm_90)")
     ap.add_argument("--head-dim", type=int, nargs="+", default=[64, 128],
                     help="head dims whose default tiles' dynamic shared memory is shown")
-    ap.add_argument("--source", default="cuda/launch/cuda_backend.cu",
+    ap.add_argument("--source", default="src/backends/cuda/cuda_backend.cu",
                     help="translation unit that includes every kernel (relative to the repo)")
     ap.add_argument("--json", help="also write the report as JSON here")
     args = ap.parse_args(argv)

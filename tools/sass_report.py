@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """SASS report of every CUDA kernel and variant: resources, hot-loop mix, H200 forecast.
 
-Builds cuda/launch/cuda_backend.cu to an sm_90 cubin with the library's CUDA flags (read
+Builds src/backends/cuda/cuda_backend.cu to an sm_90 cubin with the library's CUDA flags (read
 from CMakeLists.txt, as tools/ptxas_report.py does), disassembles it with cuobjdump (the
 `dev` extra: nvidia-cuda-cuobjdump) and prints, per kernel and variant:
 - registers, spills (ptxas -v), dynamic shared memory at the default tiles and the
@@ -201,8 +201,8 @@ def max_threads_attrs(cuobjdump, cubin):
 
 
 def reference_threads():
-    """{kernel: threads} of the readable kernels, from the constants in cuda/common/smem.h."""
-    text = (ROOT / "cuda/common/smem.h").read_text()
+    """{kernel: threads} of the readable kernels, from the constants in src/common/smem.h."""
+    text = (ROOT / "src/common/smem.h").read_text()
     consts = dict((k, int(v)) for k, v in
                   re.findall(r"constexpr int (k\w+Threads) = (\d+);", text))
     return {"fa2_forward": consts.get("kFa2ForwardThreads"),
@@ -311,7 +311,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="sm_90", help="GPU architecture (default sm_90)")
     ap.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--source", default="cuda/launch/cuda_backend.cu")
+    ap.add_argument("--source", default="src/backends/cuda/cuda_backend.cu")
     ap.add_argument("--json", help="also write the report as JSON here")
     args = ap.parse_args(argv)
 
@@ -328,8 +328,8 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="pyfa-sass-") as tmp:
         Path(tmp, "pyfa_export.h").write_text("#define PYFA_API\n")
         cubin = str(Path(tmp, "kernels.cubin"))
-        cmd = [nvcc, "-cubin", f"-arch={args.arch}", "-Xptxas", "-v", *flags, "-I", "cuda",
-               "-I", "cuda/include", "-I", tmp, '-DPYFA_VERSION_STRING="sass-report"',
+        cmd = [nvcc, "-cubin", f"-arch={args.arch}", "-Xptxas", "-v", *flags, "-I", "src",
+               "-I", "src/include", "-I", tmp, '-DPYFA_VERSION_STRING="sass-report"',
                "-o", cubin, args.source]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:

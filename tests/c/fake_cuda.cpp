@@ -15,7 +15,7 @@
 #include <cstring>
 #include <string>
 
-#include "launch/internal.h"
+#include "core/internal.h"
 
 namespace {
 

@@ -1,6 +1,6 @@
-// emu_selftest.cpp: checks the host emulation runtime (cuda/emu) with small kernels written
+// emu_selftest.cpp: checks the host emulation runtime (src/backends/emu) with small kernels written
 // as CUDA source. Prints one PASS/FAIL line per check; exits 0 only if all pass.
-#include "emu/emu.h"
+#include "backends/emu/emu.h"
 
 #include <signal.h>
 #include <sys/resource.h>

@@ -1,5 +1,5 @@
 // numerics_check: applies pyfa_exp, pyfa_log, pyfa_canonical_nan, pyfa_max or pyfa_fma
-// (cuda/common/numerics.h), as compiled by the host C++ compiler, to raw float32 data, for
+// (src/common/numerics.h), as compiled by the host C++ compiler, to raw float32 data, for
 // tests/test_numerics.py and tests/test_fma.py.
 //
 //   numerics_check exp|log|nan IN OUT  OUT[i] = f(IN[i])

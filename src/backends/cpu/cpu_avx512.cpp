@@ -1,0 +1,14 @@
+// The AVX-512 build of the cpu backend's tile code (compiled with -mavx512f -mfma; run
+// only where the CPU and the OS support AVX-512F). 32 zmm registers: 2 x 6 register
+// tiles of sums.
+#if defined(__AVX512F__) && defined(__FMA__)
+#define PYFA_CPU_NS avx512
+#define PYFA_CPU_NAME "avx512"
+#define PYFA_CPU_W 16
+#define PYFA_CPU_RI 2
+#define PYFA_CPU_RJ 6
+#define PYFA_CPU_TABLE kIsaAvx512
+#include "backends/cpu/cpu_impl.h"
+#else
+#error "cpu_avx512.cpp must be compiled with -mavx512f -mfma"
+#endif

@@ -1,0 +1,313 @@
+// cpu_backend.cpp: the cpu backend's dispatcher. It picks an instruction-set build of the
+// tile code (cpu_impl.h), cuts an operation into work items, runs them on a few threads
+// and polls config->progress between them. Results never depend on the thread count:
+// the items of one phase write disjoint outputs, and each sum is computed whole by the
+// one item that owns it, in the contract's order (docs/numerics.md, docs/cpu_backend.md).
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
+#include "common/tiling.h"
+#include "backends/cpu/cpu_kernels.h"
+#include "backends/cpu/thread_pool.h"
+#include "core/internal.h"
+
+namespace pyfa {
+
+namespace {
+
+using pyfa_cpu::Ctx;
+using pyfa_cpu::Isa;
+
+bool cpu_has(const char* what) {
+#if defined(__x86_64__) || defined(_M_X64)
+    __builtin_cpu_init();
+    if (!std::strcmp(what, "avx512")) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+    if (!std::strcmp(what, "avx2")) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+    return !std::strcmp(what, "portable");
+}
+
+const Isa* isa_named(const std::string& name) {
+#if defined(__x86_64__) || defined(_M_X64)
+    if (name == "avx512") return &pyfa_cpu::kIsaAvx512;
+    if (name == "avx2") return &pyfa_cpu::kIsaAvx2;
+#endif
+    if (name == "portable") return &pyfa_cpu::kIsaPortable;
+    return nullptr;
+}
+
+// The best build this CPU runs, or the one PYFA_CPU_ISA names (read at every call, so a
+// test can run each build in one process).
+pyfa_status pick_isa(const Isa** isa) {
+    const char* env = std::getenv("PYFA_CPU_ISA");
+    const std::string want = env ? env : "";
+    if (want.empty() || want == "auto") {
+        for (const char* name : {"avx512", "avx2", "portable"})
+            if (isa_named(name) && cpu_has(name)) {
+                *isa = isa_named(name);
+                return PYFA_OK;
+            }
+    }
+    if (want == "avx512" || want == "avx2" || want == "portable") {
+        if (!isa_named(want) || !cpu_has(want.c_str()))
+            return fail(PYFA_ERROR_BACKEND_UNAVAILABLE,
+                        "PYFA_CPU_ISA=" + want + ": this CPU (or this build) cannot run that instruction set");
+        *isa = isa_named(want);
+        return PYFA_OK;
+    }
+    return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                "PYFA_CPU_ISA: expected avx512, avx2, portable or auto, got '" + want + "'");
+}
+
+// Cores this process may run on (its affinity mask where the OS has one).
+int cores() {
+#if defined(__linux__)
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+#endif
+    return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+// One phase: `items` independent work items; the next phase starts when all are done.
+struct Phase {
+    int64_t items;
+    std::function<void(int64_t item, float* ws)> run;
+};
+
+class Runner {
+public:
+    Runner(const pyfa_config& cfg, int threads, int64_t total) : cfg_(cfg), threads_(threads), total_(total) {}
+
+    // Runs every phase in order; false when progress asked to stop.
+    bool run(const std::vector<Phase>& phases, size_t ws_floats) {
+        // Each thread's workspace starts on a 64-byte boundary.
+        // No more threads than the largest phase has items.
+        int64_t most = 1;
+        for (const Phase& ph : phases) most = std::max(most, ph.items);
+        threads_ = static_cast<int>(std::min<int64_t>(threads_, most));
+        const size_t stride = (ws_floats + 15) / 16 * 16;
+        std::vector<float> buf(stride * static_cast<size_t>(threads_) + 16);
+        float* base = buf.data();
+        base += (16 - (reinterpret_cast<uintptr_t>(base) / sizeof(float)) % 16) % 16;
+        for (const Phase& ph : phases) {
+            if (stop_) break;
+            std::atomic<int64_t> next{0};
+            auto worker = [&](int t) {
+                float* ws = base + stride * static_cast<size_t>(t);
+                while (!stop_) {
+                    const int64_t k = next.fetch_add(1);
+                    if (k >= ph.items) break;
+                    ph.run(k, ws);
+                }
+            };
+            pyfa_cpu::run_on_threads(static_cast<int>(std::min<int64_t>(threads_, ph.items)), worker);
+        }
+        return !cancelled_;
+    }
+
+    // After each unit of work: counts it and, at most every 50 ms and from one thread at a
+    // time, reports to config->progress.
+    void done_one() {
+        const int64_t done = done_.fetch_add(1) + 1;
+        if (!cfg_.progress || stop_ || !poll_.try_lock()) return;
+        const auto now = std::chrono::steady_clock::now();
+        if (!stop_ && (!polled_ || now - last_ >= std::chrono::milliseconds(50))) {
+            polled_ = true;
+            last_ = now;
+            if (cfg_.progress(cfg_.progress_user, done, total_) != 0) {
+                cancelled_ = true;
+                stop_ = true;
+            }
+        }
+        poll_.unlock();
+    }
+
+    bool stopped() const { return stop_; }
+
+private:
+    const pyfa_config& cfg_;
+    int threads_;
+    int64_t total_;
+    std::atomic<int64_t> done_{0};
+    std::atomic<bool> stop_{false};
+    std::atomic<bool> cancelled_{false};
+    std::mutex poll_;
+    bool polled_ = false;
+    std::chrono::steady_clock::time_point last_;
+};
+
+// The mask's bands: for each Q tile its K/V tiles, for each K/V tile its Q tiles.
+void kv_bands(const AttentionParams& p, std::vector<int64_t>* begin, std::vector<int64_t>* end) {
+    const size_t Tr = static_cast<size_t>(ceil_div(p.seqlen_q, p.block_r));
+    begin->resize(Tr);
+    end->resize(Tr);
+    for (size_t i = 0; i < Tr; ++i) {
+        const int64_t row0 = static_cast<int64_t>(i) * p.block_r;
+        const TileRange r = p.mask.kv_tiles(row0, min64(p.block_r, p.seqlen_q - row0), p.block_c, p.seqlen_k);
+        (*begin)[i] = r.begin;
+        (*end)[i] = r.end;
+    }
+}
+
+void q_bands(const AttentionParams& p, std::vector<int64_t>* begin, std::vector<int64_t>* end) {
+    const size_t Tc = static_cast<size_t>(ceil_div(p.seqlen_k, p.block_c));
+    begin->resize(Tc);
+    end->resize(Tc);
+    for (size_t j = 0; j < Tc; ++j) {
+        const int64_t col0 = static_cast<int64_t>(j) * p.block_c;
+        const TileRange r = p.mask.q_tiles(col0, min64(p.block_c, p.seqlen_k - col0), p.block_r, p.seqlen_q);
+        (*begin)[j] = r.begin;
+        (*end)[j] = r.end;
+    }
+}
+
+// The tile tables of one context, kept alive beside it.
+struct Plan {
+    Ctx ctx{};
+    std::vector<int64_t> kv_begin, kv_end, q_begin, q_end;
+    Plan(const AttentionParams& p, bool fa1, float* D) {
+        ctx.p = p;
+        ctx.fa1 = fa1;
+        ctx.D = D;
+        kv_bands(p, &kv_begin, &kv_end);
+        q_bands(p, &q_begin, &q_end);
+        ctx.kv_begin = kv_begin.data();
+        ctx.kv_end = kv_end.data();
+        ctx.q_begin = q_begin.data();
+        ctx.q_end = q_end.data();
+    }
+    int64_t Tr() const { return static_cast<int64_t>(kv_end.size()); }
+    int64_t Tc() const { return static_cast<int64_t>(q_begin.size()); }
+};
+
+}  // namespace
+
+pyfa_status cpu_profile(pyfa_device_profile* profile) {
+    // The emulator's limits, so that default tiles, and with them the bits, are the same.
+    const pyfa_status st = emu_profile(profile);
+    if (st != PYFA_OK) return st;
+    std::memset(profile->name, 0, sizeof(profile->name));
+    std::strncpy(profile->name, "pyfa cpu (tiles of the emulator's H200 profile)", sizeof(profile->name) - 1);
+    return PYFA_OK;
+}
+
+pyfa_status cpu_run(const int* kernels, const AttentionParams* params, size_t count, const pyfa_config& cfg) {
+    if (cfg.threads < 0)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->threads: must be >= 0 (0: one per core), got " +
+                                                     std::to_string(cfg.threads));
+    const Isa* isa = nullptr;
+    pyfa_status st = pick_isa(&isa);
+    if (st != PYFA_OK) return st;
+    int threads = cfg.threads;
+    if (threads == 0) threads = cores();
+
+    const AttentionParams& p0 = params[0];
+    const int64_t BH = p0.batch * p0.heads;
+    std::vector<Phase> phases;
+    std::vector<Plan> plans;
+    plans.reserve(3);
+    std::vector<float> fa1_D;
+    int64_t total = 0;
+    Runner* runner = nullptr;  // set below, before any phase runs
+
+    const int k0 = kernels[0];
+    if (count == 1 && (k0 == PYFA_KERNEL_FA2_FORWARD || k0 == PYFA_KERNEL_FA1_FORWARD)) {
+        plans.emplace_back(p0, k0 == PYFA_KERNEL_FA1_FORWARD, nullptr);
+        const Plan& f = plans[0];
+        const int64_t Tr = f.Tr();
+        // Head by head, so that the threads walk one head's K and V (which at d = 128
+        // outgrow L2) while they are still in the caches; within a head Q tiles from the
+        // last: under a causal mask the last ones visit the most K/V tiles, and handing out
+        // the longest items first keeps the threads evenly busy.
+        phases.push_back({BH * Tr, [&, Tr](int64_t k, float* ws) {
+                              isa->forward(f.ctx, k / Tr, Tr - 1 - k % Tr, ws);
+                              runner->done_one();
+                          }});
+        total = BH * Tr;
+    } else if ((count == 1 && k0 == PYFA_KERNEL_FA1_BACKWARD) ||
+               (count == 3 && k0 == PYFA_KERNEL_FA2_BACKWARD_PREPROCESS &&
+                kernels[1] == PYFA_KERNEL_FA2_BACKWARD_DKDV && kernels[2] == PYFA_KERNEL_FA2_BACKWARD_DQ)) {
+        const bool fa1 = count == 1;
+        float* D = p0.drow;
+        if (fa1) {
+            fa1_D.resize(static_cast<size_t>(BH * p0.seqlen_q));
+            D = fa1_D.data();
+        }
+        plans.emplace_back(p0, fa1, D);                            // D = rowsum(dO o O)
+        plans.emplace_back(fa1 ? p0 : params[1], fa1, D);          // dK, dV
+        plans.emplace_back(fa1 ? p0 : params[2], fa1, D);          // dQ
+        const Plan& pre = plans[0];
+        const Plan& kv = plans[1];
+        const Plan& dq = plans[2];
+        const int64_t Trp = pre.Tr();
+        total = BH * Trp;
+        // One pass over the tile pairs can also build dQ when the dQ kernel's tiles are the
+        // dK/dV kernel's (then both walk the same pairs) and a K/V head per thread keeps
+        // the threads busy: K/V tiles j in increasing order on one thread give each dQ row
+        // of the head's group its sum over j in the dQ kernel's order.
+        const int64_t G = p0.heads / p0.heads_kv, BHkv = p0.batch * p0.heads_kv;
+        const bool fused = kv.ctx.p.block_r == dq.ctx.p.block_r && kv.ctx.p.block_c == dq.ctx.p.block_c &&
+                           BHkv >= threads;
+        const int64_t Tc = kv.Tc(), Tr = dq.Tr();
+        if (!fused)
+            phases.push_back({BH * Trp, [&, Trp](int64_t k, float*) {
+                                  isa->rowdot(pre.ctx, k / Trp, k % Trp);
+                                  runner->done_one();
+                              }});
+        if (fused) {
+            // Query head bkv / Hkv * H + (bkv % Hkv) * G + g of K/V head bkv. Only this item
+            // reads those heads' D, so it computes them first: no phase of its own, whose
+            // start and end would cost more than its work on two threads.
+            phases.push_back({BHkv, [&, Tc, G, Trp](int64_t bkv, float* ws) {
+                                  const AttentionParams& p = kv.ctx.p;
+                                  const int64_t bh0 = (bkv / p.heads_kv) * p.heads + (bkv % p.heads_kv) * G;
+                                  for (int64_t g = 0; g < G; ++g)
+                                      for (int64_t i = 0; i < Trp; ++i) {
+                                          isa->rowdot(pre.ctx, bh0 + g, i);
+                                          runner->done_one();
+                                      }
+                                  for (int64_t g = 0; g < G; ++g) isa->zero_dq(kv.ctx, bh0 + g);
+                                  for (int64_t j = 0; j < Tc && !runner->stopped(); ++j) {
+                                      isa->backward_kv(kv.ctx, bkv, j, true, ws);
+                                      runner->done_one();
+                                  }
+                                  for (int64_t g = 0; g < G; ++g) isa->finish_dq(kv.ctx, bh0 + g);
+                              }});
+            total += BHkv * Tc;
+        } else {
+            // K/V tiles from the first and Q tiles from the last: the longest first.
+            phases.push_back({BHkv * Tc, [&, BHkv](int64_t k, float* ws) {
+                                  isa->backward_kv(kv.ctx, k % BHkv, k / BHkv, false, ws);
+                                  runner->done_one();
+                              }});
+            phases.push_back({BH * Tr, [&, Tr, BH](int64_t k, float* ws) {
+                                  isa->backward_dq(dq.ctx, k % BH, Tr - 1 - k / BH, ws);
+                                  runner->done_one();
+                              }});
+            total += BHkv * Tc + BH * Tr;
+        }
+    } else {
+        return fail(PYFA_ERROR_INTERNAL, std::string("cpu backend: no implementation of ") + kernel_name(k0));
+    }
+
+    size_t ws = 0;
+    for (const Plan& pl : plans) ws = std::max(ws, isa->workspace_floats(pl.ctx));
+    Runner r(cfg, threads, total);
+    runner = &r;
+    if (!r.run(phases, ws)) return fail(PYFA_ERROR_CANCELLED, "cancelled by config->progress");
+    return PYFA_OK;
+}
+
+}  // namespace pyfa

@@ -1,0 +1,740 @@
+// cpu_impl.h: the cpu backend's tile code, compiled once per instruction set. The file
+// that includes it defines
+//   PYFA_CPU_NS     a namespace of its own (so the builds never meet at link time)
+//   PYFA_CPU_W      floats per vector (16: AVX-512, 8: AVX2 and the portable build)
+//   PYFA_CPU_RI     vectors along the lanes' axis per register tile
+//   PYFA_CPU_RJ     broadcast operands per register tile
+//   PYFA_CPU_TABLE  the name of the pyfa_cpu::Isa it exports
+// and is compiled with that instruction set's flags (CMakeLists.txt).
+//
+// Every output element gets exactly the operations and order of docs/numerics.md. The
+// vectors (GCC vector extensions) run across independent output elements only: rows of
+// S in the forward, columns of S in the backward, or the head dimension x. Each lane does
+// the scalar code's IEEE operations in the scalar code's order, so every build gives the
+// same bits; no sum is ever split or reassociated, and exp and log below are
+// pyfa_exp and pyfa_log (common/numerics.h) line for line.
+//
+// Nothing here has external linkage but the table: inline functions shared with other
+// files would be compiled with this file's flags and could be picked by the linker for a
+// build meant for a CPU without them.
+#include <cstdint>
+#include <cstring>
+
+#include "common/numerics.h"
+#include "common/params.h"
+#include "backends/cpu/contract.h"
+#include "backends/cpu/cpu_kernels.h"
+
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace pyfa_cpu {
+namespace PYFA_CPU_NS {
+namespace {
+
+constexpr int W = PYFA_CPU_W;
+constexpr int RI = PYFA_CPU_RI;
+constexpr int RJ = PYFA_CPU_RJ;
+
+typedef float vf __attribute__((vector_size(W * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
+
+// Broadcasts. Not `vf{} + a`: that is an IEEE addition (+0 + -0 = +0), not a copy.
+inline vf splat(float a) {
+    const vf v = {a};
+    return __builtin_shuffle(v, vi{});
+}
+inline vi splati(int32_t a) {
+    const vi v = {a};
+    return __builtin_shuffle(v, vi{});
+}
+// Every buffer a vector is loaded from is 64-byte aligned with rows a multiple of W.
+inline vf ld(const float* p) { return *reinterpret_cast<const vf*>(p); }
+inline void st(float* p, vf v) { *reinterpret_cast<vf*>(p) = v; }
+
+inline vi iota() {
+    vi v;
+    for (int k = 0; k < W; ++k) v[k] = k;
+    return v;
+}
+
+// madd's vector twin (contract.h): a * b + c with one rounding.
+inline vf vmadd(vf a, vf b, vf c) {
+#if PYFA_CPU_W == 16 && defined(__AVX512F__)
+    return _mm512_fmadd_ps(a, b, c);
+#elif PYFA_CPU_W == 8 && defined(__FMA__)
+    return _mm256_fmadd_ps(a, b, c);
+#else
+    vf r;
+    for (int k = 0; k < W; ++k) r[k] = __builtin_fmaf(a[k], b[k], c[k]);
+    return r;
+#endif
+}
+
+inline float ssafe(float m) { return m == -INFINITY ? 0.0f : m; }  // safe_max
+inline vf vmax(vf a, vf b) { return b > a ? b : a; }  // pyfa_max
+inline vf vsafe(vf m) { return m == splat(-INFINITY) ? splat(0.0f) : m; }  // safe_max
+
+// True when every lane of the comparison mask m is set.
+inline bool all_set(vi m) {
+#if PYFA_CPU_W == 8 && defined(__AVX__)
+    return _mm256_movemask_ps(reinterpret_cast<__m256>(m)) == 0xFF;
+#elif PYFA_CPU_W == 16 && defined(__AVX512F__)
+    return _mm512_cmpneq_epi32_mask(reinterpret_cast<__m512i>(m), _mm512_setzero_si512()) == 0xFFFF;
+#else
+    int32_t a = -1;
+    for (int k = 0; k < W; ++k) a &= m[k];
+    return a != 0;
+#endif
+}
+
+// pyfa_exp's range reduction and polynomial, lane by lane: x = n ln2 + r; returns
+// p = 1 + r + r^2 q(r) ~ e^r and n. Both paths of vexp share it.
+inline vf vexp_reduced(vf x, vi& n) {
+    vf t = x * PYFA_LOG2E;
+    t = t + PYFA_ROUND_MAGIC;
+    const vf nf = t - PYFA_ROUND_MAGIC;
+    n = reinterpret_cast<vi>(t) - static_cast<int32_t>(PYFA_ROUND_MAGIC_BITS);
+    vf r = x - nf * PYFA_LN2_HI;
+    r = r - nf * PYFA_LN2_LO;
+    vf q = splat(PYFA_EXP_C6);
+    q = q * r + PYFA_EXP_C5;
+    q = q * r + PYFA_EXP_C4;
+    q = q * r + PYFA_EXP_C3;
+    q = q * r + PYFA_EXP_C2;
+    const vf r2 = r * r;
+    q = r2 * q;
+    q = r + q;
+    return q + 0x1p+0f;
+}
+
+// pyfa_exp, lane by lane. Two shortcuts that change no result:
+// - When every lane lies in [EXP_FAST_LO, EXP_FAST_HI] (the usual case in a softmax), the
+//   clamps and the final selects are identities, n lies in [-124, 127] and p in
+//   [0.70, 1.42], so p * 2^n1 * 2^n2 (two exact scalings) is the normal number whose bits
+//   are p's with n added to the exponent field: one integer addition instead of the two
+//   factors. Everything before that is pyfa_exp's operations on the same values.
+// - Otherwise a lane below X_LO (or NaN) computes with the stand-in 0 rather than X_LO.
+//   Its result is replaced by the final selects either way, and X_LO's would pass through
+//   subnormal numbers, which cost a microcode assist per operation on many CPUs; every
+//   masked score (-inf) is such a lane.
+constexpr float EXP_FAST_LO = -86.0f, EXP_FAST_HI = 88.0f;
+inline vf vexp(vf x) {
+    vi n;
+    if (all_set((x >= splat(EXP_FAST_LO)) & (x <= splat(EXP_FAST_HI)))) {
+        const vf p = vexp_reduced(x, n);
+        return reinterpret_cast<vf>(reinterpret_cast<vi>(p) + (n << 23));
+    }
+    vf xc = x >= splat(PYFA_EXP_X_LO) ? x : splat(0.0f);
+    xc = xc > splat(PYFA_EXP_X_HI) ? splat(PYFA_EXP_X_HI) : xc;
+    const vf p = vexp_reduced(xc, n);
+    const vi n1 = ((n + 150) >> 1) - 75;
+    const vi n2 = n - n1;
+    const vf s1 = reinterpret_cast<vf>((n1 + 127) << 23);
+    const vf s2 = reinterpret_cast<vf>((n2 + 127) << 23);
+    vf y = p * s1;
+    y = y * s2;
+    y = x > splat(PYFA_EXP_X_HI) ? splat(INFINITY) : y;
+    y = x < splat(PYFA_EXP_X_LO) ? splat(0.0f) : y;
+    y = x != x ? x : y;
+    return y;
+}
+
+// pyfa_log, lane by lane.
+inline vf vlog(vf x) {
+    const vf inf = splat(INFINITY), one = splat(0x1p+0f);
+    vf xs = x > splat(0.0f) ? x : one;
+    xs = xs < inf ? xs : one;
+    const vi sub = xs < splat(0x1p-126f);
+    xs = sub ? xs * 0x1p+23f : xs;
+    const vi ebias = sub ? splati(-23 - 127) : splati(-127);
+    const vi ix = reinterpret_cast<vi>(xs);
+    vi e = (ix >> 23) + ebias;  // xs > 0: the sign bit is clear, so >> is the unsigned shift
+    vf m = reinterpret_cast<vf>((ix & 0x007FFFFF) | 0x3F800000);
+    const vi big = m > splat(PYFA_LOG_SQRT2);
+    m = big ? m * 0x1p-1f : m;
+    e = big ? e + 1 : e;
+    const vf f = m - 0x1p+0f;
+    const vf s = f / (f + 0x1p+1f);
+    const vf z = s * s;
+    vf R = splat(PYFA_LOG_D3);
+    R = R * z + PYFA_LOG_D2;
+    R = R * z + PYFA_LOG_D1;
+    R = R * z;
+    vf lm = f - R;
+    lm = s * lm;
+    lm = f - lm;
+    const vf ef = __builtin_convertvector(e, vf);
+    vf y = ef * PYFA_LN2_LO;
+    y = y + lm;
+    y = ef * PYFA_LN2_HI + y;
+    y = x == inf ? inf : y;
+    y = x == splat(0.0f) ? splat(-INFINITY) : y;
+    y = x < splat(0.0f) ? splat(__builtin_nanf("")) : y;
+    y = x != x ? x : y;
+    return y;
+}
+
+inline int64_t round_up(int64_t a, int64_t w) { return (a + w - 1) / w * w; }
+inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+inline int32_t clamp32(int64_t v, int64_t lo, int64_t hi) {
+    return static_cast<int32_t>(v < lo ? lo : v > hi ? hi : v);
+}
+
+// ---------------------------------------------------------------------------------------
+// The one product loop. For the lanes i = i0 .. (a multiple of W) and the operands j:
+//     acc[j][i] = sum_k A[k * lda + i] * B[j * sj + k * sk],   k = 0 .. K-1 in order, from +0
+// then epi(j, i, acc) stores or combines it. A holds the vectors (lanes contiguous), B the
+// scalars broadcast to every lane. A register tile of NI vectors by NJ operands keeps
+// NI * NJ independent sums in flight, each a plain in-order chain.
+// ---------------------------------------------------------------------------------------
+// C, when given, holds sums stopped part way (C[j * ldc + i]): they go on from there, so
+// the chain of fused multiply-adds of each sum is the same as in one call. Always inlined:
+// left out of line (GCC's choice once it has more callers) it ran slower at d = 64.
+template <int NI, int NJ, class Epi>
+__attribute__((always_inline)) inline void micro(const float* A, int64_t lda, const float* B,
+                                                 int64_t sj, int64_t sk, int64_t K, int64_t i0,
+                                                 int64_t j0, Epi& epi, const float* C = nullptr,
+                                                 int64_t ldc = 0) {
+    vf acc[NJ][NI];
+    for (int jj = 0; jj < NJ; ++jj)
+        for (int ii = 0; ii < NI; ++ii)
+            acc[jj][ii] = C ? ld(C + (j0 + jj) * ldc + i0 + ii * W) : vf{};
+    const float* a = A + i0;
+    const float* b = B + j0 * sj;
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < K; ++k) {
+        vf av[NI];
+        for (int ii = 0; ii < NI; ++ii) av[ii] = ld(a + k * lda + ii * W);
+        for (int jj = 0; jj < NJ; ++jj) {
+            const vf bv = splat(b[jj * sj + k * sk]);
+            for (int ii = 0; ii < NI; ++ii) acc[jj][ii] = vmadd(av[ii], bv, acc[jj][ii]);
+        }
+    }
+    for (int jj = 0; jj < NJ; ++jj)
+        for (int ii = 0; ii < NI; ++ii) epi(j0 + jj, i0 + ii * W, acc[jj][ii]);
+}
+
+template <int NI, int NJ, class Epi>
+inline void micro_tail(int64_t rem, const float* A, int64_t lda, const float* B, int64_t sj,
+                       int64_t sk, int64_t K, int64_t i0, int64_t j0, Epi& epi,
+                       const float* C = nullptr, int64_t ldc = 0) {
+    if constexpr (NJ > 0) {
+        if (rem == NJ) micro<NI, NJ>(A, lda, B, sj, sk, K, i0, j0, epi, C, ldc);
+        else micro_tail<NI, NJ - 1>(rem, A, lda, B, sj, sk, K, i0, j0, epi, C, ldc);
+    }
+}
+
+template <int NI, class Epi>
+inline void gemm_cols(const float* A, int64_t lda, const float* B, int64_t sj, int64_t sk,
+                      int64_t K, int64_t nj, int64_t i0, Epi& epi) {
+    int64_t j = 0;
+    for (; j + RJ <= nj; j += RJ) micro<NI, RJ>(A, lda, B, sj, sk, K, i0, j, epi);
+    micro_tail<NI, RJ - 1>(nj - j, A, lda, B, sj, sk, K, i0, j, epi);
+}
+
+// ni: lanes, a multiple of W; nj: operands.
+template <class Epi>
+inline void gemm(const float* A, int64_t lda, int64_t ni, const float* B, int64_t sj, int64_t sk,
+                 int64_t K, int64_t nj, Epi epi) {
+    int64_t i = 0;
+    for (; i + RI * W <= ni; i += RI * W) gemm_cols<RI>(A, lda, B, sj, sk, K, nj, i, epi);
+    for (; i < ni; i += W) gemm_cols<1>(A, lda, B, sj, sk, K, nj, i, epi);
+}
+
+// C[j * ldc + i] = sum_k A[k * lda + i] * B[j * sj + k * sk], as gemm stores it, but in
+// blocks of KB along k: each sum is stopped in C after a block and goes on from there with
+// the next, so its chain is unchanged, while a block of A and of B stays in L1 for every
+// register tile (at d = 128 the whole Q_i^T and K_j are 32 KiB each, L1's size here).
+constexpr int64_t KB = 64;
+inline void gemm_store_kb(const float* A, int64_t lda, int64_t ni, const float* B, int64_t sj,
+                          int64_t sk, int64_t K, int64_t nj, float* C, int64_t ldc) {
+    auto epi = [&](int64_t j, int64_t i, vf acc) { st(C + j * ldc + i, acc); };
+    if (K <= KB) return gemm(A, lda, ni, B, sj, sk, K, nj, epi);
+    for (int64_t k0 = 0; k0 < K; k0 += KB) {
+        const int64_t kn = min64(KB, K - k0);
+        const float* Ak = A + k0 * lda;
+        const float* Bk = B + k0 * sk;
+        const float* Ck = k0 == 0 ? nullptr : C;
+        int64_t i = 0;
+        for (; i < ni; i += (i + RI * W <= ni ? RI * W : W)) {
+            const bool full = i + RI * W <= ni;
+            int64_t j = 0;
+            for (; j + RJ <= nj; j += RJ) {
+                if (full) micro<RI, RJ>(Ak, lda, Bk, sj, sk, kn, i, j, epi, Ck, ldc);
+                else micro<1, RJ>(Ak, lda, Bk, sj, sk, kn, i, j, epi, Ck, ldc);
+            }
+            if (full) micro_tail<RI, RJ - 1>(nj - j, Ak, lda, Bk, sj, sk, kn, i, j, epi, Ck, ldc);
+            else micro_tail<1, RJ - 1>(nj - j, Ak, lda, Bk, sj, sk, kn, i, j, epi, Ck, ldc);
+        }
+    }
+}
+
+// gemm for the forward's P~_ij V_j when V_j is wider than KB (too large for L1 beside the
+// rest): the operands outside and the lanes inside, so a group of RJ columns of V_j stays
+// in L1 while every lane block passes and P~_ij is re-read from L1 instead of V_j from L2.
+// The same sums in the same order as gemm; only the order in which independent sums are
+// computed differs. A narrower V_j fits L1, and gemm's order re-reads less. (The
+// backward's dV, dK products measured no faster this way, so they keep gemm.)
+template <class Epi>
+inline void gemm_jo(const float* A, int64_t lda, int64_t ni, const float* B, int64_t sj, int64_t sk,
+                    int64_t K, int64_t nj, Epi epi) {
+    if (nj <= KB) return gemm(A, lda, ni, B, sj, sk, K, nj, epi);
+    int64_t j = 0;
+    for (; j + RJ <= nj; j += RJ) {
+        int64_t i = 0;
+        for (; i + RI * W <= ni; i += RI * W) micro<RI, RJ>(A, lda, B, sj, sk, K, i, j, epi);
+        for (; i < ni; i += W) micro<1, RJ>(A, lda, B, sj, sk, K, i, j, epi);
+    }
+    if (j < nj) {
+        int64_t i = 0;
+        for (; i + RI * W <= ni; i += RI * W)
+            micro_tail<RI, RJ - 1>(nj - j, A, lda, B, sj, sk, K, i, j, epi);
+        for (; i < ni; i += W) micro_tail<1, RJ - 1>(nj - j, A, lda, B, sj, sk, K, i, j, epi);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Forward (FA1 and FA2), one Q tile: lanes are the tile's rows, so the row max, the row
+// sum and every per-row factor are element-wise across the Bc scores of a column.
+// ---------------------------------------------------------------------------------------
+// Row stride of the copies of V_j (forward), Q_i, dO_i and K_j (backward): the products
+// that walk them down a column (P~ V, dV, dK, dQ) would find rows d = 64 or 128 floats
+// apart in a few L1 sets only and evict each other; W floats more spread them over all
+// sets. (The forward's S = Q K^T reads K_j in place: a padded copy measured no faster.)
+inline int64_t pad_stride(int64_t d) { return round_up(d, W) + W; }
+
+struct FwdBufs {
+    int64_t Rp, Ep;
+    float *QT, *S, *OT, *m, *l, *a, *b, *Vj;
+};
+
+inline FwdBufs fwd_bufs(const AttentionParams& p, float* ws) {
+    FwdBufs f;
+    f.Rp = round_up(p.block_r, W);
+    const int64_t d = p.head_dim;
+    f.QT = ws;                     // (d, Rp)   Q_i transposed, rows past br zero
+    f.S = f.QT + d * f.Rp;         // (Bc, Rp)  S_ij transposed, then P~_ij
+    f.OT = f.S + p.block_c * f.Rp; // (d, Rp)   O_i transposed
+    f.m = f.OT + d * f.Rp;         // (Rp)
+    f.l = f.m + f.Rp;              // (Rp)
+    f.a = f.l + f.Rp;              // (Rp)      FA2: alpha; FA1: o_scale; at the end LSE
+    f.b = f.a + f.Rp;              // (Rp)      FA1: beta
+    f.Ep = pad_stride(d);
+    f.Vj = f.b + f.Rp;             // (Bc, Ep)  V_j, rows padded to Ep
+    return f;
+}
+
+inline size_t fwd_floats(const AttentionParams& p) {
+    const int64_t Rp = round_up(p.block_r, W);
+    return static_cast<size_t>(2 * p.head_dim * Rp + p.block_c * Rp + 4 * Rp +
+                               p.block_c * pad_stride(p.head_dim));
+}
+
+// The K/V head (b * Hkv + hk) that query head bh = b * H + h reads: hk = h / (H / Hkv).
+inline int64_t kv_head(const AttentionParams& p, int64_t bh) {
+    return (bh / p.heads) * p.heads_kv + (bh % p.heads) / (p.heads / p.heads_kv);
+}
+
+void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
+    const AttentionParams& p = ctx.p;
+    const int64_t d = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
+    const int64_t Br = p.block_r, Bc = p.block_c;
+    const FwdBufs f = fwd_bufs(p, ws);
+    const int64_t Rp = f.Rp;
+    const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
+    const float* Q = p.q + (bh * Nq + row0) * d;  // (br, d)
+    const vf scale = splat(p.scale), ninf = splat(-INFINITY), zero = splat(0.0f);
+    const vi lane = iota();
+
+    for (int64_t r = 0; r < Rp; ++r)
+        for (int64_t x = 0; x < d; ++x) f.QT[x * Rp + r] = r < br ? Q[r * d + x] : 0.0f;
+    for (int64_t e = 0; e < d * Rp; ++e) f.OT[e] = 0.0f;
+    for (int64_t r = 0; r < Rp; ++r) {
+        f.m[r] = -INFINITY;
+        f.l[r] = 0.0f;
+    }
+
+    const int64_t bkv = kv_head(p, bh);
+    for (int64_t j = ctx.kv_begin[i]; j < ctx.kv_end[i]; ++j) {
+        const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0);
+        const float* K = p.k + (bkv * Nk + col0) * d;  // (bc, d)
+        const float* V = p.v + (bkv * Nk + col0) * d;  // (bc, d)
+        // S^T[c][r] = sum_x Q[r,x] K[c,x].
+        gemm_store_kb(f.QT, Rp, Rp, K, d, 1, d, bc, f.S, Rp);
+        // Key c is hidden from row r iff c - r > delta (the mask's right side) or
+        // c - r < delta_lo (its left side).
+        const int64_t delta = row0 + p.mask.off + p.mask.right - col0;
+        const int64_t delta_lo = row0 + p.mask.off - p.mask.left - col0;
+        const bool mask = bc - 1 > delta;
+        const bool mask_lo = delta_lo > 1 - br;  // some real row r < br hides some key
+        const vi dl = splati(clamp32(delta, -Rp, Bc));
+        const vi dlo = splati(clamp32(delta_lo, -Rp, Bc + 1));
+
+        for (int64_t iv = 0; iv < Rp; iv += W) {
+            const vi rl = lane + static_cast<int32_t>(iv);
+            float* Sv = f.S + iv;
+            if (!ctx.fa1) {
+                const vf m_old = ld(f.m + iv);
+                vf m_new = m_old;
+                for (int64_t c = 0; c < bc; ++c) {
+                    vf s = ld(Sv + c * Rp) * scale;
+                    if (mask) s = (splati(static_cast<int32_t>(c)) - rl) > dl ? ninf : s;
+                    if (mask_lo) s = dlo > (splati(static_cast<int32_t>(c)) - rl) ? ninf : s;
+                    st(Sv + c * Rp, s);
+                    m_new = vmax(m_new, s);
+                }
+                const vf ms = vsafe(m_new);
+                const vf alpha = vexp(m_old - ms);
+                vf rowsum = zero;
+                for (int64_t c = 0; c < bc; ++c) {
+                    const vf pc = vexp(ld(Sv + c * Rp) - ms);
+                    st(Sv + c * Rp, pc);
+                    rowsum = rowsum + pc;
+                }
+                st(f.a + iv, alpha);
+                st(f.m + iv, m_new);
+                st(f.l + iv, vmadd(alpha, ld(f.l + iv), rowsum));
+            } else {
+                vf mt = ninf;
+                for (int64_t c = 0; c < bc; ++c) {
+                    vf s = ld(Sv + c * Rp) * scale;
+                    if (mask) s = (splati(static_cast<int32_t>(c)) - rl) > dl ? ninf : s;
+                    if (mask_lo) s = dlo > (splati(static_cast<int32_t>(c)) - rl) ? ninf : s;
+                    st(Sv + c * Rp, s);
+                    mt = vmax(mt, s);
+                }
+                const vf mts = vsafe(mt);
+                vf lt = zero;
+                for (int64_t c = 0; c < bc; ++c) {
+                    const vf pc = vexp(ld(Sv + c * Rp) - mts);
+                    st(Sv + c * Rp, pc);
+                    lt = lt + pc;
+                }
+                const vf m_old = ld(f.m + iv), l_old = ld(f.l + iv);
+                const vf m_new = vmax(m_old, mt);
+                const vf ms = vsafe(m_new);
+                const vf alpha = vexp(m_old - ms), beta = vexp(mt - ms);
+                const vf os = l_old * alpha;
+                st(f.a + iv, os);
+                st(f.b + iv, beta);
+                st(f.l + iv, vmadd(beta, lt, os));
+                st(f.m + iv, m_new);
+            }
+        }
+
+        // pv^T[x][r] = sum_c P~[r,c] V[c,x], then the row update.
+        for (int64_t c = 0; c < bc; ++c)
+            std::memcpy(f.Vj + c * f.Ep, V + c * d, sizeof(float) * static_cast<size_t>(d));
+        if (!ctx.fa1) {
+            gemm_jo(f.S, Rp, Rp, f.Vj, 1, f.Ep, bc, d, [&](int64_t x, int64_t r, vf pv) {
+                float* o = f.OT + x * Rp + r;
+                st(o, vmadd(ld(f.a + r), ld(o), pv));
+            });
+        } else {
+            gemm_jo(f.S, Rp, Rp, f.Vj, 1, f.Ep, bc, d, [&](int64_t x, int64_t r, vf pv) {
+                float* o = f.OT + x * Rp + r;
+                const vf ln = ld(f.l + r);
+                const vf num = vmadd(ld(f.a + r), ld(o), ld(f.b + r) * pv);
+                st(o, ln == zero ? zero : num / ln);
+            });
+        }
+    }
+
+    float* O = p.o + (bh * Nq + row0) * d;  // (br, d)
+    if (!ctx.fa1) {
+        // O = O / l, LSE = m + log(l); a row that saw no key: O = 0, LSE = -inf.
+        for (int64_t iv = 0; iv < Rp; iv += W) {
+            const vf l = ld(f.l + iv);
+            for (int64_t x = 0; x < d; ++x) {
+                float* o = f.OT + x * Rp + iv;
+                st(o, l == zero ? zero : ld(o) / l);
+            }
+            st(f.a + iv, l == zero ? ninf : ld(f.m + iv) + vlog(l));
+        }
+        float* LSE = p.lse + bh * Nq + row0;  // (br)
+        for (int64_t r = 0; r < br; ++r) LSE[r] = canon(f.a[r]);
+    } else {
+        float* m = p.m + bh * Nq + row0;  // (br)
+        float* l = p.l + bh * Nq + row0;  // (br)
+        for (int64_t r = 0; r < br; ++r) {
+            m[r] = canon(f.m[r]);
+            l[r] = canon(f.l[r]);
+        }
+    }
+    for (int64_t r = 0; r < br; ++r)
+        for (int64_t x = 0; x < d; ++x) O[r * d + x] = canon(f.OT[x * Rp + r]);
+}
+
+// ---------------------------------------------------------------------------------------
+// Backward (FA1 and FA2): lanes are the columns c of a K/V tile, so K_j and V_j are
+// transposed once per tile and Q_i, dO_i are read in place as broadcast scalars. dK_j and
+// dV_j are kept transposed, dQ rows with lanes along x.
+// ---------------------------------------------------------------------------------------
+struct BwdBufs {
+    int64_t Cp, Dp, Ep;
+    float *KT, *VT, *Kp, *P, *dS, *dKT, *dVT, *dQi, *Qi, *dOi;
+};
+
+inline BwdBufs bwd_bufs(const AttentionParams& p, float* ws) {
+    BwdBufs b;
+    const int64_t d = p.head_dim, Br = p.block_r, Bc = p.block_c;
+    b.Cp = round_up(Bc, W);
+    b.Dp = round_up(d, W);
+    b.Ep = pad_stride(d);
+    b.KT = ws;                 // (d, Cp)   K_j transposed, columns past bc zero
+    b.VT = b.KT + d * b.Cp;    // (d, Cp)   V_j transposed
+    b.Kp = b.VT + d * b.Cp;    // (Bc, Ep)  K_j, columns d .. Dp-1 zero
+    b.P = b.Kp + Bc * b.Ep;    // (Br, Cp)  S_ij, then P_ij
+    b.dS = b.P + Br * b.Cp;    // (Br, Cp)  dP_ij, then dS_ij
+    b.dKT = b.dS + Br * b.Cp;  // (d, Cp)   dK_j transposed, accumulated
+    b.dVT = b.dKT + d * b.Cp;  // (d, Cp)   dV_j transposed, accumulated
+    b.dQi = b.dVT + d * b.Cp;  // (Br, Dp)  dQ rows of tile i
+    b.Qi = b.dQi + Br * b.Dp;  // (Br, Ep)  Q_i, rows padded to Ep
+    b.dOi = b.Qi + Br * b.Ep;  // (Br, Ep)  dO_i, rows padded to Ep
+    return b;
+}
+
+inline size_t bwd_floats(const AttentionParams& p) {
+    const int64_t d = p.head_dim, Br = p.block_r, Bc = p.block_c;
+    const int64_t Cp = round_up(Bc, W), Dp = round_up(d, W), Ep = pad_stride(d);
+    return static_cast<size_t>(4 * d * Cp + Bc * Ep + 2 * Br * Cp + Br * Dp + 2 * Br * Ep);
+}
+
+size_t workspace_floats(const Ctx& ctx) {
+    const size_t a = fwd_floats(ctx.p), b = bwd_floats(ctx.p);
+    return a > b ? a : b;
+}
+
+// K_j, V_j of K/V head bkv (b * Hkv + hk).
+void load_kv(const Ctx& ctx, const BwdBufs& b, int64_t bkv, int64_t j, bool with_kp) {
+    const AttentionParams& p = ctx.p;
+    const int64_t d = p.head_dim, Nk = p.seqlen_k, Bc = p.block_c;
+    const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0);
+    const float* K = p.k + (bkv * Nk + col0) * d;  // (bc, d)
+    const float* V = p.v + (bkv * Nk + col0) * d;  // (bc, d)
+    for (int64_t c = 0; c < b.Cp; ++c)
+        for (int64_t x = 0; x < d; ++x) {
+            b.KT[x * b.Cp + c] = c < bc ? K[c * d + x] : 0.0f;
+            b.VT[x * b.Cp + c] = c < bc ? V[c * d + x] : 0.0f;
+        }
+    if (with_kp)
+        for (int64_t c = 0; c < bc; ++c)
+            for (int64_t x = 0; x < b.Dp; ++x) b.Kp[c * b.Ep + x] = x < d ? K[c * d + x] : 0.0f;
+}
+
+// Q_i and dO_i of head bh into b.Qi, b.dOi.
+void load_q(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i) {
+    const AttentionParams& p = ctx.p;
+    const int64_t d = p.head_dim, Nq = p.seqlen_q, Br = p.block_r;
+    const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
+    const float* Q = p.q + (bh * Nq + row0) * d;      // (br, d)
+    const float* dO = p.dout + (bh * Nq + row0) * d;  // (br, d)
+    for (int64_t r = 0; r < br; ++r) {
+        std::memcpy(b.Qi + r * b.Ep, Q + r * d, sizeof(float) * static_cast<size_t>(d));
+        std::memcpy(b.dOi + r * b.Ep, dO + r * d, sizeof(float) * static_cast<size_t>(d));
+    }
+}
+
+// P_ij into b.P and dS_ij into b.dS, rows r < br of Q tile i (loaded by load_q), columns
+// of K/V tile j (loaded by load_kv).
+void tile_pair(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i, int64_t j) {
+    const AttentionParams& p = ctx.p;
+    const int64_t d = p.head_dim, Nq = p.seqlen_q;
+    const int64_t Br = p.block_r, Bc = p.block_c, Cp = b.Cp, Ep = b.Ep;
+    const int64_t row0 = i * Br, br = min64(Br, Nq - row0), col0 = j * Bc;
+    // S[r][c] = sum_x Q[r,x] K[c,x]; dP[r][c] = sum_x dO[r,x] V[c,x].
+    gemm_store_kb(b.KT, Cp, Cp, b.Qi, Ep, 1, d, br, b.P, Cp);
+    gemm_store_kb(b.VT, Cp, Cp, b.dOi, Ep, 1, d, br, b.dS, Cp);
+
+    const vf scale = splat(p.scale), ninf = splat(-INFINITY), zero = splat(0.0f);
+    const vi lane = iota();
+    const int64_t base = bh * Nq + row0;
+    for (int64_t r = 0; r < br; ++r) {
+        // Key c is hidden from this row iff c > thr (the mask's right side) or c < thr_lo
+        // (its left side).
+        const int32_t t = clamp32(row0 + r + p.mask.off + p.mask.right - col0, -1, Cp);
+        const int32_t t_lo = clamp32(row0 + r + p.mask.off - p.mask.left - col0, 0, Cp);
+        const bool hides = t < Cp - 1, hides_lo = t_lo > 0;
+        const vi thr = splati(t), thr_lo = splati(t_lo);
+        const vf Dr = splat(ctx.D[base + r]);
+        float* Pr = b.P + r * Cp;
+        float* dSr = b.dS + r * Cp;
+        if (!ctx.fa1) {
+            const float lse = p.lse[base + r];
+            const vf vlse = splat(lse);
+            for (int64_t cv = 0; cv < Cp; cv += W) {
+                vf s = ld(Pr + cv) * scale;
+                if (hides) s = (lane + static_cast<int32_t>(cv)) > thr ? ninf : s;
+                if (hides_lo) s = thr_lo > (lane + static_cast<int32_t>(cv)) ? ninf : s;
+                const vf P = lse == -INFINITY ? zero : vexp(s - vlse);
+                st(Pr + cv, P);
+                st(dSr + cv, P * (ld(dSr + cv) - Dr));
+            }
+        } else {
+            const float lr = p.l[base + r];
+            const vf ms = splat(ssafe(p.m[base + r])), vl = splat(lr);
+            for (int64_t cv = 0; cv < Cp; cv += W) {
+                vf s = ld(Pr + cv) * scale;
+                if (hides) s = (lane + static_cast<int32_t>(cv)) > thr ? ninf : s;
+                if (hides_lo) s = thr_lo > (lane + static_cast<int32_t>(cv)) ? ninf : s;
+                const vf P = lr == 0.0f ? zero : vexp(s - ms) / vl;
+                st(Pr + cv, P);
+                st(dSr + cv, P * (ld(dSr + cv) - Dr));
+            }
+        }
+    }
+}
+
+// dK_j, dV_j of K/V head bkv = b * Hkv + hk, summed over its group's query heads
+// h = hk * G + g, g = 0 .. G-1, and their Q tiles, in the kernels' order.
+void backward_kv(const Ctx& ctx, int64_t bkv, int64_t j, bool with_dq, float* ws) {
+    const AttentionParams& p = ctx.p;
+    const int64_t d = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
+    const int64_t Br = p.block_r, Bc = p.block_c;
+    const BwdBufs b = bwd_bufs(p, ws);
+    const int64_t Cp = b.Cp, Dp = b.Dp, Ep = b.Ep;
+    const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0);
+    const vf scale = splat(p.scale);
+    load_kv(ctx, b, bkv, j, with_dq);
+    for (int64_t e = 0; e < d * Cp; ++e) {
+        b.dKT[e] = 0.0f;
+        b.dVT[e] = 0.0f;
+    }
+
+    const int64_t G = p.heads / p.heads_kv;
+    for (int64_t g = 0; g < G; ++g) {
+        const int64_t bh = (bkv / p.heads_kv) * p.heads + (bkv % p.heads_kv) * G + g;
+        for (int64_t i = ctx.q_begin[j]; i < ctx.q_end[j]; ++i) {
+            const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
+            load_q(ctx, b, bh, i);
+            tile_pair(ctx, b, bh, i, j);
+            // dv^T[x][c] = sum_r P[r,c] dO[r,x]; dk^T[x][c] = sum_r dS[r,c] Q[r,x].
+            gemm(b.P, Cp, Cp, b.dOi, 1, Ep, br, d, [&](int64_t x, int64_t c, vf dv) {
+                float* a = b.dVT + x * Cp + c;
+                st(a, ld(a) + dv);
+            });
+            if (!ctx.fa1) {
+                gemm(b.dS, Cp, Cp, b.Qi, 1, Ep, br, d, [&](int64_t x, int64_t c, vf dk) {
+                    float* a = b.dKT + x * Cp + c;
+                    st(a, ld(a) + dk);
+                });
+            } else {
+                gemm(b.dS, Cp, Cp, b.Qi, 1, Ep, br, d, [&](int64_t x, int64_t c, vf dk) {
+                    float* a = b.dKT + x * Cp + c;
+                    st(a, vmadd(scale, dk, ld(a)));
+                });
+            }
+            if (with_dq) {
+                // dq[r][x] = sum_c dS[r,c] K[c,x], added to the head's dQ rows in place.
+                gemm(b.Kp, Ep, Dp, b.dS, Cp, 1, bc, br,
+                     [&](int64_t r, int64_t x, vf dq) { st(b.dQi + r * Dp + x, dq); });
+                float* dQ = p.dq + (bh * Nq + row0) * d;  // (br, d)
+                for (int64_t r = 0; r < br; ++r) {
+                    const float* dq = b.dQi + r * Dp;
+                    float* out = dQ + r * d;
+                    if (!ctx.fa1)
+                        for (int64_t x = 0; x < d; ++x) out[x] = out[x] + dq[x];
+                    else
+                        for (int64_t x = 0; x < d; ++x) out[x] = madd(p.scale, dq[x], out[x]);
+                }
+            }
+        }
+    }
+
+    float* dK = p.dk + (bkv * Nk + col0) * d;  // (bc, d)
+    float* dV = p.dv + (bkv * Nk + col0) * d;  // (bc, d)
+    for (int64_t c = 0; c < bc; ++c)
+        for (int64_t x = 0; x < d; ++x) {
+            const float dk = b.dKT[x * Cp + c];
+            dK[c * d + x] = canon(ctx.fa1 ? dk : dk * p.scale);
+            dV[c * d + x] = canon(b.dVT[x * Cp + c]);
+        }
+}
+
+void backward_dq(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
+    const AttentionParams& p = ctx.p;
+    const int64_t d = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
+    const int64_t Br = p.block_r, Bc = p.block_c;
+    const BwdBufs b = bwd_bufs(p, ws);
+    const int64_t Dp = b.Dp, Cp = b.Cp;
+    const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
+    const vf scale = splat(p.scale);
+    for (int64_t e = 0; e < br * Dp; ++e) b.dQi[e] = 0.0f;
+    load_q(ctx, b, bh, i);
+
+    for (int64_t j = ctx.kv_begin[i]; j < ctx.kv_end[i]; ++j) {
+        const int64_t bc = min64(Bc, Nk - j * Bc);
+        load_kv(ctx, b, kv_head(p, bh), j, true);
+        tile_pair(ctx, b, bh, i, j);
+        if (!ctx.fa1) {
+            gemm(b.Kp, b.Ep, Dp, b.dS, Cp, 1, bc, br, [&](int64_t r, int64_t x, vf dq) {
+                float* a = b.dQi + r * Dp + x;
+                st(a, ld(a) + dq);
+            });
+        } else {
+            gemm(b.Kp, b.Ep, Dp, b.dS, Cp, 1, bc, br, [&](int64_t r, int64_t x, vf dq) {
+                float* a = b.dQi + r * Dp + x;
+                st(a, vmadd(scale, dq, ld(a)));
+            });
+        }
+    }
+    float* dQ = p.dq + (bh * Nq + row0) * d;  // (br, d)
+    for (int64_t r = 0; r < br; ++r)
+        for (int64_t x = 0; x < d; ++x) {
+            const float dq = b.dQi[r * Dp + x];
+            dQ[r * d + x] = canon(ctx.fa1 ? dq : dq * p.scale);
+        }
+}
+
+void zero_dq(const Ctx& ctx, int64_t bh) {
+    const AttentionParams& p = ctx.p;
+    const int64_t n = p.seqlen_q * p.head_dim;
+    std::memset(p.dq + bh * n, 0, sizeof(float) * static_cast<size_t>(n));
+}
+
+void finish_dq(const Ctx& ctx, int64_t bh) {
+    const AttentionParams& p = ctx.p;
+    const int64_t n = p.seqlen_q * p.head_dim;
+    float* dQ = p.dq + bh * n;  // (Nq, d)
+    for (int64_t e = 0; e < n; ++e) dQ[e] = canon(ctx.fa1 ? dQ[e] : dQ[e] * p.scale);
+}
+
+// D[r] = sum_x dO[r,x] O[r,x], x = 0 .. d-1 in order from +0.
+void rowdot(const Ctx& ctx, int64_t bh, int64_t i) {
+    const AttentionParams& p = ctx.p;
+    const int64_t d = p.head_dim, Nq = p.seqlen_q, Br = p.block_r;
+    const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
+    const float* O = p.o + (bh * Nq + row0) * d;      // (br, d)
+    const float* dO = p.dout + (bh * Nq + row0) * d;  // (br, d)
+    float* D = ctx.D + bh * Nq + row0;                // (br)
+    // RB rows at a time: RB independent chains instead of one latency-bound chain.
+    constexpr int64_t RB = 8;
+    int64_t r = 0;
+    for (; r + RB <= br; r += RB) {
+        float s[RB] = {};
+        for (int64_t x = 0; x < d; ++x)
+            for (int64_t k = 0; k < RB; ++k) s[k] = madd(dO[(r + k) * d + x], O[(r + k) * d + x], s[k]);
+        for (int64_t k = 0; k < RB; ++k) D[r + k] = s[k];
+    }
+    for (; r < br; ++r) {
+        float s = 0.0f;
+        for (int64_t x = 0; x < d; ++x) s = madd(dO[r * d + x], O[r * d + x], s);
+        D[r] = s;
+    }
+}
+
+}  // namespace
+}  // namespace PYFA_CPU_NS
+
+extern const Isa PYFA_CPU_TABLE;
+const Isa PYFA_CPU_TABLE = {
+    PYFA_CPU_NAME,           PYFA_CPU_W,
+    PYFA_CPU_NS::workspace_floats, PYFA_CPU_NS::forward,
+    PYFA_CPU_NS::rowdot,     PYFA_CPU_NS::backward_kv,
+    PYFA_CPU_NS::backward_dq, PYFA_CPU_NS::zero_dq,
+    PYFA_CPU_NS::finish_dq,
+};
+
+}  // namespace pyfa_cpu

@@ -1,0 +1,174 @@
+// fa2_backward_dkdv_fast.cuh: FlashAttention-2 backward, the dK/dV kernel, register-tiled;
+// the same bits as fa2_backward_dkdv_kernel (src/kernels/fa2_backward.cuh) and
+// sim/fa2_backward.py.
+//
+// Against the readable kernel: 8 warps in two roles over one K/V tile (Bc = 64 keys) and
+// each Q tile (Br = 64 rows). Warp w owns the 16 keys (w & 3) * 16 ..; a thread the 8 keys
+// (w & 3) * 16 + rg + 2 ii (ii = 0..7) and, of a Q tile, the 4 query rows cg*4 .. cg*4+3.
+// Warps 0..3 form S^T = K_j Q_i^T and P, store P_ij^T and add P_ij^T dO_i to dV_j;
+// warps 4..7 form dP^T = V_j dO_i^T, take their twin thread's P from P_ij^T, store dS_ij^T
+// and add dS_ij^T Q_i to dK_j. So the two halves run the same loops on other operands, and
+// dK_j, dV_j (8 keys x d/16 columns a thread) never leave the registers of the warps that
+// own them. K_j, V_j are stored transposed once (keys permuted by fast_q_pos: a thread's
+// 8 keys at one x are 32 bytes); Q_i and dO_i only row-major, chunks swizzled (swz_qk), by
+// cp.async: S^T reads 4 query rows at 4 x, the products 4 rows at one chunk, both 128 bits.
+// Shared memory: K_j^T, V_j^T, Q_i, dO_i, P_ij^T, dS_ij^T, 98 KiB at d = 64 and 162 KiB at
+// d = 128 (an A100's 163 KiB holds both). 128-bit global loads, 32-bit indices inside a
+// head, d compile-time.
+//
+// Per element (docs/numerics.md, FA2 dK/dV): S by pyfa_fma over x in order, times scale,
+// -inf if masked; P = (LSE == -inf) ? 0 : exp(S - LSE); dp over x in order;
+// dS = P * (dp - D); per Q tile dv and dk summed over r in order from +0, then added to
+// dV_j and dK_j; query heads of the group g outer, Q tiles of the band inner; at the end
+// dK = canonical(dK_j * scale), dV = canonical(dV_j).
+#pragma once
+
+#include "kernels/fast/fa2_forward_fast.cuh"
+#include "kernels/fast/fast_tiles.h"
+
+namespace PYFA_KERNELS {
+
+// Blocks per SM asked of ptxas: two at d = 64 (128 registers, which the scores' loop, not
+// unrolled, fits without spilling on sm_80, sm_90 and sm_120), one at d = 128 (left to
+// itself ptxas would hold it to 128 registers and spill).
+template <int D>
+__global__ void __launch_bounds__(4 * kFastBc, D == 64 ? 2 : 1) fa2_backward_dkdv_fast_kernel(const AttentionParams p) {
+    constexpr int BC = kFastBc;
+    constexpr int BR = kFastBc;
+    constexpr int NT = 4 * BC;
+    constexpr int DC = D / 4;
+    constexpr int XC = D / 64;
+    constexpr int LDP = BR + 4;  // fast_p_stride(BR)
+    static_assert(D == 64 || D == 128, "head dims 64 and 128");
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int rg = lane >> 4, cg = lane & 15;
+    const bool dk_role = warp >= 4;  // warps 4..7: dP, dS, dK; warps 0..3: S, P, dV
+    const int wcol = (warp & 3) * 16;
+    const int64_t b = blockIdx.z, hk = blockIdx.y;
+    const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
+    const int64_t G = p.heads / p.heads_kv;  // query heads per K/V head
+    const float* K = p.k + p.k_strides.at(b, hk, 0);  // (Nk, d), row stride ldk
+    const float* V = p.v + p.v_strides.at(b, hk, 0);  // (Nk, d), row stride ldv
+    float* dK = p.dk + p.dk_strides.at(b, hk, 0);     // (Nk, d), row stride lddk
+    float* dV = p.dv + p.dv_strides.at(b, hk, 0);     // (Nk, d), row stride lddv
+    const int ldq = static_cast<int>(p.q_strides.row), lddo = static_cast<int>(p.dout_strides.row);
+    const int ldk = static_cast<int>(p.k_strides.row), ldv = static_cast<int>(p.v_strides.row);
+    const int lddk = static_cast<int>(p.dk_strides.row), lddv = static_cast<int>(p.dv_strides.row);
+    const int col0 = static_cast<int>(blockIdx.x) * BC;
+    const int bc = imin(BC, Nk - col0);
+    const Mask mask = p.mask;
+    const TileRange visit = mask.q_tiles(col0, bc, BR, Nq);
+
+    PYFA_DYNAMIC_SMEM(smem_raw);
+    float* smem = reinterpret_cast<float*>(smem_raw);
+    const SmemLayout L = fa2_backward_dkdv_fast_smem(BR, BC, D);
+    float* KjT = smem + L.offset[FA2KVF_KjT];    // (d, Bc), keys permuted by fast_q_pos
+    float* VjT = smem + L.offset[FA2KVF_VjT];    // (d, Bc), the same permutation
+    float* Qi = smem + L.offset[FA2KVF_Qi];      // (Br, d), chunks swizzled by swz_qk
+    float* dOi = smem + L.offset[FA2KVF_dOi];    // (Br, d), chunks swizzled by swz_qk
+    float* PT = smem + L.offset[FA2KVF_PT];      // (Bc, Br), row stride LDP: P_ij^T
+    float* dST = smem + L.offset[FA2KVF_dST];    // (Bc, Br), row stride LDP: dS_ij^T
+
+    // K_j^T and V_j^T, once (not at all for an empty band); keys past bc are 0.
+    if (visit.begin < visit.end) fast_load_transposed2<D, BC, NT>(KjT, VjT, K, ldk, V, ldv, col0, bc, tid);
+    // The role's operands: the scores' A^T and B, the product's A^T rows and B.
+    const float* score_at = (dk_role ? VjT : KjT) + wcol + rg * 8;
+    const float* score_b = dk_role ? dOi : Qi;
+    float* prod_at = (dk_role ? dST : PT) + (wcol + rg) * LDP;
+    const float* prod_b = dk_role ? Qi : dOi;
+    float acc[8][4 * XC];  // dK_j (unscaled) or dV_j of the thread's keys and columns
+PYFA_UNROLL
+    for (int ii = 0; ii < 8; ++ii)
+PYFA_UNROLL
+        for (int x = 0; x < 4 * XC; ++x) acc[ii][x] = 0.0f;
+
+    for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = hk * G + g;
+        const float* Q = p.q + p.q_strides.at(b, h, 0);             // (Nq, d), row stride ldq
+        const float* dO = p.dout + p.dout_strides.at(b, h, 0);      // (Nq, d), row stride lddo
+        const float* LSE = p.lse + (b * p.heads + h) * p.seqlen_q;  // (Nq), dense
+        const float* Drow = p.drow + (b * p.heads + h) * p.seqlen_q;  // (Nq), dense
+        for (int i = static_cast<int>(visit.begin); i < static_cast<int>(visit.end); ++i) {
+            const int row0 = i * BR, br = imin(BR, Nq - row0);
+            __syncthreads();  // every warp is done with the previous step's Q_i, dO_i, P^T, dS^T
+            // Q_i and dO_i, 16 bytes a copy; rows past br are 0.
+PYFA_UNROLL
+            for (int t = 0; t < BR * DC / NT; ++t) {
+                const int e = tid + t * NT, r = e / DC, ch = e % DC;
+                const bool ok = r < br;
+                const int at = swz_at(r, ch, DC, swz_qk(r)), src = (ok ? row0 + r : 0);
+                pyfa_cp_async16(Qi + at, Q + src * ldq + 4 * ch, ok);
+                pyfa_cp_async16(dOi + at, dO + src * lddo + 4 * ch, ok);
+            }
+            pyfa_cp_async_commit();
+            // The role's row values: LSE (-inf past br) for P, D (0 past br) for dS.
+            float rowv[4];
+PYFA_UNROLL
+            for (int kk = 0; kk < 4; ++kk) {
+                const int r = cg * 4 + kk;
+                rowv[kk] = dk_role ? (r < br ? Drow[row0 + r] : 0.0f) : (r < br ? LSE[row0 + r] : -INFINITY);
+            }
+            pyfa_cp_async_wait<0>();
+            __syncthreads();
+
+            // S^T = K_j Q_i^T (warps 0..3) or dP^T = V_j dO_i^T (warps 4..7), over x in order.
+            float s[8][4];
+            fast_scores_8x4<D>(score_at, score_b, cg, s);
+
+            float* prow = PT + (wcol + rg) * LDP;  // the thread's keys' rows of P_ij^T
+            if (!dk_role) {
+                // P = exp(S - LSE) (0 for a row that sees no key) into P_ij^T.
+                const bool whole = !mask.masked(row0 + br - 1, col0) && !mask.masked(row0, col0 + bc - 1);
+PYFA_UNROLL
+                for (int ii = 0; ii < 8; ++ii) {
+                    const int c = wcol + rg + 2 * ii;
+                    float P[4];
+PYFA_UNROLL
+                    for (int kk = 0; kk < 4; ++kk) {
+                        const int r = cg * 4 + kk;
+                        const bool masked = !whole && mask.masked(row0 + r, col0 + c);
+                        const float sc = masked ? -INFINITY : s[ii][kk] * p.scale;
+                        P[kk] = rowv[kk] == -INFINITY ? 0.0f : pyfa_exp(sc - rowv[kk]);
+                    }
+                    st4(prow + 2 * ii * LDP + cg * 4, pyfa_f4{P[0], P[1], P[2], P[3]});
+                }
+            }
+            __syncthreads();  // P_ij^T is whole
+            if (dk_role) {
+                // dS = P (dp - D), P from the twin thread of warp w - 4, into dS_ij^T.
+PYFA_UNROLL
+                for (int ii = 0; ii < 8; ++ii) {
+                    const pyfa_f4 P = ld4(prow + 2 * ii * LDP + cg * 4);
+                    st4(prod_at + 2 * ii * LDP + cg * 4,
+                        pyfa_f4{P.x * (s[ii][0] - rowv[0]), P.y * (s[ii][1] - rowv[1]),
+                                P.z * (s[ii][2] - rowv[2]), P.w * (s[ii][3] - rowv[3])});
+                }
+                pyfa_syncwarp();
+            }
+            // dV_j += P_ij^T dO_i (warps 0..3) or dK_j += dS_ij^T Q_i (warps 4..7).
+            fast_product_8x4<D, XC, LDP>(prod_at, prod_b, br, cg, acc);
+        }
+    }
+
+    // dK = canonical(dK_j * scale), dV = canonical(dV_j); +0 for an empty band.
+    float* out = dk_role ? dK : dV;
+    const int ldout = dk_role ? lddk : lddv;
+PYFA_UNROLL
+    for (int ii = 0; ii < 8; ++ii) {
+        const int c = wcol + rg + 2 * ii;
+        if (c >= bc) continue;
+PYFA_UNROLL
+        for (int hh = 0; hh < XC; ++hh) {
+            float o[4];
+PYFA_UNROLL
+            for (int x = 0; x < 4; ++x) {
+                const float a = acc[ii][4 * hh + x];
+                o[x] = pyfa_canonical_nan(dk_role ? a * p.scale : a);
+            }
+            st4(out + (col0 + c) * ldout + cg * 4 + 64 * hh, pyfa_f4{o[0], o[1], o[2], o[3]});
+        }
+    }
+}
+
+}  // namespace PYFA_KERNELS

@@ -1,0 +1,373 @@
+// fa2_backward_dq_fast.cuh: FlashAttention-2 backward, the dQ kernel, register-tiled; the
+// same bits as fa2_backward_dq_kernel (src/kernels/fa2_backward.cuh) and
+// sim/fa2_backward.py.
+//
+// Against the readable kernel, at d = 64 (Br = 64 or 128): the forward fast kernel's
+// thread layout (warps own 16 rows, each thread an 8 x 4 tile of S and of dP and of each
+// 64 columns of dq); Q_i, dO_i, K_j, V_j transposed in shared memory for 128-bit loads,
+// K_j also row-major for dS K, dQ_i in shared memory. At d = 128 (Br = Bc = 64) twice the
+// warps in two roles, dQ_i in registers and K_j, V_j only row-major (see
+// fa2_backward_dq_fast_roles), so that the block fits with 8 warps. Both: 128-bit global
+// loads; LSE and D of the thread's rows in registers; 32-bit indices inside a head; d and
+// Br compile-time. Per element (docs/numerics.md §5):
+// S by pyfa_fma over x in order, times scale, -inf if masked; P = (LSE == -inf) ? 0 :
+// exp(S - LSE); dp over x in order; dS = P * (dp - D); dq over c in order from +0;
+// dQ_i = dQ_i + dq; at the end dQ = canonical(dQ_i * scale).
+#pragma once
+
+#include "kernels/fast/fa2_forward_fast.cuh"
+#include "kernels/fast/fast_tiles.h"
+
+namespace PYFA_KERNELS {
+
+// What both dQ paths read of AttentionParams: the block's Q tile (rows row0 .. row0+br-1)
+// of query head blockIdx.y, the K/V head it reads, and the band of K/V tiles it visits.
+struct FastDqBlock {
+    const float* Q;     // (Nq, d), row stride ldq
+    const float* dO;    // (Nq, d), row stride lddo
+    const float* K;     // (Nk, d), row stride ldk
+    const float* V;     // (Nk, d), row stride ldv
+    float* dQ;          // (Nq, d), row stride lddq
+    const float* LSE;   // (Nq), dense
+    const float* Drow;  // (Nq), dense
+    int ldq, lddo, ldk, ldv, lddq;
+    int Nk, row0, br;
+    TileRange tiles;
+};
+
+PYFA_DEV FastDqBlock fast_dq_block(const AttentionParams& p, int Br, int Bc) {
+    const int64_t b = blockIdx.z, h = blockIdx.y;
+    const int64_t hk = h / (p.heads / p.heads_kv);
+    FastDqBlock f;
+    f.Q = p.q + p.q_strides.at(b, h, 0);
+    f.dO = p.dout + p.dout_strides.at(b, h, 0);
+    f.K = p.k + p.k_strides.at(b, hk, 0);
+    f.V = p.v + p.v_strides.at(b, hk, 0);
+    f.dQ = p.dq + p.dq_strides.at(b, h, 0);
+    f.LSE = p.lse + (b * p.heads + h) * p.seqlen_q;
+    f.Drow = p.drow + (b * p.heads + h) * p.seqlen_q;
+    f.ldq = static_cast<int>(p.q_strides.row);
+    f.lddo = static_cast<int>(p.dout_strides.row);
+    f.ldk = static_cast<int>(p.k_strides.row);
+    f.ldv = static_cast<int>(p.v_strides.row);
+    f.lddq = static_cast<int>(p.dq_strides.row);
+    f.Nk = static_cast<int>(p.seqlen_k);
+    f.row0 = static_cast<int>(blockIdx.x) * Br;
+    f.br = imin(Br, static_cast<int>(p.seqlen_q) - f.row0);
+    f.tiles = p.mask.kv_tiles(f.row0, f.br, Bc, f.Nk);
+    return f;
+}
+
+// d = 64: warps own 16 rows (2 * Br threads).
+template <int D, int BR>
+PYFA_DEV void fa2_backward_dq_fast_rows(const AttentionParams& p) {
+    constexpr int BC = kFastBc;
+    constexpr int NT = 2 * BR;
+    constexpr int DC = D / 4;
+    constexpr int XC = D / 64;
+    constexpr int LDP = BC + 4;  // fast_p_stride(BC)
+    static_assert(D == 64, "head dim 64");
+    static_assert(BR == 64 || BR == 128, "Br 64 or 128");
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int rg = lane >> 4, cg = lane & 15;
+    const int wrow = warp * 16;
+    const auto [Q, dO, K, V, dQ, LSE, Drow, ldq, lddo, ldk, ldv, lddq, Nk, row0, br, tiles] =
+        fast_dq_block(p, BR, BC);
+    const Mask mask = p.mask;
+
+    PYFA_DYNAMIC_SMEM(smem_raw);
+    float* smem = reinterpret_cast<float*>(smem_raw);
+    const SmemLayout L = fa2_backward_dq_fast_smem(BR, BC, D);
+    float* QiT = smem + L.offset[FA2DQF_QiT];    // (d, Br), rows permuted by fast_q_pos
+    float* dOiT = smem + L.offset[FA2DQF_dOiT];  // (d, Br), the same permutation
+    float* KjT = smem + L.offset[FA2DQF_KjT];    // (d, Bc)
+    float* VjT = smem + L.offset[FA2DQF_VjT];    // (d, Bc)
+    float* Kj = smem + L.offset[FA2DQF_Kj];      // (Bc, d)
+    float* dSij = smem + L.offset[FA2DQF_dSij];  // (Br, Bc), row stride LDP
+    float* dQi = smem + L.offset[FA2DQF_dQi];    // (Br, d), unscaled; a thread's own elements
+
+    // Q_i^T and dO_i^T, once; rows past br are 0.
+    fast_load_transposed2<D, BR, NT>(QiT, dOiT, Q, ldq, dO, lddo, row0, br, tid);
+
+    float lse[8], drow[8];
+PYFA_UNROLL
+    for (int ii = 0; ii < 8; ++ii) {
+        const int r = wrow + rg + 2 * ii;
+        lse[ii] = r < br ? LSE[row0 + r] : -INFINITY;
+        drow[ii] = r < br ? Drow[row0 + r] : 0.0f;
+PYFA_UNROLL
+        for (int hh = 0; hh < XC; ++hh) st4(dQi + r * D + cg * 4 + 64 * hh, pyfa_f4{0.f, 0.f, 0.f, 0.f});
+    }
+
+    for (int j = static_cast<int>(tiles.begin); j < static_cast<int>(tiles.end); ++j) {
+        const int col0 = j * BC, bc = imin(BC, Nk - col0);
+        __syncthreads();  // every warp is done with tile j-1's K_j, V_j
+        // K_j (twice) and V_j^T; keys past bc are 0.
+PYFA_UNROLL
+        for (int t = 0; t < BC * DC / NT; ++t) {
+            const int e = tid + t * NT, c = e & (BC - 1), x4 = e / BC;
+            const bool ok = c < bc;
+            const pyfa_f4 kv = ok ? ld4(K + (col0 + c) * ldk + 4 * x4) : pyfa_f4{0.f, 0.f, 0.f, 0.f};
+            const pyfa_f4 vv = ok ? ld4(V + (col0 + c) * ldv + 4 * x4) : pyfa_f4{0.f, 0.f, 0.f, 0.f};
+            KjT[(4 * x4 + 0) * BC + c] = kv.x;
+            KjT[(4 * x4 + 1) * BC + c] = kv.y;
+            KjT[(4 * x4 + 2) * BC + c] = kv.z;
+            KjT[(4 * x4 + 3) * BC + c] = kv.w;
+            VjT[(4 * x4 + 0) * BC + c] = vv.x;
+            VjT[(4 * x4 + 1) * BC + c] = vv.y;
+            VjT[(4 * x4 + 2) * BC + c] = vv.z;
+            VjT[(4 * x4 + 3) * BC + c] = vv.w;
+            st4(Kj + c * D + 4 * x4, kv);
+        }
+        __syncthreads();
+
+        // S = Q_i K_j^T and dP = dO_i V_j^T, each summed x = 0 .. d-1 in order.
+        float s[8][4], dp[8][4];
+PYFA_UNROLL
+        for (int ii = 0; ii < 8; ++ii)
+PYFA_UNROLL
+            for (int kk = 0; kk < 4; ++kk) s[ii][kk] = dp[ii][kk] = 0.0f;
+        const float* qp = QiT + wrow + rg * 8;
+        const float* gp = dOiT + wrow + rg * 8;
+        const float* kp = KjT + cg * 4;
+        const float* vp = VjT + cg * 4;
+PYFA_UNROLL_BY(4)
+        for (int x = 0; x < D; ++x) {
+            const pyfa_f4 qa = ld4(qp + x * BR), qb = ld4(qp + x * BR + 4);
+            const pyfa_f4 ga = ld4(gp + x * BR), gb = ld4(gp + x * BR + 4);
+            const pyfa_f4 kv = ld4(kp + x * BC), vv = ld4(vp + x * BC);
+            const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+            const float gv[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
+            const float kx[4] = {kv.x, kv.y, kv.z, kv.w};
+            const float vx[4] = {vv.x, vv.y, vv.z, vv.w};
+PYFA_UNROLL
+            for (int ii = 0; ii < 8; ++ii)
+PYFA_UNROLL
+                for (int kk = 0; kk < 4; ++kk) {
+                    s[ii][kk] = pyfa_fma(qv[ii], kx[kk], s[ii][kk]);
+                    dp[ii][kk] = pyfa_fma(gv[ii], vx[kk], dp[ii][kk]);
+                }
+        }
+
+        // dS = P (dp - D), P = exp(S - LSE) (0 for a row that sees no key), into the warp's
+        // rows of dS_ij.
+        const bool whole = !mask.masked(row0 + br - 1, col0) && !mask.masked(row0, col0 + bc - 1);
+PYFA_UNROLL
+        for (int ii = 0; ii < 8; ++ii) {
+            const int r = wrow + rg + 2 * ii;
+            float ds[4];
+PYFA_UNROLL
+            for (int kk = 0; kk < 4; ++kk) {
+                const int c = cg * 4 + kk;
+                const bool masked = !whole && mask.masked(row0 + r, col0 + c);
+                const float sc = masked ? -INFINITY : s[ii][kk] * p.scale;
+                const float P = lse[ii] == -INFINITY ? 0.0f : pyfa_exp(sc - lse[ii]);
+                ds[kk] = P * (dp[ii][kk] - drow[ii]);
+            }
+            st4(dSij + r * LDP + cg * 4, pyfa_f4{ds[0], ds[1], ds[2], ds[3]});
+        }
+        pyfa_syncwarp();
+
+        // dq = sum_c dS[r, c] K[c, x], c = 0 .. bc-1 in order; dQ_i = dQ_i + dq. One
+        // 4-column chunk of the thread's columns at a time (two at d = 128): registers.
+        const float* dsp = dSij + (wrow + rg) * LDP;
+PYFA_UNROLL
+        for (int hh = 0; hh < XC; ++hh) {
+            const float* krow = Kj + cg * 4 + 64 * hh;
+            float dq[8][4];
+PYFA_UNROLL
+            for (int ii = 0; ii < 8; ++ii)
+PYFA_UNROLL
+                for (int x = 0; x < 4; ++x) dq[ii][x] = 0.0f;
+            int c = 0;
+            for (; c + 4 <= bc; c += 4) {
+                pyfa_f4 kx[4];
+PYFA_UNROLL
+                for (int cc = 0; cc < 4; ++cc) kx[cc] = ld4(krow + (c + cc) * D);
+PYFA_UNROLL
+                for (int ii = 0; ii < 8; ++ii) {
+                    const pyfa_f4 pr = ld4(dsp + 2 * ii * LDP + c);
+                    const float pc[4] = {pr.x, pr.y, pr.z, pr.w};
+PYFA_UNROLL
+                    for (int cc = 0; cc < 4; ++cc) {
+                        dq[ii][0] = pyfa_fma(pc[cc], kx[cc].x, dq[ii][0]);
+                        dq[ii][1] = pyfa_fma(pc[cc], kx[cc].y, dq[ii][1]);
+                        dq[ii][2] = pyfa_fma(pc[cc], kx[cc].z, dq[ii][2]);
+                        dq[ii][3] = pyfa_fma(pc[cc], kx[cc].w, dq[ii][3]);
+                    }
+                }
+            }
+            if (c < bc) {  // the last 1..3 keys of a tail tile, in order
+PYFA_UNROLL
+                for (int cc = 0; cc < 3; ++cc) {
+                    if (c + cc < bc) {
+                        const pyfa_f4 v = ld4(krow + (c + cc) * D);
+PYFA_UNROLL
+                        for (int ii = 0; ii < 8; ++ii) {
+                            const float pc = dsp[2 * ii * LDP + c + cc];
+                            dq[ii][0] = pyfa_fma(pc, v.x, dq[ii][0]);
+                            dq[ii][1] = pyfa_fma(pc, v.y, dq[ii][1]);
+                            dq[ii][2] = pyfa_fma(pc, v.z, dq[ii][2]);
+                            dq[ii][3] = pyfa_fma(pc, v.w, dq[ii][3]);
+                        }
+                    }
+                }
+            }
+PYFA_UNROLL
+            for (int ii = 0; ii < 8; ++ii) {
+                float* acc = dQi + (wrow + rg + 2 * ii) * D + cg * 4 + 64 * hh;
+                const pyfa_f4 a = ld4(acc);
+                st4(acc, pyfa_f4{a.x + dq[ii][0], a.y + dq[ii][1], a.z + dq[ii][2], a.w + dq[ii][3]});
+            }
+        }
+    }
+
+    // dQ = canonical(dQ_i * scale).
+PYFA_UNROLL
+    for (int ii = 0; ii < 8; ++ii) {
+        const int r = wrow + rg + 2 * ii;
+        if (r >= br) continue;
+PYFA_UNROLL
+        for (int hh = 0; hh < XC; ++hh) {
+            const pyfa_f4 a = ld4(dQi + r * D + cg * 4 + 64 * hh);
+            pyfa_f4 out;
+            out.x = pyfa_canonical_nan(a.x * p.scale);
+            out.y = pyfa_canonical_nan(a.y * p.scale);
+            out.z = pyfa_canonical_nan(a.z * p.scale);
+            out.w = pyfa_canonical_nan(a.w * p.scale);
+            st4(dQ + (row0 + r) * lddq + cg * 4 + 64 * hh, out);
+        }
+    }
+}
+
+// d = 128, Br = Bc = 64: 8 warps in two roles (4 * Bc threads), as in the fast dK/dV
+// kernel. Warp w owns the 16 query rows (w & 3) * 16 ..; a thread the 8 rows
+// (w & 3) * 16 + rg + 2 ii and, of a K/V tile, the 4 keys cg*4 .. cg*4+3. Warps 0..3 form
+// S = Q_i K_j^T and P into P_ij; warps 4..7 form dP = dO_i V_j^T and dS = P (dP - D) into
+// dS_ij; then warps 0..3 add dS_ij K_j's columns 0..63 to dQ_i, warps 4..7 its columns
+// 64..127, each in registers (8 rows x 4 columns a thread). Q_i, dO_i transposed once
+// (rows permuted by fast_q_pos); K_j, V_j row-major only, chunks swizzled, by cp.async.
+template <int D>
+PYFA_DEV void fa2_backward_dq_fast_roles(const AttentionParams& p) {
+    constexpr int BC = kFastBc;
+    constexpr int BR = kFastBc;
+    constexpr int NT = 4 * BC;
+    constexpr int DC = D / 4;
+    constexpr int LDP = BC + 4;  // fast_p_stride(BC)
+    static_assert(D == 128, "head dim 128: two column halves of 64");
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int rg = lane >> 4, cg = lane & 15;
+    const int role = warp >> 2;  // 0: S, P and dQ's columns 0..63; 1: dP, dS and columns 64..127
+    const int wrow = (warp & 3) * 16;
+    const auto [Q, dO, K, V, dQ, LSE, Drow, ldq, lddo, ldk, ldv, lddq, Nk, row0, br, tiles] =
+        fast_dq_block(p, BR, BC);
+    const Mask mask = p.mask;
+
+    PYFA_DYNAMIC_SMEM(smem_raw);
+    float* smem = reinterpret_cast<float*>(smem_raw);
+    const SmemLayout L = fa2_backward_dq_fast_roles_smem(BR, BC, D);
+    float* QiT = smem + L.offset[FA2DQR_QiT];    // (d, Br), rows permuted by fast_q_pos
+    float* dOiT = smem + L.offset[FA2DQR_dOiT];  // (d, Br), the same permutation
+    float* Kj = smem + L.offset[FA2DQR_Kj];      // (Bc, d), chunks swizzled by swz_qk
+    float* Vj = smem + L.offset[FA2DQR_Vj];      // (Bc, d), chunks swizzled by swz_qk
+    float* Pij = smem + L.offset[FA2DQR_Pij];    // (Br, Bc), row stride LDP
+    float* dSij = smem + L.offset[FA2DQR_dSij];  // (Br, Bc), row stride LDP
+
+    // Q_i^T and dO_i^T, once; rows past br are 0.
+    fast_load_transposed2<D, BR, NT>(QiT, dOiT, Q, ldq, dO, lddo, row0, br, tid);
+    // The role's row values: LSE (-inf past br) for P, D (0 past br) for dS.
+    float rowv[8];
+PYFA_UNROLL
+    for (int ii = 0; ii < 8; ++ii) {
+        const int r = wrow + rg + 2 * ii;
+        rowv[ii] = role ? (r < br ? Drow[row0 + r] : 0.0f) : (r < br ? LSE[row0 + r] : -INFINITY);
+    }
+    const float* score_at = (role ? dOiT : QiT) + wrow + rg * 8;
+    const float* score_b = role ? Vj : Kj;
+    float acc[8][4];  // dQ_i (unscaled) of the thread's rows and columns
+PYFA_UNROLL
+    for (int ii = 0; ii < 8; ++ii)
+PYFA_UNROLL
+        for (int x = 0; x < 4; ++x) acc[ii][x] = 0.0f;
+
+    for (int j = static_cast<int>(tiles.begin); j < static_cast<int>(tiles.end); ++j) {
+        const int col0 = j * BC, bc = imin(BC, Nk - col0);
+        __syncthreads();  // every warp is done with tile j-1's K_j, V_j, P_ij, dS_ij
+        // K_j and V_j, 16 bytes a copy; keys past bc are 0.
+PYFA_UNROLL
+        for (int t = 0; t < BC * DC / NT; ++t) {
+            const int e = tid + t * NT, c = e / DC, ch = e % DC;
+            const bool ok = c < bc;
+            const int at = swz_at(c, ch, DC, swz_qk(c)), src = ok ? col0 + c : 0;
+            pyfa_cp_async16(Kj + at, K + src * ldk + 4 * ch, ok);
+            pyfa_cp_async16(Vj + at, V + src * ldv + 4 * ch, ok);
+        }
+        pyfa_cp_async_commit();
+        pyfa_cp_async_wait<0>();
+        __syncthreads();
+
+        // S = Q_i K_j^T (warps 0..3) or dP = dO_i V_j^T (warps 4..7), over x in order.
+        float s[8][4];
+        fast_scores_8x4<D>(score_at, score_b, cg, s);
+
+        float* prow = Pij + (wrow + rg) * LDP;  // the thread's rows of P_ij
+        float* dsrow = dSij + (wrow + rg) * LDP;
+        if (role == 0) {
+            // P = exp(S - LSE) (0 for a row that sees no key) into P_ij.
+            const bool whole = !mask.masked(row0 + br - 1, col0) && !mask.masked(row0, col0 + bc - 1);
+PYFA_UNROLL
+            for (int ii = 0; ii < 8; ++ii) {
+                const int r = wrow + rg + 2 * ii;
+                float P[4];
+PYFA_UNROLL
+                for (int kk = 0; kk < 4; ++kk) {
+                    const int c = cg * 4 + kk;
+                    const bool masked = !whole && mask.masked(row0 + r, col0 + c);
+                    const float sc = masked ? -INFINITY : s[ii][kk] * p.scale;
+                    P[kk] = rowv[ii] == -INFINITY ? 0.0f : pyfa_exp(sc - rowv[ii]);
+                }
+                st4(prow + 2 * ii * LDP + cg * 4, pyfa_f4{P[0], P[1], P[2], P[3]});
+            }
+        }
+        __syncthreads();  // P_ij is whole
+        if (role == 1) {
+            // dS = P (dp - D), P from the twin thread of warp w - 4, into dS_ij.
+PYFA_UNROLL
+            for (int ii = 0; ii < 8; ++ii) {
+                const pyfa_f4 P = ld4(prow + 2 * ii * LDP + cg * 4);
+                st4(dsrow + 2 * ii * LDP + cg * 4,
+                    pyfa_f4{P.x * (s[ii][0] - rowv[ii]), P.y * (s[ii][1] - rowv[ii]),
+                            P.z * (s[ii][2] - rowv[ii]), P.w * (s[ii][3] - rowv[ii])});
+            }
+        }
+        __syncthreads();  // dS_ij is whole
+        // dq = sum_c dS[r, c] K[c, x] over c < bc in order; dQ_i = dQ_i + dq.
+        fast_product_8x4<D, 1, LDP>(dsrow, Kj + 64 * role, bc, cg, acc);
+    }
+
+    // dQ = canonical(dQ_i * scale).
+PYFA_UNROLL
+    for (int ii = 0; ii < 8; ++ii) {
+        const int r = wrow + rg + 2 * ii;
+        if (r >= br) continue;
+        st4(dQ + (row0 + r) * lddq + cg * 4 + 64 * role,
+            pyfa_f4{pyfa_canonical_nan(acc[ii][0] * p.scale), pyfa_canonical_nan(acc[ii][1] * p.scale),
+                    pyfa_canonical_nan(acc[ii][2] * p.scale), pyfa_canonical_nan(acc[ii][3] * p.scale)});
+    }
+}
+
+// Threads per block: 2 * Br at d = 64, 4 * Bc at d = 128. At d = 128 one block per SM is
+// asked for (left to itself, ptxas holds sm_120 to 128 registers and spills); 0 asks
+// nothing at d = 64.
+template <int D, int BR>
+__global__ void __launch_bounds__(D == 128 ? 4 * kFastBc : 2 * BR, D == 128 ? 1 : 0)
+    fa2_backward_dq_fast_kernel(const AttentionParams p) {
+    if constexpr (D == 128)
+        fa2_backward_dq_fast_roles<D>(p);
+    else
+        fa2_backward_dq_fast_rows<D, BR>(p);
+}
+
+}  // namespace PYFA_KERNELS
