@@ -306,7 +306,8 @@ def fake_cuda_library(tmp_path_factory):
     subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-O1", "-Wall", "-Wextra",
                     "-Werror", f"-I{ROOT / 'src'}", f"-I{pyfa.get_include()}",
                     '-DPYFA_VERSION_STRING="fake"', str(launch / "api.cpp"), str(launch / "errors.cpp"),
-                    str(launch / "tiles.cpp"), str(HERE / "c" / "fake_cuda.cpp"), "-o", str(out)], check=True)
+                    str(launch / "tiles.cpp"), str(launch / "backend.cpp"),
+                    str(launch.parent / "backends" / "cuda" / "cuda_adapter.cpp"), str(HERE / "c" / "fake_cuda.cpp"), "-o", str(out)], check=True)
     return out
 
 

@@ -408,7 +408,8 @@ def fake_cuda_pyfa(tmp_path_factory):
     subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-O1",
                     f"-I{ROOT / 'src'}", f"-I{pyfa.get_include()}",
                     f'-DPYFA_VERSION_STRING="{pyfa.__version__}"',
-                    str(launch / "api.cpp"), str(launch / "errors.cpp"), str(launch / "tiles.cpp"),
+                    str(launch / "api.cpp"), str(launch / "errors.cpp"), str(launch / "tiles.cpp"), str(launch / "backend.cpp"),
+                    str(launch.parent / "backends" / "cuda" / "cuda_adapter.cpp"),
                     str(HERE / "c" / "fake_cuda.cpp"), "-o", str(out)], check=True)
     env = dict(os.environ, PYFA_LIBRARY=str(out))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)

@@ -218,7 +218,8 @@ def test_cuda_host_entry_writes_strided_outputs_row_by_row(tmp_path):
     out = tmp_path / "libpyfa_fake_cuda.so"
     subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", "-O1", f"-I{root / 'src'}",
                     f"-I{pyfa.get_include()}", '-DPYFA_VERSION_STRING="fake"',
-                    str(launch / "api.cpp"), str(launch / "errors.cpp"), str(launch / "tiles.cpp"),
+                    str(launch / "api.cpp"), str(launch / "errors.cpp"), str(launch / "tiles.cpp"), str(launch / "backend.cpp"),
+                    str(launch.parent / "backends" / "cuda" / "cuda_adapter.cpp"),
                     str(root / "tests" / "c" / "fake_cuda.cpp"), "-o", str(out)], check=True)
     run = subprocess.run([sys.executable, "-c", FAKE_CHILD, str(out), str(root)],
                          capture_output=True, text=True, timeout=120)

@@ -11,6 +11,10 @@
 // are written row by row from them, which never touches the gaps between rows (where a
 // packed caller keeps other tensors).
 //
+// Backends are reached only through the Backend interface (core/internal.h) and the
+// registry: nothing here names one. What differs between them (host or device memory,
+// dense tensors only, a whole op at once, progress polled per kernel) is a property.
+//
 // No C++ exception may cross the C ABI (it would terminate the caller's process), and
 // reporting a failure must work when allocation does not: every extern "C" function runs
 // its body under guarded(), and no failure path allocates.
@@ -174,6 +178,7 @@ int count(const TensorId (&list)[N]) {
 }
 
 struct Op {
+    int op;            // its pyfa_op, the row's index in kOps
     const char* name;
     TensorId inputs[kMaxInputs];
     TensorId outputs[kMaxOutputs];
@@ -182,13 +187,16 @@ struct Op {
     int kernels[kMaxKernels];  // in launch order
 };
 
-const Op kFa2Forward = {"pyfa_fa2_forward", {T_Q, T_K, T_V}, {T_O, T_LSE}, {}, 1, {PYFA_KERNEL_FA2_FORWARD}};
-const Op kFa1Forward = {"pyfa_fa1_forward", {T_Q, T_K, T_V}, {T_O, T_M, T_L}, {}, 1, {PYFA_KERNEL_FA1_FORWARD}};
-const Op kFa1Backward = {"pyfa_fa1_backward", {T_Q, T_K, T_V, T_O, T_M, T_L, T_DO}, {T_DQ, T_DK, T_DV}, {}, 1,
-                         {PYFA_KERNEL_FA1_BACKWARD}};
-const Op kFa2Backward = {"pyfa_fa2_backward", {T_Q, T_K, T_V, T_O, T_LSE, T_DO}, {T_DQ, T_DK, T_DV}, {T_D}, 3,
-                         {PYFA_KERNEL_FA2_BACKWARD_PREPROCESS, PYFA_KERNEL_FA2_BACKWARD_DKDV,
-                          PYFA_KERNEL_FA2_BACKWARD_DQ}};
+// One row per pyfa_op, in its order.
+const Op kOps[] = {
+    {PYFA_OP_FA2_FORWARD, "pyfa_fa2_forward", {T_Q, T_K, T_V}, {T_O, T_LSE}, {}, 1, {PYFA_KERNEL_FA2_FORWARD}},
+    {PYFA_OP_FA2_BACKWARD, "pyfa_fa2_backward", {T_Q, T_K, T_V, T_O, T_LSE, T_DO}, {T_DQ, T_DK, T_DV}, {T_D}, 3,
+     {PYFA_KERNEL_FA2_BACKWARD_PREPROCESS, PYFA_KERNEL_FA2_BACKWARD_DKDV, PYFA_KERNEL_FA2_BACKWARD_DQ}},
+    {PYFA_OP_FA1_FORWARD, "pyfa_fa1_forward", {T_Q, T_K, T_V}, {T_O, T_M, T_L}, {}, 1, {PYFA_KERNEL_FA1_FORWARD}},
+    {PYFA_OP_FA1_BACKWARD, "pyfa_fa1_backward", {T_Q, T_K, T_V, T_O, T_M, T_L, T_DO}, {T_DQ, T_DK, T_DV}, {}, 1,
+     {PYFA_KERNEL_FA1_BACKWARD}},
+};
+constexpr int kOpCount = static_cast<int>(sizeof(kOps) / sizeof(kOps[0]));
 
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxGridX = 0x7fffffff;
@@ -309,54 +317,38 @@ pyfa_status check_config(const pyfa_config* in, pyfa_config* cfg) {
     return PYFA_OK;
 }
 
-// The backend a call runs on; `arg` names the argument in messages. On a *_device entry
-// point AUTO means CUDA or an error, never a host-memory backend: the pointers are the GPU's.
-pyfa_status resolve_backend(int asked, bool device_pointers, const char* arg, int* backend) {
-    switch (asked) {
-        case PYFA_BACKEND_AUTO:
-            if (cuda_available()) {
-                *backend = PYFA_BACKEND_CUDA;
+// The backend a call runs on; `arg` names the argument in messages. AUTO tries the
+// backends in their auto_rank order, and on a *_device entry point takes only a
+// device-memory one, never a host-memory one: the pointers are the GPU's.
+pyfa_status resolve_backend(int asked, bool device_pointers, const char* arg, const Backend** backend) {
+    if (asked == PYFA_BACKEND_AUTO) {
+        const Backend* device = nullptr;  // the first device-memory backend AUTO would try
+        for (int n = 0; n < backend_count(); ++n) {
+            const Backend* b = backend_at(n);
+            if (b->auto_rank() == 0) break;
+            if (device_pointers && b->memory() != Memory::Device) continue;
+            if (!device) device = device_pointers ? b : nullptr;
+            if (b->available()) {
+                *backend = b;
                 return PYFA_OK;
             }
-            if (device_pointers)
-                return fail(PYFA_ERROR_BACKEND_UNAVAILABLE,
-                            "%s: AUTO on a *_device entry point needs CUDA (device pointers), but CUDA "
-                            "is unavailable: %s",
-                            arg, cuda_unavailable_reason());
-            *backend = PYFA_BACKEND_CPU;
-            return PYFA_OK;
-        case PYFA_BACKEND_EMU: *backend = PYFA_BACKEND_EMU; return PYFA_OK;
-        case PYFA_BACKEND_CPU: *backend = PYFA_BACKEND_CPU; return PYFA_OK;
-        case PYFA_BACKEND_CUDA:
-            if (!cuda_available())
-                return fail(PYFA_ERROR_BACKEND_UNAVAILABLE, "%s: CUDA asked for, but %s", arg,
-                            cuda_unavailable_reason());
-            *backend = PYFA_BACKEND_CUDA;
-            return PYFA_OK;
+            if (!device_pointers && b->memory() == Memory::Device && !device) device = b;
+        }
+        if (device_pointers && device)
+            return fail(PYFA_ERROR_BACKEND_UNAVAILABLE,
+                        "%s: AUTO on a *_device entry point needs %s (device pointers), but %s "
+                        "is unavailable: %s",
+                        arg, device->label(), device->label(), device->unavailable_reason());
+        return fail(PYFA_ERROR_BACKEND_UNAVAILABLE, "%s: AUTO found no backend that can run here%s", arg,
+                    device_pointers ? " on device pointers" : "");
     }
-    return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: unknown backend %d", arg, asked);
-}
-
-// Backends that run on host memory (the emulator and the cpu backend) read the
-// inputs in place and have their outputs staged by run_op.
-bool host_memory(int backend) { return backend != PYFA_BACKEND_CUDA; }
-
-pyfa_status profile_of(int backend, pyfa_device_profile* profile) {
-    switch (backend) {
-        case PYFA_BACKEND_CUDA: return cuda_profile(profile);
-        case PYFA_BACKEND_EMU: return emu_profile(profile);
-        case PYFA_BACKEND_CPU: return cpu_profile(profile);
-    }
-    return fail(PYFA_ERROR_INTERNAL, "no device profile for backend %d", backend);
-}
-
-pyfa_status launch_kernel(int backend, int kernel, const AttentionParams& p, const LaunchShape& shape,
-                          const pyfa_config& cfg, void* stream) {
-    switch (backend) {
-        case PYFA_BACKEND_CUDA: return cuda_launch(kernel, p, shape, stream);
-        case PYFA_BACKEND_EMU: return emu_launch(kernel, p, shape, cfg);
-    }
-    return fail(PYFA_ERROR_INTERNAL, "no launcher for backend %d", backend);
+    const Backend* b = find_backend(asked);
+    if (!b) return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: unknown backend %d", arg, asked);
+    if (!b->available())
+        return fail(PYFA_ERROR_BACKEND_UNAVAILABLE, "%s: %s asked for, but %s", arg, b->label(),
+                    b->unavailable_reason());
+    *backend = b;
+    return PYFA_OK;
 }
 
 // Tiles for one kernel: the caller's, else the default; checked against the device.
@@ -397,34 +389,29 @@ pyfa_status kernel_tiles(int kernel, const pyfa_config& cfg, int64_t d,
 
 // Buffers owned by one call; freed on every path out.
 struct Scratch {
-    int backend = PYFA_BACKEND_EMU;
+    const Backend* backend = nullptr;  // whose memory the buffers are; nullptr: the host's
     void* stream = nullptr;
     void* owned[kMaxOwned] = {};
     int count = 0;
     pyfa_status alloc(size_t bytes, float** out) {
         if (count == kMaxOwned) return fail(PYFA_ERROR_INTERNAL, "more than %d buffers in one call", kMaxOwned);
         void* ptr = nullptr;
-        if (backend == PYFA_BACKEND_CUDA) {
-            const pyfa_status st = cuda_malloc(&ptr, bytes, stream);
+        if (backend) {
+            const pyfa_status st = backend->allocate(&ptr, bytes, stream);
             if (st != PYFA_OK) return st;
-        } else {
-            ptr = std::malloc(bytes ? bytes : 1);
-            if (!ptr) return fail(PYFA_ERROR_OUT_OF_MEMORY, "out of host memory for %zu bytes", bytes);
+        } else if (!(ptr = std::malloc(bytes ? bytes : 1))) {
+            return fail(PYFA_ERROR_OUT_OF_MEMORY, "out of host memory for %zu bytes", bytes);
         }
         owned[count++] = ptr;
         *out = static_cast<float*>(ptr);
         return PYFA_OK;
     }
-    // Frees every buffer; the first failure (CUDA only) is the status.
+    // Frees every buffer; the first failure is the status.
     pyfa_status release() {
         pyfa_status first = PYFA_OK;
         for (int n = 0; n < count; ++n) {
-            if (backend == PYFA_BACKEND_CUDA) {
-                const pyfa_status st = cuda_free(owned[n], stream);
-                if (first == PYFA_OK) first = st;
-            } else {
-                std::free(owned[n]);
-            }
+            const pyfa_status st = backend ? backend->deallocate(owned[n], stream) : (std::free(owned[n]), PYFA_OK);
+            if (first == PYFA_OK) first = st;
         }
         count = 0;
         return first;
@@ -439,7 +426,7 @@ struct Scratch {
     }
 };
 
-// config->progress for the CUDA backend, in kernels: a nonzero return cancels the call.
+// config->progress for a backend that is polled per kernel, in kernels: a nonzero return cancels the call.
 pyfa_status poll_progress(const pyfa_config& cfg, int64_t done, int64_t total) {
     if (cfg.progress && cfg.progress(cfg.progress_user, done, total) != 0)
         return fail(PYFA_ERROR_CANCELLED, "cancelled by config->progress after %lld of %lld kernels",
@@ -470,10 +457,11 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     if (cfg.threads < 0)
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->threads: must be >= 0, got %d", cfg.threads);
 
-    int backend = PYFA_BACKEND_EMU;
-    if ((st = resolve_backend(cfg.backend, device_pointers, "config->backend", &backend)) != PYFA_OK) return st;
+    const Backend* be = nullptr;
+    if ((st = resolve_backend(cfg.backend, device_pointers, "config->backend", &be)) != PYFA_OK) return st;
+    const Backend& backend = *be;
     pyfa_device_profile profile;
-    if ((st = profile_of(backend, &profile)) != PYFA_OK) return st;
+    if ((st = backend.profile(&profile)) != PYFA_OK) return st;
 
     AttentionParams base{};
     base.batch = pr.batch;
@@ -502,17 +490,14 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         if (const TensorStrides* s = strides_slot(base, taken[t]))
             aligned = aligned && s->batch % 4 == 0 && s->head % 4 == 0 && s->row % 4 == 0;
     }
+    if ((st = backend.supports(op.op, base, cfg)) != PYFA_OK) return st;
     for (int n = 0; n < op.kernel_count; ++n) {
         const int kernel = op.kernels[n];
         AttentionParams p = base;
         int id = kernel;
-        // The cpu backend has kernels of its own: the variants choose between the GPU's
-        // (and the emulator's).
-        if (backend == PYFA_BACKEND_CPU && cfg.variant == PYFA_VARIANT_FAST)
-            return fail(PYFA_ERROR_INVALID_ARGUMENT,
-                        "config->variant: fast: the cpu backend has kernels of its own; PYFA_VARIANT_FAST "
-                        "chooses among the emulator's and CUDA's");
-        if (backend != PYFA_BACKEND_CPU &&
+        // A backend with kernels of its own runs the readable kernels' tiles: the
+        // variants choose among the table's kernels.
+        if (backend.runs_table_kernels() &&
             (st = select_kernel(kernel, cfg.variant, p, cfg.block_r, cfg.block_c, aligned, profile, &id,
                                 &p.block_r, &p.block_c)) != PYFA_OK)
             return st;
@@ -524,29 +509,28 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         tiles[n][1] = p.block_c;
         ids[n] = id;
         shapes[n] = launch_shape(id, p);
-        if (backend == PYFA_BACKEND_CUDA && (st = cuda_check_launch(id, shapes[n])) != PYFA_OK) return st;
+        if ((st = backend.check_launch(id, shapes[n])) != PYFA_OK) return st;
     }
 
-    // Host entry points on CUDA work on the library's own stream.
-    if (backend == PYFA_BACKEND_CUDA && !device_pointers && (st = cuda_library_stream(&stream)) != PYFA_OK)
-        return st;
+    // On a device-memory backend the host entry points work on the library's own stream.
+    const bool device_backend = backend.memory() == Memory::Device;
+    if (device_backend && !device_pointers && (st = backend.library_stream(&stream)) != PYFA_OK) return st;
 
-    // Bind tensors. Inputs: their whole span (as the strides lay it out) copied to the GPU
-    // for a host entry point on CUDA, else read in place. Outputs: staged dense in owned
-    // buffers, copied to the caller's once the call has succeeded, unless written in place:
-    // the GPU's own memory (a *_device entry point on CUDA, where the stream orders
-    // everything and the kernels write the caller's strides directly), or host memory the
-    // caller lets a host backend write (PYFA_FLAG_IN_PLACE; the cpu backend: dense only).
+    // Bind tensors. Inputs: their whole span (as the strides lay it out) copied over for a
+    // host entry point on a device-memory backend, else read in place. Outputs: staged
+    // dense in owned buffers, copied to the caller's once the call has succeeded, unless
+    // written in place: device memory (a *_device entry point on a device-memory backend,
+    // where the stream orders everything and the kernels write the caller's strides
+    // directly), or host memory the caller lets a host backend write (PYFA_FLAG_IN_PLACE;
+    // a dense_only backend: dense outputs only).
     Scratch owned;
-    owned.backend = backend;
+    owned.backend = &backend;
     owned.stream = stream;
-    Scratch host_owned;  // host bounce buffers of strided outputs coming back from CUDA
+    Scratch host_owned;  // host bounce buffers of strided outputs coming back from the device
     AttentionParams bound = base;
-    const bool stage_inputs = !device_pointers && backend == PYFA_BACKEND_CUDA;
-    // The cpu backend addresses dense tensors only: strided inputs are gathered first, and
-    // strided outputs are always staged.
-    const bool dense_only = backend == PYFA_BACKEND_CPU;
-    const bool host_in_place = host_memory(backend) && (cfg.flags & PYFA_FLAG_IN_PLACE);
+    const bool stage_inputs = !device_pointers && device_backend;
+    const bool dense_only = backend.dense_only();
+    const bool host_in_place = !device_backend && (cfg.flags & PYFA_FLAG_IN_PLACE);
     bool staged[kMaxOutputs] = {};
     bool any_staged = false;
     for (int t = 0; t < n_in; ++t) {
@@ -555,7 +539,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         if (stage_inputs) {
             const size_t bytes = sizeof(float) * static_cast<size_t>(tensor_extent(op.inputs[t], pr));
             if ((st = owned.alloc(bytes, &slot)) != PYFA_OK) return st;
-            if ((st = cuda_copy_to_device(slot, inputs[t], bytes, stream)) != PYFA_OK) return st;
+            if ((st = backend.copy_to_device(slot, inputs[t], bytes, stream)) != PYFA_OK) return st;
         } else if (dense_only && !kTensors[op.inputs[t]].per_row && !is_dense(op.inputs[t], pr)) {
             if ((st = owned.alloc(tensor_bytes(op.inputs[t], pr), &slot)) != PYFA_OK) return st;
             gather_rows(op.inputs[t], pr, inputs[t], slot);
@@ -565,7 +549,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     for (int t = 0; t < n_out; ++t) {
         float*& slot = param_slot(bound, op.outputs[t]);
         slot = outputs[t];
-        staged[t] = backend == PYFA_BACKEND_CUDA
+        staged[t] = device_backend
                         ? !device_pointers
                         : !host_in_place || (dense_only && !kTensors[op.outputs[t]].per_row &&
                                              !is_dense(op.outputs[t], pr));
@@ -579,37 +563,37 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         if ((st = owned.alloc(tensor_bytes(op.scratch[t], pr), &param_slot(bound, op.scratch[t]))) != PYFA_OK)
             return st;
 
-    // The CUDA backend asks config->progress before each launch. On the library's stream
-    // (host entry points) it first waits for the kernels already launched, so that `done`
-    // counts finished kernels and a cancel takes effect between them. Work enqueued on the
-    // caller's stream cannot be taken back, so a *_device call asks once, before any launch.
-    const bool cuda_polls = backend == PYFA_BACKEND_CUDA && cfg.progress;
-    if (backend == PYFA_BACKEND_CPU) {
-        // The cpu backend takes the whole op at once: it may fuse the op's kernels.
+    // A backend polled per kernel is asked before each launch. On the library's stream
+    // (host entry points) the dispatcher first waits for the kernels already launched, so
+    // that `done` counts finished kernels and a cancel takes effect between them. Work
+    // enqueued on the caller's stream cannot be taken back, so a *_device call asks once,
+    // before any launch.
+    const bool polls = backend.polls_progress_per_kernel() && cfg.progress;
+    if (backend.runs_whole_op()) {
         AttentionParams tiled[kMaxKernels];
         for (int n = 0; n < op.kernel_count; ++n) {
             tiled[n] = bound;
             tiled[n].block_r = tiles[n][0];
             tiled[n].block_c = tiles[n][1];
         }
-        if ((st = cpu_run(op.kernels, tiled, static_cast<size_t>(op.kernel_count), cfg)) != PYFA_OK) return st;
+        if ((st = backend.run_op(op.op, tiled, static_cast<size_t>(op.kernel_count), cfg)) != PYFA_OK) return st;
     } else {
         for (int n = 0; n < op.kernel_count; ++n) {
-            if (cuda_polls && (n == 0 || !device_pointers)) {
-                if (n > 0 && (st = cuda_synchronize(stream)) != PYFA_OK) return st;
+            if (polls && (n == 0 || !device_pointers)) {
+                if (n > 0 && (st = backend.synchronize(stream)) != PYFA_OK) return st;
                 if ((st = poll_progress(cfg, n, op.kernel_count)) != PYFA_OK) return st;
             }
             AttentionParams p = bound;
             p.block_r = tiles[n][0];
             p.block_c = tiles[n][1];
-            if ((st = launch_kernel(backend, ids[n], p, shapes[n], cfg, stream)) != PYFA_OK) return st;
+            if ((st = backend.launch(ids[n], p, shapes[n], cfg, stream)) != PYFA_OK) return st;
         }
     }
 
     if (!any_staged) return owned.release();
-    if (backend == PYFA_BACKEND_CUDA) {
-        if ((st = cuda_synchronize(stream)) != PYFA_OK) return st;
-        if (cuda_polls && (st = poll_progress(cfg, op.kernel_count, op.kernel_count)) != PYFA_OK) return st;
+    if (device_backend) {
+        if ((st = backend.synchronize(stream)) != PYFA_OK) return st;
+        if (polls && (st = poll_progress(cfg, op.kernel_count, op.kernel_count)) != PYFA_OK) return st;
     }
     // Strided outputs come back from the GPU into host bounce buffers, allocated before
     // the first caller's byte is written, then go to the caller row by row.
@@ -617,23 +601,24 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     for (int t = 0; t < n_out; ++t) {
         const TensorId id = op.outputs[t];
         dense_out[t] = param_slot(bound, id);
-        if (!staged[t] || backend != PYFA_BACKEND_CUDA || is_dense(id, pr)) continue;
+        if (!staged[t] || !device_backend || is_dense(id, pr)) continue;
         float* bounce = nullptr;
         if ((st = host_owned.alloc(tensor_bytes(id, pr), &bounce)) != PYFA_OK) return st;
-        if ((st = cuda_copy_to_host(bounce, dense_out[t], tensor_bytes(id, pr), stream)) != PYFA_OK) return st;
+        if ((st = backend.copy_to_host(bounce, dense_out[t], tensor_bytes(id, pr), stream)) != PYFA_OK) return st;
         dense_out[t] = bounce;
     }
-    if (backend == PYFA_BACKEND_CUDA && (st = cuda_synchronize(stream)) != PYFA_OK) return st;
+    if (device_backend && (st = backend.synchronize(stream)) != PYFA_OK) return st;
     for (int t = 0; t < n_out; ++t) {
         const TensorId id = op.outputs[t];
         if (!staged[t]) continue;
-        if (backend == PYFA_BACKEND_CUDA && is_dense(id, pr)) {
-            if ((st = cuda_copy_to_host(outputs[t], dense_out[t], tensor_bytes(id, pr), stream)) != PYFA_OK) return st;
+        if (device_backend && is_dense(id, pr)) {
+            if ((st = backend.copy_to_host(outputs[t], dense_out[t], tensor_bytes(id, pr), stream)) != PYFA_OK)
+                return st;
         } else {
             scatter_rows(id, pr, dense_out[t], outputs[t]);
         }
     }
-    if (backend == PYFA_BACKEND_CUDA && (st = cuda_synchronize(stream)) != PYFA_OK) return st;
+    if (device_backend && (st = backend.synchronize(stream)) != PYFA_OK) return st;
     host_owned.release();
     return owned.release();
 }
@@ -674,10 +659,10 @@ pyfa_status run_op(const Op& op, const pyfa_problem* problem, const pyfa_config*
 
 pyfa_status device_profile_get(int backend, pyfa_device_profile* profile) {
     if (!profile) return fail(PYFA_ERROR_INVALID_ARGUMENT, "profile: null pointer");
-    int resolved = PYFA_BACKEND_EMU;
+    const Backend* resolved = nullptr;
     const pyfa_status st = resolve_backend(backend, false, "backend", &resolved);
     if (st != PYFA_OK) return st;
-    return profile_of(resolved, profile);
+    return resolved->profile(profile);
 }
 
 }  // namespace
@@ -716,36 +701,24 @@ PYFA_API int pyfa_abi_version(void) { return PYFA_ABI_VERSION; }
 
 PYFA_API int pyfa_backend_available(int backend) {
     return guarded_value("pyfa_backend_available", 0, [&] {
-        switch (backend) {
-            case PYFA_BACKEND_EMU:
-            case PYFA_BACKEND_CPU: return 1;
-            case PYFA_BACKEND_CUDA: return cuda_available() ? 1 : 0;
-            case PYFA_BACKEND_AUTO: return 1;
-        }
-        return 0;
+        if (backend == PYFA_BACKEND_AUTO) return 1;
+        const Backend* b = find_backend(backend);
+        return b && b->available() ? 1 : 0;
     });
 }
 
 PYFA_API int pyfa_backend_compiled(int backend) {
     return guarded_value("pyfa_backend_compiled", 0, [&] {
-        switch (backend) {
-            case PYFA_BACKEND_EMU:
-            case PYFA_BACKEND_CPU: return 1;
-            case PYFA_BACKEND_CUDA: return cuda_compiled() ? 1 : 0;
-        }
-        return 0;
+        const Backend* b = find_backend(backend);
+        return b && b->compiled() ? 1 : 0;
     });
 }
 
 PYFA_API const char* pyfa_backend_reason(int backend) {
     return guarded_value<const char*>("pyfa_backend_reason", "the reason could not be determined", [&] {
-        switch (backend) {
-            case PYFA_BACKEND_EMU:
-            case PYFA_BACKEND_CPU:
-            case PYFA_BACKEND_AUTO: return "";
-            case PYFA_BACKEND_CUDA: return cuda_unavailable_reason();
-        }
-        return "unknown backend";
+        if (backend == PYFA_BACKEND_AUTO) return "";
+        const Backend* b = find_backend(backend);
+        return b ? b->unavailable_reason() : "unknown backend";
     });
 }
 
@@ -783,7 +756,7 @@ PYFA_API pyfa_status pyfa_fa2_forward(const pyfa_problem* problem, const pyfa_co
                                       const float* q, const float* k, const float* v, float* o, float* lse) {
     const float* in[] = {q, k, v};
     float* out[] = {o, lse};
-    return run_op(kFa2Forward, problem, config, in, out, false, nullptr);
+    return run_op(kOps[PYFA_OP_FA2_FORWARD], problem, config, in, out, false, nullptr);
 }
 
 PYFA_API pyfa_status pyfa_fa2_forward_device(const pyfa_problem* problem, const pyfa_config* config,
@@ -791,7 +764,7 @@ PYFA_API pyfa_status pyfa_fa2_forward_device(const pyfa_problem* problem, const 
                                              float* lse, void* stream) {
     const float* in[] = {q, k, v};
     float* out[] = {o, lse};
-    return run_op(kFa2Forward, problem, config, in, out, true, stream);
+    return run_op(kOps[PYFA_OP_FA2_FORWARD], problem, config, in, out, true, stream);
 }
 
 PYFA_API pyfa_status pyfa_fa2_backward(const pyfa_problem* problem, const pyfa_config* config,
@@ -800,7 +773,7 @@ PYFA_API pyfa_status pyfa_fa2_backward(const pyfa_problem* problem, const pyfa_c
                                        float* dv) {
     const float* in[] = {q, k, v, o, lse, dout};
     float* out[] = {dq, dk, dv};
-    return run_op(kFa2Backward, problem, config, in, out, false, nullptr);
+    return run_op(kOps[PYFA_OP_FA2_BACKWARD], problem, config, in, out, false, nullptr);
 }
 
 PYFA_API pyfa_status pyfa_fa2_backward_device(const pyfa_problem* problem, const pyfa_config* config,
@@ -809,7 +782,7 @@ PYFA_API pyfa_status pyfa_fa2_backward_device(const pyfa_problem* problem, const
                                               float* dq, float* dk, float* dv, void* stream) {
     const float* in[] = {q, k, v, o, lse, dout};
     float* out[] = {dq, dk, dv};
-    return run_op(kFa2Backward, problem, config, in, out, true, stream);
+    return run_op(kOps[PYFA_OP_FA2_BACKWARD], problem, config, in, out, true, stream);
 }
 
 PYFA_API pyfa_status pyfa_fa1_forward(const pyfa_problem* problem, const pyfa_config* config,
@@ -817,7 +790,7 @@ PYFA_API pyfa_status pyfa_fa1_forward(const pyfa_problem* problem, const pyfa_co
                                       float* l) {
     const float* in[] = {q, k, v};
     float* out[] = {o, m, l};
-    return run_op(kFa1Forward, problem, config, in, out, false, nullptr);
+    return run_op(kOps[PYFA_OP_FA1_FORWARD], problem, config, in, out, false, nullptr);
 }
 
 PYFA_API pyfa_status pyfa_fa1_forward_device(const pyfa_problem* problem, const pyfa_config* config,
@@ -825,7 +798,7 @@ PYFA_API pyfa_status pyfa_fa1_forward_device(const pyfa_problem* problem, const 
                                              float* m, float* l, void* stream) {
     const float* in[] = {q, k, v};
     float* out[] = {o, m, l};
-    return run_op(kFa1Forward, problem, config, in, out, true, stream);
+    return run_op(kOps[PYFA_OP_FA1_FORWARD], problem, config, in, out, true, stream);
 }
 
 PYFA_API pyfa_status pyfa_fa1_backward(const pyfa_problem* problem, const pyfa_config* config,
@@ -834,7 +807,7 @@ PYFA_API pyfa_status pyfa_fa1_backward(const pyfa_problem* problem, const pyfa_c
                                        float* dk, float* dv) {
     const float* in[] = {q, k, v, o, m, l, dout};
     float* out[] = {dq, dk, dv};
-    return run_op(kFa1Backward, problem, config, in, out, false, nullptr);
+    return run_op(kOps[PYFA_OP_FA1_BACKWARD], problem, config, in, out, false, nullptr);
 }
 
 PYFA_API pyfa_status pyfa_fa1_backward_device(const pyfa_problem* problem, const pyfa_config* config,
@@ -844,7 +817,7 @@ PYFA_API pyfa_status pyfa_fa1_backward_device(const pyfa_problem* problem, const
                                               void* stream) {
     const float* in[] = {q, k, v, o, m, l, dout};
     float* out[] = {dq, dk, dv};
-    return run_op(kFa1Backward, problem, config, in, out, true, stream);
+    return run_op(kOps[PYFA_OP_FA1_BACKWARD], problem, config, in, out, true, stream);
 }
 
 }  // extern "C"

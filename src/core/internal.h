@@ -1,4 +1,5 @@
-// internal.h: what the C ABI (api.cpp) needs from the backends and the tile rules.
+// internal.h: the backend interface the C ABI (api.cpp) drives, the tile rules, and the
+// helpers the backends share.
 // Not installed; the public interface is include/pyfa.h.
 #pragma once
 
@@ -57,42 +58,102 @@ pyfa_status variant_default_tiles(int kernel, int variant, int64_t d, const pyfa
 // -1 where the variant has no kernel for these tiles.
 int64_t variant_smem_bytes(int kernel, int variant, int64_t Br, int64_t Bc, int64_t d);
 
-// ---- the emulator
-pyfa_status emu_profile(pyfa_device_profile* profile);
-pyfa_status emu_launch(int kernel, const AttentionParams& p, const LaunchShape& shape,
-                       const pyfa_config& config);
+// ---- backends
+// Each backend (emu, cpu, cuda, and a test's own) is one object implementing Backend,
+// registered by one line in its own file:
+//     PYFA_REGISTER_BACKEND(MyBackend);
+// api.cpp drives every one through this interface alone: what differs between backends
+// is a property below, never a test of which backend it is.
 
-// ---- the cpu backend (src/backends/cpu): the emulator's profile, and one call per operation
-// (the kernels of an op in launch order, each with its tiles), since it may fuse them.
-pyfa_status cpu_profile(pyfa_device_profile* profile);
-pyfa_status cpu_run(const int* kernels, const AttentionParams* params, size_t count,
-                    const pyfa_config& config);
+// Where a backend's tensors live. Host: the caller's host pointers are read in place
+// and the library's buffers are malloc'ed. Device: a host entry point copies the inputs
+// over and the outputs back through the hooks below, a *_device entry point hands the
+// caller's pointers straight to the kernels.
+enum class Memory { Host, Device };
 
-// ---- CUDA (cuda_backend.cu, or cuda_stub.cpp when built without nvcc). Every function
-// acts on the calling thread's current device.
-bool cuda_compiled();
-// Compiled in, the driver initialised and a GPU present; decided once per process.
-bool cuda_available();
-// Why cuda_available() is false ("" when it is true): for a failed initialisation the
-// driver's error name and string. Computed once; the pointer stays valid.
-const char* cuda_unavailable_reason();
-pyfa_status cuda_profile(pyfa_device_profile* profile);
-// The library's own non-blocking stream on the current device, created once per device:
-// the host entry points work on it and synchronize only it.
-pyfa_status cuda_library_stream(void** stream);
-// Checks that `kernel` can be launched with `shape` on the current device (threads,
-// dynamic shared memory against the kernel's own limits, grid), opting the kernel in to
-// the device's maximum dynamic shared memory the first time. Launches nothing.
-pyfa_status cuda_check_launch(int kernel, const LaunchShape& shape);
-// Stream-ordered where the device has memory pools, so scratch freed right after an
-// asynchronous launch stays valid for it; cudaMalloc and cudaFree elsewhere.
-pyfa_status cuda_malloc(void** ptr, size_t bytes, void* stream);
-pyfa_status cuda_free(void* ptr, void* stream);
-pyfa_status cuda_copy_to_device(void* dst, const void* src, size_t bytes, void* stream);
-pyfa_status cuda_copy_to_host(void* dst, const void* src, size_t bytes, void* stream);
-// Enqueues the kernel on `stream`; the shape must have passed cuda_check_launch.
-pyfa_status cuda_launch(int kernel, const AttentionParams& p, const LaunchShape& shape, void* stream);
-// Waits for `stream` alone and reports the first error of the work on it.
-pyfa_status cuda_synchronize(void* stream);
+class Backend {
+public:
+    // A pyfa_backend id (or a test backend's own, above them).
+    virtual int id() const = 0;
+    // For messages: "CUDA", "the emulator", ...
+    virtual const char* label() const = 0;
+    // Built into this library (CUDA: compiled with nvcc).
+    virtual bool compiled() const { return true; }
+    // Can run here; decided once per process where that costs.
+    virtual bool available() const { return true; }
+    // Why available() is false ("" when it is true); the pointer stays valid.
+    virtual const char* unavailable_reason() const { return ""; }
+    // Where PYFA_BACKEND_AUTO tries it: lower first, 0 never.
+    virtual int auto_rank() const { return 0; }
+    virtual Memory memory() const { return Memory::Host; }
+    // What the kernels are sized against.
+    virtual pyfa_status profile(pyfa_device_profile* profile) const = 0;
+
+    // ---- how an op runs on it
+    // Runs the kernel table's rows (kernels/table.h): PYFA_VARIANT_* choose among them.
+    // False for a backend with kernels of its own, where PYFA_VARIANT_FAST is refused.
+    virtual bool runs_table_kernels() const { return true; }
+    // Addresses dense tensors only: strided inputs are gathered first and strided
+    // outputs are always staged.
+    virtual bool dense_only() const { return false; }
+    // Takes a whole op at once (run_op) rather than kernel by kernel (launch).
+    virtual bool runs_whole_op() const { return false; }
+    // config->progress is asked by the dispatcher before each kernel (and once more
+    // before the outputs are copied back), rather than by the backend itself.
+    virtual bool polls_progress_per_kernel() const { return false; }
+    // PYFA_OK when it can run `op` (a pyfa_op) for p and cfg, else the error saying why.
+    virtual pyfa_status supports(int op, const AttentionParams& p, const pyfa_config& cfg) const;
+    // Checks one kernel's launch on the device before anything runs; launches nothing.
+    virtual pyfa_status check_launch(int kernel, const LaunchShape& shape) const;
+    // Runs (or enqueues on `stream`) one kernel table row.
+    virtual pyfa_status launch(int kernel, const AttentionParams& p, const LaunchShape& shape,
+                               const pyfa_config& cfg, void* stream) const;
+    // Runs every kernel of `op`, params[n] holding kernel n's tiles (count of them).
+    virtual pyfa_status run_op(int op, const AttentionParams* params, size_t count,
+                               const pyfa_config& cfg) const;
+
+    // ---- memory and streams (the defaults are the host's: malloc, memcpy, nothing to wait for)
+    // The stream a host entry point works on (and alone waits for).
+    virtual pyfa_status library_stream(void** stream) const;
+    virtual pyfa_status allocate(void** ptr, size_t bytes, void* stream) const;
+    virtual pyfa_status deallocate(void* ptr, void* stream) const;
+    virtual pyfa_status copy_to_device(void* dst, const void* src, size_t bytes, void* stream) const;
+    virtual pyfa_status copy_to_host(void* dst, const void* src, size_t bytes, void* stream) const;
+    // Waits for `stream` alone and reports the first error of the work on it.
+    virtual pyfa_status synchronize(void* stream) const;
+
+protected:
+    ~Backend() = default;
+};
+
+// At most this many backends register.
+constexpr int kMaxBackends = 8;
+// Adds b to the backends; called by PYFA_REGISTER_BACKEND while the library loads.
+// Allocates nothing; a second backend with b's id, or one past kMaxBackends, is
+// dropped and remembered for registry_problem().
+void register_backend(const Backend* b);
+// The registered backend with this id, or nullptr.
+const Backend* find_backend(int id);
+// Registered backends, in the order PYFA_BACKEND_AUTO tries them (auto_rank 0 last).
+int backend_count();
+const Backend* backend_at(int n);
+
+struct BackendRegistrar {
+    explicit BackendRegistrar(const Backend* b) { register_backend(b); }
+};
+#define PYFA_REGISTER_BACKEND_CAT2(a, b) a##b
+#define PYFA_REGISTER_BACKEND_CAT(a, b) PYFA_REGISTER_BACKEND_CAT2(a, b)
+// One line per backend, at namespace scope in its own file.
+#define PYFA_REGISTER_BACKEND(Type)                                                       \
+    namespace {                                                                           \
+    const Type PYFA_REGISTER_BACKEND_CAT(pyfa_backend_, __LINE__);                        \
+    const ::pyfa::BackendRegistrar PYFA_REGISTER_BACKEND_CAT(pyfa_registrar_, __LINE__){ \
+        &PYFA_REGISTER_BACKEND_CAT(pyfa_backend_, __LINE__)};                             \
+    }
+
+// The emulated device both host backends size their tiles against (an H200's limits),
+// named `name`: the cpu backend uses the emulator's, so that default tiles, and with
+// them the bits, are the same.
+void emulated_h200_profile(const char* name, pyfa_device_profile* profile);
 
 }  // namespace pyfa

@@ -113,6 +113,15 @@ typedef enum pyfa_kernel {
     PYFA_KERNEL_FA2_BACKWARD_DQ = 5          /* row-parallel: dQ_i, no atomics */
 } pyfa_kernel;
 
+/* Each operation of the library: what pyfa_run runs, and which kernels it launches
+   (FA2 backward: preprocess, dK/dV, dQ; the others one kernel each). */
+typedef enum pyfa_op {
+    PYFA_OP_FA2_FORWARD = 0,   /* q, k, v -> o, lse */
+    PYFA_OP_FA2_BACKWARD = 1,  /* q, k, v, o, lse, dout -> dq, dk, dv */
+    PYFA_OP_FA1_FORWARD = 2,   /* q, k, v -> o, m, l */
+    PYFA_OP_FA1_BACKWARD = 3   /* q, k, v, o, m, l, dout -> dq, dk, dv */
+} pyfa_op;
+
 /* Element strides of one (B, heads, N, d) tensor. All three 0: dense row-major, i.e.
    (heads * N * d, N * d, d). Otherwise each must be >= 0 (any values: views into a
    larger or packed array, e.g. flash-attn's (B, N, H, d) is (N*H*d, d, H*d)). */

@@ -1,5 +1,5 @@
 // fake_cuda.cpp: a stand-in for cuda_backend.cu, for tests/test_abi_safety.py. Linked with
-// the C ABI's own sources (api.cpp, errors.cpp, tiles.cpp) into a test library, it lets
+// the C ABI's own sources (src/core/*.cpp, src/backends/cuda/cuda_adapter.cpp) into a test library, it lets
 // the CUDA paths of run_op run without a GPU: "device memory" is host memory, a launch
 // fills the tensors its kernel writes with a value of its own, and every call is logged,
 // so a test sees which stream each step used, when outputs were copied, and what a
@@ -15,7 +15,7 @@
 #include <cstring>
 #include <string>
 
-#include "core/internal.h"
+#include "backends/cuda/cuda_functions.h"
 
 namespace {
 
@@ -136,16 +136,6 @@ pyfa_status cuda_launch(int kernel, const AttentionParams& p, const LaunchShape&
 pyfa_status cuda_synchronize(void* stream) {
     log_event("sync %s", stream_name(stream));
     return PYFA_OK;
-}
-
-// The emulator and the cpu backend are not part of this test library.
-pyfa_status emu_profile(pyfa_device_profile* profile) { return cuda_profile(profile); }
-pyfa_status emu_launch(int, const AttentionParams&, const LaunchShape&, const pyfa_config&) {
-    return fail(PYFA_ERROR_INTERNAL, "fake: no emulator in this test library");
-}
-pyfa_status cpu_profile(pyfa_device_profile* profile) { return cuda_profile(profile); }
-pyfa_status cpu_run(const int*, const AttentionParams*, size_t, const pyfa_config&) {
-    return fail(PYFA_ERROR_INTERNAL, "fake: no cpu backend in this test library");
 }
 
 }  // namespace pyfa

@@ -192,18 +192,8 @@ struct Plan {
     int64_t Tc() const { return static_cast<int64_t>(q_begin.size()); }
 };
 
-}  // namespace
-
-pyfa_status cpu_profile(pyfa_device_profile* profile) {
-    // The emulator's limits, so that default tiles, and with them the bits, are the same.
-    const pyfa_status st = emu_profile(profile);
-    if (st != PYFA_OK) return st;
-    std::memset(profile->name, 0, sizeof(profile->name));
-    std::strncpy(profile->name, "pyfa cpu (tiles of the emulator's H200 profile)", sizeof(profile->name) - 1);
-    return PYFA_OK;
-}
-
-pyfa_status cpu_run(const int* kernels, const AttentionParams* params, size_t count, const pyfa_config& cfg) {
+// params[n]: the op's kernel n with its tiles, in launch order (count of them).
+pyfa_status cpu_run(int op, const AttentionParams* params, size_t count, const pyfa_config& cfg) {
     if (cfg.threads < 0)
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->threads: must be >= 0 (0: one per core), got " +
                                                      std::to_string(cfg.threads));
@@ -222,9 +212,8 @@ pyfa_status cpu_run(const int* kernels, const AttentionParams* params, size_t co
     int64_t total = 0;
     Runner* runner = nullptr;  // set below, before any phase runs
 
-    const int k0 = kernels[0];
-    if (count == 1 && (k0 == PYFA_KERNEL_FA2_FORWARD || k0 == PYFA_KERNEL_FA1_FORWARD)) {
-        plans.emplace_back(p0, k0 == PYFA_KERNEL_FA1_FORWARD, nullptr);
+    if ((op == PYFA_OP_FA2_FORWARD || op == PYFA_OP_FA1_FORWARD) && count == 1) {
+        plans.emplace_back(p0, op == PYFA_OP_FA1_FORWARD, nullptr);
         const Plan& f = plans[0];
         const int64_t Tr = f.Tr();
         // Head by head, so that the threads walk one head's K and V (which at d = 128
@@ -236,10 +225,8 @@ pyfa_status cpu_run(const int* kernels, const AttentionParams* params, size_t co
                               runner->done_one();
                           }});
         total = BH * Tr;
-    } else if ((count == 1 && k0 == PYFA_KERNEL_FA1_BACKWARD) ||
-               (count == 3 && k0 == PYFA_KERNEL_FA2_BACKWARD_PREPROCESS &&
-                kernels[1] == PYFA_KERNEL_FA2_BACKWARD_DKDV && kernels[2] == PYFA_KERNEL_FA2_BACKWARD_DQ)) {
-        const bool fa1 = count == 1;
+    } else if ((op == PYFA_OP_FA1_BACKWARD && count == 1) || (op == PYFA_OP_FA2_BACKWARD && count == 3)) {
+        const bool fa1 = op == PYFA_OP_FA1_BACKWARD;
         float* D = p0.drow;
         if (fa1) {
             fa1_D.resize(static_cast<size_t>(BH * p0.seqlen_q));
@@ -299,7 +286,7 @@ pyfa_status cpu_run(const int* kernels, const AttentionParams* params, size_t co
             total += BHkv * Tc + BH * Tr;
         }
     } else {
-        return fail(PYFA_ERROR_INTERNAL, std::string("cpu backend: no implementation of ") + kernel_name(k0));
+        return fail(PYFA_ERROR_INTERNAL, "cpu backend: no implementation of op %d with %zu kernels", op, count);
     }
 
     size_t ws = 0;
@@ -309,5 +296,28 @@ pyfa_status cpu_run(const int* kernels, const AttentionParams* params, size_t co
     if (!r.run(phases, ws)) return fail(PYFA_ERROR_CANCELLED, "cancelled by config->progress");
     return PYFA_OK;
 }
+
+// Host memory; kernels of its own, which take a whole op at once (it may fuse the op's
+// kernels) and ask config->progress themselves.
+class CpuBackend final : public Backend {
+public:
+    int id() const override { return PYFA_BACKEND_CPU; }
+    const char* label() const override { return "the cpu backend"; }
+    int auto_rank() const override { return 2; }
+    pyfa_status profile(pyfa_device_profile* profile) const override {
+        emulated_h200_profile("pyfa cpu (tiles of the emulator's H200 profile)", profile);
+        return PYFA_OK;
+    }
+    bool runs_table_kernels() const override { return false; }
+    bool dense_only() const override { return true; }
+    bool runs_whole_op() const override { return true; }
+    pyfa_status run_op(int op, const AttentionParams* params, size_t count, const pyfa_config& cfg) const override {
+        return cpu_run(op, params, count, cfg);
+    }
+};
+
+}  // namespace
+
+PYFA_REGISTER_BACKEND(CpuBackend)
 
 }  // namespace pyfa

@@ -16,7 +16,7 @@
 #include <mutex>
 
 #include "kernels/registry.cuh"
-#include "core/internal.h"
+#include "backends/cuda/cuda_functions.h"
 
 namespace pyfa {
 

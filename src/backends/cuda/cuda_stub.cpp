@@ -1,7 +1,7 @@
 // cuda_stub.cpp: the CUDA backend of a library built without nvcc. It reports itself
 // absent, so PYFA_BACKEND_AUTO picks a host backend on the host entry points and
 // PYFA_BACKEND_CUDA (or AUTO on a *_device entry point) fails clearly.
-#include "core/internal.h"
+#include "backends/cuda/cuda_functions.h"
 
 namespace pyfa {
 

@@ -35,17 +35,6 @@ pyfa_status status_of(pyfa_emu::Error error) {
     return PYFA_ERROR_INTERNAL;
 }
 
-}  // namespace
-
-pyfa_status emu_profile(pyfa_device_profile* profile) {
-    std::memset(profile, 0, sizeof(*profile));
-    std::strncpy(profile->name, "pyfa emulator (H200 profile)", sizeof(profile->name) - 1);
-    profile->smem_per_block = 227 * 1024;  // an H200's opt-in shared memory per block
-    profile->max_threads_per_block = 1024;
-    profile->sm_count = 132;
-    return PYFA_OK;
-}
-
 pyfa_status emu_launch(int kernel, const AttentionParams& p, const LaunchShape& shape,
                        const pyfa_config& config) {
     char message[sizeof(pyfa_emu::LaunchResult::message) + 64];
@@ -80,5 +69,25 @@ pyfa_status emu_launch(int kernel, const AttentionParams& p, const LaunchShape& 
     std::snprintf(message, sizeof message, "%s: %s", kernel_name(kernel), result.message);
     return report(status_of(result.error), message);
 }
+
+// Host memory, the kernel table's kernels launched one by one; the emulator asks
+// config->progress itself, between blocks.
+class EmuBackend final : public Backend {
+public:
+    int id() const override { return PYFA_BACKEND_EMU; }
+    const char* label() const override { return "the emulator"; }
+    pyfa_status profile(pyfa_device_profile* profile) const override {
+        emulated_h200_profile("pyfa emulator (H200 profile)", profile);
+        return PYFA_OK;
+    }
+    pyfa_status launch(int kernel, const AttentionParams& p, const LaunchShape& shape, const pyfa_config& cfg,
+                       void*) const override {
+        return emu_launch(kernel, p, shape, cfg);
+    }
+};
+
+}  // namespace
+
+PYFA_REGISTER_BACKEND(EmuBackend)
 
 }  // namespace pyfa

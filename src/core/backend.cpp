@@ -1,0 +1,102 @@
+// backend.cpp: the registry of backends, and what a Backend does unless it says
+// otherwise (host memory; no kernel it cannot run; no whole-op path).
+#include <cstdlib>
+#include <cstring>
+
+#include "core/internal.h"
+
+namespace pyfa {
+
+namespace {
+
+// Filled while the library loads, before any call can read it: zero-initialised
+// storage, so the order in which the backends' files register does not matter.
+struct Registry {
+    const Backend* backends[kMaxBackends];
+    int count;
+};
+Registry g_registry;
+
+// Where b goes in the AUTO order: by auto_rank, 0 (never) last; ties by id.
+bool before(const Backend* a, const Backend* b) {
+    const unsigned ra = static_cast<unsigned>(a->auto_rank() - 1), rb = static_cast<unsigned>(b->auto_rank() - 1);
+    return ra != rb ? ra < rb : a->id() < b->id();
+}
+
+}  // namespace
+
+void register_backend(const Backend* b) {
+    Registry& r = g_registry;
+    if (r.count == kMaxBackends || find_backend(b->id())) return;
+    int n = r.count++;
+    for (; n > 0 && before(b, r.backends[n - 1]); --n) r.backends[n] = r.backends[n - 1];
+    r.backends[n] = b;
+}
+
+const Backend* find_backend(int id) {
+    for (int n = 0; n < g_registry.count; ++n)
+        if (g_registry.backends[n]->id() == id) return g_registry.backends[n];
+    return nullptr;
+}
+
+int backend_count() { return g_registry.count; }
+
+const Backend* backend_at(int n) { return n >= 0 && n < g_registry.count ? g_registry.backends[n] : nullptr; }
+
+void emulated_h200_profile(const char* name, pyfa_device_profile* profile) {
+    std::memset(profile, 0, sizeof(*profile));
+    std::strncpy(profile->name, name, sizeof(profile->name) - 1);
+    profile->smem_per_block = 227 * 1024;  // an H200's opt-in shared memory per block
+    profile->max_threads_per_block = 1024;
+    profile->sm_count = 132;
+}
+
+pyfa_status Backend::supports(int, const AttentionParams&, const pyfa_config& cfg) const {
+    if (!runs_table_kernels() && cfg.variant == PYFA_VARIANT_FAST)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                    "config->variant: fast: %s has kernels of its own; PYFA_VARIANT_FAST chooses among the "
+                    "emulator's and CUDA's",
+                    label());
+    return PYFA_OK;
+}
+
+pyfa_status Backend::check_launch(int, const LaunchShape&) const { return PYFA_OK; }
+
+pyfa_status Backend::launch(int kernel, const AttentionParams&, const LaunchShape&, const pyfa_config&,
+                            void*) const {
+    return fail(PYFA_ERROR_INTERNAL, "%s launches no single kernel (%s)", label(), kernel_name(kernel));
+}
+
+pyfa_status Backend::run_op(int op, const AttentionParams*, size_t, const pyfa_config&) const {
+    return fail(PYFA_ERROR_INTERNAL, "%s runs no whole op (%d)", label(), op);
+}
+
+pyfa_status Backend::library_stream(void** stream) const {
+    *stream = nullptr;
+    return PYFA_OK;
+}
+
+pyfa_status Backend::allocate(void** ptr, size_t bytes, void*) const {
+    *ptr = std::malloc(bytes ? bytes : 1);
+    if (!*ptr) return fail(PYFA_ERROR_OUT_OF_MEMORY, "out of host memory for %zu bytes", bytes);
+    return PYFA_OK;
+}
+
+pyfa_status Backend::deallocate(void* ptr, void*) const {
+    std::free(ptr);
+    return PYFA_OK;
+}
+
+pyfa_status Backend::copy_to_device(void* dst, const void* src, size_t bytes, void*) const {
+    std::memcpy(dst, src, bytes);
+    return PYFA_OK;
+}
+
+pyfa_status Backend::copy_to_host(void* dst, const void* src, size_t bytes, void*) const {
+    std::memcpy(dst, src, bytes);
+    return PYFA_OK;
+}
+
+pyfa_status Backend::synchronize(void*) const { return PYFA_OK; }
+
+}  // namespace pyfa
