@@ -43,23 +43,28 @@ struct TensorSlot {
     bool per_row;      // one value per row (LSE, m, l, D) rather than d; always dense
     pyfa_strides pyfa_problem::*caller;   // its strides as the caller gives them (4-D tensors)
     TensorStrides AttentionParams::*kernel;  // and as the kernels take them
+    pyfa_tensor pyfa_tensors::*named;     // its field in pyfa_run's tensors (not for scratch)
 };
 
 const TensorSlot kTensors[] = {
-    {"", false, false, nullptr, nullptr},
-    {"q", false, false, &pyfa_problem::q, &AttentionParams::q_strides},
-    {"k", true, false, &pyfa_problem::k, &AttentionParams::k_strides},
-    {"v", true, false, &pyfa_problem::v, &AttentionParams::v_strides},
-    {"o", false, false, &pyfa_problem::o, &AttentionParams::o_strides},
-    {"lse", false, true, nullptr, nullptr},
-    {"m", false, true, nullptr, nullptr},
-    {"l", false, true, nullptr, nullptr},
-    {"do", false, false, &pyfa_problem::dout, &AttentionParams::dout_strides},
-    {"dq", false, false, &pyfa_problem::dq, &AttentionParams::dq_strides},
-    {"dk", true, false, &pyfa_problem::dk, &AttentionParams::dk_strides},
-    {"dv", true, false, &pyfa_problem::dv, &AttentionParams::dv_strides},
-    {"D", false, true, nullptr, nullptr},
+    {"", false, false, nullptr, nullptr, nullptr},
+    {"q", false, false, &pyfa_problem::q, &AttentionParams::q_strides, &pyfa_tensors::q},
+    {"k", true, false, &pyfa_problem::k, &AttentionParams::k_strides, &pyfa_tensors::k},
+    {"v", true, false, &pyfa_problem::v, &AttentionParams::v_strides, &pyfa_tensors::v},
+    {"o", false, false, &pyfa_problem::o, &AttentionParams::o_strides, &pyfa_tensors::o},
+    {"lse", false, true, nullptr, nullptr, &pyfa_tensors::lse},
+    {"m", false, true, nullptr, nullptr, &pyfa_tensors::m},
+    {"l", false, true, nullptr, nullptr, &pyfa_tensors::l},
+    {"do", false, false, &pyfa_problem::dout, &AttentionParams::dout_strides, &pyfa_tensors::dout},
+    {"dq", false, false, &pyfa_problem::dq, &AttentionParams::dq_strides, &pyfa_tensors::dq},
+    {"dk", true, false, &pyfa_problem::dk, &AttentionParams::dk_strides, &pyfa_tensors::dk},
+    {"dv", true, false, &pyfa_problem::dv, &AttentionParams::dv_strides, &pyfa_tensors::dv},
+    {"D", false, true, nullptr, nullptr, nullptr},
 };
+// The tensors a caller names (T_Q .. T_DV); T_D is the library's own.
+constexpr int kNamedTensors = T_DV + 1;
+
+bool all_zero(const pyfa_strides& s) { return s.batch == 0 && s.head == 0 && s.row == 0; }
 
 // Heads of tensor t (pr.heads_kv already resolved from 0).
 int64_t tensor_heads(TensorId t, const pyfa_problem& pr) { return kTensors[t].key_rows ? pr.heads_kv : pr.heads; }
@@ -240,11 +245,33 @@ pyfa_status copy_struct(const T* in, const char* field, T* out) {
 
 // Checks the caller's problem for an operation taking `tensors` (n of them) and writes
 // the library's copy to `out`, with heads_kv resolved from 0.
-pyfa_status check_problem(const pyfa_problem* in, const TensorId* tensors, int n, pyfa_problem* out) {
+// A tensor's strides given in pyfa_run's tensors (all zero for the per-op entry points)
+// replace the problem's, which must then be zero or the same.
+pyfa_status check_problem(const pyfa_problem* in, const TensorId* tensors, int n, const pyfa_tensors& named,
+                          pyfa_problem* out) {
     if (!in) return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem: null pointer");
     pyfa_status st = copy_struct(in, "problem->struct_size", out);
     if (st != PYFA_OK) return st;
     pyfa_problem* pr = out;
+    for (int t = 0; t < n; ++t) {
+        const pyfa_strides& given = (named.*kTensors[tensors[t]].named).strides;
+        pyfa_strides* s = kTensors[tensors[t]].caller ? &(pr->*kTensors[tensors[t]].caller) : nullptr;
+        if (all_zero(given)) continue;
+        const char* field = strides_field(tensors[t]);
+        if (!s)
+            return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                        "tensors->%s.strides: must be 0 (lse, m and l are always dense), got (%lld, %lld, %lld)",
+                        field, static_cast<long long>(given.batch), static_cast<long long>(given.head),
+                        static_cast<long long>(given.row));
+        if (!all_zero(*s) && (s->batch != given.batch || s->head != given.head || s->row != given.row))
+            return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                        "tensors->%s.strides: (%lld, %lld, %lld) contradict problem->%s (%lld, %lld, %lld); give "
+                        "a tensor's strides in one of the two and leave the other 0",
+                        field, static_cast<long long>(given.batch), static_cast<long long>(given.head),
+                        static_cast<long long>(given.row), field, static_cast<long long>(s->batch),
+                        static_cast<long long>(s->head), static_cast<long long>(s->row));
+        *s = given;
+    }
     const struct { const char* name; int64_t value; } dims[] = {
         {"problem->batch", pr->batch},       {"problem->heads", pr->heads},
         {"problem->seqlen_q", pr->seqlen_q}, {"problem->seqlen_k", pr->seqlen_k},
@@ -434,22 +461,50 @@ pyfa_status poll_progress(const pyfa_config& cfg, int64_t done, int64_t total) {
     return PYFA_OK;
 }
 
+// `via_run`: called as pyfa_run, whose messages name the tensors' fields; the per-op
+// entry points name their arguments.
 pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const pyfa_config* config,
-                             const float* const* inputs, float* const* outputs,
-                             bool device_pointers, void* stream) {
+                             const pyfa_tensors* tensors_in, void* stream, bool via_run) {
     const int n_in = count(op.inputs), n_out = count(op.outputs), n_scratch = count(op.scratch);
     TensorId taken[kMaxInputs + kMaxOutputs];
     for (int t = 0; t < n_in; ++t) taken[t] = op.inputs[t];
     for (int t = 0; t < n_out; ++t) taken[n_in + t] = op.outputs[t];
-    pyfa_problem pr;
-    pyfa_status st = check_problem(problem, taken, n_in + n_out, &pr);
+    if (!tensors_in) return fail(PYFA_ERROR_INVALID_ARGUMENT, "tensors: null pointer");
+    pyfa_tensors named;
+    pyfa_status st = copy_struct(tensors_in, "tensors->struct_size", &named);
     if (st != PYFA_OK) return st;
+    if (named.memory != PYFA_MEMORY_HOST && named.memory != PYFA_MEMORY_DEVICE)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                    "tensors->memory: must be PYFA_MEMORY_HOST (0) or PYFA_MEMORY_DEVICE (1), got %d", named.memory);
+    const bool device_pointers = named.memory == PYFA_MEMORY_DEVICE;
+    if (!device_pointers && stream)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                    "stream: must be NULL for host tensors (host calls work on the library's own stream)");
+    for (int t = T_Q; t < kNamedTensors; ++t) {
+        const pyfa_tensor& given = named.*kTensors[t].named;
+        bool takes = false;
+        for (int u = 0; u < n_in + n_out; ++u) takes = takes || taken[u] == t;
+        if (!takes && (given.data || !all_zero(given.strides)))
+            return fail(PYFA_ERROR_INVALID_ARGUMENT, "tensors->%s: given, but %s does not take it (leave it zero)",
+                        strides_field(static_cast<TensorId>(t)), op.name);
+    }
+    pyfa_problem pr;
+    if ((st = check_problem(problem, taken, n_in + n_out, named, &pr)) != PYFA_OK) return st;
     pyfa_config cfg;
     if ((st = check_config(config, &cfg)) != PYFA_OK) return st;
-    for (int t = 0; t < n_in; ++t)
-        if (!inputs[t]) return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: null pointer", kTensors[op.inputs[t]].name);
-    for (int t = 0; t < n_out; ++t)
-        if (!outputs[t]) return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: null pointer", kTensors[op.outputs[t]].name);
+    const float* inputs[kMaxInputs] = {};
+    float* outputs[kMaxOutputs] = {};
+    for (int t = 0; t < n_in + n_out; ++t) {
+        float* data = static_cast<float*>((named.*kTensors[taken[t]].named).data);
+        if (!data && via_run)
+            return fail(PYFA_ERROR_INVALID_ARGUMENT, "tensors->%s.data: null pointer, but %s %s it",
+                        strides_field(taken[t]), op.name, t < n_in ? "reads" : "writes");
+        if (!data) return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: null pointer", kTensors[taken[t]].name);
+        if (t < n_in)
+            inputs[t] = data;
+        else
+            outputs[t - n_in] = data;
+    }
     if (cfg.emu_order < PYFA_EMU_ORDER_FORWARD || cfg.emu_order > PYFA_EMU_ORDER_SHUFFLED)
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->emu_order: unknown order %d", cfg.emu_order);
     if (cfg.emu_workers < 0)
@@ -648,12 +703,21 @@ T guarded_value(const char* where, T failed, Body&& body) noexcept {
     return st == PYFA_OK ? result : failed;
 }
 
-pyfa_status run_op(const Op& op, const pyfa_problem* problem, const pyfa_config* config,
+// A per-op entry point: its pointers become pyfa_run's tensors, with the strides left
+// to the problem.
+pyfa_status run_op(int op_id, const pyfa_problem* problem, const pyfa_config* config,
                    const float* const* inputs, float* const* outputs, bool device_pointers,
                    void* stream) noexcept {
     clear_error();
+    const Op& op = kOps[op_id];
     return guarded(op.name, [&] {
-        return run_op_unguarded(op, problem, config, inputs, outputs, device_pointers, stream);
+        pyfa_tensors named{};
+        named.struct_size = sizeof(named);
+        named.memory = device_pointers ? PYFA_MEMORY_DEVICE : PYFA_MEMORY_HOST;
+        for (int t = 0; t < count(op.inputs); ++t)
+            (named.*kTensors[op.inputs[t]].named).data = const_cast<float*>(inputs[t]);
+        for (int t = 0; t < count(op.outputs); ++t) (named.*kTensors[op.outputs[t]].named).data = outputs[t];
+        return run_op_unguarded(op, problem, config, &named, stream, false);
     });
 }
 
@@ -752,11 +816,20 @@ PYFA_API pyfa_status pyfa_variant_default_tiles(int kernel, int variant, int64_t
                                block_c);
 }
 
+PYFA_API pyfa_status pyfa_run(int op, const pyfa_problem* problem, const pyfa_config* config,
+                              const pyfa_tensors* tensors, void* stream) {
+    clear_error();
+    if (op < 0 || op >= kOpCount)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "op: unknown op %d (a pyfa_op, 0 to %d)", op, kOpCount - 1);
+    return guarded(kOps[op].name,
+                   [&] { return run_op_unguarded(kOps[op], problem, config, tensors, stream, true); });
+}
+
 PYFA_API pyfa_status pyfa_fa2_forward(const pyfa_problem* problem, const pyfa_config* config,
                                       const float* q, const float* k, const float* v, float* o, float* lse) {
     const float* in[] = {q, k, v};
     float* out[] = {o, lse};
-    return run_op(kOps[PYFA_OP_FA2_FORWARD], problem, config, in, out, false, nullptr);
+    return run_op(PYFA_OP_FA2_FORWARD, problem, config, in, out, false, nullptr);
 }
 
 PYFA_API pyfa_status pyfa_fa2_forward_device(const pyfa_problem* problem, const pyfa_config* config,
@@ -764,7 +837,7 @@ PYFA_API pyfa_status pyfa_fa2_forward_device(const pyfa_problem* problem, const 
                                              float* lse, void* stream) {
     const float* in[] = {q, k, v};
     float* out[] = {o, lse};
-    return run_op(kOps[PYFA_OP_FA2_FORWARD], problem, config, in, out, true, stream);
+    return run_op(PYFA_OP_FA2_FORWARD, problem, config, in, out, true, stream);
 }
 
 PYFA_API pyfa_status pyfa_fa2_backward(const pyfa_problem* problem, const pyfa_config* config,
@@ -773,7 +846,7 @@ PYFA_API pyfa_status pyfa_fa2_backward(const pyfa_problem* problem, const pyfa_c
                                        float* dv) {
     const float* in[] = {q, k, v, o, lse, dout};
     float* out[] = {dq, dk, dv};
-    return run_op(kOps[PYFA_OP_FA2_BACKWARD], problem, config, in, out, false, nullptr);
+    return run_op(PYFA_OP_FA2_BACKWARD, problem, config, in, out, false, nullptr);
 }
 
 PYFA_API pyfa_status pyfa_fa2_backward_device(const pyfa_problem* problem, const pyfa_config* config,
@@ -782,7 +855,7 @@ PYFA_API pyfa_status pyfa_fa2_backward_device(const pyfa_problem* problem, const
                                               float* dq, float* dk, float* dv, void* stream) {
     const float* in[] = {q, k, v, o, lse, dout};
     float* out[] = {dq, dk, dv};
-    return run_op(kOps[PYFA_OP_FA2_BACKWARD], problem, config, in, out, true, stream);
+    return run_op(PYFA_OP_FA2_BACKWARD, problem, config, in, out, true, stream);
 }
 
 PYFA_API pyfa_status pyfa_fa1_forward(const pyfa_problem* problem, const pyfa_config* config,
@@ -790,7 +863,7 @@ PYFA_API pyfa_status pyfa_fa1_forward(const pyfa_problem* problem, const pyfa_co
                                       float* l) {
     const float* in[] = {q, k, v};
     float* out[] = {o, m, l};
-    return run_op(kOps[PYFA_OP_FA1_FORWARD], problem, config, in, out, false, nullptr);
+    return run_op(PYFA_OP_FA1_FORWARD, problem, config, in, out, false, nullptr);
 }
 
 PYFA_API pyfa_status pyfa_fa1_forward_device(const pyfa_problem* problem, const pyfa_config* config,
@@ -798,7 +871,7 @@ PYFA_API pyfa_status pyfa_fa1_forward_device(const pyfa_problem* problem, const 
                                              float* m, float* l, void* stream) {
     const float* in[] = {q, k, v};
     float* out[] = {o, m, l};
-    return run_op(kOps[PYFA_OP_FA1_FORWARD], problem, config, in, out, true, stream);
+    return run_op(PYFA_OP_FA1_FORWARD, problem, config, in, out, true, stream);
 }
 
 PYFA_API pyfa_status pyfa_fa1_backward(const pyfa_problem* problem, const pyfa_config* config,
@@ -807,7 +880,7 @@ PYFA_API pyfa_status pyfa_fa1_backward(const pyfa_problem* problem, const pyfa_c
                                        float* dk, float* dv) {
     const float* in[] = {q, k, v, o, m, l, dout};
     float* out[] = {dq, dk, dv};
-    return run_op(kOps[PYFA_OP_FA1_BACKWARD], problem, config, in, out, false, nullptr);
+    return run_op(PYFA_OP_FA1_BACKWARD, problem, config, in, out, false, nullptr);
 }
 
 PYFA_API pyfa_status pyfa_fa1_backward_device(const pyfa_problem* problem, const pyfa_config* config,
@@ -817,7 +890,7 @@ PYFA_API pyfa_status pyfa_fa1_backward_device(const pyfa_problem* problem, const
                                               void* stream) {
     const float* in[] = {q, k, v, o, m, l, dout};
     float* out[] = {dq, dk, dv};
-    return run_op(kOps[PYFA_OP_FA1_BACKWARD], problem, config, in, out, true, stream);
+    return run_op(PYFA_OP_FA1_BACKWARD, problem, config, in, out, true, stream);
 }
 
 }  // extern "C"
