@@ -168,6 +168,11 @@ def test_pyfa_run_refuses_tensors_the_op_does_not_take_or_lacks():
     assert st == 1 and msg.startswith("stream: must be NULL for host tensors"), msg
     st = L.pyfa_run(4, p, c, tensors(ffi, q=q, k=k, v=v, o=o, lse=lse), ffi.NULL)
     assert st == 1 and ffi.string(L.pyfa_last_error()).decode().startswith("op: unknown op 4")
+    bad = tensors(ffi, q=q, k=k, v=v, o=o, lse=lse)
+    for size in (8, ffi.sizeof("pyfa_tensors") + 8):
+        bad.struct_size = size
+        st, msg = run("fa2_forward", p, c, bad)
+        assert st == 1 and msg.startswith(f"tensors->struct_size: {size} is not the size of a layout"), msg
     st = L.pyfa_run(0, p, c, ffi.NULL, ffi.NULL)
     assert st == 1 and ffi.string(L.pyfa_last_error()).decode() == "tensors: null pointer"
     # Device memory on a host backend is the *_device entry point's behaviour: host pointers.

@@ -210,35 +210,60 @@ constexpr int64_t kMaxGridYZ = 65535;
 // tensor's byte count must fit in int64_t (and so in size_t).
 constexpr int64_t kMaxTensorElems = INT64_MAX / static_cast<int64_t>(sizeof(float));
 
-// What struct_size 0 means: ABI 3's layout. pyfa_config's later fields start at or after
-// ABI 3's sizeof, never in its tail padding, which an ABI 3 caller leaves unset.
+// Every published layout of each struct, as its struct_size: the sizes a caller may
+// pass, oldest first, and 0 for the first. Any other size, smaller (it would end inside
+// a field) or larger (fields this library does not have), is refused without reading a
+// byte past struct_size or past the library's own struct. A field added later goes at the
+// end, starting at or after the previous layout's sizeof (never in its tail padding,
+// which an older caller leaves unset), and the new sizeof joins the list.
 template <class T>
-constexpr size_t kAbi3Size = sizeof(T);
+struct Layouts;
 template <>
-constexpr size_t kAbi3Size<pyfa_config> = offsetof(pyfa_config, flags);
+struct Layouts<pyfa_problem> {
+    static constexpr size_t sizes[] = {sizeof(pyfa_problem)};  // ABI 3 to 5
+    static constexpr int first_abi = 3;
+};
+template <>
+struct Layouts<pyfa_config> {
+    static constexpr size_t sizes[] = {offsetof(pyfa_config, flags),  // ABI 3: up to variant
+                                       sizeof(pyfa_config)};          // ABI 4 and 5: flags
+    static constexpr int first_abi = 3;
+};
+template <>
+struct Layouts<pyfa_tensors> {
+    static constexpr size_t sizes[] = {sizeof(pyfa_tensors)};  // ABI 5
+    static constexpr int first_abi = 5;
+};
 // ABI 3's pyfa_config ended after variant, padded to the struct's alignment (unchanged by
 // flags: emu_seed is a uint64_t too).
 static_assert(offsetof(pyfa_config, flags) == (offsetof(pyfa_config, variant) + sizeof(int) + alignof(pyfa_config) - 1) /
                                                   alignof(pyfa_config) * alignof(pyfa_config),
               "pyfa_config.flags must start where ABI 3's pyfa_config ended");
 
-// The caller's struct copied into a zeroed one of this library's layout: min(struct_size,
-// sizeof) bytes, struct_size 0 meaning ABI 3's size; bytes the library does not know must be 0.
+// The caller's struct copied into a zeroed one of this library's layout: struct_size
+// bytes of one of the published layouts (0: the first), so a caller of an older layout
+// gets zero, "as before", for every later field.
 template <class T>
 pyfa_status copy_struct(const T* in, const char* field, T* out) {
     *out = T{};
-    const uint32_t size = in->struct_size ? in->struct_size : static_cast<uint32_t>(kAbi3Size<T>);
-    if (size < sizeof(uint32_t))
-        return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: %u is smaller than the field itself (0 means ABI 3's layout)",
-                    field, size);
-    const unsigned char* bytes = reinterpret_cast<const unsigned char*>(in);
-    for (size_t n = sizeof(T); n < size; ++n)
-        if (bytes[n] != 0)
-            return fail(PYFA_ERROR_INVALID_ARGUMENT,
-                        "%s: %u bytes, but this library (ABI %d) knows %zu and byte %zu beyond them is nonzero: "
-                        "a field this library does not have was set",
-                        field, size, PYFA_ABI_VERSION, sizeof(T), n);
-    std::memcpy(out, in, size < sizeof(T) ? size : sizeof(T));
+    constexpr size_t n_layouts = sizeof(Layouts<T>::sizes) / sizeof(Layouts<T>::sizes[0]);
+    static_assert(Layouts<T>::sizes[n_layouts - 1] == sizeof(T), "the newest layout is this library's struct");
+    const uint32_t asked = in->struct_size;
+    const size_t size = asked ? asked : Layouts<T>::sizes[0];
+    bool known = false;
+    for (size_t n = 0; n < n_layouts; ++n) known = known || Layouts<T>::sizes[n] == size;
+    if (!known) {
+        char list[96] = "0";
+        size_t at = 1;
+        for (size_t n = 0; n < n_layouts && at < sizeof(list); ++n)
+            at += static_cast<size_t>(std::snprintf(list + at, sizeof(list) - at, "%s%zu",
+                                                    n + 1 == n_layouts ? " or " : ", ", Layouts<T>::sizes[n]));
+        return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                    "%s: %u is not the size of a layout this library (ABI %d) knows: %s (0: ABI %d's, sizeof: "
+                    "this header's)",
+                    field, asked, PYFA_ABI_VERSION, list, Layouts<T>::first_abi);
+    }
+    std::memcpy(out, in, size);
     out->struct_size = static_cast<uint32_t>(sizeof(T));
     return PYFA_OK;
 }

@@ -45,15 +45,23 @@
  * right come from the window (unbounded without one) and causal sets right = 0. A row
  * that sees no key gets O = 0 and LSE = -inf (FA1: m = -inf, l = 0).
  *
- * Evolution: pyfa_problem and pyfa_config start with struct_size. The library copies
- * min(struct_size, its own sizeof) bytes into a zeroed struct of its own, so a caller
- * compiled against an older, shorter layout gets zero for every later field, and every
- * zero means "as before". 0 means ABI 3's layout, the fields up to pyfa_config.variant
- * (the whole of pyfa_problem): it reads the same under every later header, and a caller
- * that sets a later field (pyfa_config.flags) passes sizeof. A struct_size larger than
- * the library's is accepted only when the bytes beyond the library's struct are all zero
- * (fields the library does not know must be left unset); else the call fails with
- * PYFA_ERROR_INVALID_ARGUMENT naming problem->struct_size or config->struct_size.
+ * Evolution: pyfa_problem, pyfa_config and pyfa_tensors start with struct_size, the size
+ * of the layout the caller compiled: sizeof, or 0 for the struct's first layout (ABI 3's
+ * for pyfa_problem and pyfa_config, which ended at variant; ABI 5's for pyfa_tensors).
+ * The library accepts exactly the sizes of the layouts published so far (pyfa_config:
+ * ABI 3's and ABI 4's, which is also ABI 5's) and copies that many bytes into a zeroed
+ * struct of its own, so a caller of an older layout gets zero for every later field,
+ * and every zero means "as before"; a caller that sets a later field (pyfa_config.flags)
+ * passes sizeof. Any other struct_size, one that would end inside a field or one larger
+ * than the library's (a newer header's: fields this library does not have), is
+ * PYFA_ERROR_INVALID_ARGUMENT naming problem->struct_size, config->struct_size or
+ * tensors->struct_size, and no byte beyond the library's own struct is read.
+ * A later ABI adds an input (bias, dropout seed, cu_seqlens, a page table, ...) as a
+ * field at the end of these structs, never as a new entry point: a tensor becomes a
+ * pyfa_tensor of pyfa_tensors, a setting a field of pyfa_config or pyfa_problem, each
+ * starting at or after the previous layout's sizeof (never in its tail padding) and
+ * zero meaning its absence; the new sizeof joins the accepted sizes and
+ * PYFA_ABI_VERSION is bumped.
  *
  * The text between PYFA_CDEF_BEGIN and PYFA_CDEF_END is also read by the Python loader
  * (cffi, ABI mode), so it holds declarations only: no preprocessor lines.

@@ -1,7 +1,7 @@
 /* pyfa_problem and pyfa_config across layouts (pyfa.h, "Evolution"): a caller that sets
-   only the fields of ABI 2 in a zero-initialised struct gets ABI 2's results; struct_size
-   smaller than the library's struct hides the later fields, whatever they hold; larger is
-   accepted with an all-zero tail and refused, naming the field, with a nonzero one.
+   only the fields of ABI 2 in a zero-initialised struct gets ABI 2's results; ABI 3's
+   pyfa_config size hides the later fields, whatever they hold; a struct_size that is no
+   published layout's (inside a field, larger than the library's) is refused by name.
    Exit status 0 on success; each failure prints what differed. */
 #include <math.h>
 #include <stddef.h>
@@ -117,48 +117,44 @@ int main(void) {
     expect(pyfa_fa2_forward(&problem, &config, q, k, v, o, lse) == PYFA_OK && same_outputs(),
            "struct_size = sizeof: not today's bits");
 
-    /* Smaller: the fields after causal are beyond struct_size and must be ignored, even
-       when they hold values the library would refuse. */
+    /* ABI 3's pyfa_config (0, or its size spelled out) ends before flags: they are not
+       read, whatever they hold. */
     problem = todays_problem();
-    problem.struct_size = (uint32_t)offsetof(pyfa_problem, heads_kv);
-    problem.heads_kv = 7;
-    problem.window = 1;
-    problem.window_left = 0;
-    problem.window_right = 0;
-    problem.causal_align = 9;
-    problem.q.row = -3;
     config = todays_config();
-    config.struct_size = (uint32_t)offsetof(pyfa_config, variant);
-    config.variant = 99;
+    config.flags = (uint64_t)1 << 40;
+    config.struct_size = 0;
     poison();
     expect(pyfa_fa2_forward(&problem, &config, q, k, v, o, lse) == PYFA_OK && same_outputs(),
-           "smaller struct_size: the fields beyond it were read");
+           "config struct_size 0: flags were read");
+    config.struct_size = (uint32_t)offsetof(pyfa_config, flags);
+    poison();
+    expect(pyfa_fa2_forward(&problem, &config, q, k, v, o, lse) == PYFA_OK && same_outputs(),
+           "config struct_size = ABI 3's: flags were read");
 
-    /* Larger with an all-zero tail: accepted, today's bits. */
-    struct { pyfa_problem p; unsigned char later[24]; } big_problem;
-    struct { pyfa_config c; unsigned char later[24]; } big_config;
-    memset(&big_problem, 0, sizeof(big_problem));
-    memset(&big_config, 0, sizeof(big_config));
-    big_problem.p = todays_problem();
-    big_config.c = todays_config();
-    big_problem.p.struct_size = sizeof(big_problem);
-    big_config.c.struct_size = sizeof(big_config);
-    poison();
-    expect(pyfa_fa2_forward(&big_problem.p, &big_config.c, q, k, v, o, lse) == PYFA_OK && same_outputs(),
-           "larger struct_size, zero tail: not today's bits");
-
-    /* Larger with a nonzero tail: a field this library does not know was set. */
-    big_problem.later[5] = 1;
-    poison();
-    expect(pyfa_fa2_forward(&big_problem.p, &big_config.c, q, k, v, o, lse) == PYFA_ERROR_INVALID_ARGUMENT &&
-               strstr(pyfa_last_error(), "problem->struct_size") && untouched(),
-           "larger problem->struct_size, nonzero tail: not refused by name, or outputs written");
-    big_problem.later[5] = 0;
-    big_config.later[sizeof(big_config.later) - 1] = 2;
-    poison();
-    expect(pyfa_fa2_forward(&big_problem.p, &big_config.c, q, k, v, o, lse) == PYFA_ERROR_INVALID_ARGUMENT &&
-               strstr(pyfa_last_error(), "config->struct_size") && untouched(),
-           "larger config->struct_size, nonzero tail: not refused by name, or outputs written");
+    /* Sizes of no published layout: one ending inside a field (44: half of the progress
+       pointer), a smaller one, a larger one (a newer header's) and the largest: refused
+       by name, nothing written, and nothing read beyond the library's struct. */
+    const uint32_t bad_config[] = {4, 44, (uint32_t)offsetof(pyfa_config, variant), (uint32_t)sizeof(pyfa_config) + 8,
+                                   0xffffffffu};
+    for (size_t n = 0; n < sizeof(bad_config) / sizeof(bad_config[0]); ++n) {
+        config = todays_config();
+        config.struct_size = bad_config[n];
+        poison();
+        expect(pyfa_fa2_forward(&problem, &config, q, k, v, o, lse) == PYFA_ERROR_INVALID_ARGUMENT &&
+                   strstr(pyfa_last_error(), "config->struct_size") && untouched(),
+               "config->struct_size of no published layout: not refused by name, or outputs written");
+    }
+    config = todays_config();
+    const uint32_t bad_problem[] = {1, (uint32_t)offsetof(pyfa_problem, heads_kv), (uint32_t)sizeof(pyfa_problem) + 8,
+                                    0xffffffffu};
+    for (size_t n = 0; n < sizeof(bad_problem) / sizeof(bad_problem[0]); ++n) {
+        problem = todays_problem();
+        problem.struct_size = bad_problem[n];
+        poison();
+        expect(pyfa_fa2_forward(&problem, &config, q, k, v, o, lse) == PYFA_ERROR_INVALID_ARGUMENT &&
+                   strstr(pyfa_last_error(), "problem->struct_size") && untouched(),
+               "problem->struct_size of no published layout: not refused by name, or outputs written");
+    }
 
     /* variant: REFERENCE runs the readable kernels, today's bits. */
     problem = todays_problem();
