@@ -18,6 +18,7 @@
 // No C++ exception may cross the C ABI (it would terminate the caller's process), and
 // reporting a failure must work when allocation does not: every extern "C" function runs
 // its body under guarded(), and no failure path allocates.
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -118,6 +119,72 @@ int64_t tensor_extent(TensorId t, const pyfa_problem& pr) {
     int64_t n = checked_add(checked_mul(pr.batch - 1, s.batch), checked_mul(tensor_heads(t, pr) - 1, s.head));
     n = n < 0 ? -1 : checked_add(n, checked_mul(tensor_rows(t, pr) - 1, s.row));
     return n < 0 ? -1 : checked_add(n, pr.head_dim);
+}
+
+// Tensor t as the caller laid it out, in bytes: up to three dimensions (stride, count) of
+// rows `width` bytes long (a per-row tensor: rows of one float).
+struct ByteLayout {
+    int64_t stride[3];
+    int64_t count[3];
+    int64_t width;
+};
+
+ByteLayout byte_layout(TensorId t, const pyfa_problem& pr) {
+    const int64_t f = static_cast<int64_t>(sizeof(float));
+    const int64_t heads = tensor_heads(t, pr), rows = tensor_rows(t, pr);
+    if (kTensors[t].per_row) return ByteLayout{{heads * rows * f, rows * f, f}, {pr.batch, heads, rows}, f};
+    const TensorStrides s = resolved_strides(t, pr);
+    return ByteLayout{{s.batch * f, s.head * f, s.row * f}, {pr.batch, heads, rows}, pr.head_dim * f};
+}
+
+// Whether some row of a (at byte address a0) and some row of b (at b0) share a byte.
+// Two tensors whose strides differ are taken to overlap when their spans intersect
+// (conservative). With the same strides and row width, and strides nested (each at least
+// the span of the dimensions inside it, as in any view of one array, packed ones such as
+// (B, N, 3, H, d) included), the answer is exact: a row of a at a0 + sum s_i a_i meets one
+// of b at b0 + sum s_i b_i iff |(a0 - b0) - sum s_i k_i| < width for some k_i = b_i - a_i,
+// and nesting leaves at most two candidates for each k_i, outermost first.
+bool rows_meet(const ByteLayout& a, uintptr_t a0, const ByteLayout& b, uintptr_t b0) {
+    auto span = [](const ByteLayout& l) {
+        __int128 n = l.width;
+        for (int i = 0; i < 3; ++i) n += static_cast<__int128>(l.stride[i]) * (l.count[i] - 1);
+        return n;
+    };
+    const __int128 a_end = static_cast<__int128>(a0) + span(a), b_end = static_cast<__int128>(b0) + span(b);
+    if (a_end <= static_cast<__int128>(b0) || b_end <= static_cast<__int128>(a0)) return false;
+    if (a.width != b.width) return true;
+    for (int i = 0; i < 3; ++i)
+        if (a.stride[i] != b.stride[i]) return true;
+    // Dimensions outermost first, without those of one element in both.
+    int order[3], n = 0;
+    for (int i = 0; i < 3; ++i)
+        if (a.count[i] > 1 || b.count[i] > 1) order[n++] = i;
+    for (int m = 1; m < n; ++m)
+        for (int j = m; j > 0 && a.stride[order[j]] > a.stride[order[j - 1]]; --j) std::swap(order[j], order[j - 1]);
+    __int128 inside = a.width;  // the span of the dimensions inside the current one
+    for (int m = n - 1; m >= 0; --m) {
+        const int i = order[m];
+        if (a.stride[i] < inside) return true;  // not nested
+        inside += static_cast<__int128>(a.stride[i]) * (std::max(a.count[i], b.count[i]) - 1);
+    }
+    struct Search {
+        const ByteLayout& a;
+        const ByteLayout& b;
+        const int* order;
+        int n;
+        bool from(int m, __int128 r) const {
+            if (m >= n || m >= 3) return r < a.width && -r < a.width;
+            const int i = order[m];
+            const __int128 s = a.stride[i], lo = 1 - a.count[i], hi = b.count[i] - 1;
+            __int128 k = r / s;
+            if (k * s > r) --k;  // floor
+            for (__int128 c = k; c <= k + 1; ++c)
+                if (c >= lo && c <= hi && from(m + 1, r - s * c)) return true;
+            return false;
+        }
+    };
+    const Search search{a, b, order, n};
+    return search.from(0, static_cast<__int128>(a0) - static_cast<__int128>(b0));
 }
 
 // A dense copy of the caller's strided tensor t, gathered row by row.
@@ -265,6 +332,29 @@ pyfa_status copy_struct(const T* in, const char* field, T* out) {
     }
     std::memcpy(out, in, size);
     out->struct_size = static_cast<uint32_t>(sizeof(T));
+    return PYFA_OK;
+}
+
+// Outputs sharing a byte with each other are refused, and with an input too where the
+// outputs may be written in place (`in_place`), since a kernel could then read what
+// another has written.
+pyfa_status check_overlaps(const Op& op, const pyfa_problem& pr, const float* const* inputs,
+                           float* const* outputs, bool in_place) {
+    const int n_in = count(op.inputs), n_out = count(op.outputs);
+    for (int x = 0; x < n_out; ++x) {
+        const ByteLayout lx = byte_layout(op.outputs[x], pr);
+        const uintptr_t px = reinterpret_cast<uintptr_t>(outputs[x]);
+        for (int y = x + 1; y < n_out; ++y)
+            if (rows_meet(lx, px, byte_layout(op.outputs[y], pr), reinterpret_cast<uintptr_t>(outputs[y])))
+                return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s and %s: the outputs overlap in memory",
+                            kTensors[op.outputs[x]].name, kTensors[op.outputs[y]].name);
+        for (int y = 0; in_place && y < n_in; ++y)
+            if (rows_meet(lx, px, byte_layout(op.inputs[y], pr), reinterpret_cast<uintptr_t>(inputs[y])))
+                return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                            "%s and %s: the output overlaps the input in memory, which outputs written in place "
+                            "(PYFA_FLAG_IN_PLACE, device pointers) must not",
+                            kTensors[op.outputs[x]].name, kTensors[op.inputs[y]].name);
+    }
     return PYFA_OK;
 }
 
@@ -530,6 +620,9 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         else
             outputs[t - n_in] = data;
     }
+    if ((st = check_overlaps(op, pr, inputs, outputs, device_pointers || (cfg.flags & PYFA_FLAG_IN_PLACE))) !=
+        PYFA_OK)
+        return st;
     if (cfg.emu_order < PYFA_EMU_ORDER_FORWARD || cfg.emu_order > PYFA_EMU_ORDER_SHUFFLED)
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->emu_order: unknown order %d", cfg.emu_order);
     if (cfg.emu_workers < 0)

@@ -36,7 +36,13 @@
  * The 4-D tensors are addressed through the element strides in pyfa_problem (dense
  * row-major when left zero): element (b, h, n, x) of q is at q[b * problem->q.batch +
  * h * problem->q.head + n * problem->q.row + x]. The last dimension is always contiguous.
- * Outputs must not overlap each other or any input; the library does not check this.
+ * Outputs must not overlap each other, nor any input where they are written in place
+ * (PYFA_FLAG_IN_PLACE, device pointers); such a call is PYFA_ERROR_INVALID_ARGUMENT
+ * naming both tensors. Each tensor's bytes are found from its pointer, shape and
+ * strides: two tensors with the same strides (views of one array, packed ones such as
+ * (B, N, 3, H, d) included) are compared element by element, exactly; two with
+ * different strides are taken to overlap when the spans from their first to their last
+ * byte intersect, even if their elements interleave without meeting.
  * Query head h reads K/V head h / (H / Hkv) (grouped-query and multi-query attention);
  * dK and dV of a K/V head sum over its group's query heads in a fixed order.
  *
