@@ -398,3 +398,38 @@ def test_auto_is_cuda_on_both_entry_points_when_cuda_is_usable(fake_cuda_library
     assert launches(host) == ["launch fa2_forward library"]
     assert launches(device) == ["launch fa2_forward caller"]
     assert host["outs"] == device["outs"] == [[1.0], [2.0]]
+
+
+def test_smem_bytes_refuses_internal_kernel_ids():
+    # Rows 6 and up of src/kernels/table.h are the fast variants' ids, the library's own:
+    # pyfa_smem_bytes and pyfa_variant_smem_bytes answer 0 for them as for any unknown
+    # kernel, even where the fast layouts would have a size.
+    ffi, lib = _lib.load()
+    for kernel in (-1, 6, 7, 13, 20, 21, 1000):
+        for d in (64, 128, 2**62, 2**63 - 1):
+            assert lib.pyfa_smem_bytes(kernel, 64, 64, d) == 0, (kernel, d)
+            for variant in (0, 1, 2):
+                assert lib.pyfa_variant_smem_bytes(kernel, variant, 64, 64, d) == 0, (kernel, variant, d)
+    assert lib.pyfa_smem_bytes(1, 64, 64, 64) > 0
+    assert lib.pyfa_variant_smem_bytes(1, 2, 64, 64, 64) > 0
+    assert lib.pyfa_variant_smem_bytes(1, 3, 64, 64, 64) == 0  # an unknown variant
+
+
+def test_every_table_rows_smem_size_is_free_of_undefined_behaviour(tmp_path):
+    # tests/c/smem_ubsan.cpp asks src/core/tiles.cpp for every row's size (the fast rows'
+    # too) at arguments up to INT64_MAX, built with -fsanitize=undefined: a signed overflow
+    # (2 * d at d = INT64_MAX, say) stops it.
+    cxx = next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
+    if cxx is None:
+        pytest.skip("no C++ compiler to build the UBSan program")
+    exe = tmp_path / "smem_ubsan"
+    src = ROOT / "src"
+    build = subprocess.run([cxx, "-std=c++17", "-O1", "-fsanitize=undefined", "-fno-sanitize-recover=all",
+                            f"-I{src}", f"-I{src / 'include'}", f"-I{pyfa.get_include()}",
+                            str(HERE / "c" / "smem_ubsan.cpp"), str(src / "core" / "tiles.cpp"),
+                            str(src / "core" / "errors.cpp"), "-o", str(exe)], capture_output=True, text=True)
+    if build.returncode != 0 and "sanitize" in build.stderr:
+        pytest.skip(f"{cxx} cannot build with -fsanitize=undefined here: {build.stderr[-300:]}")
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "smem: ok" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]

@@ -182,13 +182,13 @@ enum Fa2ForwardFastTerm { FA2FF_QiT, FA2FF_KjT, FA2FF_Vj, FA2FF_Pij, FA2FF_mi, F
 
 // Row stride of P_ij: Bc + 4 floats, an odd number of 16-byte chunks, so the rows r and
 // r + 1 that a warp's two row groups read at one column sit in different banks.
-PYFA_HD int64_t fast_p_stride(int64_t Bc) { return Bc + 4; }
+PYFA_HD int64_t fast_p_stride(int64_t Bc) { return checked_add(Bc, 4); }
 
 PYFA_HD SmemLayout fa2_forward_fast_smem(int64_t Br, int64_t Bc, int64_t d) {
     SmemLayout L;
     L.add("Q_i^T", d, Br);        // transposed once: a thread's 8 rows at one x are 32 bytes
-    L.add("K_j^T", 2 * d, Bc);    // two buffers: K_{j+1} is stored while K_j is read
-    L.add("V_j", 2 * Bc, d);      // two buffers, filled by cp.async
+    L.add("K_j^T", checked_mul(2, d), Bc);    // two buffers: K_{j+1} is stored while K_j is read
+    L.add("V_j", checked_mul(2, Bc), d);      // two buffers, filled by cp.async
     L.add("P_ij", Br, fast_p_stride(Bc));
     L.add("m_i", Br, 1);          // the new row max, from the lanes that hold it
     L.add("alpha", Br, 1);        // exp(m_old - m_new); l_i at the end
@@ -288,7 +288,7 @@ PYFA_HD SmemLayout fa1_forward_fast_smem(int64_t Br, int64_t Bc, int64_t d) {
     SmemLayout L;
     L.add("K_j^T", d, Bc);        // outer loop: loaded once, used against every Q_i
     L.add("V_j", Bc, d);
-    L.add("Q_i^T", 2 * d, Br);    // two buffers: Q_{i+1} is stored while Q_i is read
+    L.add("Q_i^T", checked_mul(2, d), Br);    // two buffers: Q_{i+1} is stored while Q_i is read
     L.add("P~_ij, row scales", Br, fast_p_stride(Bc));
     return L;
 }

@@ -297,6 +297,9 @@ pyfa_status variant_default_tiles(int kernel, int variant, int64_t d, const pyfa
 }
 
 int64_t variant_smem_bytes(int kernel, int variant, int64_t Br, int64_t Bc, int64_t d) {
+    // Only a pyfa_kernel: the fast rows' ids are the library's own.
+    if (!row_of(kernel) || row_of(kernel)->variant != PYFA_VARIANT_REFERENCE) return -1;
+    if (variant < PYFA_VARIANT_AUTO || variant > PYFA_VARIANT_FAST) return -1;
     if (variant == PYFA_VARIANT_REFERENCE || one_form(kernel)) return smem_bytes(kernel, Br, Bc, d);
     for (const Row& r : kRows)
         if (r.kernel == kernel && r.variant == PYFA_VARIANT_FAST && r.d == d && r.br == Br && r.bc == Bc)

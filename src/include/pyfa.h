@@ -269,7 +269,8 @@ PYFA_API const char* pyfa_backend_reason(int backend);
 PYFA_API pyfa_status pyfa_device_profile_get(int backend, pyfa_device_profile* profile);
 
 /* Bytes of dynamic shared memory the kernel needs for these tiles, exactly; 0 for an
-   unknown kernel, an argument below 1, or a size beyond INT64_MAX. */
+   unknown kernel (anything but a pyfa_kernel), an argument below 1, or a size beyond
+   INT64_MAX. */
 PYFA_API int64_t pyfa_smem_bytes(int kernel, int block_r, int block_c, int64_t head_dim);
 /* Tiles the kernel uses when pyfa_config asks for 0, for this head_dim on this backend. */
 PYFA_API pyfa_status pyfa_default_tiles(int kernel, int64_t head_dim, int backend,
