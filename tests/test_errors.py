@@ -291,3 +291,19 @@ def test_demo_arguments_are_usage_errors(argv, needle, capsys):
         main(argv)
     assert info.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_c_abi_caps_threads():
+    # config->threads is OS threads: at most 256, like emu_workers; more is refused by name.
+    ffi, lib = _lib.load()
+    pr = ffi.new("pyfa_problem *", dict(batch=1, heads=1, seqlen_q=4, seqlen_k=4, head_dim=8))
+    q = np.ones((4, 8), np.float32)
+    o, lse = np.full((4, 8), 7.0, np.float32), np.full(4, 7.0, np.float32)
+    p = lambda a: ffi.cast("float *", ffi.from_buffer(a))  # noqa: E731
+    for threads, status in ((256, 0), (257, 1), (2**31 - 1, 1)):
+        cfg = ffi.new("pyfa_config *", dict(backend=3, threads=threads))
+        assert lib.pyfa_fa2_forward(pr, cfg, p(q), p(q), p(q), p(o), p(lse)) == status, threads
+        if status:
+            assert ffi.string(lib.pyfa_last_error()).decode() == \
+                f"config->threads: expected 0 (one per core) to 256, got {threads}"
+    assert np.all(o == 1.0)  # the one call that ran: uniform V gives O = 1

@@ -271,6 +271,8 @@ const Op kOps[] = {
 constexpr int kOpCount = static_cast<int>(sizeof(kOps) / sizeof(kOps[0]));
 
 constexpr int64_t kMaxHeadDim = 256;
+// config->threads: each is an OS thread, so the count is bounded as emu_workers is.
+constexpr int kMaxThreads = 256;
 constexpr int64_t kMaxGridX = 0x7fffffff;
 constexpr int64_t kMaxGridYZ = 65535;
 // The kernels index every tensor in int64_t and the library sizes it in bytes, so a
@@ -620,15 +622,13 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         else
             outputs[t - n_in] = data;
     }
-    if ((st = check_overlaps(op, pr, inputs, outputs, device_pointers || (cfg.flags & PYFA_FLAG_IN_PLACE))) !=
-        PYFA_OK)
-        return st;
     if (cfg.emu_order < PYFA_EMU_ORDER_FORWARD || cfg.emu_order > PYFA_EMU_ORDER_SHUFFLED)
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->emu_order: unknown order %d", cfg.emu_order);
     if (cfg.emu_workers < 0)
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->emu_workers: must be >= 0, got %d", cfg.emu_workers);
-    if (cfg.threads < 0)
-        return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->threads: must be >= 0, got %d", cfg.threads);
+    if (cfg.threads < 0 || cfg.threads > kMaxThreads)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->threads: expected 0 (one per core) to %d, got %d",
+                    kMaxThreads, cfg.threads);
 
     const Backend* be = nullptr;
     if ((st = resolve_backend(cfg.backend, device_pointers, "config->backend", &be)) != PYFA_OK) return st;
@@ -684,6 +684,11 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         shapes[n] = launch_shape(id, p);
         if ((st = backend.check_launch(id, shapes[n])) != PYFA_OK) return st;
     }
+
+    // Last of the argument checks, so that the others are reported first.
+    if ((st = check_overlaps(op, pr, inputs, outputs, device_pointers || (cfg.flags & PYFA_FLAG_IN_PLACE))) !=
+        PYFA_OK)
+        return st;
 
     // On a device-memory backend the host entry points work on the library's own stream.
     const bool device_backend = backend.memory() == Memory::Device;
