@@ -18,6 +18,9 @@ import pytest
 import pyfa
 from pyfa import _lib
 
+# pyfa.h's enum values, as the loader parses them from the header.
+const = _lib.constant
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 INT64_MAX = 2**63 - 1
@@ -145,7 +148,7 @@ HUGE_TILES_CALL = """
                                    ("fa2_backward", 1073764693, 2147437157),
                                    ("fa2_forward", 2147483647, 2147483647),
                                    ("fa1_forward", 2147483647, 1)]:
-        cfg = ffi.new("pyfa_config *", dict(backend=2, block_r=block_r, block_c=block_c, emu_workers=1))
+        cfg = ffi.new("pyfa_config *", dict(backend=const("PYFA_BACKEND_EMU"), block_r=block_r, block_c=block_c, emu_workers=1))
         outs = [np.full((4, 150), 7.0, np.float32) for _ in range(3)]
         rows = [np.full(4, 7.0, np.float32) for _ in range(2)]
         if name == "fa1_backward":
@@ -166,7 +169,7 @@ HUGE_TILES_CALL = """
 def test_huge_tiles_are_refused_cleanly():
     results = json_result(run_python(HUGE_TILES_CALL))
     for name, (status, message, untouched, block_r, block_c) in results.items():
-        assert status == 2, (name, status, message)  # PYFA_ERROR_TILE_TOO_LARGE
+        assert status == const("PYFA_ERROR_TILE_TOO_LARGE"), (name, status, message)
         assert f"block_r={block_r}" in message and f"block_c={block_c}" in message, message
         assert "bytes of shared memory" in message and untouched, (name, message)
 
@@ -177,7 +180,7 @@ def test_tensor_sizes_are_exact():
     ffi, lib = _lib.load()
     x = np.zeros(8, np.float32)
     p = ffi.cast("float *", ffi.from_buffer(x))
-    cfg = ffi.new("pyfa_config *", dict(backend=2))
+    cfg = ffi.new("pyfa_config *", dict(backend=const("PYFA_BACKEND_EMU")))
     for fields in [dict(batch=65535, heads=65535, seqlen_q=2**40, seqlen_k=1, head_dim=256),
                    dict(batch=1, heads=1, seqlen_q=1, seqlen_k=2**62, head_dim=256),
                    dict(batch=2, heads=1, seqlen_q=2**59, seqlen_k=1, head_dim=2)]:

@@ -254,7 +254,7 @@ def test_auto_says_once_why_cuda_is_not_used():
     assert run.returncode == 0, run.stderr
     ffi, lib = pyfa._lib.load()
     lines = run.stdout.splitlines()
-    if lib.pyfa_backend_compiled(1) and not lib.pyfa_backend_available(1):
+    if lib.pyfa_backend_compiled(lib.PYFA_BACKEND_CUDA) and not lib.pyfa_backend_available(lib.PYFA_BACKEND_CUDA):
         reason = pyfa.unavailable_backends()["cuda"]
         assert reason
         assert lines == [f"RuntimeWarning pyfa: backend='auto' falls back to the CPU: this libpyfa "

@@ -309,7 +309,9 @@ def case(fn):
         value = fn()
         error = None
     except Exception as e:
-        value, error = None, f"{type(e).__name__}: {e}"
+        # Named by its builtin kind (pyfa's argument errors are ValueErrors, TypeErrors).
+        kind = next(c for c in type(e).__mro__ if c.__module__ == "builtins")
+        value, error = None, f"{kind.__name__}: {e}"
     log = ffi.string(lib.fake_cuda_log()).decode().split(chr(10))[:-1]
     return dict(value=value, error=error, log=log)
 
