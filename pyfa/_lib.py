@@ -314,15 +314,49 @@ def _init_progress(ffi):
     _progress_callback = on_progress
 
 
+class _Completion(threading.local):
+    depth = 0            # interrupts_after blocks open on this thread
+    interrupted = False  # a Ctrl-C arrived after a call had already succeeded
+
+
+_completion = _Completion()
+
+
+class interrupts_after:
+    """`with _lib.interrupts_after(): ...` around one API call that writes outputs: a
+    Ctrl-C that lands when the library call has already succeeded (too late to cancel)
+    is raised as KeyboardInterrupt when the block ends, after the block has completed
+    every output (its staging copies into out= arrays included), so that out= arrays are
+    never left partly written. Inside an exception the pending interrupt is dropped in
+    favour of that exception."""
+
+    def __enter__(self):
+        if _completion.depth == 0:
+            _completion.interrupted = False
+        _completion.depth += 1
+
+    def __exit__(self, kind, value, tb):
+        _completion.depth -= 1
+        if _completion.depth == 0 and _completion.interrupted:
+            _completion.interrupted = False
+            if kind is None:
+                raise KeyboardInterrupt
+        return False
+
+
 def call(fn, config, *args, progress=None):
     """fn(*args), a libpyfa entry point whose pyfa_config is `config`, raising its status.
 
     progress(done, total) is called now and then while the call runs (on some library
     thread); returning True cancels the call, which then raises CancelledError. On the
     main thread the call runs on a long-lived helper thread while this one waits in short
-    waits, so that Ctrl-C is seen at once: it cancels the call through the progress callback, waits
-    for the library to stop (it writes nothing of the caller's then), and raises
-    KeyboardInterrupt. Elsewhere the call runs on the calling thread.
+    waits, so that Ctrl-C is seen at once: it cancels the call through the progress
+    callback and waits for the library to stop. The contract, in both cases a
+    KeyboardInterrupt: when the library stopped (cancelled), it wrote nothing of the
+    caller's; when the call had already succeeded, its outputs are complete, and inside
+    an interrupts_after block (every API call) the interrupt is raised only once the
+    block has completed them. Elsewhere (other threads) the call runs on the calling
+    thread.
     """
     ffi, _ = load()
     state = _Progress(progress)
@@ -366,7 +400,12 @@ def call(fn, config, *args, progress=None):
                     done.wait(_POLL_S)
                 except KeyboardInterrupt:  # pressed again: the call is stopping already
                     pass
-            raise
+            finished = result.get("status") == _ok() and state.error is None
+            if not (finished and _completion.depth):
+                raise
+            # Too late to stop: the library has written its outputs. The API call that
+            # made this one completes its outputs first, then raises (interrupts_after).
+            _completion.interrupted = True
     if state.error is not None:
         raise state.error
     if "exception" in result:

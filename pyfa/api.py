@@ -21,8 +21,8 @@ import numpy as np
 from . import _arrays, _lib
 from ._arrays import Array, ArrayLike
 from .checks import (
-    MAX_HEAD_DIM, caller_shape, check_int, check_layout, check_like, check_qkv, check_rows,
-    check_tile, element_strides, mask_bounds, resolve_scale,
+    EMPTY_VALUES, MAX_HEAD_DIM, caller_shape, check_int, check_layout, check_like, check_qkv,
+    check_rows, check_sizes, element_strides, is_empty, mask_bounds, resolve_scale,
 )
 from .errors import ArgumentTypeError, BackendUnavailableError, InvalidArgumentError
 from .options import Options, Progress  # noqa: F401 (Progress: the callback's type)
@@ -290,8 +290,7 @@ def _check_device_shapes(tensors, layout):
         raise InvalidArgumentError(f"k: head dim {k4[3]} differs from q's {d}")
     if v != k:
         raise InvalidArgumentError(f"v: shape {v} differs from k's {k}")
-    if min(q4) < 1 or min(k4) < 1:
-        raise InvalidArgumentError(f"q, k: every dimension must be >= 1, got q {q}, k {k}")
+    check_sizes(q4, k4, q, k)
     if H % Hkv != 0:
         raise InvalidArgumentError(f"k: its {Hkv} heads must divide q's {H} heads (grouped-query "
                          f"attention), got q {q}, k {k}")
@@ -322,6 +321,8 @@ class _Intake:
     rank: int         # q's rank as the caller gave it
     layout: str       # "bhnd" or "bnhd", of every 4-D tensor in and out
     stream: int       # the cudaStream_t a CUDA call runs on (0 on the CPU)
+    memory: dict      # name -> the caller's memory of each input: a NumPy array, or the
+                      # DeviceTensor (what an output must not overlap)
 
     def shape4(self, name):
         return tensor_shape(name, *self.dims)
@@ -378,7 +379,7 @@ def _intake(args, stream, backend, layout, outs=None):
         for name, x in views.items():
             tensors[name], strides[name] = _in_place(x)
         dims = (*q4.shape[:3], k4.shape[2], q4.shape[3], heads_kv)
-        return _Intake(place, kind, tensors, strides, dims, rank, layout, 0)
+        return _Intake(place, kind, tensors, strides, dims, rank, layout, 0, arrays)
     _check_cuda_backend(backend, place)
     handle = _cuda_stream(labelled, place, stream)
     tensors = {n: _arrays.device_tensor(n, x, handle) for n, x in args.items()}
@@ -389,7 +390,7 @@ def _intake(args, stream, backend, layout, outs=None):
     strides = {n: None if TENSOR_KINDS[n] == "row"
                else _device_strides(t, tensor_shape(n, *dims), rank, layout)
                for n, t in tensors.items()}
-    return _Intake(place, kind, tensors, strides, dims, rank, layout, handle)
+    return _Intake(place, kind, tensors, strides, dims, rank, layout, handle, tensors)
 
 
 def _out_dict(op_name, names, out):
@@ -406,11 +407,43 @@ def _out_dict(op_name, names, out):
     return dict(zip(names, out))
 
 
+def refuse_overlaps(outputs, inputs, overlap):
+    """InvalidArgumentError naming both when one of `outputs` ([(label, memory)]) shares
+    memory with another output or with one of `inputs`, as overlap(a, b) decides (NumPy:
+    np.shares_memory; device arrays: their pointer spans). The kernels read every input
+    tile after tile while they write the outputs, and write each output once: any such
+    overlap would give wrong data or change an input. The rule of every backend, checked
+    before anything is written."""
+    for i, (name, x) in enumerate(outputs):
+        for other, y in outputs[i + 1:] + inputs:
+            if overlap(x, y):
+                raise InvalidArgumentError(f"{name}: overlaps {other}; outputs must not share "
+                                           f"memory with each other or with the inputs")
+
+
+def _spans_overlap(t, u):
+    return t.ptr < u.ptr + u.nbytes and u.ptr < t.ptr + t.nbytes
+
+
+def _refuse_given_overlaps(intake, outs):
+    """refuse_overlaps on the out= arrays given (None entries skipped) and the inputs,
+    for a call of several ops that must refuse before its first op writes."""
+    given = [(f"out ({n})", x) for n, x in outs.items() if x is not None]
+    if intake.place.kind == "cpu":
+        given = [(label, _arrays.host_array(label, x)) for label, x in given]
+        # Anything else is refused with its own message by the op that takes it.
+        given = [(label, a) for label, a in given if isinstance(a, np.ndarray)]
+        refuse_overlaps(given, list(intake.memory.items()), np.shares_memory)
+    else:
+        given = [(label, _arrays.device_tensor(label, x, intake.stream)) for label, x in given]
+        refuse_overlaps(given, list(intake.memory.items()), _spans_overlap)
+
+
 def _host_outputs(op, intake, outs):
     """{name: (caller's object or None, its NumPy view or None, the NumPy array the library
     writes)}, each in the caller's rank and layout. A given output is written directly
-    when it is C-contiguous and shares no memory with the other tensors; otherwise through
-    a fresh array copied into it after success."""
+    when it is C-contiguous, otherwise through a fresh array copied into it after
+    success; one that overlaps another output or an input is refused."""
     result = {}
     for name in op.outputs:
         shape, given = intake.shape(name), outs[name]
@@ -427,9 +460,9 @@ def _host_outputs(op, intake, outs):
             raise InvalidArgumentError(f"{label}: expected shape {shape}, got {a.shape}")
         if not a.flags.writeable:
             raise InvalidArgumentError(f"{label}: is read-only")
-        others = list(intake.tensors.values()) + [w for _, _, w in result.values()]
-        direct = a.flags.c_contiguous and not any(np.may_share_memory(a, o) for o in others)
-        result[name] = (given, a, a if direct else np.empty(shape, np.float32))
+        result[name] = (given, a, a if a.flags.c_contiguous else np.empty(shape, np.float32))
+    refuse_overlaps([(f"out ({n})", view) for n, (_, view, _) in result.items() if view is not None],
+                    list(intake.memory.items()), np.shares_memory)
     return result
 
 
@@ -454,6 +487,36 @@ def _run_host(op, intake, outs, problem, config, progress):
         if view is not written:
             np.copyto(view, written)
         results.append(given)
+    return tuple(results)
+
+
+def _run_empty(op, intake, outs):
+    """The outputs of an empty problem (Nq = 0 or Nk = 0), EMPTY_VALUES, without the
+    library (which refuses zero lengths). On CUDA arrays only outputs with no elements can
+    be made without a kernel; others are refused."""
+    if intake.place.kind != "cpu":
+        for name in op.outputs:
+            if np.prod(intake.shape(name)) > 0:
+                raise InvalidArgumentError(
+                    f"q, k: Nq = {intake.dims[2]}, Nk = {intake.dims[3]} leaves {name} to be "
+                    f"filled with {EMPTY_VALUES[name]}, which pyfa does not do on CUDA arrays")
+        results = []
+        for name in op.outputs:
+            shape, given, label = intake.shape(name), outs[name], f"out ({name})"
+            if given is None:
+                allocate, _ = _arrays.allocator_for(intake.kind)
+                results.append(_arrays.as_kind(intake.kind, allocate(shape, intake.place.index)))
+                continue
+            t = _arrays.device_tensor(label, given, intake.stream)
+            if t.shape != shape:
+                raise InvalidArgumentError(f"{label}: expected shape {shape}, got {t.shape}")
+            results.append(given)
+        return tuple(results)
+    results = []
+    for name, (given, view, written) in _host_outputs(op, intake, outs).items():
+        target = written if view is None else view
+        target[...] = EMPTY_VALUES[name]
+        results.append(_arrays.as_kind(intake.kind, target) if given is None else given)
     return tuple(results)
 
 
@@ -489,14 +552,8 @@ def _run_device(op, intake, outs, problem, config, progress):
             if t.readonly:
                 raise InvalidArgumentError(f"{label}: is read-only")
         targets[name] = (given, array, t)
-    # The library reads every input once per tile and writes each output once; an output
-    # over another tensor's memory would corrupt what is still to be read.
-    spans = [(f"out ({n})", t) for n, (_, _, t) in targets.items()] + list(intake.tensors.items())
-    for i, (name, t) in enumerate(spans[:len(targets)]):
-        for other, u in spans[i + 1:]:
-            if t.ptr < u.ptr + u.nbytes and u.ptr < t.ptr + t.nbytes:
-                raise InvalidArgumentError(f"{name}: overlaps {other}; outputs must not share memory "
-                                 f"with each other or with the inputs")
+    refuse_overlaps([(f"out ({n})", t) for n, (_, _, t) in targets.items()],
+                    list(intake.memory.items()), _spans_overlap)
     _set_strides(problem, {n: intake.strides[n] for n in op.inputs})
     for n, (_, _, t) in targets.items():
         if TENSOR_KINDS[n] == "row" and not t.contiguous:
@@ -531,11 +588,16 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
     op = OPS[op_name]
     outs = _out_dict(op_name, op.outputs, out)
     intake = _intake(args, stream, options.backend, layout, outs)
+    if is_empty(*intake.dims[2:4]):
+        mask_bounds(causal, window, causal_align, *intake.dims[2:4])
+        resolve_scale(scale, intake.dims[4])
+        return _run_empty(op, intake, outs)
     problem = _problem(intake.dims, scale, causal, window, causal_align)
     config = _config(options)
-    if intake.place.kind == "cpu":
-        return _run_host(op, intake, outs, problem, config, options.progress)
-    return _run_device(op, intake, outs, problem, config, options.progress)
+    with _lib.interrupts_after():
+        if intake.place.kind == "cpu":
+            return _run_host(op, intake, outs, problem, config, options.progress)
+        return _run_device(op, intake, outs, problem, config, options.progress)
 
 
 _COMMON_DOC = """
@@ -678,7 +740,8 @@ def attention_grad(q: ArrayLike, k: ArrayLike, v: ArrayLike, do: ArrayLike, *,
     options = resolve_options("pyfa.attention_grad", options, deprecated)
     _algo(algo)
     outs = _out_dict("attention_grad", ("o", "dq", "dk", "dv"), out)
-    _intake(dict(q=q, k=k, v=v, do=do), stream, options.backend, layout, outs)
+    _refuse_given_overlaps(_intake(dict(q=q, k=k, v=v, do=do), stream, options.backend,
+                                   layout, outs), outs)
     kw = dict(causal=causal, window=window, causal_align=causal_align, scale=scale,
               layout=layout, options=options, stream=stream)
     grads = (outs["dq"], outs["dk"], outs["dv"])

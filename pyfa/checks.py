@@ -112,14 +112,31 @@ def check_qkv(q, k, v, layout="bhnd"):
         raise InvalidArgumentError(f"k: head dim {dk} differs from q's {d}")
     if v.shape != k.shape:
         raise InvalidArgumentError(f"v: shape {v.shape} differs from k's {k.shape}")
-    if min(q4.shape) < 1 or min(k4.shape) < 1:
-        raise InvalidArgumentError(f"q, k: every dimension must be >= 1, got q {q.shape}, k {k.shape}")
+    check_sizes(q4.shape, k4.shape, q.shape, k.shape)
     if H % Hkv != 0:
         raise InvalidArgumentError(f"k: its {Hkv} heads must divide q's {H} heads (grouped-query "
                          f"attention), got q {q.shape}, k {k.shape}")
     if d > MAX_HEAD_DIM:
         raise InvalidArgumentError(f"q: head dim must be in [1, {MAX_HEAD_DIM}], got {d}")
     return QKV(q4, k4, v4, rank, Hkv)
+
+
+def check_sizes(q4, k4, q, k):
+    """B, H, Hkv and d >= 1; Nq and Nk may be 0 (an empty problem: see EMPTY_VALUES)."""
+    if min(q4[0], q4[1], q4[3], k4[1]) < 1 or min(q4[2], k4[2]) < 0:
+        raise InvalidArgumentError(f"q, k: every dimension but the sequence lengths must be "
+                                   f">= 1, got q {q}, k {k}")
+
+
+# What each output of an empty problem (Nq = 0 or Nk = 0) holds, as PyTorch's SDPA gives
+# it: rows that see no key (O = 0; LSE and FA1's m -inf, l = 0) and zero gradients (no
+# query, or no key, contributes). Neither the library nor the simulated kernels run then.
+EMPTY_VALUES = {"o": 0.0, "lse": -math.inf, "m": -math.inf, "l": 0.0,
+                "dq": 0.0, "dk": 0.0, "dv": 0.0}
+
+
+def is_empty(seqlen_q, seqlen_k):
+    return seqlen_q == 0 or seqlen_k == 0
 
 
 def check_like(name, x, like, layout="bhnd"):
@@ -291,9 +308,9 @@ def mask_bounds(causal, window, causal_align, Nq, Nk):
 
 
 __all__ = [
-    "ALIGNMENTS", "FLOAT32_MAX", "LAYOUTS", "MAX_HEAD_DIM", "MAX_TILE", "MaskBounds", "QKV",
+    "ALIGNMENTS", "EMPTY_VALUES", "FLOAT32_MAX", "LAYOUTS", "MAX_HEAD_DIM", "MAX_TILE", "MaskBounds", "QKV",
     "as_4d", "as_tensor", "caller_shape", "check_causal", "check_causal_align",
     "check_count_args", "check_int", "check_layout", "check_like", "check_qkv",
-    "check_rows", "check_tile", "check_window", "element_strides", "empty_output",
+    "check_rows", "check_sizes", "check_tile", "check_window", "element_strides", "empty_output", "is_empty",
     "mask_bounds", "resolve_scale", "restore_rank", "restore_rows",
 ]

@@ -79,15 +79,16 @@ def test_ctrl_c_interrupts_a_long_call_and_the_library_stays_usable():
 # nonzero answer. It checks the Python side (helper thread, callback, Ctrl-C) on its own.
 STAND_IN = textwrap.dedent("""
     import time
+    from pyfa._lib import constant
     def stand_in(config, seconds, steps=None):
         total = int(seconds / 0.01)
         for done in range(total + 1):
             if config.progress(config.progress_user, done, total):
-                return 8
+                return constant("PYFA_ERROR_CANCELLED")
             if steps is not None:
                 steps.append(done)
             time.sleep(0.01)
-        return 0
+        return constant("PYFA_OK")
 """)
 exec(STAND_IN)
 

@@ -36,7 +36,7 @@ class Fa1BackwardResult:
     io: IORecord
 
 
-@simulated("fa1", "backward")
+@simulated("fa1", "backward", Fa1BackwardResult)
 @nx.ieee_arithmetic
 def fa1_backward(q, k, v, o, m, l, do, *, causal=False, window=None, causal_align="bottom_right",
                  scale=None, block_r=None, block_c=None, layout="bhnd"):

@@ -34,7 +34,7 @@ class Fa1ForwardResult:
     io: IORecord
 
 
-@simulated("fa1", "forward")
+@simulated("fa1", "forward", Fa1ForwardResult)
 @nx.ieee_arithmetic
 def fa1_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_right", scale=None,
                 block_r=None, block_c=None, layout="bhnd"):

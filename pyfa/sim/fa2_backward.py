@@ -176,7 +176,7 @@ def _dq(Q, K, V, dO, LSE, D, Br, Bc, scale, mask, io):
     return dQ
 
 
-@simulated("fa2", "backward")
+@simulated("fa2", "backward", Fa2BackwardResult)
 @nx.ieee_arithmetic
 def fa2_backward(q, k, v, o, lse, do, *, causal=False, window=None, causal_align="bottom_right",
                  scale=None, block_r=None, block_c=None, layout="bhnd"):

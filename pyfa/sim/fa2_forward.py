@@ -32,7 +32,7 @@ class Fa2ForwardResult:
     io: IORecord
 
 
-@simulated("fa2", "forward")
+@simulated("fa2", "forward", Fa2ForwardResult)
 @nx.ieee_arithmetic
 def fa2_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_right", scale=None,
                 block_r=None, block_c=None, layout="bhnd"):
