@@ -3,6 +3,14 @@
     import numpy as np, pyfa
     o = pyfa.attention(q, k, v, causal=True)          # on the best backend here
     r = pyfa.sim.fa2_forward(q, k, v, causal=True)    # the simulator: r.o, r.lse, r.io
+    o = pyfa.attention(q, k, v, options=pyfa.Options(backend="emu", block_r=32))
+    with pyfa.Options(backend="cpu", threads=4):      # how the calls in this block run
+        o = pyfa.attention(q, k, v)
+
+Keywords say what is computed (causal, window, causal_align, scale, layout); a
+pyfa.Options says how (backend, tiles, variant, threads, the emulator's knobs,
+progress). Every error pyfa raises is a pyfa.Error; argument errors are also
+ValueError or TypeError, alike from the library and the simulator.
 
 The compiled library is loaded on first use, and the simulator (the subpackage pyfa.sim)
 is imported on first use of pyfa.sim, so `import pyfa.sim` works without the library and

@@ -11,10 +11,9 @@ which), so that a program links against the very file Python uses.
 """
 
 import argparse
-import os
 import sys
 from pathlib import Path
-from typing import List, NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from . import _lib
 from ._lib import LibraryNotFoundError

@@ -14,7 +14,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -530,7 +530,7 @@ def _check_cuda_backend(backend, place):
     if not lib.pyfa_backend_available(cuda):
         raise BackendUnavailableError(
             f"q: a CUDA array (on {place}), but pyfa's CUDA backend cannot run here: "
-            f"{_reason(lib, cuda)}", 3)
+            f"{_reason(lib, cuda)}", _lib.constant("PYFA_ERROR_BACKEND_UNAVAILABLE"))
 
 
 def _run_device(op, intake, outs, problem, config, progress):
@@ -603,7 +603,8 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
 _COMMON_DOC = """
     causal: key j hidden from query i when j > i + off; window: None or (left, right),
     each an int >= 0 or None (unbounded): key j visible to query i iff
-    i + off - left <= j <= i + off + right (causal sets right = 0); causal_align:
+    i + off - left <= j <= i + off + right (causal sets right = 0; a side of Nq + Nk or
+    more is the unbounded one, whatever its size); causal_align:
     "bottom_right" (off = Nk - Nq, flash-attn's) or "top_left" (off = 0, PyTorch's
     is_causal). layout: "bhnd" (B, H, N, d) or "bnhd" (B, N, H, d), flash-attn's, for
     every 4-D tensor in and out; per-row tensors (lse, m, l) are (B, H, Nq) in both.
@@ -618,9 +619,18 @@ _COMMON_DOC = """
     the device entry point with no host copy, enqueued on `stream` (an int cudaStream_t or
     a PyTorch/CuPy stream object; default: the producer's current stream). Outputs are
     arrays of q's library (NumPy for a producer pyfa cannot hand DLPack to), or the
-    `out` arrays given, written in place.
+    `out` arrays given, written in place; an out= array that shares memory with another
+    output or with an input is refused (ValueError naming both) before anything is
+    written. Nq = 0 or Nk = 0 gives PyTorch SDPA's answer without running a kernel:
+    empty outputs, or O = 0, LSE = m = -inf, l = 0 and zero gradients.
 
-    variant: "auto" (the fast, register-tiled kernels where they apply, else the
+    Ctrl-C (or options.progress returning True) cancels a running call: the library
+    stops and KeyboardInterrupt (CancelledError) is raised, with nothing of the
+    caller's written. A Ctrl-C that comes after the library has finished is too late
+    to cancel: the call completes every output (out= arrays are never left partly
+    written) and then raises KeyboardInterrupt.
+
+    options.variant: "auto" (the fast, register-tiled kernels where they apply, else the
     readable ones), "reference" (the readable ones) or "fast" (ValueError naming what
     they lack where they do not apply); at the same tiles, the same bits either way.
     Without tiles "auto" keeps the readable kernels' default tiles wherever they set

@@ -12,7 +12,8 @@ into the header's values.
 
 class Error(Exception):
     """Any error pyfa raises on purpose; .status is the pyfa_status value the library
-    returned, or None when the error was found in Python (before or without the library)."""
+    returned, or None when the error was found in Python (before or without the library).
+    pyfa.PyfaError is another name for it, kept for one release."""
 
     def __init__(self, message="", status=None):
         super().__init__(message)

@@ -131,7 +131,7 @@ def test_auto_on_a_device_entry_point_never_runs_the_emulator():
     # The pointers of a *_device call are the GPU's: without CUDA, AUTO is an error that
     # says why CUDA is unavailable, and nothing is written.
     _, lib = _lib.load()
-    status, message, o, lse = _device_call(backend=0)
+    status, message, o, lse = _device_call(backend=const("PYFA_BACKEND_AUTO"))
     assert status == const("PYFA_ERROR_BACKEND_UNAVAILABLE"), message
     assert "*_device" in message and _lib.load()[0].string(lib.pyfa_backend_reason(const("PYFA_BACKEND_CUDA"))).decode() in message
     assert np.all(o == 7.0) and np.all(lse == 7.0)

@@ -177,7 +177,8 @@ def _c_call(**fields):
     (dict(heads_kv=3), "problem->heads_kv"),
     (dict(heads_kv=-2), "problem->heads_kv"),
     (dict(heads_kv=8), "problem->heads_kv"),
-    (dict(causal_align=2), "problem->causal_align"),
+    (dict(causal_align=max(_lib.enum_values("pyfa_causal_align", "PYFA_ALIGN_").values()) + 1),
+     "problem->causal_align"),
     (dict(causal_align=-1), "problem->causal_align"),
     ({"q.row": -4}, "problem->q.row"),
     ({"k.batch": -1}, "problem->k.batch"),
@@ -205,11 +206,15 @@ def test_c_abi_variant():
     x = np.ones((1, 1, 4, 4), np.float32)
     o, lse = np.empty_like(x), np.empty((1, 1, 4), np.float32)
     p = [ffi.cast("float *", ffi.from_buffer(a)) for a in (x, x, x, o, lse)]
-    for variant, want in ((0, 0), (1, 0), (2, 1), (3, 1), (-1, 1)):
+    ok, bad = const("PYFA_OK"), const("PYFA_ERROR_INVALID_ARGUMENT")
+    past = max(_lib.enum_values("pyfa_variant", "PYFA_VARIANT_").values()) + 1
+    # FAST has no kernel for head_dim 4: refused, as is a value outside the enum.
+    for variant, want in ((const("PYFA_VARIANT_AUTO"), ok), (const("PYFA_VARIANT_REFERENCE"), ok),
+                          (const("PYFA_VARIANT_FAST"), bad), (past, bad), (-1, bad)):
         cfg = ffi.new("pyfa_config *", dict(backend=const("PYFA_BACKEND_EMU"), variant=variant))
         status = lib.pyfa_fa2_forward(pr, cfg, *p)
         assert status == want, (variant, ffi.string(lib.pyfa_last_error()))
-        if want:
+        if want != ok:
             assert "config->variant" in ffi.string(lib.pyfa_last_error()).decode()
 
 
