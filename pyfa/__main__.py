@@ -33,9 +33,14 @@ def main(argv=None):
     ap.add_argument("--batch", type=int_in(1), default=1)
     ap.add_argument("--heads", type=int_in(1), default=4)
     ap.add_argument("--seqlen", type=int_in(1), default=256)
-    ap.add_argument("--head-dim", type=int_in(1, pyfa.sim.inputs.MAX_HEAD_DIM), default=64)
+    ap.add_argument("--head-dim", type=int_in(1, pyfa.checks.MAX_HEAD_DIM), default=64)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--backend", default="auto", choices=list(pyfa.api.BACKENDS))
+    build = ap.add_argument_group(
+        "build flags", "instead of the demo: flags for compiling C or C++ programs against "
+                       "this pyfa, like pkg-config (several print on one line, in the order given)")
+    for flag, help in _config.FLAGS.items():
+        build.add_argument(flag, action="store_true", help=help)
     args = ap.parse_args(argv)
 
     rng = np.random.default_rng(0)
@@ -52,7 +57,7 @@ def main(argv=None):
           f"on {backend} ({pyfa.device_profile(backend)['name']})")
 
     t0 = time.perf_counter()
-    o, lse = pyfa.fa2_forward(q, k, v, causal=args.causal, backend=backend)
+    o, lse = pyfa.fa2_forward(q, k, v, causal=args.causal, options=pyfa.Options(backend=backend))
     t1 = time.perf_counter()
     sim = pyfa.sim.fa2_forward(q, k, v, causal=args.causal)
     t2 = time.perf_counter()

@@ -11,15 +11,20 @@ which), so that a program links against the very file Python uses.
 """
 
 import argparse
-import os
 import sys
 from pathlib import Path
-from typing import List, NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from . import _lib
 from ._lib import LibraryNotFoundError
 
-FLAGS = ("--cflags", "--libs", "--cmake-dir")
+# The build-flag options of `python -m pyfa`, with their help (the demo's --help lists
+# them too).
+FLAGS = {
+    "--cflags": "the -I flag for pyfa.h",
+    "--libs": "the -L, -l and rpath flags for libpyfa",
+    "--cmake-dir": "the folder holding pyfaConfig.cmake (use as pyfa_DIR or in CMAKE_PREFIX_PATH)",
+}
 
 
 class Layout(NamedTuple):
@@ -98,14 +103,9 @@ def main(argv: Sequence[str]) -> int:
         description="Compiler and linker flags for building C or C++ programs against "
                     "this pyfa, like pkg-config. Several flags print on one line, in the "
                     "order given.")
-    ap.add_argument("--cflags", dest="parts", action="append_const", const=cflags,
-                    help="the -I flag for pyfa.h")
-    ap.add_argument("--libs", dest="parts", action="append_const", const=libs,
-                    help="the -L, -l and rpath flags for libpyfa")
-    ap.add_argument("--cmake-dir", dest="parts", action="append_const",
-                    const=lambda: str(layout().cmake_dir),
-                    help="the folder holding pyfaConfig.cmake (use as pyfa_DIR or in "
-                         "CMAKE_PREFIX_PATH)")
+    parts = {"--cflags": cflags, "--libs": libs, "--cmake-dir": lambda: str(layout().cmake_dir)}
+    for flag, help in FLAGS.items():
+        ap.add_argument(flag, dest="parts", action="append_const", const=parts[flag], help=help)
     args = ap.parse_args(argv)
     try:
         print(" ".join(part() for part in args.parts))

@@ -8,73 +8,82 @@ name at once and compares the library's pyfa_abi_version() with the header's
 PYFA_ABI_VERSION: any other shared library is refused there, not at its first call.
 """
 
+import functools
 import os
 import re
 import sys
 import threading
+import types
 from pathlib import Path
 from queue import SimpleQueue
 
-from .sim.tiles import TileTooLargeError
+from ._version import DISTRIBUTION
+from .errors import Error, LibraryNotFoundError, STATUS_CLASSES
 
 _HERE = Path(__file__).resolve().parent
 _SOURCE_ROOT = _HERE.parent
 
 _lock = threading.Lock()
+_header_lock = threading.Lock()
 _loaded = None
 _loaded_path = None
+_header_ffi = None  # (ffi, header path, PYFA_ABI_VERSION), parsed once
 
 
-class PyfaError(RuntimeError):
-    """A failure reported by libpyfa; .status is the pyfa_status code."""
-
-    def __init__(self, message, status=None):
-        super().__init__(message)
-        self.status = status
-
-
-class LibraryNotFoundError(PyfaError, ImportError):
-    """libpyfa could not be found or loaded, or the file found is not this pyfa's libpyfa."""
-
-
-class InvalidArgumentError(PyfaError, ValueError):
-    """The library refused an argument; the message names it."""
-
-
-class LibraryTileTooLargeError(PyfaError, TileTooLargeError):
-    """TileTooLargeError as libpyfa reports it (a PyfaError too); catch it, and the
-    simulator's, as pyfa.TileTooLargeError."""
+def header_ffi():
+    """A cffi FFI holding the declarations of pyfa.h (no library loaded): the one source
+    of every enum value and struct layout the Python side uses. Needs cffi and the
+    header, never the compiled library."""
+    global _header_ffi
+    with _header_lock:
+        if _header_ffi is None:
+            try:
+                import cffi
+            except ImportError as e:
+                raise LibraryNotFoundError("pyfa needs the 'cffi' package to load libpyfa "
+                                           "(pip install cffi)") from e
+            header, cdef, abi = _read_header()
+            ffi = cffi.FFI()
+            ffi.cdef(cdef)
+            _header_ffi = (ffi, header, abi)
+        return _header_ffi[0]
 
 
-class BackendUnavailableError(PyfaError):
-    """The backend asked for cannot run here (e.g. CUDA without a GPU)."""
+@functools.lru_cache(maxsize=None)
+def enum_values(enum, prefix):
+    """{name: value} of the header's `enum <enum>`, each name lower-cased without
+    `prefix`, in increasing value: enum_values("pyfa_backend", "PYFA_BACKEND_") is
+    {"auto": ..., "cuda": ..., ...}."""
+    elements = header_ffi().typeof(f"enum {enum}").relements
+    return types.MappingProxyType({name[len(prefix):].lower(): value
+                                   for name, value in sorted(elements.items(), key=lambda e: e[1])
+                                   if name.startswith(prefix)})
 
 
-class CudaError(PyfaError):
-    """A CUDA runtime call failed."""
+@functools.lru_cache(maxsize=None)
+def _constants():
+    ffi = header_ffi()
+    values = {}
+    for name in ffi.list_types()[0]:
+        t = ffi.typeof(name)
+        if t.kind == "enum":
+            values.update(t.relements)
+    return values
 
 
-class EmulationError(PyfaError):
-    """The emulator found a barrier divergence or a deadlock in a kernel."""
+def constant(name):
+    """The value of one enumerator of pyfa.h by its C name, e.g. constant("PYFA_OK")."""
+    try:
+        return _constants()[name]
+    except KeyError:
+        raise KeyError(f"pyfa.h declares no enumerator {name}") from None
 
 
-class OutOfMemoryError(PyfaError, MemoryError):
-    """The library could not allocate host or device memory."""
-
-
-class CancelledError(PyfaError):
-    """The call was cancelled by its progress callback; nothing the caller owns was written."""
-
-
-_STATUS_ERRORS = {
-    1: InvalidArgumentError,
-    2: LibraryTileTooLargeError,
-    3: BackendUnavailableError,
-    4: CudaError,
-    5: EmulationError,
-    6: OutOfMemoryError,
-    8: CancelledError,
-}
+def status_classes():
+    """{pyfa_status value: exception class}, from the header's status names and
+    errors.STATUS_CLASSES."""
+    return {value: STATUS_CLASSES.get(name.upper(), Error)
+            for name, value in enum_values("pyfa_status", "PYFA_ERROR_").items()}
 
 
 def _header_paths():
@@ -106,12 +115,12 @@ def _read_header():
 
 
 def _installed_libraries():
-    """The libraries pip installed with the pyfa distribution, when this package is not
+    """The libraries pip installed with this distribution (pyfa-fp32), when this package is not
     that installation: `python -m pyfa` at a checkout's root imports the checkout's pyfa/
     (the current directory comes first on sys.path), which has no library of its own."""
     try:
         from importlib import metadata
-        dist = metadata.distribution("pyfa")
+        dist = metadata.distribution(DISTRIBUTION)
         files = dist.files or []
     except Exception:  # not installed, or metadata unreadable: nothing to add
         return []
@@ -131,7 +140,9 @@ def _candidates():
     the library of an installed pyfa (see _installed_libraries)."""
     env = os.environ.get("PYFA_LIBRARY")
     if env:
-        yield "PYFA_LIBRARY", Path(env)
+        # Made absolute here, so that the file checked is the file loaded: a bare name
+        # would send dlopen through the system's search path instead.
+        yield "PYFA_LIBRARY", Path(env).absolute()
         return
     for name in _library_names():
         yield "package", _HERE / name
@@ -169,14 +180,8 @@ def load():
     with _lock:
         if _loaded is not None:
             return _loaded
-        try:
-            import cffi
-        except ImportError as e:
-            raise LibraryNotFoundError("pyfa needs the 'cffi' package to load libpyfa "
-                                       "(pip install cffi)") from e
-        header, cdef, abi = _read_header()
-        ffi = cffi.FFI()
-        ffi.cdef(cdef)
+        ffi = header_ffi()
+        _, header, abi = _header_ffi
         tried = []
         for origin, path in _candidates():
             if path.is_dir():
@@ -222,7 +227,7 @@ def error(status, message):
     ffi, lib = load()
     name = ffi.string(lib.pyfa_status_string(status)).decode()
     text = f"{message} [{name}]" if message else name
-    return _STATUS_ERRORS.get(status, PyfaError)(text, status)
+    return status_classes().get(status, Error)(text, status)
 
 
 def last_error():
@@ -231,10 +236,14 @@ def last_error():
     return ffi.string(lib.pyfa_last_error()).decode("utf-8", "replace")
 
 
+def _ok():
+    return constant("PYFA_OK")
+
+
 def check(status):
     """Raises the exception for a pyfa_status other than PYFA_OK, with the library's message.
     Call it on the thread that made the failed call."""
-    if status != 0:
+    if status != _ok():
         raise error(status, last_error())
 
 
@@ -253,6 +262,7 @@ _progress_callback = None
 _helper_queue = None
 _helper_pid = None
 _helper_lock = threading.Lock()
+_header_lock = threading.Lock()
 
 
 def _helper():
@@ -304,15 +314,49 @@ def _init_progress(ffi):
     _progress_callback = on_progress
 
 
+class _Completion(threading.local):
+    depth = 0            # interrupts_after blocks open on this thread
+    interrupted = False  # a Ctrl-C arrived after a call had already succeeded
+
+
+_completion = _Completion()
+
+
+class interrupts_after:
+    """`with _lib.interrupts_after(): ...` around one API call that writes outputs: a
+    Ctrl-C that lands when the library call has already succeeded (too late to cancel)
+    is raised as KeyboardInterrupt when the block ends, after the block has completed
+    every output (its staging copies into out= arrays included), so that out= arrays are
+    never left partly written. Inside an exception the pending interrupt is dropped in
+    favour of that exception."""
+
+    def __enter__(self):
+        if _completion.depth == 0:
+            _completion.interrupted = False
+        _completion.depth += 1
+
+    def __exit__(self, kind, value, tb):
+        _completion.depth -= 1
+        if _completion.depth == 0 and _completion.interrupted:
+            _completion.interrupted = False
+            if kind is None:
+                raise KeyboardInterrupt
+        return False
+
+
 def call(fn, config, *args, progress=None):
     """fn(*args), a libpyfa entry point whose pyfa_config is `config`, raising its status.
 
     progress(done, total) is called now and then while the call runs (on some library
     thread); returning True cancels the call, which then raises CancelledError. On the
     main thread the call runs on a long-lived helper thread while this one waits in short
-    waits, so that Ctrl-C is seen at once: it cancels the call through the progress callback, waits
-    for the library to stop (it writes nothing of the caller's then), and raises
-    KeyboardInterrupt. Elsewhere the call runs on the calling thread.
+    waits, so that Ctrl-C is seen at once: it cancels the call through the progress
+    callback and waits for the library to stop. The contract, in both cases a
+    KeyboardInterrupt: when the library stopped (cancelled), it wrote nothing of the
+    caller's; when the call had already succeeded, its outputs are complete, and inside
+    an interrupts_after block (every API call) the interrupt is raised only once the
+    block has completed them. Elsewhere (other threads) the call runs on the calling
+    thread.
     """
     ffi, _ = load()
     state = _Progress(progress)
@@ -328,7 +372,7 @@ def call(fn, config, *args, progress=None):
             result["exception"] = e
             return
         result["status"] = status
-        if status != 0:
+        if status != _ok():
             result["message"] = last_error()
 
     if threading.current_thread() is not threading.main_thread():
@@ -356,13 +400,18 @@ def call(fn, config, *args, progress=None):
                     done.wait(_POLL_S)
                 except KeyboardInterrupt:  # pressed again: the call is stopping already
                     pass
-            raise
+            finished = result.get("status") == _ok() and state.error is None
+            if not (finished and _completion.depth):
+                raise
+            # Too late to stop: the library has written its outputs. The API call that
+            # made this one completes its outputs first, then raises (interrupts_after).
+            _completion.interrupted = True
     if state.error is not None:
         raise state.error
     if "exception" in result:
         raise result["exception"]
     status = result.get("status")
     if status is None:
-        raise PyfaError("the library call ended without a status")
-    if status != 0:
+        raise Error("the library call ended without a status")
+    if status != _ok():
         raise error(status, result.get("message", ""))

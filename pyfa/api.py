@@ -13,28 +13,60 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from collections.abc import Mapping
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from . import _arrays, _lib
 from ._arrays import Array, ArrayLike
-from .sim.inputs import (
-    MAX_HEAD_DIM, caller_shape, check_causal, check_int, check_layout, check_like, check_qkv,
-    check_rows, check_tile, element_strides, resolve_scale,
+from .checks import (
+    EMPTY_VALUES, MAX_HEAD_DIM, caller_shape, check_int, check_layout, check_like, check_qkv,
+    check_rows, check_sizes, element_strides, is_empty, mask_bounds, resolve_scale,
 )
-from .sim.mask import Mask, check_window
+from .errors import ArgumentTypeError, BackendUnavailableError, InvalidArgumentError
+from .options import Options, Progress  # noqa: F401 (Progress: the callback's type)
+from .options import resolve as resolve_options
 
-# progress(done, total): True cancels the call.
-Progress = Callable[[int, int], Optional[bool]]
 
-# The C enum pyfa_backend; "auto" first, then the others best first (backends() keeps
-# this order).
-BACKENDS = {"auto": 0, "cuda": 1, "cpu": 3, "emu": 2}
-EMU_ORDERS = {"forward": 0, "reverse": 1, "shuffled": 2}
-# The C enum pyfa_kernel.
-KERNELS = {"fa1_forward": 0, "fa2_forward": 1, "fa1_backward": 2,
-           "fa2_backward_preprocess": 3, "fa2_backward_dkdv": 4, "fa2_backward_dq": 5}
+class HeaderEnum(Mapping):
+    """{name: value} of one enum of pyfa.h, read from the header (pyfa/_lib.py
+    header_ffi) on first use: the values live in pyfa.h alone. Names are the enumerators'
+    lower-cased, without their common prefix (PYFA_BACKEND_CPU is "cpu"); `order`, when
+    given, lists every name in the order iteration gives them."""
+
+    def __init__(self, enum, prefix, order=None):
+        self.enum, self.prefix, self.order = enum, prefix, order
+
+    def _values(self):
+        values = _lib.enum_values(self.enum, self.prefix)
+        if self.order is not None and sorted(self.order) != sorted(values):
+            raise _lib.LibraryNotFoundError(
+                f"pyfa.h's enum {self.enum} has {sorted(values)}, but this pyfa package "
+                f"knows {sorted(self.order)}")
+        return values
+
+    def __getitem__(self, name):
+        return self._values()[name]
+
+    def __iter__(self):
+        return iter(self.order if self.order is not None else self._values())
+
+    def __len__(self):
+        return len(self._values())
+
+    def __repr__(self):
+        return f"HeaderEnum({self.enum}: {dict(self)})"
+
+
+# pyfa_backend; "auto" first, then the others best first (backends() keeps this order).
+BACKENDS = HeaderEnum("pyfa_backend", "PYFA_BACKEND_", order=("auto", "cuda", "cpu", "emu"))
+EMU_ORDERS = HeaderEnum("pyfa_emu_order", "PYFA_EMU_ORDER_")
+KERNELS = HeaderEnum("pyfa_kernel", "PYFA_KERNEL_")
+CAUSAL_ALIGNS = HeaderEnum("pyfa_causal_align", "PYFA_ALIGN_")
+# pyfa_variant: "fast" runs the register-tiled kernels (an error where they do not
+# apply), "reference" the readable ones, "auto" fast where it applies.
+VARIANTS = HeaderEnum("pyfa_variant", "PYFA_VARIANT_")
 
 INT_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -47,8 +79,6 @@ TENSOR_KINDS = {"q": "query", "k": "key", "v": "key", "o": "query", "do": "query
 # The pyfa_problem field holding each 4-D tensor's strides.
 STRIDE_FIELDS = {"q": "q", "k": "k", "v": "v", "o": "o", "do": "dout", "dq": "dq", "dk": "dk",
                  "dv": "dv"}
-# The C enum pyfa_causal_align.
-CAUSAL_ALIGNS = {"bottom_right": 0, "top_left": 1}
 
 
 def tensor_shape(name, batch, heads, seqlen_q, seqlen_k, head_dim, heads_kv=None):
@@ -67,14 +97,18 @@ class Op:
     """One operation of the C ABI, as the API, the tools and the tests call it.
 
     c_function takes (problem, config, *inputs, *outputs) as host pointers; its twin
-    device_function takes device pointers and then a stream (pyfa.h)."""
+    device_function takes device pointers and then a stream (pyfa.h). Both are named
+    after the op, the one place that ties an op to its C entry points."""
     name: str        # "fa2_forward": also the name of the Python function
     algo: str        # "fa1" or "fa2"
     pass_: str       # "forward" or "backward"
-    c_function: str
     inputs: tuple    # TENSOR_KINDS names, in C argument order
     outputs: tuple   # TENSOR_KINDS names, in C argument order, after the inputs
     kernels: tuple   # KERNELS names, in launch order
+
+    @property
+    def c_function(self):
+        return "pyfa_" + self.name
 
     @property
     def device_function(self):
@@ -86,21 +120,21 @@ class Op:
 
 
 OPS = {op.name: op for op in (
-    Op("fa2_forward", "fa2", "forward", "pyfa_fa2_forward",
+    Op("fa2_forward", "fa2", "forward",
        ("q", "k", "v"), ("o", "lse"), ("fa2_forward",)),
-    Op("fa2_backward", "fa2", "backward", "pyfa_fa2_backward",
+    Op("fa2_backward", "fa2", "backward",
        ("q", "k", "v", "o", "lse", "do"), ("dq", "dk", "dv"),
        ("fa2_backward_preprocess", "fa2_backward_dkdv", "fa2_backward_dq")),
-    Op("fa1_forward", "fa1", "forward", "pyfa_fa1_forward",
+    Op("fa1_forward", "fa1", "forward",
        ("q", "k", "v"), ("o", "m", "l"), ("fa1_forward",)),
-    Op("fa1_backward", "fa1", "backward", "pyfa_fa1_backward",
+    Op("fa1_backward", "fa1", "backward",
        ("q", "k", "v", "o", "m", "l", "do"), ("dq", "dk", "dv"), ("fa1_backward",)),
 )}
 
 
 def _choice(name, value, table):
     if not isinstance(value, str) or value not in table:
-        raise ValueError(f"{name}: expected one of {sorted(table)}, got {value!r}")
+        raise InvalidArgumentError(f"{name}: expected one of {sorted(table)}, got {value!r}")
     return table[value]
 
 
@@ -126,44 +160,40 @@ def _reason(lib, backend):
     return ffi.string(lib.pyfa_backend_reason(backend)).decode("utf-8", "replace")
 
 
-# pyfa_variant: "fast" runs the register-tiled kernels (an error where they do not
-# apply), "reference" the readable ones, "auto" fast where it applies.
-VARIANTS = {"auto": 0, "reference": 1, "fast": 2}
-
-
-def _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers, threads,
-            variant="auto"):
+def _config(options):
+    """The pyfa_config of an Options (pyfa/options.py), its names checked against pyfa.h."""
     ffi, lib = _lib.load()
     cfg = ffi.new("pyfa_config *")
     cfg.struct_size = ffi.sizeof("pyfa_config")  # this layout, flags included
-    cfg.variant = _choice("variant", variant, VARIANTS)
-    cfg.backend = _choice("backend", backend, BACKENDS)
-    if backend == "auto":
+    cfg.variant = _choice("variant", options.variant, VARIANTS)
+    cfg.backend = _choice("backend", options.backend, BACKENDS)
+    if options.backend == "auto":
         _warn_if_auto_falls_back(lib)
-    cfg.block_r = check_tile("block_r", block_r) or 0
-    cfg.block_c = check_tile("block_c", block_c) or 0
-    cfg.emu_order = _choice("emu_order", emu_order, EMU_ORDERS)
-    cfg.emu_seed = check_int("emu_seed", emu_seed, 0, 2**64 - 1)
-    cfg.emu_workers = check_int("emu_workers", emu_workers, 0, INT_MAX)
-    cfg.threads = check_int("threads", threads, 0, INT_MAX)
+    cfg.block_r = options.block_r or 0
+    cfg.block_c = options.block_c or 0
+    cfg.emu_order = _choice("emu_order", options.emu_order, EMU_ORDERS)
+    cfg.emu_seed = options.emu_seed
+    cfg.emu_workers = options.emu_workers
+    cfg.threads = options.threads
     return cfg
 
 
 def _problem(dims, scale, causal, window, causal_align):
     """The pyfa_problem (struct_size 0: ABI 3's layout, which is all of it) of sizes
     dims = (B, H, Nq, Nk, d, Hkv) and the mask arguments, checked as the simulator checks
-    them; the strides are set by the caller."""
+    them; the strides are set by the caller. A window side wider than Nq + Nk is passed
+    as Nq + Nk (checks.mask_bounds: the same mask), so any int fits int64_t."""
     ffi, _ = _lib.load()
-    Mask.resolve(causal, window, causal_align, dims[2], dims[3])  # the argument checks
+    bounds = mask_bounds(causal, window, causal_align, dims[2], dims[3])
     pr = ffi.new("pyfa_problem *")
     pr.batch, pr.heads, pr.seqlen_q, pr.seqlen_k, pr.head_dim, pr.heads_kv = dims
     pr.scale = float(resolve_scale(scale, dims[4]))
-    pr.causal = 1 if check_causal(causal) else 0
+    pr.causal = 1 if causal else 0
     if window is not None:
-        left, right = check_window(window)
+        left, right = window
         pr.window = 1
-        pr.window_left = -1 if left is None else left
-        pr.window_right = -1 if right is None else right
+        pr.window_left = -1 if left is None else bounds.left
+        pr.window_right = -1 if right is None else bounds.right
     pr.causal_align = CAUSAL_ALIGNS[causal_align]
     return pr
 
@@ -216,7 +246,7 @@ def _device_strides(t, shape4, rank, layout):
     strides = tuple(dense if size == 1 else s
                     for size, s, dense in zip((B, H, N), (b, h, n), (H * N * d, N * d, d)))
     if strides == (0, 0, 0):
-        raise ValueError(f"{t.name}: broadcast along every axis; pass a materialised array")
+        raise InvalidArgumentError(f"{t.name}: broadcast along every axis; pass a materialised array")
     return strides
 
 
@@ -234,19 +264,13 @@ def _address(ffi, x):
     return ffi.cast("float *", x.__array_interface__["data"][0])
 
 
-def _check_progress(progress):
-    if progress is not None and not callable(progress):
-        raise TypeError(f"progress: expected a callable(done, total) or None, got {type(progress).__name__}")
-    return progress
-
-
 def _as_4d_shape(name, shape, rank=None, layout="bhnd"):
     # The device twin of sim.inputs.as_tensor and as_4d's shape rules, with their messages.
     if len(shape) not in (2, 3, 4):
         words = "(B, H, N, d), (H, N, d)" if layout == "bhnd" else "(B, N, H, d), (N, H, d)"
-        raise ValueError(f"{name}: expected shape {words} or (N, d), got {shape}")
+        raise InvalidArgumentError(f"{name}: expected shape {words} or (N, d), got {shape}")
     if rank is not None and len(shape) != rank:
-        raise ValueError(f"{name}: expected {rank} dimensions like q, got shape {shape}")
+        raise InvalidArgumentError(f"{name}: expected {rank} dimensions like q, got shape {shape}")
     s = (1,) * (4 - len(shape)) + tuple(shape)
     return (s[0], s[2], s[1], s[3]) if layout == "bnhd" and len(shape) > 2 else s
 
@@ -261,27 +285,26 @@ def _check_device_shapes(tensors, layout):
     B, H, Nq, d = q4
     Hkv = k4[1]
     if k4[0] != B:
-        raise ValueError(f"k: batch {k4[0]} differs from q's {B}")
+        raise InvalidArgumentError(f"k: batch {k4[0]} differs from q's {B}")
     if k4[3] != d:
-        raise ValueError(f"k: head dim {k4[3]} differs from q's {d}")
+        raise InvalidArgumentError(f"k: head dim {k4[3]} differs from q's {d}")
     if v != k:
-        raise ValueError(f"v: shape {v} differs from k's {k}")
-    if min(q4) < 1 or min(k4) < 1:
-        raise ValueError(f"q, k: every dimension must be >= 1, got q {q}, k {k}")
+        raise InvalidArgumentError(f"v: shape {v} differs from k's {k}")
+    check_sizes(q4, k4, q, k)
     if H % Hkv != 0:
-        raise ValueError(f"k: its {Hkv} heads must divide q's {H} heads (grouped-query "
+        raise InvalidArgumentError(f"k: its {Hkv} heads must divide q's {H} heads (grouped-query "
                          f"attention), got q {q}, k {k}")
     if d > MAX_HEAD_DIM:
-        raise ValueError(f"q: head dim must be in [1, {MAX_HEAD_DIM}], got {d}")
+        raise InvalidArgumentError(f"q: head dim must be in [1, {MAX_HEAD_DIM}], got {d}")
     for name, t in tensors.items():
         if name in ("q", "k", "v"):
             continue
         if TENSOR_KINDS[name] == "row":
             if not 1 <= len(t.shape) <= 3 or (1,) * (3 - len(t.shape)) + t.shape != q4[:3]:
-                raise ValueError(f"{name}: expected one value per query row, shape {q4[:3]} "
+                raise InvalidArgumentError(f"{name}: expected one value per query row, shape {q4[:3]} "
                                  f"(or without its leading 1s), got {t.shape}")
         elif _as_4d_shape(name, t.shape, layout=layout) != q4:
-            raise ValueError(f"{name}: expected shape {caller_shape(q4, 4, layout)} "
+            raise InvalidArgumentError(f"{name}: expected shape {caller_shape(q4, 4, layout)} "
                              f"(layout {layout!r}), got {t.shape}")
     return (B, H, Nq, k4[2], d, Hkv), rank
 
@@ -298,6 +321,8 @@ class _Intake:
     rank: int         # q's rank as the caller gave it
     layout: str       # "bhnd" or "bnhd", of every 4-D tensor in and out
     stream: int       # the cudaStream_t a CUDA call runs on (0 on the CPU)
+    memory: dict      # name -> the caller's memory of each input: a NumPy array, or the
+                      # DeviceTensor (what an output must not overlap)
 
     def shape4(self, name):
         return tensor_shape(name, *self.dims)
@@ -326,7 +351,7 @@ def _cuda_stream(args, place, stream):
     same = {0, 1} if handle in (0, 1) else {handle}  # 0 and 1 both name the legacy default stream
     for name, s in named.items():
         if s not in same:
-            raise ValueError(f"{name}: its __cuda_array_interface__ is on stream {s:#x}, but this "
+            raise InvalidArgumentError(f"{name}: its __cuda_array_interface__ is on stream {s:#x}, but this "
                              f"call runs on stream {handle:#x}; synchronize first or pass stream=")
     return handle
 
@@ -342,7 +367,7 @@ def _intake(args, stream, backend, layout, outs=None):
     kind = _arrays.library_of(args["q"])
     if place.kind == "cpu":
         if stream is not None:
-            raise ValueError("stream: only CUDA arrays run on a stream, and these are on the CPU")
+            raise InvalidArgumentError("stream: only CUDA arrays run on a stream, and these are on the CPU")
         arrays = {n: _arrays.host_array(n, x) for n, x in args.items()}
         q4, k4, v4, rank, heads_kv = check_qkv(arrays["q"], arrays["k"], arrays["v"], layout)
         views = dict(q=q4, k=k4, v=v4)
@@ -354,18 +379,18 @@ def _intake(args, stream, backend, layout, outs=None):
         for name, x in views.items():
             tensors[name], strides[name] = _in_place(x)
         dims = (*q4.shape[:3], k4.shape[2], q4.shape[3], heads_kv)
-        return _Intake(place, kind, tensors, strides, dims, rank, layout, 0)
+        return _Intake(place, kind, tensors, strides, dims, rank, layout, 0, arrays)
     _check_cuda_backend(backend, place)
     handle = _cuda_stream(labelled, place, stream)
     tensors = {n: _arrays.device_tensor(n, x, handle) for n, x in args.items()}
     dims, rank = _check_device_shapes(tensors, layout)
     for n, t in tensors.items():
         if TENSOR_KINDS[n] == "row" and not t.contiguous:
-            raise ValueError(f"{n}: a per-row CUDA tensor must be C-contiguous")
+            raise InvalidArgumentError(f"{n}: a per-row CUDA tensor must be C-contiguous")
     strides = {n: None if TENSOR_KINDS[n] == "row"
                else _device_strides(t, tensor_shape(n, *dims), rank, layout)
                for n, t in tensors.items()}
-    return _Intake(place, kind, tensors, strides, dims, rank, layout, handle)
+    return _Intake(place, kind, tensors, strides, dims, rank, layout, handle, tensors)
 
 
 def _out_dict(op_name, names, out):
@@ -376,17 +401,49 @@ def _out_dict(op_name, names, out):
     if len(names) == 1 and not isinstance(out, (tuple, list)):
         return {names[0]: out}
     if not isinstance(out, (tuple, list)) or len(out) != len(names):
-        raise TypeError(f"out: expected a tuple of {len(names)} arrays or Nones "
+        raise ArgumentTypeError(f"out: expected a tuple of {len(names)} arrays or Nones "
                         f"({', '.join(names)}) for {op_name}, got {type(out).__name__}"
                         f"{'' if not isinstance(out, (tuple, list)) else f' of {len(out)}'}")
     return dict(zip(names, out))
 
 
+def refuse_overlaps(outputs, inputs, overlap):
+    """InvalidArgumentError naming both when one of `outputs` ([(label, memory)]) shares
+    memory with another output or with one of `inputs`, as overlap(a, b) decides (NumPy:
+    np.shares_memory; device arrays: their pointer spans). The kernels read every input
+    tile after tile while they write the outputs, and write each output once: any such
+    overlap would give wrong data or change an input. The rule of every backend, checked
+    before anything is written."""
+    for i, (name, x) in enumerate(outputs):
+        for other, y in outputs[i + 1:] + inputs:
+            if overlap(x, y):
+                raise InvalidArgumentError(f"{name}: overlaps {other}; outputs must not share "
+                                           f"memory with each other or with the inputs")
+
+
+def _spans_overlap(t, u):
+    return t.ptr < u.ptr + u.nbytes and u.ptr < t.ptr + t.nbytes
+
+
+def _refuse_given_overlaps(intake, outs):
+    """refuse_overlaps on the out= arrays given (None entries skipped) and the inputs,
+    for a call of several ops that must refuse before its first op writes."""
+    given = [(f"out ({n})", x) for n, x in outs.items() if x is not None]
+    if intake.place.kind == "cpu":
+        given = [(label, _arrays.host_array(label, x)) for label, x in given]
+        # Anything else is refused with its own message by the op that takes it.
+        given = [(label, a) for label, a in given if isinstance(a, np.ndarray)]
+        refuse_overlaps(given, list(intake.memory.items()), np.shares_memory)
+    else:
+        given = [(label, _arrays.device_tensor(label, x, intake.stream)) for label, x in given]
+        refuse_overlaps(given, list(intake.memory.items()), _spans_overlap)
+
+
 def _host_outputs(op, intake, outs):
     """{name: (caller's object or None, its NumPy view or None, the NumPy array the library
     writes)}, each in the caller's rank and layout. A given output is written directly
-    when it is C-contiguous and shares no memory with the other tensors; otherwise through
-    a fresh array copied into it after success."""
+    when it is C-contiguous, otherwise through a fresh array copied into it after
+    success; one that overlaps another output or an input is refused."""
     result = {}
     for name in op.outputs:
         shape, given = intake.shape(name), outs[name]
@@ -396,16 +453,16 @@ def _host_outputs(op, intake, outs):
         label = f"out ({name})"
         a = _arrays.host_array(label, given)
         if not isinstance(a, np.ndarray):
-            raise TypeError(f"{label}: expected {_arrays.ARRAY_HELP}, got {type(given).__name__}")
+            raise ArgumentTypeError(f"{label}: expected {_arrays.ARRAY_HELP}, got {type(given).__name__}")
         if a.dtype != np.float32:
-            raise TypeError(f"{label}: expected dtype float32, got {a.dtype}")
+            raise ArgumentTypeError(f"{label}: expected dtype float32, got {a.dtype}")
         if a.shape != shape:
-            raise ValueError(f"{label}: expected shape {shape}, got {a.shape}")
+            raise InvalidArgumentError(f"{label}: expected shape {shape}, got {a.shape}")
         if not a.flags.writeable:
-            raise ValueError(f"{label}: is read-only")
-        others = list(intake.tensors.values()) + [w for _, _, w in result.values()]
-        direct = a.flags.c_contiguous and not any(np.may_share_memory(a, o) for o in others)
-        result[name] = (given, a, a if direct else np.empty(shape, np.float32))
+            raise InvalidArgumentError(f"{label}: is read-only")
+        result[name] = (given, a, a if a.flags.c_contiguous else np.empty(shape, np.float32))
+    refuse_overlaps([(f"out ({n})", view) for n, (_, view, _) in result.items() if view is not None],
+                    list(intake.memory.items()), np.shares_memory)
     return result
 
 
@@ -433,17 +490,47 @@ def _run_host(op, intake, outs, problem, config, progress):
     return tuple(results)
 
 
+def _run_empty(op, intake, outs):
+    """The outputs of an empty problem (Nq = 0 or Nk = 0), EMPTY_VALUES, without the
+    library (which refuses zero lengths). On CUDA arrays only outputs with no elements can
+    be made without a kernel; others are refused."""
+    if intake.place.kind != "cpu":
+        for name in op.outputs:
+            if np.prod(intake.shape(name)) > 0:
+                raise InvalidArgumentError(
+                    f"q, k: Nq = {intake.dims[2]}, Nk = {intake.dims[3]} leaves {name} to be "
+                    f"filled with {EMPTY_VALUES[name]}, which pyfa does not do on CUDA arrays")
+        results = []
+        for name in op.outputs:
+            shape, given, label = intake.shape(name), outs[name], f"out ({name})"
+            if given is None:
+                allocate, _ = _arrays.allocator_for(intake.kind)
+                results.append(_arrays.as_kind(intake.kind, allocate(shape, intake.place.index)))
+                continue
+            t = _arrays.device_tensor(label, given, intake.stream)
+            if t.shape != shape:
+                raise InvalidArgumentError(f"{label}: expected shape {shape}, got {t.shape}")
+            results.append(given)
+        return tuple(results)
+    results = []
+    for name, (given, view, written) in _host_outputs(op, intake, outs).items():
+        target = written if view is None else view
+        target[...] = EMPTY_VALUES[name]
+        results.append(_arrays.as_kind(intake.kind, target) if given is None else given)
+    return tuple(results)
+
+
 def _check_cuda_backend(backend, place):
     _choice("backend", backend, BACKENDS)
     if backend == "emu":
-        raise ValueError(f"backend: 'emu' runs on host memory, but the arrays are on {place}; "
+        raise InvalidArgumentError(f"backend: 'emu' runs on host memory, but the arrays are on {place}; "
                          f"use 'auto' or 'cuda'")
     _, lib = _lib.load()
     cuda = BACKENDS["cuda"]
     if not lib.pyfa_backend_available(cuda):
-        raise _lib.BackendUnavailableError(
+        raise BackendUnavailableError(
             f"q: a CUDA array (on {place}), but pyfa's CUDA backend cannot run here: "
-            f"{_reason(lib, cuda)}", 3)
+            f"{_reason(lib, cuda)}", _lib.constant("PYFA_ERROR_BACKEND_UNAVAILABLE"))
 
 
 def _run_device(op, intake, outs, problem, config, progress):
@@ -461,22 +548,16 @@ def _run_device(op, intake, outs, problem, config, progress):
             array = given
             t = _arrays.device_tensor(label, given, intake.stream)
             if t.shape != shape:
-                raise ValueError(f"{label}: expected shape {shape}, got {t.shape}")
+                raise InvalidArgumentError(f"{label}: expected shape {shape}, got {t.shape}")
             if t.readonly:
-                raise ValueError(f"{label}: is read-only")
+                raise InvalidArgumentError(f"{label}: is read-only")
         targets[name] = (given, array, t)
-    # The library reads every input once per tile and writes each output once; an output
-    # over another tensor's memory would corrupt what is still to be read.
-    spans = [(f"out ({n})", t) for n, (_, _, t) in targets.items()] + list(intake.tensors.items())
-    for i, (name, t) in enumerate(spans[:len(targets)]):
-        for other, u in spans[i + 1:]:
-            if t.ptr < u.ptr + u.nbytes and u.ptr < t.ptr + t.nbytes:
-                raise ValueError(f"{name}: overlaps {other}; outputs must not share memory "
-                                 f"with each other or with the inputs")
+    refuse_overlaps([(f"out ({n})", t) for n, (_, _, t) in targets.items()],
+                    list(intake.memory.items()), _spans_overlap)
     _set_strides(problem, {n: intake.strides[n] for n in op.inputs})
     for n, (_, _, t) in targets.items():
         if TENSOR_KINDS[n] == "row" and not t.contiguous:
-            raise ValueError(f"out ({n}): a per-row CUDA tensor must be C-contiguous")
+            raise InvalidArgumentError(f"out ({n}): a per-row CUDA tensor must be C-contiguous")
     _set_strides(problem, {n: _device_strides(t, intake.shape4(n), intake.rank, intake.layout)
                            for n, (_, _, t) in targets.items() if TENSOR_KINDS[n] != "row"})
     fn = getattr(lib, op.device_function)
@@ -498,28 +579,32 @@ def _run_device(op, intake, outs, problem, config, progress):
                  for given, array, _ in targets.values())
 
 
-def _run(op_name, args, *, out, stream, causal, window, causal_align, scale, layout, block_r,
-         block_c, backend, emu_order, emu_seed, emu_workers, threads, progress, variant="auto"):
-    """Runs OPS[op_name] on the caller's arrays `args` ({name: array}, op.inputs order);
-    returns its outputs in op.outputs order, at the caller's rank and in its layout, of
-    q's kind (or the out= arrays given). CPU arrays take the host entry point, CUDA arrays
-    the device one."""
+def _run(op_name, args, *, causal, window, causal_align, scale, layout, options, out,
+         stream):
+    """Runs OPS[op_name] on the caller's arrays `args` ({name: array}, op.inputs order)
+    with the resolved Options `options`; returns its outputs in op.outputs order, at the
+    caller's rank and in its layout, of q's kind (or the out= arrays given). CPU arrays
+    take the host entry point, CUDA arrays the device one."""
     op = OPS[op_name]
     outs = _out_dict(op_name, op.outputs, out)
-    intake = _intake(args, stream, backend, layout, outs)
+    intake = _intake(args, stream, options.backend, layout, outs)
+    if is_empty(*intake.dims[2:4]):
+        mask_bounds(causal, window, causal_align, *intake.dims[2:4])
+        resolve_scale(scale, intake.dims[4])
+        return _run_empty(op, intake, outs)
     problem = _problem(intake.dims, scale, causal, window, causal_align)
-    config = _config(backend, block_r, block_c, emu_order, emu_seed, emu_workers, threads,
-                     variant)
-    progress = _check_progress(progress)
-    if intake.place.kind == "cpu":
-        return _run_host(op, intake, outs, problem, config, progress)
-    return _run_device(op, intake, outs, problem, config, progress)
+    config = _config(options)
+    with _lib.interrupts_after():
+        if intake.place.kind == "cpu":
+            return _run_host(op, intake, outs, problem, config, options.progress)
+        return _run_device(op, intake, outs, problem, config, options.progress)
 
 
 _COMMON_DOC = """
     causal: key j hidden from query i when j > i + off; window: None or (left, right),
     each an int >= 0 or None (unbounded): key j visible to query i iff
-    i + off - left <= j <= i + off + right (causal sets right = 0); causal_align:
+    i + off - left <= j <= i + off + right (causal sets right = 0; a side of Nq + Nk or
+    more is the unbounded one, whatever its size); causal_align:
     "bottom_right" (off = Nk - Nq, flash-attn's) or "top_left" (off = 0, PyTorch's
     is_causal). layout: "bhnd" (B, H, N, d) or "bnhd" (B, N, H, d), flash-attn's, for
     every 4-D tensor in and out; per-row tensors (lse, m, l) are (B, H, Nq) in both.
@@ -534,9 +619,18 @@ _COMMON_DOC = """
     the device entry point with no host copy, enqueued on `stream` (an int cudaStream_t or
     a PyTorch/CuPy stream object; default: the producer's current stream). Outputs are
     arrays of q's library (NumPy for a producer pyfa cannot hand DLPack to), or the
-    `out` arrays given, written in place.
+    `out` arrays given, written in place; an out= array that shares memory with another
+    output or with an input is refused (ValueError naming both) before anything is
+    written. Nq = 0 or Nk = 0 gives PyTorch SDPA's answer without running a kernel:
+    empty outputs, or O = 0, LSE = m = -inf, l = 0 and zero gradients.
 
-    variant: "auto" (the fast, register-tiled kernels where they apply, else the
+    Ctrl-C (or options.progress returning True) cancels a running call: the library
+    stops and KeyboardInterrupt (CancelledError) is raised, with nothing of the
+    caller's written. A Ctrl-C that comes after the library has finished is too late
+    to cancel: the call completes every output (out= arrays are never left partly
+    written) and then raises KeyboardInterrupt.
+
+    options.variant: "auto" (the fast, register-tiled kernels where they apply, else the
     readable ones), "reference" (the readable ones) or "fast" (ValueError naming what
     they lack where they do not apply); at the same tiles, the same bits either way.
     Without tiles "auto" keeps the readable kernels' default tiles wherever they set
@@ -546,90 +640,71 @@ _COMMON_DOC = """
     ("fast" is refused there)."""
 
 
+Window = Optional[Tuple[Optional[int], Optional[int]]]
+
+
 def fa2_forward(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
-                window: Optional[Tuple[Optional[int], Optional[int]]] = None,
-                causal_align: str = "bottom_right", layout: str = "bhnd",
-                scale: Optional[float] = None, block_r: Optional[int] = None,
-                block_c: Optional[int] = None, backend: str = "auto", emu_order: str = "forward",
-                emu_seed: int = 0, emu_workers: int = 0, threads: int = 0, variant: str = "auto",
-                progress: Optional[Progress] = None,
-                out: Optional[Sequence[Optional[ArrayLike]]] = None,
-                stream: Any = None) -> Tuple[Array, Array]:
+                window: Window = None, causal_align: str = "bottom_right",
+                scale: Optional[float] = None, layout: str = "bhnd",
+                options: Optional[Options] = None,
+                out: Optional[Sequence[Optional[ArrayLike]]] = None, stream: Any = None,
+                **deprecated) -> Tuple[Array, Array]:
     """FlashAttention-2 forward. Returns (o, lse): o like q, lse (log-sum-exp of each
     query row's scaled scores, -inf for a row with no visible key) q's shape without d.
-
-    progress: None, or a callable(done, total) called now and then from a library
-    thread; returning True cancels the call (CancelledError). Ctrl-C cancels it too.
     out: (o, lse), either None to allocate it."""
-    return _run("fa2_forward", dict(q=q, k=k, v=v), out=out, stream=stream, causal=causal,
-                window=window, causal_align=causal_align, layout=layout, scale=scale,
-                block_r=block_r, block_c=block_c, backend=backend, emu_order=emu_order,
-                emu_seed=emu_seed, emu_workers=emu_workers, threads=threads, progress=progress,
-                variant=variant)
+    options = resolve_options("pyfa.fa2_forward", options, deprecated)
+    return _run("fa2_forward", dict(q=q, k=k, v=v), causal=causal, window=window,
+                causal_align=causal_align, scale=scale, layout=layout, options=options,
+                out=out, stream=stream)
 
 
 def fa2_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, lse: ArrayLike,
-                 do: ArrayLike, *, causal: bool = False, scale: Optional[float] = None,
-                 window: Optional[Tuple[Optional[int], Optional[int]]] = None,
-                 causal_align: str = "bottom_right", layout: str = "bhnd",
-                 block_r: Optional[int] = None, block_c: Optional[int] = None,
-                 backend: str = "auto", emu_order: str = "forward", emu_seed: int = 0,
-                 emu_workers: int = 0, threads: int = 0, variant: str = "auto",
-                 progress: Optional[Progress] = None,
-                 out: Optional[Sequence[Optional[ArrayLike]]] = None,
-                 stream: Any = None) -> Tuple[Array, Array, Array]:
+                 do: ArrayLike, *, causal: bool = False, window: Window = None,
+                 causal_align: str = "bottom_right", scale: Optional[float] = None,
+                 layout: str = "bhnd", options: Optional[Options] = None,
+                 out: Optional[Sequence[Optional[ArrayLike]]] = None, stream: Any = None,
+                 **deprecated) -> Tuple[Array, Array, Array]:
     """FlashAttention-2 backward from the forward's saved o and lse (fa2_forward) and the
-    incoming gradient do (like o). Returns (dq, dk, dv), shaped like q, k, v. causal and
-    scale must be the forward's. Deterministic: the same inputs give the same bits.
+    incoming gradient do (like o). Returns (dq, dk, dv), shaped like q, k, v. The mask
+    and scale must be the forward's. Deterministic: the same inputs give the same bits.
     out: (dq, dk, dv), each None to allocate it."""
-    return _run("fa2_backward", dict(q=q, k=k, v=v, o=o, lse=lse, do=do), out=out,
-                stream=stream, causal=causal, window=window, causal_align=causal_align,
-                layout=layout, scale=scale, block_r=block_r, block_c=block_c,
-                backend=backend, emu_order=emu_order, emu_seed=emu_seed,
-                emu_workers=emu_workers, threads=threads, progress=progress,
-                variant=variant)
+    options = resolve_options("pyfa.fa2_backward", options, deprecated)
+    return _run("fa2_backward", dict(q=q, k=k, v=v, o=o, lse=lse, do=do), causal=causal,
+                window=window, causal_align=causal_align, scale=scale, layout=layout,
+                options=options, out=out, stream=stream)
 
 
 def fa1_forward(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
-                window: Optional[Tuple[Optional[int], Optional[int]]] = None,
-                causal_align: str = "bottom_right", layout: str = "bhnd",
-                scale: Optional[float] = None, block_r: Optional[int] = None,
-                block_c: Optional[int] = None, backend: str = "auto", emu_order: str = "forward",
-                emu_seed: int = 0, emu_workers: int = 0, threads: int = 0, variant: str = "auto",
-                progress: Optional[Progress] = None,
-                out: Optional[Sequence[Optional[ArrayLike]]] = None,
-                stream: Any = None) -> Tuple[Array, Array, Array]:
+                window: Window = None, causal_align: str = "bottom_right",
+                scale: Optional[float] = None, layout: str = "bhnd",
+                options: Optional[Options] = None,
+                out: Optional[Sequence[Optional[ArrayLike]]] = None, stream: Any = None,
+                **deprecated) -> Tuple[Array, Array, Array]:
     """FlashAttention-1 forward (the paper's Algorithm 1 as written). Returns (o, m, l):
     o like q; m (row max of the scaled scores) and l (sum of exp(score - m)) q's shape
     without d, as the paper keeps them for the backward; a row with no visible key gets
     o = 0, m = -inf, l = 0. out: (o, m, l), each None to allocate it."""
-    return _run("fa1_forward", dict(q=q, k=k, v=v), out=out, stream=stream, causal=causal,
-                window=window, causal_align=causal_align, layout=layout, scale=scale,
-                block_r=block_r, block_c=block_c, backend=backend, emu_order=emu_order,
-                emu_seed=emu_seed, emu_workers=emu_workers, threads=threads, progress=progress,
-                variant=variant)
+    options = resolve_options("pyfa.fa1_forward", options, deprecated)
+    return _run("fa1_forward", dict(q=q, k=k, v=v), causal=causal, window=window,
+                causal_align=causal_align, scale=scale, layout=layout, options=options,
+                out=out, stream=stream)
 
 
 def fa1_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, m: ArrayLike,
                  l: ArrayLike, do: ArrayLike, *, causal: bool = False,  # noqa: E741 (the paper's l)
-                 window: Optional[Tuple[Optional[int], Optional[int]]] = None,
-                 causal_align: str = "bottom_right", layout: str = "bhnd",
-                 scale: Optional[float] = None, block_r: Optional[int] = None,
-                 block_c: Optional[int] = None, backend: str = "auto", emu_order: str = "forward",
-                 emu_seed: int = 0, emu_workers: int = 0, threads: int = 0, variant: str = "auto",
-                 progress: Optional[Progress] = None,
-                 out: Optional[Sequence[Optional[ArrayLike]]] = None,
-                 stream: Any = None) -> Tuple[Array, Array, Array]:
+                 window: Window = None, causal_align: str = "bottom_right",
+                 scale: Optional[float] = None, layout: str = "bhnd",
+                 options: Optional[Options] = None,
+                 out: Optional[Sequence[Optional[ArrayLike]]] = None, stream: Any = None,
+                 **deprecated) -> Tuple[Array, Array, Array]:
     """FlashAttention-1 backward (the paper's Algorithm 4) from the forward's saved o, m, l
     (fa1_forward) and the incoming gradient do (like o). Returns (dq, dk, dv), shaped like
-    q, k, v. causal and scale must be the forward's. Deterministic: no atomics.
+    q, k, v. The mask and scale must be the forward's. Deterministic: no atomics.
     out: (dq, dk, dv), each None to allocate it."""
-    return _run("fa1_backward", dict(q=q, k=k, v=v, o=o, m=m, l=l, do=do), out=out,
-                stream=stream, causal=causal, window=window, causal_align=causal_align,
-                layout=layout, scale=scale, block_r=block_r, block_c=block_c,
-                backend=backend, emu_order=emu_order, emu_seed=emu_seed,
-                emu_workers=emu_workers, threads=threads, progress=progress,
-                variant=variant)
+    options = resolve_options("pyfa.fa1_backward", options, deprecated)
+    return _run("fa1_backward", dict(q=q, k=k, v=v, o=o, m=m, l=l, do=do), causal=causal,
+                window=window, causal_align=causal_align, scale=scale, layout=layout,
+                options=options, out=out, stream=stream)
 
 
 # algo -> the forward pass; attention() takes its first output, O.
@@ -638,58 +713,47 @@ _FORWARD = {"fa1": fa1_forward, "fa2": fa2_forward}
 
 def _algo(algo):
     if not isinstance(algo, str) or algo not in _FORWARD:
-        raise ValueError(f"algo: expected one of {sorted(_FORWARD)}, got {algo!r}")
+        raise InvalidArgumentError(f"algo: expected one of {sorted(_FORWARD)}, got {algo!r}")
     return algo
 
 
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
-              window: Optional[Tuple[Optional[int], Optional[int]]] = None,
-              causal_align: str = "bottom_right", layout: str = "bhnd",
-              scale: Optional[float] = None, algo: str = "fa2", block_r: Optional[int] = None,
-              block_c: Optional[int] = None, backend: str = "auto", emu_order: str = "forward",
-              emu_seed: int = 0, emu_workers: int = 0, threads: int = 0, variant: str = "auto",
-              progress: Optional[Progress] = None,
-              out: Optional[ArrayLike] = None, stream: Any = None) -> Array:
-    """O = softmax(scale * Q K^T [causal mask]) V by FlashAttention.
+              window: Window = None, causal_align: str = "bottom_right",
+              scale: Optional[float] = None, algo: str = "fa2", layout: str = "bhnd",
+              options: Optional[Options] = None, out: Optional[ArrayLike] = None,
+              stream: Any = None, **deprecated) -> Array:
+    """O = softmax(scale * Q K^T [masked]) V by FlashAttention.
 
     q: (B, H, Nq, d), (H, Nq, d) or (Nq, d) float32 in layout "bhnd" ((B, Nq, H, d), ...
-    in "bnhd"); k, v: the same with Nk rows and Hkv heads. algo: "fa1" or "fa2"; backend:
-    "auto" (CUDA when a GPU is usable, else "cpu"), "cuda", "cpu" (native and vectorised,
-    the same bits) or "emu" (the kernel source run by the emulator); block_r, block_c:
-    tiles Br, Bc (None: the default); threads: OS threads of the cpu backend (0: one per
-    core; the results never depend on it); progress: see fa2_forward; out: an array like
-    q to write O into."""
+    in "bnhd"); k, v: the same with Nk rows and Hkv heads. algo: "fa1" or "fa2". How it
+    runs (backend, tiles, threads, progress, ...) is `options`, a pyfa.Options (None: the
+    enclosing `with pyfa.Options(...)` block's, else the defaults: the best backend
+    here). out: an array like q to write O into."""
+    options = resolve_options("pyfa.attention", options, deprecated)
     fn = _FORWARD[_algo(algo)]
     extra = 2 if algo == "fa1" else 1  # m, l or lse: allocated
-    return fn(q, k, v, causal=causal, window=window, causal_align=causal_align, layout=layout,
-              scale=scale, block_r=block_r, block_c=block_c, backend=backend,
-              emu_order=emu_order, emu_seed=emu_seed, emu_workers=emu_workers, threads=threads,
-              variant=variant, progress=progress,
-              out=None if out is None else (out,) + (None,) * extra,
-              stream=stream)[0]
+    return fn(q, k, v, causal=causal, window=window, causal_align=causal_align, scale=scale,
+              layout=layout, options=options,
+              out=None if out is None else (out,) + (None,) * extra, stream=stream)[0]
 
 
 def attention_grad(q: ArrayLike, k: ArrayLike, v: ArrayLike, do: ArrayLike, *,
-                   causal: bool = False, scale: Optional[float] = None, algo: str = "fa2",
-                   window: Optional[Tuple[Optional[int], Optional[int]]] = None,
-                   causal_align: str = "bottom_right", layout: str = "bhnd",
-                   block_r: Optional[int] = None, block_c: Optional[int] = None,
-                   backend: str = "auto", emu_order: str = "forward", emu_seed: int = 0,
-                   emu_workers: int = 0, threads: int = 0, variant: str = "auto",
-                   progress: Optional[Progress] = None,
-                   out: Optional[Sequence[Optional[ArrayLike]]] = None,
-                   stream: Any = None) -> Tuple[Array, Array, Array, Array]:
+                   causal: bool = False, window: Window = None,
+                   causal_align: str = "bottom_right", scale: Optional[float] = None,
+                   algo: str = "fa2", layout: str = "bhnd", options: Optional[Options] = None,
+                   out: Optional[Sequence[Optional[ArrayLike]]] = None, stream: Any = None,
+                   **deprecated) -> Tuple[Array, Array, Array, Array]:
     """The forward and backward of attention(q, k, v, ...) for the incoming gradient do
     (like the output): returns (o, dq, dk, dv), o like q and the gradients like q, k, v.
-    Arguments as in attention(); do is checked before any kernel runs; progress sees
-    each of the two calls in turn. out: (o, dq, dk, dv), each None to allocate it."""
+    Arguments as in attention(); do is checked before any kernel runs; options.progress
+    sees each of the two calls in turn. out: (o, dq, dk, dv), each None to allocate it."""
+    options = resolve_options("pyfa.attention_grad", options, deprecated)
     _algo(algo)
     outs = _out_dict("attention_grad", ("o", "dq", "dk", "dv"), out)
-    _intake(dict(q=q, k=k, v=v, do=do), stream, backend, layout, outs)
-    kw = dict(causal=causal, window=window, causal_align=causal_align, layout=layout,
-              scale=scale, block_r=block_r, block_c=block_c, backend=backend,
-              emu_order=emu_order, emu_seed=emu_seed, emu_workers=emu_workers,
-              threads=threads, variant=variant, progress=progress, stream=stream)
+    _refuse_given_overlaps(_intake(dict(q=q, k=k, v=v, do=do), stream, options.backend,
+                                   layout, outs), outs)
+    kw = dict(causal=causal, window=window, causal_align=causal_align, scale=scale,
+              layout=layout, options=options, stream=stream)
     grads = (outs["dq"], outs["dk"], outs["dv"])
     if algo == "fa1":
         o, m, l = fa1_forward(q, k, v, out=(outs["o"], None, None), **kw)

@@ -8,7 +8,7 @@ The forward is pyfa.fa2_forward, which saves O and LSE; the backward is
 pyfa.fa2_backward on them, deterministic (no atomics): the same inputs give the same
 gradient bits on every run, equal to pyfa.attention_grad's. CUDA tensors run on the
 current stream of their device without a host copy. Needs torch (pip install
-"pyfa[torch]").
+".[torch]" at a pyfa checkout's root).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ try:
     import torch
 except ImportError as e:
     raise ImportError("pyfa.torch needs PyTorch, which is not installed here "
-                      "(pip install torch, or pip install \"pyfa[torch]\")") from e
+                      "(pip install torch, or pip install \".[torch]\" at a pyfa checkout's root)") from e
 from torch.autograd.function import once_differentiable
 
 from . import api

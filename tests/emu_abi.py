@@ -4,18 +4,18 @@ calling thread, out-of-memory statuses."""
 
 import numpy as np
 
-from pyfa import _lib
+from pyfa import _lib, api
 
-EMU = 2  # PYFA_BACKEND_EMU
-OK, INVALID_ARGUMENT, OUT_OF_MEMORY, CANCELLED = 0, 1, 6, 8
+# The values come from pyfa.h, through the loader's parse of it.
+EMU = _lib.constant("PYFA_BACKEND_EMU")
+OK = _lib.constant("PYFA_OK")
+INVALID_ARGUMENT = _lib.constant("PYFA_ERROR_INVALID_ARGUMENT")
+OUT_OF_MEMORY = _lib.constant("PYFA_ERROR_OUT_OF_MEMORY")
+CANCELLED = _lib.constant("PYFA_ERROR_CANCELLED")
 
 # C function: the tensors it takes, inputs then outputs, in the order of its arguments.
-OPS = {
-    "pyfa_fa1_forward": ("q", "k", "v", "o", "m", "l"),
-    "pyfa_fa2_forward": ("q", "k", "v", "o", "lse"),
-    "pyfa_fa2_backward": ("q", "k", "v", "o", "lse", "do", "dq", "dk", "dv"),
-}
-ROW_TENSORS = ("lse", "m", "l")  # (B, H, N); every other tensor is (B, H, N, d)
+OPS = {op.c_function: op.inputs + op.outputs for op in api.OPS.values()}
+ROW_TENSORS = tuple(n for n, kind in api.TENSOR_KINDS.items() if kind == "row")  # (B, H, N)
 
 
 def load():

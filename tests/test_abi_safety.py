@@ -18,6 +18,9 @@ import pytest
 import pyfa
 from pyfa import _lib
 
+# pyfa.h's enum values, as the loader parses them from the header.
+const = _lib.constant
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 INT64_MAX = 2**63 - 1
@@ -145,7 +148,7 @@ HUGE_TILES_CALL = """
                                    ("fa2_backward", 1073764693, 2147437157),
                                    ("fa2_forward", 2147483647, 2147483647),
                                    ("fa1_forward", 2147483647, 1)]:
-        cfg = ffi.new("pyfa_config *", dict(backend=2, block_r=block_r, block_c=block_c, emu_workers=1))
+        cfg = ffi.new("pyfa_config *", dict(backend=lib.PYFA_BACKEND_EMU, block_r=block_r, block_c=block_c, emu_workers=1))
         outs = [np.full((4, 150), 7.0, np.float32) for _ in range(3)]
         rows = [np.full(4, 7.0, np.float32) for _ in range(2)]
         if name == "fa1_backward":
@@ -166,7 +169,7 @@ HUGE_TILES_CALL = """
 def test_huge_tiles_are_refused_cleanly():
     results = json_result(run_python(HUGE_TILES_CALL))
     for name, (status, message, untouched, block_r, block_c) in results.items():
-        assert status == 2, (name, status, message)  # PYFA_ERROR_TILE_TOO_LARGE
+        assert status == const("PYFA_ERROR_TILE_TOO_LARGE"), (name, status, message)
         assert f"block_r={block_r}" in message and f"block_c={block_c}" in message, message
         assert "bytes of shared memory" in message and untouched, (name, message)
 
@@ -177,7 +180,7 @@ def test_tensor_sizes_are_exact():
     ffi, lib = _lib.load()
     x = np.zeros(8, np.float32)
     p = ffi.cast("float *", ffi.from_buffer(x))
-    cfg = ffi.new("pyfa_config *", dict(backend=2))
+    cfg = ffi.new("pyfa_config *", dict(backend=const("PYFA_BACKEND_EMU")))
     for fields in [dict(batch=65535, heads=65535, seqlen_q=2**40, seqlen_k=1, head_dim=256),
                    dict(batch=1, heads=1, seqlen_q=1, seqlen_k=2**62, head_dim=256),
                    dict(batch=2, heads=1, seqlen_q=2**59, seqlen_k=1, head_dim=2)]:
@@ -325,7 +328,7 @@ def launches(result):
 
 def test_cuda_host_entry_runs_on_the_library_stream_and_reports_progress(fake_cuda_library):
     (r,) = fake_cuda(fake_cuda_library, dict(op="fa2_backward", device=False))
-    assert r["status"] == 0, r["message"]
+    assert r["status"] == const("PYFA_OK"), r["message"]
     assert launches(r) == ["launch fa2_backward_preprocess library", "launch fa2_backward_dkdv library",
                            "launch fa2_backward_dq library"]
     # Everything on the library's stream, which is the only one waited for.
@@ -346,7 +349,7 @@ def test_cuda_host_entry_runs_on_the_library_stream_and_reports_progress(fake_cu
 @pytest.mark.parametrize("cancel_at", [[0, 3], [1, 3], [2, 3], [3, 3]])
 def test_cuda_host_entry_cancelled_writes_nothing(fake_cuda_library, cancel_at):
     (r,) = fake_cuda(fake_cuda_library, dict(op="fa2_backward", device=False, cancel_at=cancel_at))
-    assert r["status"] == 8 and "cancelled" in r["message"], r
+    assert r["status"] == const("PYFA_ERROR_CANCELLED") and "cancelled" in r["message"], r
     assert len(launches(r)) == cancel_at[0]
     assert "d2h library" not in r["log"] and r["outs"] == [[0.0]] * 3 and r["live"] == 0
 
@@ -354,7 +357,7 @@ def test_cuda_host_entry_cancelled_writes_nothing(fake_cuda_library, cancel_at):
 @pytest.mark.parametrize("fail_launch", [0, 1, 2])
 def test_cuda_host_entry_failed_launch_writes_nothing(fake_cuda_library, fail_launch):
     (r,) = fake_cuda(fake_cuda_library, dict(op="fa2_backward", device=False, fail_launch=fail_launch))
-    assert r["status"] == 4 and "refused" in r["message"]
+    assert r["status"] == const("PYFA_ERROR_CUDA") and "refused" in r["message"]
     assert "d2h library" not in r["log"] and r["outs"] == [[0.0]] * 3 and r["live"] == 0
 
 
@@ -362,14 +365,14 @@ def test_cuda_configuration_errors_come_before_any_launch(fake_cuda_library):
     # The dQ kernel's configuration is refused: neither entry point has launched dK/dV.
     for device in (False, True):
         (r,) = fake_cuda(fake_cuda_library, dict(op="fa2_backward", device=device, fail_check=5))
-        assert r["status"] == 2 and "fa2_backward_dq" in r["message"]
+        assert r["status"] == const("PYFA_ERROR_TILE_TOO_LARGE") and "fa2_backward_dq" in r["message"]
         assert not launches(r) and not [e for e in r["log"] if e.startswith("malloc")]
         assert r["outs"] == [[0.0]] * 3 and r["progress"] == []
 
 
 def test_cuda_device_entry_runs_on_the_callers_stream_and_never_waits(fake_cuda_library):
     (r,) = fake_cuda(fake_cuda_library, dict(op="fa2_backward", device=True))
-    assert r["status"] == 0, r["message"]
+    assert r["status"] == const("PYFA_OK"), r["message"]
     assert launches(r) == ["launch fa2_backward_preprocess caller", "launch fa2_backward_dkdv caller",
                            "launch fa2_backward_dq caller"]
     assert not [e for e in r["log"] if e.startswith(("sync", "h2d", "d2h"))], r["log"]
@@ -380,21 +383,21 @@ def test_cuda_device_entry_runs_on_the_callers_stream_and_never_waits(fake_cuda_
 
 def test_cuda_device_entry_cancel_before_enqueueing(fake_cuda_library):
     (r,) = fake_cuda(fake_cuda_library, dict(op="fa2_backward", device=True, cancel_at=[0, 3]))
-    assert r["status"] == 8 and not launches(r) and r["outs"] == [[0.0]] * 3 and r["live"] == 0
+    assert r["status"] == const("PYFA_ERROR_CANCELLED") and not launches(r) and r["outs"] == [[0.0]] * 3 and r["live"] == 0
 
 
 def test_cuda_device_entry_late_launch_failure_is_as_documented(fake_cuda_library):
     # pyfa.h: a launch refused after earlier kernels were enqueued leaves their outputs:
     # for pyfa_fa2_backward_device, dK and dV without dQ.
     (r,) = fake_cuda(fake_cuda_library, dict(op="fa2_backward", device=True, fail_launch=2))
-    assert r["status"] == 4
+    assert r["status"] == const("PYFA_ERROR_CUDA")
     assert r["outs"] == [[0.0], [6.0], [7.0]] and r["live"] == 0
 
 
 def test_auto_is_cuda_on_both_entry_points_when_cuda_is_usable(fake_cuda_library):
-    host, device = fake_cuda(fake_cuda_library, dict(op="fa2_forward", device=False, backend=0),
-                             dict(op="fa2_forward", device=True, backend=0, progress=False))
-    assert host["status"] == device["status"] == 0
+    host, device = fake_cuda(fake_cuda_library, dict(op="fa2_forward", device=False, backend=const("PYFA_BACKEND_AUTO")),
+                             dict(op="fa2_forward", device=True, backend=const("PYFA_BACKEND_AUTO"), progress=False))
+    assert host["status"] == device["status"] == const("PYFA_OK")
     assert launches(host) == ["launch fa2_forward library"]
     assert launches(device) == ["launch fa2_forward caller"]
     assert host["outs"] == device["outs"] == [[1.0], [2.0]]

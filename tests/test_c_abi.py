@@ -10,6 +10,9 @@ import pytest
 import pyfa
 from pyfa import _lib
 
+# pyfa.h's enum values, as the loader parses them from the header.
+const = _lib.constant
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -46,9 +49,9 @@ def test_cuda_backend_compiled_when_nvcc_is_here():
     # The build must pick up nvcc when it is installed, so that a CUDA compile error
     # fails the install (and CI) instead of silently yielding an emulator-only library.
     _, lib = _lib.load()
-    assert lib.pyfa_backend_compiled(2) == 1
+    assert lib.pyfa_backend_compiled(const("PYFA_BACKEND_EMU")) == 1
     if shutil.which("nvcc"):
-        assert lib.pyfa_backend_compiled(1) == 1
+        assert lib.pyfa_backend_compiled(const("PYFA_BACKEND_CUDA")) == 1
 
 
 def _load_in_subprocess(env_library):

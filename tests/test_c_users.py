@@ -104,8 +104,6 @@ def test_a_package_without_its_library_says_so(tmp_path):
     src = Path(pyfa.__file__).resolve().parent
     shutil.copytree(src, tmp_path / "pyfa", ignore=shutil.ignore_patterns(
         "*.so", "*.dylib", "include", "cmake", "__pycache__"))
-    if not (tmp_path / "pyfa" / "sim").is_dir():
-        shutil.copytree(ROOT / "sim", tmp_path / "sim")
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     env.pop("PYFA_LIBRARY", None)
     run = subprocess.run([sys.executable, "-m", "pyfa", "--libs"], cwd=tmp_path, env=env,

@@ -79,15 +79,16 @@ def test_ctrl_c_interrupts_a_long_call_and_the_library_stays_usable():
 # nonzero answer. It checks the Python side (helper thread, callback, Ctrl-C) on its own.
 STAND_IN = textwrap.dedent("""
     import time
+    from pyfa._lib import constant
     def stand_in(config, seconds, steps=None):
         total = int(seconds / 0.01)
         for done in range(total + 1):
             if config.progress(config.progress_user, done, total):
-                return 8
+                return constant("PYFA_ERROR_CANCELLED")
             if steps is not None:
                 steps.append(done)
             time.sleep(0.01)
-        return 0
+        return constant("PYFA_OK")
 """)
 exec(STAND_IN)
 
@@ -254,7 +255,7 @@ def test_auto_says_once_why_cuda_is_not_used():
     assert run.returncode == 0, run.stderr
     ffi, lib = pyfa._lib.load()
     lines = run.stdout.splitlines()
-    if lib.pyfa_backend_compiled(1) and not lib.pyfa_backend_available(1):
+    if lib.pyfa_backend_compiled(lib.PYFA_BACKEND_CUDA) and not lib.pyfa_backend_available(lib.PYFA_BACKEND_CUDA):
         reason = pyfa.unavailable_backends()["cuda"]
         assert reason
         assert lines == [f"RuntimeWarning pyfa: backend='auto' falls back to the CPU: this libpyfa "

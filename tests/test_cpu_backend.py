@@ -98,11 +98,19 @@ CASES = grid.CASES + [
 ]
 
 
+def split(kw, **execution):
+    """kw as (the semantic keywords, a pyfa.Options of the rest and `execution`)."""
+    chosen = {n: x for n, x in kw.items() if n in pyfa.options.FIELDS}
+    return ({n: x for n, x in kw.items() if n not in chosen},
+            pyfa.Options(**chosen, **execution))
+
+
 def simulate(q, k, v, do, kw):
-    f2 = pyfa.sim.fa2_forward(q, k, v, **kw)
-    b2 = pyfa.sim.fa2_backward(q, k, v, f2.o, f2.lse, do, **kw)
-    f1 = pyfa.sim.fa1_forward(q, k, v, **kw)
-    b1 = pyfa.sim.fa1_backward(q, k, v, f1.o, f1.m, f1.l, do, **kw)
+    kw, options = split(kw)
+    f2 = pyfa.sim.fa2_forward(q, k, v, **kw, options=options)
+    b2 = pyfa.sim.fa2_backward(q, k, v, f2.o, f2.lse, do, **kw, options=options)
+    f1 = pyfa.sim.fa1_forward(q, k, v, **kw, options=options)
+    b1 = pyfa.sim.fa1_backward(q, k, v, f1.o, f1.m, f1.l, do, **kw, options=options)
     return (f2.o, f2.lse), (b2.dq, b2.dk, b2.dv), (f1.o, f1.m, f1.l), (b1.dq, b1.dk, b1.dv)
 
 
@@ -118,10 +126,11 @@ def run_cpu(inputs, kw, **run):
     """fa2 forward, fa2 backward, fa1 forward, fa1 backward on the cpu backend, each
     backward from the simulator-equal forward results."""
     q, k, v, do = inputs
-    f2 = pyfa.fa2_forward(q, k, v, backend="cpu", **kw, **run)
-    b2 = pyfa.fa2_backward(q, k, v, *f2, do, backend="cpu", **kw, **run)
-    f1 = pyfa.fa1_forward(q, k, v, backend="cpu", **kw, **run)
-    b1 = pyfa.fa1_backward(q, k, v, *f1, do, backend="cpu", **kw, **run)
+    kw, options = split(kw, backend="cpu", **run)
+    f2 = pyfa.fa2_forward(q, k, v, **kw, options=options)
+    b2 = pyfa.fa2_backward(q, k, v, *f2, do, **kw, options=options)
+    f1 = pyfa.fa1_forward(q, k, v, **kw, options=options)
+    b1 = pyfa.fa1_backward(q, k, v, *f1, do, **kw, options=options)
     return f2, b2, f1, b1
 
 
@@ -244,7 +253,7 @@ def test_auto_is_cpu_without_a_gpu_and_backends_lists_cpu():
         pytest.skip("a GPU is here: auto means CUDA")
     q, k, v = make_inputs((1, 2, 30, 16), (1, 2, 30, 16), seed=2)
     ffi, lib = _lib.load()
-    assert lib.pyfa_backend_available(3) == 1 and lib.pyfa_backend_compiled(3) == 1
+    assert lib.pyfa_backend_available(lib.PYFA_BACKEND_CPU) == 1 and lib.pyfa_backend_compiled(lib.PYFA_BACKEND_CPU) == 1
     assert same_bits(pyfa.attention(q, k, v), pyfa.attention(q, k, v, backend="cpu"))
 
 

@@ -8,6 +8,9 @@ import pyfa
 from pyfa import _lib
 from reference import make_inputs
 
+# pyfa.h's enum values, as the loader parses them from the header.
+const = _lib.constant
+
 Q, K, V = make_inputs((1, 2, 16, 8), (1, 2, 12, 8), seed=0)
 
 
@@ -64,7 +67,7 @@ def _c_call(problem_fields, null=None):
                                         scale=0.0, causal=0))
     for name, value in problem_fields.items():
         setattr(pr, name, value)
-    cfg = ffi.new("pyfa_config *", dict(backend=2))
+    cfg = ffi.new("pyfa_config *", dict(backend=const("PYFA_BACKEND_EMU")))
     x = np.ones((4, 8), np.float32)
     o = np.full((4, 8), 7.0, np.float32)
     lse = np.full(4, 7.0, np.float32)
@@ -87,7 +90,7 @@ def _c_call(problem_fields, null=None):
 ])
 def test_c_abi_errors_name_the_argument_and_write_nothing(fields, null, needle):
     status, message, o, lse = _c_call(fields, null)
-    assert status == 1 and needle in message
+    assert status == const("PYFA_ERROR_INVALID_ARGUMENT") and needle in message
     assert np.all(o == 7.0) and np.all(lse == 7.0)
 
 
@@ -105,9 +108,9 @@ def test_c_abi_null_problem_and_unknown_backend():
 
 def test_c_abi_success_clears_last_error():
     status, message, o, _ = _c_call({"head_dim": 0})
-    assert status == 1 and message
+    assert status == const("PYFA_ERROR_INVALID_ARGUMENT") and message
     status, message, o, _ = _c_call({})
-    assert status == 0 and message == "" and np.allclose(o, 1.0)
+    assert status == const("PYFA_OK") and message == "" and np.allclose(o, 1.0)
 
 
 def _device_call(backend, block_r=0):
@@ -128,29 +131,29 @@ def test_auto_on_a_device_entry_point_never_runs_the_emulator():
     # The pointers of a *_device call are the GPU's: without CUDA, AUTO is an error that
     # says why CUDA is unavailable, and nothing is written.
     _, lib = _lib.load()
-    status, message, o, lse = _device_call(backend=0)
-    assert status == 3, message
-    assert "*_device" in message and _lib.load()[0].string(lib.pyfa_backend_reason(1)).decode() in message
+    status, message, o, lse = _device_call(backend=const("PYFA_BACKEND_AUTO"))
+    assert status == const("PYFA_ERROR_BACKEND_UNAVAILABLE"), message
+    assert "*_device" in message and _lib.load()[0].string(lib.pyfa_backend_reason(const("PYFA_BACKEND_CUDA"))).decode() in message
     assert np.all(o == 7.0) and np.all(lse == 7.0)
 
 
 def test_emu_on_a_device_entry_point_takes_host_pointers():
-    status, message, o, lse = _device_call(backend=2)
-    assert status == 0 and message == ""
+    status, message, o, lse = _device_call(backend=const("PYFA_BACKEND_EMU"))
+    assert status == const("PYFA_OK") and message == ""
     assert np.allclose(o, 1.0) and np.all(np.isfinite(lse))
     # A failure there writes nothing either.
-    status, message, o, lse = _device_call(backend=2, block_r=1 << 30)
-    assert status == 2 and "block_r=1073741824" in message
+    status, message, o, lse = _device_call(backend=const("PYFA_BACKEND_EMU"), block_r=1 << 30)
+    assert status == const("PYFA_ERROR_TILE_TOO_LARGE") and "block_r=1073741824" in message
     assert np.all(o == 7.0) and np.all(lse == 7.0)
 
 
 def test_backend_reason_says_why_and_is_empty_when_usable():
     ffi, lib = _lib.load()
-    assert ffi.string(lib.pyfa_backend_reason(2)).decode() == ""
-    cuda_reason = ffi.string(lib.pyfa_backend_reason(1)).decode()
-    if lib.pyfa_backend_available(1):
+    assert ffi.string(lib.pyfa_backend_reason(const("PYFA_BACKEND_EMU"))).decode() == ""
+    cuda_reason = ffi.string(lib.pyfa_backend_reason(const("PYFA_BACKEND_CUDA"))).decode()
+    if lib.pyfa_backend_available(const("PYFA_BACKEND_CUDA")):
         assert cuda_reason == ""
-    elif not lib.pyfa_backend_compiled(1):
+    elif not lib.pyfa_backend_compiled(const("PYFA_BACKEND_CUDA")):
         assert "without nvcc" in cuda_reason
     else:
         # The runtime's own words: an error name such as cudaErrorNoDevice.
@@ -161,7 +164,7 @@ def test_backend_reason_says_why_and_is_empty_when_usable():
 def test_c_abi_rejects_negative_threads():
     ffi, lib = _lib.load()
     pr = ffi.new("pyfa_problem *", dict(batch=1, heads=1, seqlen_q=4, seqlen_k=4, head_dim=8))
-    cfg = ffi.new("pyfa_config *", dict(backend=2, threads=-1))
+    cfg = ffi.new("pyfa_config *", dict(backend=const("PYFA_BACKEND_EMU"), threads=-1))
     x = np.ones((4, 8), np.float32)
     p = ffi.cast("float *", ffi.from_buffer(x))
     assert lib.pyfa_fa2_forward(pr, cfg, p, p, p, p, p) == 1
@@ -222,14 +225,16 @@ def test_causal_is_checked_alike_everywhere(name, call):
 ])
 def test_out_of_range_numbers_name_the_argument_and_never_warn(kwargs, exc, needle):
     import warnings
-    sim_kwargs = {k: v for k, v in kwargs.items() if k in ("scale", "block_r")}
+    execution = {k: v for k, v in kwargs.items() if k in pyfa.options.FIELDS}
+    semantic = {k: v for k, v in kwargs.items() if k not in execution}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with pytest.raises(exc, match=needle):
-            pyfa.fa2_forward(Q, K, V, backend="emu", **kwargs)
-        if sim_kwargs:  # the simulator takes these too, and must refuse them alike
+            pyfa.fa2_forward(Q, K, V, **semantic,
+                             options=pyfa.Options(backend="emu", **execution))
+        if "block_r" in kwargs or "scale" in kwargs:  # the simulator takes these too, and must refuse them alike
             with pytest.raises(exc, match=needle):
-                pyfa.sim.fa2_forward(Q, K, V, **sim_kwargs)
+                pyfa.sim.fa2_forward(Q, K, V, **semantic, options=pyfa.Options(**execution))
 
 
 @pytest.mark.parametrize("call,exc,needle", [
@@ -263,7 +268,7 @@ def test_error_classes_are_public_and_both_kinds():
     assert pyfa.TileTooLargeError is pyfa.sim.TileTooLargeError
     status, message, _, _ = _c_call({"head_dim": 0})
     err = _lib.error(status, message)
-    assert type(err) is pyfa.InvalidArgumentError and "problem->head_dim" in str(err) and err.status == 1
+    assert type(err) is pyfa.InvalidArgumentError and "problem->head_dim" in str(err) and err.status == const("PYFA_ERROR_INVALID_ARGUMENT")
     for status, cls in ((2, pyfa.TileTooLargeError), (6, pyfa.OutOfMemoryError), (8, pyfa.CancelledError)):
         err = _lib.error(status, "")
         assert isinstance(err, cls) and isinstance(err, pyfa.PyfaError), (status, type(err))
@@ -273,7 +278,7 @@ def test_invalid_argument_from_the_library_is_public():
     # block_r above what the API allows never reaches the library; a C-level refusal does.
     ffi, lib = _lib.load()
     with pytest.raises(pyfa.InvalidArgumentError, match="head_dim"):
-        _lib.check(lib.pyfa_default_tiles(1, 0, 2, ffi.new("int *"), ffi.new("int *")))
+        _lib.check(lib.pyfa_default_tiles(const("PYFA_KERNEL_FA2_FORWARD"), 0, const("PYFA_BACKEND_EMU"), ffi.new("int *"), ffi.new("int *")))
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -12,6 +12,9 @@ import pyfa
 from pyfa import _lib
 from reference import attention_grad_ref, attention_ref, make_inputs, rel_err, same_bits
 
+# pyfa.h's enum values, as the loader parses them from the header.
+const = _lib.constant
+
 # The shared grid (tests/grid.py), plus Br > Bc with Nq > Nk, and the default tiles
 # (None: 64 x 128 at d = 64, 36 x 36 at d = 256).
 CASES = grid.CASES + [
@@ -111,7 +114,7 @@ def test_dq_is_initialized_before_it_is_read():
         got = [np.full(x.shape, fill, np.float32) for x in (q, k, v)]
         problem = ffi.new("pyfa_problem *", {"batch": 2, "heads": 1, "seqlen_q": 17, "seqlen_k": 21,
                                               "head_dim": 8})
-        config = ffi.new("pyfa_config *", {"backend": 2, "block_r": 4, "block_c": 8})
+        config = ffi.new("pyfa_config *", {"backend": const("PYFA_BACKEND_EMU"), "block_r": 4, "block_c": 8})
         _lib.check(lib.pyfa_fa1_backward_device(problem, config, ptr(q), ptr(k), ptr(v), ptr(o),
                                                 ptr(m), ptr(l), ptr(do), *map(ptr, got), ffi.NULL))
         assert all(same_bits(a, b) for a, b in zip(got, want))
@@ -181,7 +184,7 @@ def test_c_abi_names_a_null_do():
     outs = [np.full(q.shape, 7, np.float32) for _ in range(3)]
     ptr = lambda x: ffi.cast("float *", ffi.from_buffer(x))
     problem = ffi.new("pyfa_problem *", {"batch": 1, "heads": 1, "seqlen_q": 4, "seqlen_k": 4, "head_dim": 4})
-    config = ffi.new("pyfa_config *", {"backend": 2})
+    config = ffi.new("pyfa_config *", {"backend": const("PYFA_BACKEND_EMU")})
     st = lib.pyfa_fa1_backward(problem, config, ptr(q), ptr(k), ptr(v), ptr(q), ptr(rows), ptr(rows),
                                ffi.NULL, *map(ptr, outs))
     assert st == lib.PYFA_ERROR_INVALID_ARGUMENT

@@ -12,6 +12,9 @@ import pyfa
 from pyfa import _lib
 from reference import attention_ref, make_inputs, rel_err, row_stats_ref, same_bits
 
+# pyfa.h's enum values, as the loader parses them from the header.
+const = _lib.constant
+
 # The shared grid (tests/grid.py), plus the default tiles (64 x 227 at d = 64) over two
 # K/V tiles with tails.
 CASES = grid.CASES + [
@@ -109,7 +112,7 @@ def test_outputs_are_initialized_before_they_are_read():
         l = np.full(q.shape[:3], fill, np.float32)
         problem = ffi.new("pyfa_problem *", {"batch": 2, "heads": 2, "seqlen_q": 19, "seqlen_k": 23,
                                               "head_dim": 8, "causal": 1})
-        config = ffi.new("pyfa_config *", {"backend": 2, "block_r": 4, "block_c": 8})
+        config = ffi.new("pyfa_config *", {"backend": const("PYFA_BACKEND_EMU"), "block_r": 4, "block_c": 8})
         ptr = lambda x: ffi.cast("float *", ffi.from_buffer(x))
         _lib.check(lib.pyfa_fa1_forward_device(problem, config, ptr(q), ptr(k), ptr(v), ptr(o),
                                                ptr(m), ptr(l), ffi.NULL))

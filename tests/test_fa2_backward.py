@@ -12,6 +12,9 @@ import pyfa
 from pyfa import _lib
 from reference import attention_grad_ref, attention_ref, make_inputs, rel_err, same_bits
 
+# pyfa.h's enum values, as the loader parses them from the header.
+const = _lib.constant
+
 # The shared grid (tests/grid.py), plus the default tiles at d = 256 (32 x 32 for dK/dV
 # and dQ).
 CASES = grid.CASES + [
@@ -177,7 +180,7 @@ def _c_backward(device, null=None, Nq=6, Nk=5, d=4):
     o, lse = pyfa.fa2_forward(q, k, v, causal=True, backend="emu")
     pr = ffi.new("pyfa_problem *", dict(batch=1, heads=1, seqlen_q=Nq, seqlen_k=Nk, head_dim=d,
                                         scale=0.0, causal=1))
-    cfg = ffi.new("pyfa_config *", dict(backend=2))
+    cfg = ffi.new("pyfa_config *", dict(backend=const("PYFA_BACKEND_EMU")))
     outs = [np.full((Nq, d), 7.0, np.float32), np.full((Nk, d), 7.0, np.float32),
             np.full((Nk, d), 7.0, np.float32)]
     ptr = lambda a: ffi.cast("float *", ffi.from_buffer(a))
@@ -196,15 +199,15 @@ def _c_backward(device, null=None, Nq=6, Nk=5, d=4):
                                          (8, "dv: null pointer")])
 def test_c_abi_errors_name_the_argument_and_write_nothing(null, needle):
     status, message, _, outs = _c_backward(False, null)
-    assert status == 1 and needle in message
+    assert status == const("PYFA_ERROR_INVALID_ARGUMENT") and needle in message
     assert all(np.all(x == 7.0) for x in outs)
 
 
 def test_c_abi_host_and_device_entry_points_agree():
     status, message, (q, k, v, o, lse, do), host = _c_backward(False)
-    assert status == 0 and message == ""
+    assert status == const("PYFA_OK") and message == ""
     status, _, _, device = _c_backward(True)
-    assert status == 0
+    assert status == const("PYFA_OK")
     sim = pyfa.sim.fa2_backward(q, k, v, o, lse, do, causal=True)
     for got_h, got_d, ref in zip(host, device, (sim.dq, sim.dk, sim.dv)):
         assert same_bits(got_h, ref) and same_bits(got_d, ref)

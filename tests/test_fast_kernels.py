@@ -172,7 +172,7 @@ VALUES = [f32("nan"), f32(-np.inf), f32(-0.0), f32(0.0), f32(1.0), f32(np.inf)]
 
 
 def vmax(a, b):
-    """pyfa_max on arrays (sim/numerics.py's form)."""
+    """pyfa_max on arrays (pyfa/sim/numerics.py's form)."""
     return np.where(b > a, b, a)
 
 

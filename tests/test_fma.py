@@ -17,7 +17,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 CHECK_SRC = REPO / "tests" / "numerics" / "numerics_check.cpp"
 
 _spec = importlib.util.spec_from_file_location("_pyfa_sim_numerics_fma_under_test",
-                                               REPO / "sim" / "numerics.py")
+                                               REPO / "pyfa" / "sim" / "numerics.py")
 numerics = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(numerics)
 

@@ -124,14 +124,11 @@ def test_out_none_entries_are_allocated():
     assert rlse is lse and same_bits(o, pyfa.attention(Q, K, V, **KW))
 
 
-def test_out_strided_or_overlapping_is_staged():
+def test_out_strided_is_staged():
     expected = pyfa.attention(Q, K, V, **KW)
     strided = np.zeros((2, 20, 3, 8), np.float32).transpose(0, 2, 1, 3)
     assert pyfa.attention(Q, K, V, out=strided, **KW) is strided
     assert same_bits(strided, expected)
-    q = Q.copy()  # O written over the q it is computed from
-    assert pyfa.attention(q, K, V, out=q, **KW) is q
-    assert same_bits(q, expected)
 
 
 def test_attention_grad_out():
@@ -309,7 +306,9 @@ def case(fn):
         value = fn()
         error = None
     except Exception as e:
-        value, error = None, f"{type(e).__name__}: {e}"
+        # Named by its builtin kind (pyfa's argument errors are ValueErrors, TypeErrors).
+        kind = next(c for c in type(e).__mro__ if c.__module__ == "builtins")
+        value, error = None, f"{kind.__name__}: {e}"
     log = ffi.string(lib.fake_cuda_log()).decode().split(chr(10))[:-1]
     return dict(value=value, error=error, log=log)
 

@@ -1,4 +1,4 @@
-"""The unfused standard-attention model (sim/standard.py): its bytes equal hand-derived
+"""The unfused standard-attention model (pyfa/sim/standard.py): its bytes equal hand-derived
 closed forms pass by pass, the simulator counts what count_io counts, and its float32
 values are close to float64 attention and its gradients."""
 

@@ -13,6 +13,7 @@ import pytest
 
 import pyfa
 from pyfa import _lib
+from pyfa._version import DISTRIBUTION
 
 ROOT = Path(pyfa.__file__).resolve().parents[1]   # where the pyfa under test lives
 REPO = Path(__file__).resolve().parents[1]         # the checkout these tests belong to
@@ -112,16 +113,16 @@ def test_a_checkout_without_a_build_finds_the_installed_library(tmp_path):
     # the one pip put in site-packages, found through the distribution's file list.
     checkout, site = tmp_path / "clone", tmp_path / "site"
     shutil.copytree(REPO / "pyfa", checkout / "pyfa", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    shutil.copytree(REPO / "sim", checkout / "sim", ignore=shutil.ignore_patterns("__pycache__"))
     (checkout / "src" / "include").mkdir(parents=True)
     shutil.copy(REPO / "src" / "include" / "pyfa.h", checkout / "src" / "include" / "pyfa.h")
     (checkout / "CMakeLists.txt").write_text("# a checkout\n")
     lib_name = _lib.library_path().name
     (site / "pyfa").mkdir(parents=True)
     shutil.copy(_lib.library_path(), site / "pyfa" / lib_name)
-    info = site / f"pyfa-{pyfa.__version__}.dist-info"
+    info = site / f"{DISTRIBUTION.replace('-', '_')}-{pyfa.__version__}.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: pyfa\nVersion: {pyfa.__version__}\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {DISTRIBUTION}\n"
+                                   f"Version: {pyfa.__version__}\n")
     (info / "RECORD").write_text(f"pyfa/{lib_name},,\n{info.name}/METADATA,,\n{info.name}/RECORD,,\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (str(site), os.environ.get("PYTHONPATH")) if p and Path(p).resolve() != ROOT))

@@ -1,5 +1,5 @@
 """pyfa's own float32 exp/log/max: the C++ build of src/common/numerics.h against the NumPy
-twins in sim/numerics.py (bit for bit), and both against float64 references (accuracy).
+twins in pyfa/sim/numerics.py (bit for bit), and both against float64 references (accuracy).
 
 Needs g++ (skipped without it). About 4.3 million inputs per function.
 """
@@ -15,9 +15,9 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CHECK_SRC = REPO / "tests" / "numerics" / "numerics_check.cpp"
 
-# Loaded from its path so that the test does not depend on sim/__init__.py.
+# Loaded from its path so that the test does not depend on pyfa/sim/__init__.py.
 _spec = importlib.util.spec_from_file_location("_pyfa_sim_numerics_under_test",
-                                               REPO / "sim" / "numerics.py")
+                                               REPO / "pyfa" / "sim" / "numerics.py")
 numerics = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(numerics)
 

@@ -41,21 +41,21 @@ def poisoned_inputs(seed):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_every_kernel_matches_its_simulator_on_special_values(seed, causal, backend):
     q, k, v, do = poisoned_inputs(seed)
-    tiles = dict(causal=causal, block_r=4, block_c=8)
+    tiles = pyfa.Options(backend=backend, block_r=4, block_c=8)
 
-    o, lse = pyfa.fa2_forward(q, k, v, backend=backend, **tiles)
-    sim = pyfa.sim.fa2_forward(q, k, v, **tiles)
+    o, lse = pyfa.fa2_forward(q, k, v, causal=causal, options=tiles)
+    sim = pyfa.sim.fa2_forward(q, k, v, causal=causal, options=tiles)
     assert same_bits(o, sim.o) and same_bits(lse, sim.lse)
     assert np.isnan(o).any(), "the poisoned inputs should reach the output"
 
-    o1, m, l = pyfa.fa1_forward(q, k, v, backend=backend, **tiles)
-    sim1 = pyfa.sim.fa1_forward(q, k, v, **tiles)
+    o1, m, l = pyfa.fa1_forward(q, k, v, causal=causal, options=tiles)
+    sim1 = pyfa.sim.fa1_forward(q, k, v, causal=causal, options=tiles)
     assert same_bits(o1, sim1.o) and same_bits(m, sim1.m) and same_bits(l, sim1.l)
 
-    grads = pyfa.fa2_backward(q, k, v, o, lse, do, backend=backend, **tiles)
-    simg = pyfa.sim.fa2_backward(q, k, v, o, lse, do, **tiles)
+    grads = pyfa.fa2_backward(q, k, v, o, lse, do, causal=causal, options=tiles)
+    simg = pyfa.sim.fa2_backward(q, k, v, o, lse, do, causal=causal, options=tiles)
     assert all(same_bits(a, b) for a, b in zip(grads, (simg.dq, simg.dk, simg.dv)))
 
-    grads1 = pyfa.fa1_backward(q, k, v, o1, m, l, do, backend=backend, **tiles)
-    simg1 = pyfa.sim.fa1_backward(q, k, v, o1, m, l, do, **tiles)
+    grads1 = pyfa.fa1_backward(q, k, v, o1, m, l, do, causal=causal, options=tiles)
+    simg1 = pyfa.sim.fa1_backward(q, k, v, o1, m, l, do, causal=causal, options=tiles)
     assert all(same_bits(a, b) for a, b in zip(grads1, (simg1.dq, simg1.dk, simg1.dv)))

@@ -1,4 +1,4 @@
-"""Shared-memory sizes and default tiles: the simulator's mirror (sim/tiles.py) equals the
+"""Shared-memory sizes and default tiles: the simulator's mirror (pyfa/sim/tiles.py) equals the
 library's one function per kernel, and the defaults fit."""
 
 import numpy as np

@@ -37,8 +37,15 @@ def render(pyfa):
            "## Functions\n"]
     out += [_entry(f"pyfa.{name}{inspect.signature(fn)}", inspect.getdoc(fn))
             for name, fn in functions]
+    plain = [(n, c) for n, c in classes if not issubclass(c, BaseException)]
+    if plain:
+        out.append("## Classes\n")
+        out += [_entry(f"pyfa.{name}{inspect.signature(cls)}", inspect.getdoc(cls))
+                for name, cls in plain]
     out.append("## Exceptions\n")
     for name, cls in classes:
+        if not issubclass(cls, BaseException):
+            continue
         bases = ", ".join(b.__name__ for b in cls.__bases__)
         out.append(_entry(f"pyfa.{name}({bases})", inspect.getdoc(cls)))
     if modules:

@@ -99,6 +99,13 @@ def import_torch():
     return torch
 
 
+# The execution options of the columns (pyfa.Options: the simulator takes them too and
+# uses only what it simulates).
+EMU_REFERENCE = pyfa.Options(backend="emu", variant="reference")
+EMU_FAST = pyfa.Options(backend="emu", variant="fast")
+CPU = pyfa.Options(backend="cpu")
+
+
 def bind_by_name(fn, tensors, extra):
     """A call of fn with the arrays its parameters name (q, k, v, o, lse, m, l, do, ...)
     and the keywords of `extra` it takes; None when it requires a parameter we lack."""
@@ -229,12 +236,12 @@ def run(args):
     for algo in sorted(pyfa.api._FORWARD):
         sim_fn = getattr(pyfa.sim, f"{algo}_forward", None)
         cols = [Column("numpy", lambda: numpy_forward(q, k, v, causal, scale)),
-                Column("emu", lambda: pyfa.attention(q, k, v, causal=causal, algo=algo, backend="emu",
-                                                     variant="reference"), emu_note),
-                Column("emu/fast", lambda: pyfa.attention(q, k, v, causal=causal, algo=algo, backend="emu",
-                                                          variant="fast"),
+                Column("emu", lambda: pyfa.attention(q, k, v, causal=causal, algo=algo,
+                                                     options=EMU_REFERENCE), emu_note),
+                Column("emu/fast", lambda: pyfa.attention(q, k, v, causal=causal, algo=algo,
+                                                          options=EMU_FAST),
                        fast_note(pyfa.api.OPS[f"{algo}_forward"].kernels)),
-                Column("cpu", lambda: pyfa.attention(q, k, v, causal=causal, algo=algo, backend="cpu"),
+                Column("cpu", lambda: pyfa.attention(q, k, v, causal=causal, algo=algo, options=CPU),
                        cpu_note(lambda o: [o])),
                 Column("sim", sim_fn and (lambda: sim_fn(q, k, v, causal=causal)),
                        bits_note(lambda r: [r.o], lambda o: [o]))]
@@ -256,12 +263,10 @@ def run(args):
             saved.update({t: getattr(sims[algo], t) for t in SAVED if hasattr(sims[algo], t)})
         sim_fn = getattr(pyfa.sim, f"{algo}_backward", None)
         cols = [Column("numpy", lambda: numpy_backward(q, k, v, o_ref, do, causal, scale)),
-                Column("emu", bind_by_name(bwd, saved, {"causal": causal, "backend": "emu",
-                                                        "variant": "reference"})),
-                Column("emu/fast", bind_by_name(bwd, saved, {"causal": causal, "backend": "emu",
-                                                             "variant": "fast"}),
+                Column("emu", bind_by_name(bwd, saved, {"causal": causal, "options": EMU_REFERENCE})),
+                Column("emu/fast", bind_by_name(bwd, saved, {"causal": causal, "options": EMU_FAST}),
                        fast_note(pyfa.api.OPS[f"{algo}_backward"].kernels)),
-                Column("cpu", bind_by_name(bwd, saved, {"causal": causal, "backend": "cpu"}), cpu_note(lambda g: g)),
+                Column("cpu", bind_by_name(bwd, saved, {"causal": causal, "options": CPU}), cpu_note(lambda g: g)),
                 Column("sim", sim_fn and bind_by_name(sim_fn, saved, {"causal": causal}),
                        bits_note(lambda r: [r.dq, r.dk, r.dv], lambda g: g))]
         for c in cols[1:4]:
@@ -338,18 +343,22 @@ def sweep_worker(spec):
     scale = np.float32(1.0) / np.sqrt(np.float32(d))
     if name == "cpu":
         def fwd():
-            return pyfa.fa2_forward(q, k, v, causal=causal, backend="cpu", threads=threads)
+            return pyfa.fa2_forward(q, k, v, causal=causal,
+                                    options=pyfa.Options(backend="cpu", threads=threads))
 
         def fwd_bwd():
             o, lse = fwd()
-            return pyfa.fa2_backward(q, k, v, o, lse, do, causal=causal, backend="cpu", threads=threads)
+            return pyfa.fa2_backward(q, k, v, o, lse, do, causal=causal,
+                                    options=pyfa.Options(backend="cpu", threads=threads))
     elif name == "cpu_fa1":
         def fwd():
-            return pyfa.fa1_forward(q, k, v, causal=causal, backend="cpu", threads=threads)
+            return pyfa.fa1_forward(q, k, v, causal=causal,
+                                    options=pyfa.Options(backend="cpu", threads=threads))
 
         def fwd_bwd():
             o, m, l = fwd()
-            return pyfa.fa1_backward(q, k, v, o, m, l, do, causal=causal, backend="cpu", threads=threads)
+            return pyfa.fa1_backward(q, k, v, o, m, l, do, causal=causal,
+                                    options=pyfa.Options(backend="cpu", threads=threads))
     elif name == "torch":
         torch = import_torch()
         if torch is None:

@@ -4,7 +4,7 @@
   A  "dq kernel" (what pyfa does): a second kernel, one block per Q row block i, walks
      the K/V column blocks j, recomputes S_ij, P_ij, dP_ij, dS_ij and accumulates
      dQ_i = sum_j dS_ij K_j on chip. Its bytes are pyfa.sim.count_io's, the walkers of
-     the real kernels (sim/count.py).
+     the real kernels (pyfa/sim/count.py).
   B  "partial buffers": the dK/dV kernel also forms dS_ij K_j for every visited (j, i)
      and stores it as partial j of dQ_i in a scratch buffer; a reduction kernel, one
      block per Q row block, adds the partials j = 0, 1, ... in order and writes dQ_i.

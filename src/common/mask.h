@@ -1,4 +1,4 @@
-// mask.h: the attention mask as one value (sim/mask.py is its twin; the formula is
+// mask.h: the attention mask as one value (pyfa/sim/mask.py is its twin; the formula is
 // written in these two files only).
 //
 // Key column j is visible to query row i iff  i + off - left <= j <= i + off + right,

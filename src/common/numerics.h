@@ -1,14 +1,14 @@
 // numerics.h: pyfa's own float32 fma, max, exp and log, the inner product and the NaN rule.
 //
 // The kernels (under nvcc and under g++ for the emulator) and the NumPy simulator
-// (sim/numerics.py) must produce identical float32 bits. libm, CUDA's expf/__expf and
+// (pyfa/sim/numerics.py) must produce identical float32 bits. libm, CUDA's expf/__expf and
 // NumPy's exp/log all differ from one another, so these functions are built only from
 // operations that IEEE 754 rounds the same way everywhere: float32 add, sub, mul, div,
 // fused multiply-add (one rounding), comparisons and selects, integer arithmetic on
 // exponent bits, and int->float conversion of small integers. Every fusion is written as
 // pyfa_fma; the library is compiled with nvcc -fmad=false and g++ -ffp-contract=off so that
 // nothing else is fused behind our back. Every step below is mirrored, in the same order,
-// by sim/numerics.py. The contract: docs/numerics.md; exp and log: docs/numerics_exp_log.md.
+// by pyfa/sim/numerics.py. The contract: docs/numerics.md; exp and log: docs/numerics_exp_log.md.
 #pragma once
 
 #include <cmath>
@@ -40,7 +40,7 @@ PYFA_HD float pyfa_bits_float(uint32_t u) {
 }
 
 // a*b + c rounded once (IEEE fusedMultiplyAdd). The one fused operation of the library:
-// docs/numerics.md lists every place that uses it. NumPy twin: sim/numerics.py fma32.
+// docs/numerics.md lists every place that uses it. NumPy twin: pyfa/sim/numerics.py fma32.
 PYFA_HD float pyfa_fma(float a, float b, float c) {
 #if defined(__CUDA_ARCH__)
     return __fmaf_rn(a, b, c);
@@ -52,7 +52,7 @@ PYFA_HD float pyfa_fma(float a, float b, float c) {
 // Every float a kernel stores to global memory goes through this: a GPU's arithmetic
 // returns its own canonical NaN while x86 keeps an operand's payload, so the one NaN
 // pattern 0x7FC00000 is what makes CUDA, the emulator and the simulator agree bit for bit.
-// NumPy twin: sim/numerics.py canonical_nan.
+// NumPy twin: pyfa/sim/numerics.py canonical_nan.
 PYFA_HD float pyfa_canonical_nan(float x) { return (x != x) ? pyfa_bits_float(0x7FC00000u) : x; }
 
 // The project's max: NaN in b is ignored, NaN in a propagates, ties (including -0 vs +0)
@@ -206,7 +206,7 @@ PYFA_HD float pyfa_log(float x) {
 PYFA_HD float safe_max(float m) { return m == -INFINITY ? 0.0f : m; }
 
 // Every inner product over the head dimension: sum_x a[x] * b[x], x = 0 .. n-1 in order
-// from +0, one fma per step. NumPy twins: sim/numerics.py dot, dot_rows.
+// from +0, one fma per step. NumPy twins: pyfa/sim/numerics.py dot, dot_rows.
 PYFA_HD float pyfa_dot(const float* a, const float* b, int64_t n) {
     float s = 0.0f;
     for (int64_t x = 0; x < n; ++x) s = pyfa_fma(a[x], b[x], s);
@@ -215,7 +215,7 @@ PYFA_HD float pyfa_dot(const float* a, const float* b, int64_t n) {
 
 // The score S[r,c] = scale * (Q_r . K_c), or -inf where the causal mask hides key c from
 // query r. Every kernel forms S this way, so a backward pass recomputes the very bits its
-// forward pass saw. NumPy twin: sim/numerics.py scores.
+// forward pass saw. NumPy twin: pyfa/sim/numerics.py scores.
 PYFA_HD float attention_score(const float* Q_r, const float* K_c, int64_t d, float scale,
                               bool masked) {
     return masked ? -INFINITY : pyfa_dot(Q_r, K_c, d) * scale;

@@ -2,7 +2,7 @@
 //
 // Each kernel's layout is built by one function here. The kernel carves its dynamic
 // shared memory with it, the launcher sizes the launch with it, the error for a tile
-// that does not fit lists its terms, and sim/tiles.py mirrors it term for term
+// that does not fit lists its terms, and pyfa/sim/tiles.py mirrors it term for term
 // (tests/test_tiles.py holds the two equal through pyfa_smem_bytes).
 #pragma once
 

@@ -1,4 +1,4 @@
-// tiling.h: integer helpers for tile counts, shared by every kernel (sim/tiling.py twin).
+// tiling.h: integer helpers for tile counts, shared by every kernel (pyfa/sim/tiling.py twin).
 // Which tiles a kernel visits is the mask's business (common/mask.h).
 #pragma once
 

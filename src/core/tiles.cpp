@@ -1,6 +1,6 @@
 // tiles.cpp: the kernel table (kernels/table.h) expanded: names, launch geometry,
 // shared-memory sizes, default tiles and the choice between variants.
-// sim/tiles.py mirrors the default-tile rules; tests/test_tiles.py holds them equal.
+// pyfa/sim/tiles.py mirrors the default-tile rules; tests/test_tiles.py holds them equal.
 #include <cstdint>
 #include <cstdio>
 #include <cstring>

@@ -1,6 +1,6 @@
 // fa1_backward.cuh: FlashAttention-1 backward (Dao et al. 2022, Algorithm 4, without
 // dropout), fp32.
-// Simulator twin: sim/fa1_backward.py (same names, same loop order, same operations).
+// Simulator twin: pyfa/sim/fa1_backward.py (same names, same loop order, same operations).
 // Numerical contract: docs/numerics.md.
 //
 // One block per (K/V head hk, batch b), which serves the G = H / Hkv query heads

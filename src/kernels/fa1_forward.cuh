@@ -1,6 +1,6 @@
 // fa1_forward.cuh: FlashAttention-1 forward (Dao et al. 2022, Algorithm 1), fp32, as the
 // paper writes it: the baseline, not an improved variant.
-// Simulator twin: sim/fa1_forward.py (same names, same loop order, same operations).
+// Simulator twin: pyfa/sim/fa1_forward.py (same names, same loop order, same operations).
 // Numerical contract: docs/numerics.md.
 //
 // One block per (query head h, batch b): FA1 parallelizes over heads and batch only;

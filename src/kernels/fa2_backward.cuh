@@ -1,5 +1,5 @@
 // fa2_backward.cuh: FlashAttention-2 backward (Dao 2023, Algorithm 2), fp32, no atomics.
-// Simulator twin: sim/fa2_backward.py (same names, same loop order, same operations).
+// Simulator twin: pyfa/sim/fa2_backward.py (same names, same loop order, same operations).
 // Numerical contract: docs/numerics.md, section "FA2 backward".
 //
 // With P = exp(S - LSE) recomputed from the forward's LSE (S = scale * Q K^T), the

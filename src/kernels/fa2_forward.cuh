@@ -1,5 +1,5 @@
 // fa2_forward.cuh: FlashAttention-2 forward (Dao 2023, Algorithm 1), fp32.
-// Simulator twin: sim/fa2_forward.py (same names, same loop order, same operations).
+// Simulator twin: pyfa/sim/fa2_forward.py (same names, same loop order, same operations).
 // Numerical contract: docs/numerics.md.
 //
 // One block per (Q row block i, query head h, batch b); head h reads K/V head

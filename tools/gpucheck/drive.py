@@ -26,9 +26,8 @@ def drive_op(op, case, backend):
     b, h, nq, nk, d = (case[k] for k in ("batch", "heads", "seqlen_q", "seqlen_k", "head_dim"))
     tensors = {t: rng.standard_normal(pyfa.api.tensor_shape(t, b, h, nq, nk, d), dtype=np.float32)
                for t in ("q", "k", "v", "do")}
-    kw = dict(causal=case["causal"], backend=backend)
-    if case["tiles"]:
-        kw.update(block_r=case["tiles"][0], block_c=case["tiles"][1])
+    tiles = dict(zip(("block_r", "block_c"), case["tiles"])) if case["tiles"] else {}
+    kw = dict(causal=case["causal"], options=pyfa.Options(backend=backend, **tiles))
     if op.pass_ == "backward":
         fwd = forward_of(op)
         outs = getattr(pyfa, fwd.name)(*[tensors[t] for t in fwd.inputs], **kw)

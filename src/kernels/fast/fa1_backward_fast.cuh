@@ -1,5 +1,5 @@
 // fa1_backward_fast.cuh: FlashAttention-1 backward (Algorithm 4), register-tiled; the same
-// bits as fa1_backward_kernel (src/kernels/fa1_backward.cuh) and sim/fa1_backward.py.
+// bits as fa1_backward_kernel (src/kernels/fa1_backward.cuh) and pyfa/sim/fa1_backward.py.
 //
 // What stays: the readable kernel's algorithm. One block per (K/V head, batch); dQ = 0 in
 // HBM first; K/V tiles j outer with K_j, V_j, dK~_j, dV~_j on chip; the group's query

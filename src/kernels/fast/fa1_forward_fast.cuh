@@ -1,6 +1,6 @@
 // fa1_forward_fast.cuh: FlashAttention-1 forward (Algorithm 1), register-tiled; the same
 // bits as the readable kernel (src/kernels/fa1_forward.cuh) and its simulator twin
-// sim/fa1_forward.py.
+// pyfa/sim/fa1_forward.py.
 //
 // What stays: Algorithm 1's structure. One block per (query head h, batch b); K/V tiles j
 // outside, K_j and V_j loaded once each; inside, the Q tiles i of the band q_tiles(j) in

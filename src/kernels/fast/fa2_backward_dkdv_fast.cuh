@@ -1,6 +1,6 @@
 // fa2_backward_dkdv_fast.cuh: FlashAttention-2 backward, the dK/dV kernel, register-tiled;
 // the same bits as fa2_backward_dkdv_kernel (src/kernels/fa2_backward.cuh) and
-// sim/fa2_backward.py.
+// pyfa/sim/fa2_backward.py.
 //
 // Against the readable kernel: 8 warps in two roles over one K/V tile (Bc = 64 keys) and
 // each Q tile (Br = 64 rows). Warp w owns the 16 keys (w & 3) * 16 ..; a thread the 8 keys

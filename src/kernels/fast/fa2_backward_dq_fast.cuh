@@ -1,6 +1,6 @@
 // fa2_backward_dq_fast.cuh: FlashAttention-2 backward, the dQ kernel, register-tiled; the
 // same bits as fa2_backward_dq_kernel (src/kernels/fa2_backward.cuh) and
-// sim/fa2_backward.py.
+// pyfa/sim/fa2_backward.py.
 //
 // Against the readable kernel, at d = 64 (Br = 64 or 128): the forward fast kernel's
 // thread layout (warps own 16 rows, each thread an 8 x 4 tile of S and of dP and of each

@@ -1,5 +1,5 @@
 // fa2_forward_fast.cuh: FlashAttention-2 forward, register-tiled; the same bits as the
-// readable kernel (src/kernels/fa2_forward.cuh) and its simulator twin sim/fa2_forward.py.
+// readable kernel (src/kernels/fa2_forward.cuh) and its simulator twin pyfa/sim/fa2_forward.py.
 //
 // Against the readable kernel: warps own 16 query rows each (m, alpha in the warp); each
 // thread holds an 8 x 4 tile of S and an 8 x d/16 tile of O and of P V in registers; Q_i

@@ -4,8 +4,8 @@
     python -m pyfa.sim report --preset gqa
     python -m pyfa.sim sweep --over bc --plot io_sweep_bc.png
 
-The command line is sim/report.py, the counting sim/report_model.py, the formatting
-sim/report_render.py (and `python -m pyfa.sim report --help`).
+The command line is pyfa/sim/report.py, the counting pyfa/sim/report_model.py, the formatting
+pyfa/sim/report_render.py (and `python -m pyfa.sim report --help`).
 """
 
 import sys

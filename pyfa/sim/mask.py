@@ -9,15 +9,12 @@ as Nq + Nk, so every bound is a finite int and the arithmetic of the C twin neve
 overflows.
 """
 
-import numbers
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
-from .inputs import check_causal
-
-ALIGNMENTS = ("bottom_right", "top_left")
+from ..checks import ALIGNMENTS, check_causal_align, check_window, mask_bounds  # noqa: F401
 
 
 class TileRange(NamedTuple):
@@ -27,35 +24,6 @@ class TileRange(NamedTuple):
 
 
 EMPTY = TileRange(0, 0)
-
-
-def check_window(window):
-    """window as (left, right), each an int >= 0 or None (unbounded); None is (None, None)."""
-    if window is None:
-        return None, None
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise TypeError(f"window: expected None or a pair (left, right), got {window!r}")
-    sides = []
-    for name, side in zip(("left", "right"), window):
-        if side is None:
-            sides.append(None)
-            continue
-        if isinstance(side, (bool, np.bool_)) or not isinstance(side, numbers.Integral):
-            raise TypeError(f"window: {name} side must be an int >= 0 or None, got {side!r}")
-        if side < 0:
-            raise ValueError(f"window: {name} side must be >= 0 or None, got {side}")
-        sides.append(int(side))
-    return tuple(sides)
-
-
-def check_causal_align(causal_align):
-    if not isinstance(causal_align, str):
-        raise TypeError(f"causal_align: expected 'bottom_right' or 'top_left', "
-                        f"got {type(causal_align).__name__}")
-    if causal_align not in ALIGNMENTS:
-        raise ValueError(f"causal_align: expected 'bottom_right' or 'top_left', "
-                         f"got {causal_align!r}")
-    return causal_align
 
 
 @dataclass(frozen=True)
@@ -68,14 +36,7 @@ class Mask:
     def resolve(cls, causal, window, causal_align, Nq, Nk):
         """The mask of the Python-level arguments, checked (TypeError, ValueError naming
         causal, window or causal_align), for Nq query rows and Nk keys."""
-        causal = check_causal(causal)
-        left, right = check_window(window)
-        causal_align = check_causal_align(causal_align)
-        wide = Nq + Nk
-        left = wide if left is None else min(left, wide)
-        right = 0 if causal else wide if right is None else min(right, wide)
-        off = Nk - Nq if causal_align == "bottom_right" else 0
-        return cls(left, right, off)
+        return cls(*mask_bounds(causal, window, causal_align, Nq, Nk))
 
     @classmethod
     def none(cls, Nq, Nk):

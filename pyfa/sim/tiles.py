@@ -7,6 +7,7 @@ tests/test_tiles.py checks every function here against the compiled library.
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..errors import InvalidArgumentError, TileTooLargeError  # noqa: F401 (also sim's name)
 from .inputs import check_tile
 
 FLOAT_BYTES = 4
@@ -24,12 +25,6 @@ class DeviceProfile:
 # 1024 threads per block, 132 SMs), so the emulator sizes tiles as that GPU would.
 EMU_PROFILE = DeviceProfile("pyfa emulator (H200 profile)", 227 * 1024, 1024, 132)
 
-
-
-class TileTooLargeError(ValueError):
-    """The tiles need more shared memory than the device has. The simulator raises it for
-    the tiles the library would refuse; pyfa.TileTooLargeError is this class, so one
-    except clause catches both."""
 
 
 def padded(row):
@@ -90,7 +85,7 @@ def smem_terms(kernel, Br, Bc, d):
     try:
         layout = SMEM_LAYOUTS[kernel]
     except KeyError:
-        raise ValueError(f"kernel: unknown kernel {kernel!r}; known: {sorted(SMEM_LAYOUTS)}") from None
+        raise InvalidArgumentError(f"kernel: unknown kernel {kernel!r}; known: {sorted(SMEM_LAYOUTS)}") from None
     return layout(Br, Bc, d)
 
 
@@ -108,7 +103,7 @@ def default_tiles(kernel, d, profile=EMU_PROFILE):
     DEFAULT_TILE_RULES, else start from 64 x 64 and halve both until the tiles fit the
     profile's shared memory."""
     if kernel not in SMEM_LAYOUTS:
-        raise ValueError(f"kernel: unknown kernel {kernel!r}; known: {sorted(SMEM_LAYOUTS)}")
+        raise InvalidArgumentError(f"kernel: unknown kernel {kernel!r}; known: {sorted(SMEM_LAYOUTS)}")
     if kernel in DEFAULT_TILE_RULES:
         return DEFAULT_TILE_RULES[kernel](kernel, d, profile)
     Br = Bc = 64

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import numerics as nx
+from .calls import simulated
 from .inputs import check_like, check_qkv, check_rows, resolve_scale, restore_rank
 from .io import IORecord
 from .mask import Mask
@@ -35,6 +36,7 @@ class Fa1BackwardResult:
     io: IORecord
 
 
+@simulated("fa1", "backward", Fa1BackwardResult)
 @nx.ieee_arithmetic
 def fa1_backward(q, k, v, o, m, l, do, *, causal=False, window=None, causal_align="bottom_right",
                  scale=None, block_r=None, block_c=None, layout="bhnd"):

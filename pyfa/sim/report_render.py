@@ -1,4 +1,4 @@
-"""The HBM-IO report's rendering: the report and sweep dicts of sim/report_model.py as
+"""The HBM-IO report's rendering: the report and sweep dicts of pyfa/sim/report_model.py as
 text, Markdown or a PNG plot. Nothing here counts; it only formats."""
 
 import textwrap
@@ -232,15 +232,16 @@ def render_sweep_markdown(sw):
 
 
 def plot_sweep(sw, path):
-    """Writes the sweep as a PNG (needs matplotlib: pip install "pyfa[report]")."""
+    """Writes the sweep as a PNG (needs matplotlib: pip install ".[report]" at a pyfa
+    checkout's root, or pip install matplotlib)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
     except ImportError:
-        raise SystemExit('--plot needs matplotlib: pip install "pyfa[report]" '
-                         '(or pip install matplotlib)') from None
+        raise SystemExit('--plot needs matplotlib: pip install matplotlib (or pip install '
+                         '".[report]" at a pyfa checkout\'s root)') from None
     xs = [r["value"] for r in sw["rows"]]
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     for a in sw["algorithms"]:

@@ -1,6 +1,11 @@
 """The IO record: bytes moved through HBM (global memory), per tensor, read and written."""
 
+import contextvars
 from dataclasses import dataclass, field
+
+# Sees every byte a simulated kernel records while a call with a progress callback runs
+# (pyfa/sim/calls.py sets it): the one place the simulator reports progress, per tile.
+observer = contextvars.ContextVar("pyfa_sim_io_observer", default=None)
 
 
 @dataclass
@@ -16,9 +21,17 @@ class IORecord:
 
     def read(self, tensor, nbytes):
         self.reads[tensor] = self.reads.get(tensor, 0) + int(nbytes)
+        self._observe(nbytes)
 
     def write(self, tensor, nbytes):
         self.writes[tensor] = self.writes.get(tensor, 0) + int(nbytes)
+        self._observe(nbytes)
+
+    @staticmethod
+    def _observe(nbytes):
+        seen = observer.get()
+        if seen is not None:
+            seen(int(nbytes))
 
     def scaled(self, factor):
         """The record multiplied by an integer, e.g. one head's record times B*H."""

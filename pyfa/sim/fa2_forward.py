@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import numerics as nx
+from .calls import simulated
 from .inputs import check_qkv, resolve_scale, restore_rank, restore_rows
 from .io import IORecord
 from .mask import Mask
@@ -31,6 +32,7 @@ class Fa2ForwardResult:
     io: IORecord
 
 
+@simulated("fa2", "forward", Fa2ForwardResult)
 @nx.ieee_arithmetic
 def fa2_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_right", scale=None,
                 block_r=None, block_c=None, layout="bhnd"):

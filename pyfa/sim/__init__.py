@@ -4,6 +4,13 @@ Each kernel has a twin here that walks the same tile loops and performs the same
 operations in the same order (docs/numerics.md), so its results equal the kernel's bit
 for bit, and that counts every byte moved through HBM. Importing it needs NumPy only,
 never the compiled library.
+
+The kernel functions take the library's semantics keywords (causal, window,
+causal_align, scale, layout) and options= (a pyfa.Options, or the enclosing
+`with pyfa.Options(...)` block's), of which they use the tiles (block_r, block_c) and
+progress: progress(done, total) is called as each tile's HBM traffic is counted, in
+bytes of the call's IO record, and returning True cancels (pyfa.CancelledError). They
+raise pyfa's exceptions (pyfa/errors.py), as the library's API does.
 """
 
 from .count import count_io

@@ -1,5 +1,7 @@
-"""Argument checks shared by the simulator and pyfa's API, so both reject bad input the
-same way, with errors that name the argument.
+"""Argument checks shared by the simulator (pyfa.sim) and pyfa's API, so both reject bad
+input the same way, with errors (pyfa.errors) that name the argument. It needs NumPy
+only: pyfa's API uses it without importing the simulator, and the simulator without the
+compiled library.
 
 Tensors are taken as the caller gave them and turned into 4-D (B, H, N, d) views of the
 caller's memory, never copies: layout "bhnd" is (B, H, N, d) itself, layout "bnhd"
@@ -14,23 +16,25 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .errors import ArgumentTypeError, InvalidArgumentError
+
 MAX_HEAD_DIM = 256
 LAYOUTS = ("bhnd", "bnhd")
 
 
 def check_layout(layout):
     if not isinstance(layout, str):
-        raise TypeError(f"layout: expected 'bhnd' or 'bnhd', got {type(layout).__name__}")
+        raise ArgumentTypeError(f"layout: expected 'bhnd' or 'bnhd', got {type(layout).__name__}")
     if layout not in LAYOUTS:
-        raise ValueError(f"layout: expected 'bhnd' or 'bnhd', got {layout!r}")
+        raise InvalidArgumentError(f"layout: expected 'bhnd' or 'bnhd', got {layout!r}")
     return layout
 
 
 def _float32_array(name, x):
     if not isinstance(x, np.ndarray):
-        raise TypeError(f"{name}: expected a numpy.ndarray of float32, got {type(x).__name__}")
+        raise ArgumentTypeError(f"{name}: expected a numpy.ndarray of float32, got {type(x).__name__}")
     if x.dtype != np.float32:
-        raise TypeError(f"{name}: expected dtype float32, got {x.dtype}")
+        raise ArgumentTypeError(f"{name}: expected dtype float32, got {x.dtype}")
     return x
 
 
@@ -44,9 +48,9 @@ def as_tensor(name, x, rank=None, layout="bhnd"):
     as it is, any strides."""
     _float32_array(name, x)
     if x.ndim not in (2, 3, 4):
-        raise ValueError(f"{name}: expected shape {_shape_words(layout)}, got {x.shape}")
+        raise InvalidArgumentError(f"{name}: expected shape {_shape_words(layout)}, got {x.shape}")
     if rank is not None and x.ndim != rank:
-        raise ValueError(f"{name}: expected {rank} dimensions like q, got shape {x.shape}")
+        raise InvalidArgumentError(f"{name}: expected {rank} dimensions like q, got shape {x.shape}")
     return x
 
 
@@ -103,19 +107,36 @@ def check_qkv(q, k, v, layout="bhnd"):
     B, H, Nq, d = q4.shape
     _, Hkv, Nk, dk = k4.shape
     if k4.shape[0] != B:
-        raise ValueError(f"k: batch {k4.shape[0]} differs from q's {B}")
+        raise InvalidArgumentError(f"k: batch {k4.shape[0]} differs from q's {B}")
     if dk != d:
-        raise ValueError(f"k: head dim {dk} differs from q's {d}")
+        raise InvalidArgumentError(f"k: head dim {dk} differs from q's {d}")
     if v.shape != k.shape:
-        raise ValueError(f"v: shape {v.shape} differs from k's {k.shape}")
-    if min(q4.shape) < 1 or min(k4.shape) < 1:
-        raise ValueError(f"q, k: every dimension must be >= 1, got q {q.shape}, k {k.shape}")
+        raise InvalidArgumentError(f"v: shape {v.shape} differs from k's {k.shape}")
+    check_sizes(q4.shape, k4.shape, q.shape, k.shape)
     if H % Hkv != 0:
-        raise ValueError(f"k: its {Hkv} heads must divide q's {H} heads (grouped-query "
+        raise InvalidArgumentError(f"k: its {Hkv} heads must divide q's {H} heads (grouped-query "
                          f"attention), got q {q.shape}, k {k.shape}")
     if d > MAX_HEAD_DIM:
-        raise ValueError(f"q: head dim must be in [1, {MAX_HEAD_DIM}], got {d}")
+        raise InvalidArgumentError(f"q: head dim must be in [1, {MAX_HEAD_DIM}], got {d}")
     return QKV(q4, k4, v4, rank, Hkv)
+
+
+def check_sizes(q4, k4, q, k):
+    """B, H, Hkv and d >= 1; Nq and Nk may be 0 (an empty problem: see EMPTY_VALUES)."""
+    if min(q4[0], q4[1], q4[3], k4[1]) < 1 or min(q4[2], k4[2]) < 0:
+        raise InvalidArgumentError(f"q, k: every dimension but the sequence lengths must be "
+                                   f">= 1, got q {q}, k {k}")
+
+
+# What each output of an empty problem (Nq = 0 or Nk = 0) holds, as PyTorch's SDPA gives
+# it: rows that see no key (O = 0; LSE and FA1's m -inf, l = 0) and zero gradients (no
+# query, or no key, contributes). Neither the library nor the simulated kernels run then.
+EMPTY_VALUES = {"o": 0.0, "lse": -math.inf, "m": -math.inf, "l": 0.0,
+                "dq": 0.0, "dk": 0.0, "dv": 0.0}
+
+
+def is_empty(seqlen_q, seqlen_k):
+    return seqlen_q == 0 or seqlen_k == 0
 
 
 def check_like(name, x, like, layout="bhnd"):
@@ -126,7 +147,7 @@ def check_like(name, x, like, layout="bhnd"):
     x4 = as_4d(x, layout)
     if x4.shape != like.shape:
         want = caller_shape(like.shape, 4, layout)
-        raise ValueError(f"{name}: expected shape {want} (layout {layout!r}), got {x.shape}")
+        raise InvalidArgumentError(f"{name}: expected shape {want} (layout {layout!r}), got {x.shape}")
     return x4
 
 
@@ -137,7 +158,7 @@ def check_rows(name, x, q4):
     _float32_array(name, x)
     rows = q4.shape[:3]
     if not 1 <= x.ndim <= 3 or (1,) * (3 - x.ndim) + x.shape != rows:
-        raise ValueError(f"{name}: expected one value per query row, shape {rows} "
+        raise InvalidArgumentError(f"{name}: expected one value per query row, shape {rows} "
                          f"(or without its leading 1s), got {x.shape}")
     return x[(None,) * (3 - x.ndim)]
 
@@ -171,19 +192,19 @@ def resolve_scale(scale, d):
     if scale is None:
         return np.float32(1.0) / np.sqrt(np.float32(d))
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale: expected a real number or None, got {type(scale).__name__}")
+        raise ArgumentTypeError(f"scale: expected a real number or None, got {type(scale).__name__}")
     try:
         x = float(scale)
     except OverflowError:  # an int beyond any float
-        raise ValueError(f"scale: {scale} is not representable as a finite nonzero float32") from None
+        raise InvalidArgumentError(f"scale: {scale} is not representable as a finite nonzero float32") from None
     if not math.isfinite(x) or x == 0:
-        raise ValueError(f"scale: must be finite and nonzero, got {scale}")
+        raise InvalidArgumentError(f"scale: must be finite and nonzero, got {scale}")
     # Checked before the cast, which would round it to inf with a NumPy warning.
     if abs(x) > FLOAT32_MAX:
-        raise ValueError(f"scale: {scale} is not representable as a finite nonzero float32")
+        raise InvalidArgumentError(f"scale: {scale} is not representable as a finite nonzero float32")
     s = np.float32(x)
     if s == 0:
-        raise ValueError(f"scale: {scale} is not representable as a finite nonzero float32")
+        raise InvalidArgumentError(f"scale: {scale} is not representable as a finite nonzero float32")
     return s
 
 
@@ -194,15 +215,15 @@ def check_causal(causal):
         return bool(causal)
     if isinstance(causal, numbers.Integral) and causal in (0, 1):
         return bool(causal)
-    raise TypeError(f"causal: expected a bool, got {causal!r}")
+    raise ArgumentTypeError(f"causal: expected a bool, got {causal!r}")
 
 
 def check_int(name, value, lo, hi):
     """An int in [lo, hi] (NumPy integers too, never a bool or a float), as a Python int."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: expected an int in [{lo}, {hi}], got {type(value).__name__} {value!r}")
+        raise ArgumentTypeError(f"{name}: expected an int in [{lo}, {hi}], got {type(value).__name__} {value!r}")
     if not lo <= value <= hi:
-        raise ValueError(f"{name}: must be in [{lo}, {hi}], got {value}")
+        raise InvalidArgumentError(f"{name}: must be in [{lo}, {hi}], got {value}")
     return int(value)
 
 
@@ -215,18 +236,81 @@ def check_tile(name, value):
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: expected an int >= 1 or None, got {type(value).__name__}")
+        raise ArgumentTypeError(f"{name}: expected an int >= 1 or None, got {type(value).__name__}")
     if value < 1 or value > MAX_TILE:
-        raise ValueError(f"{name}: must be in [1, {MAX_TILE}], got {value}")
+        raise InvalidArgumentError(f"{name}: must be in [1, {MAX_TILE}], got {value}")
     return int(value)
 
 
 def check_count_args(passes, **sizes):
     """The problem of an IO count: passes, and sizes that are ints >= 1 (head_dim <= 256)."""
     if not isinstance(passes, str) or passes not in ("forward", "backward", "both"):
-        raise ValueError(f"passes: expected 'forward', 'backward' or 'both', got {passes!r}")
+        raise InvalidArgumentError(f"passes: expected 'forward', 'backward' or 'both', got {passes!r}")
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+            raise InvalidArgumentError(f"{name}: expected an int >= 1, got {value!r}")
     if sizes.get("head_dim", 1) > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim: must be in [1, {MAX_HEAD_DIM}], got {sizes['head_dim']}")
+        raise InvalidArgumentError(f"head_dim: must be in [1, {MAX_HEAD_DIM}], got {sizes['head_dim']}")
+
+
+ALIGNMENTS = ("bottom_right", "top_left")
+
+
+def check_window(window):
+    """window as (left, right), each an int >= 0 or None (unbounded); None is (None, None)."""
+    if window is None:
+        return None, None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ArgumentTypeError(f"window: expected None or a pair (left, right), got {window!r}")
+    sides = []
+    for name, side in zip(("left", "right"), window):
+        if side is None:
+            sides.append(None)
+            continue
+        if isinstance(side, (bool, np.bool_)) or not isinstance(side, numbers.Integral):
+            raise ArgumentTypeError(f"window: {name} side must be an int >= 0 or None, got {side!r}")
+        if side < 0:
+            raise InvalidArgumentError(f"window: {name} side must be >= 0 or None, got {side}")
+        sides.append(int(side))
+    return tuple(sides)
+
+
+def check_causal_align(causal_align):
+    if not isinstance(causal_align, str):
+        raise ArgumentTypeError(f"causal_align: expected 'bottom_right' or 'top_left', "
+                                f"got {type(causal_align).__name__}")
+    if causal_align not in ALIGNMENTS:
+        raise InvalidArgumentError(f"causal_align: expected 'bottom_right' or 'top_left', "
+                                   f"got {causal_align!r}")
+    return causal_align
+
+
+class MaskBounds(NamedTuple):
+    left: int   # keys visible left of the diagonal, finite (<= Nq + Nk)
+    right: int  # keys visible right of the diagonal, finite (<= Nq + Nk)
+    off: int    # the diagonal: row i's own key is i + off
+
+
+def mask_bounds(causal, window, causal_align, Nq, Nk):
+    """The mask arguments checked (TypeError, ValueError naming causal, window or
+    causal_align) and made finite for Nq query rows and Nk keys: an unbounded side, or one
+    wider than any distance between a row and a key, is Nq + Nk, which hides nothing more
+    (every |i + off - j| < Nq + Nk). The simulator's Mask and the library call both take
+    these bounds, so a window of any size means the same thing to both."""
+    causal = check_causal(causal)
+    left, right = check_window(window)
+    causal_align = check_causal_align(causal_align)
+    wide = Nq + Nk
+    left = wide if left is None else min(left, wide)
+    right = 0 if causal else wide if right is None else min(right, wide)
+    off = Nk - Nq if causal_align == "bottom_right" else 0
+    return MaskBounds(left, right, off)
+
+
+__all__ = [
+    "ALIGNMENTS", "EMPTY_VALUES", "FLOAT32_MAX", "LAYOUTS", "MAX_HEAD_DIM", "MAX_TILE", "MaskBounds", "QKV",
+    "as_4d", "as_tensor", "caller_shape", "check_causal", "check_causal_align",
+    "check_count_args", "check_int", "check_layout", "check_like", "check_qkv",
+    "check_rows", "check_sizes", "check_tile", "check_window", "element_strides", "empty_output", "is_empty",
+    "mask_bounds", "resolve_scale", "restore_rank", "restore_rows",
+]

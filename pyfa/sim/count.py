@@ -1,7 +1,7 @@
 """count_io: the kernels' HBM traffic counted by walking their loops without arithmetic.
 
 Each walker follows one kernel's loop nest for one (batch, K/V head), i.e. for the
-G = H / Hkv query heads that share it: the same tile bands (sim/mask.py), the same
+G = H / Hkv query heads that share it: the same tile bands (pyfa/sim/mask.py), the same
 skipping and the same head mapping as the kernel and its simulator, and adds up what each
 load and store moves, every time it is done. Kernels with one block per query head count
 one head and scale by G; the blocks that serve a whole group (FA2's dK/dV kernel, FA1's
@@ -22,6 +22,7 @@ whatever the tensors' type. With dtype_bytes=4 the counts equal the simulator's.
 import numbers
 from dataclasses import dataclass
 
+from ..errors import ArgumentTypeError, InvalidArgumentError
 from .inputs import check_count_args, check_tile
 from .io import IORecord
 from .mask import Mask
@@ -196,9 +197,9 @@ def check_heads_kv(heads_kv, heads):
     if heads_kv is None:
         return heads
     if isinstance(heads_kv, bool) or not isinstance(heads_kv, numbers.Integral) or heads_kv < 1:
-        raise ValueError(f"heads_kv: expected None or an int >= 1, got {heads_kv!r}")
+        raise InvalidArgumentError(f"heads_kv: expected None or an int >= 1, got {heads_kv!r}")
     if heads % heads_kv:
-        raise ValueError(f"heads_kv: {heads_kv} must divide heads ({heads})")
+        raise InvalidArgumentError(f"heads_kv: {heads_kv} must divide heads ({heads})")
     return int(heads_kv)
 
 
@@ -209,18 +210,18 @@ def count_kernels(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, h
     [{"pass", "kernel", "block_r", "block_c"}] in launch order (empty for the unfused
     standard model)."""
     if algo not in algorithms():
-        raise ValueError(f"algo: unknown algorithm {algo!r}; known: {algorithms()}")
+        raise InvalidArgumentError(f"algo: unknown algorithm {algo!r}; known: {algorithms()}")
     check_count_args(passes, batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                      head_dim=head_dim, dtype_bytes=dtype_bytes)
     Hkv = check_heads_kv(heads_kv, heads)
     mask = Mask.resolve(causal, window, causal_align, seqlen_q, seqlen_k)
     if not isinstance(profile, DeviceProfile):
-        raise TypeError(f"profile: expected a sim.DeviceProfile, got {type(profile).__name__}")
+        raise ArgumentTypeError(f"profile: expected a sim.DeviceProfile, got {type(profile).__name__}")
     wanted = ["forward", "backward"] if passes == "both" else [passes]
     record, tiles = IORecord(), []
     for p in wanted:
         if (algo, p) not in WALKERS:
-            raise ValueError(f"passes: {algo} has no {p} pass in this version")
+            raise InvalidArgumentError(f"passes: {algo} has no {p} pass in this version")
         for kernel, walker in WALKERS[(algo, p)]:
             if kernel is None:  # a model without tiles (the unfused standard attention)
                 Br, Bc = check_tile("block_r", block_r), check_tile("block_c", block_c)
@@ -239,7 +240,7 @@ def count_io(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, head_d
              causal_align="bottom_right", dtype_bytes=4, profile=EMU_PROFILE):
     """The IO record of `algo` ("fa1", "fa2", "standard") for `passes` ("forward",
     "backward", "both"), counted without arithmetic. heads_kv: K/V heads (None: heads);
-    window, causal, causal_align: the mask, as the kernels take it (sim/mask.py). None
+    window, causal, causal_align: the mask, as the kernels take it (pyfa/sim/mask.py). None
     tiles are each kernel's defaults on `profile` (sim.tiles.default_tiles)."""
     return count_kernels(algo, passes=passes, batch=batch, heads=heads, seqlen_q=seqlen_q,
                          seqlen_k=seqlen_k, head_dim=head_dim, heads_kv=heads_kv,
@@ -247,7 +248,7 @@ def count_io(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, head_d
                          causal_align=causal_align, dtype_bytes=dtype_bytes, profile=profile)[0]
 
 
-# The unfused standard-attention model (sim/standard.py): no kernel, hence no tiles.
+# The unfused standard-attention model (pyfa/sim/standard.py): no kernel, hence no tiles.
 from .standard import standard_backward_io, standard_forward_io  # noqa: E402
 
 WALKERS[("standard", "forward")] = [(None, standard_forward_io)]

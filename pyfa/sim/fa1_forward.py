@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import numerics as nx
+from .calls import simulated
 from .inputs import check_qkv, resolve_scale, restore_rank, restore_rows
 from .io import IORecord
 from .mask import Mask
@@ -33,6 +34,7 @@ class Fa1ForwardResult:
     io: IORecord
 
 
+@simulated("fa1", "forward", Fa1ForwardResult)
 @nx.ieee_arithmetic
 def fa1_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_right", scale=None,
                 block_r=None, block_c=None, layout="bhnd"):

@@ -1,15 +1,16 @@
 """The HBM-IO report's model: for one attention problem, the bytes each algorithm moves
-through HBM, per tensor (sim/count.py's count_kernels on the chosen device profile, and
-the unfused standard model of sim/standard.py), beside the papers' asymptotic forms and,
+through HBM, per tensor (pyfa/sim/count.py's count_kernels on the chosen device profile, and
+the unfused standard model of pyfa/sim/standard.py), beside the papers' asymptotic forms and,
 for the GPT-2 medium preset, the FlashAttention paper's measured numbers, with notes on
 why they differ; and sweeps of the same over Bc, Br or N.
 
-Everything is a plain JSON-able dict (what --format json prints); sim/report_render.py
-formats it and sim/report.py is the command line.
+Everything is a plain JSON-able dict (what --format json prints); pyfa/sim/report_render.py
+formats it and pyfa/sim/report.py is the command line.
 """
 
 from dataclasses import asdict, dataclass, replace
 
+from ..errors import InvalidArgumentError
 from . import count as count_mod
 from .inputs import MAX_HEAD_DIM
 from .mask import check_causal_align, check_window
@@ -140,7 +141,7 @@ def count(algo, s):
 
 def tiles_fit(tiles, s):
     """False if some kernel's tiles need more shared memory than the profile has (only
-    kernels whose layout sim/tiles.py knows are checked)."""
+    kernels whose layout pyfa/sim/tiles.py knows are checked)."""
     for t in tiles:
         try:
             need = smem_bytes(t["kernel"], t["block_r"], t["block_c"], s.head_dim)
@@ -175,30 +176,30 @@ def _check_setup(s):
     for name in ("batch", "heads", "seqlen_q", "seqlen_k", "head_dim", "dtype_bytes"):
         value = getattr(s, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+            raise InvalidArgumentError(f"{name}: expected an int >= 1, got {value!r}")
     if s.head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim: must be in [1, {MAX_HEAD_DIM}], got {s.head_dim}")
+        raise InvalidArgumentError(f"head_dim: must be in [1, {MAX_HEAD_DIM}], got {s.head_dim}")
     for name in ("block_r", "block_c"):
         value = getattr(s, name)
         if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+            raise InvalidArgumentError(f"{name}: expected an int >= 1, got {value!r}")
     if s.heads_kv is not None:
         count_mod.check_heads_kv(s.heads_kv, s.heads)
     check_window(s.window)
     check_causal_align(s.causal_align)
     if s.passes not in PASS_WORDS:
-        raise ValueError(f"passes: expected one of {list(PASS_WORDS)}, got {s.passes!r}")
+        raise InvalidArgumentError(f"passes: expected one of {list(PASS_WORDS)}, got {s.passes!r}")
     if s.profile not in PROFILES:
-        raise ValueError(f"profile: expected one of {list(PROFILES)}, got {s.profile!r}")
+        raise InvalidArgumentError(f"profile: expected one of {list(PROFILES)}, got {s.profile!r}")
     bad = [p for p in s.standard_passes if p not in PASS_NAMES]
     if bad:
-        raise ValueError(f"standard passes: unknown {bad}; known: {list(PASS_NAMES)}")
+        raise InvalidArgumentError(f"standard passes: unknown {bad}; known: {list(PASS_NAMES)}")
     known = available_algorithms()
     bad = [a for a in (s.algos or []) if a not in known]
     if bad:
-        raise ValueError(f"algos: unknown {bad}; known now: {known}")
+        raise InvalidArgumentError(f"algos: unknown {bad}; known now: {known}")
     if "standard" not in known:
-        raise ValueError("the standard model is not registered in count.WALKERS")
+        raise InvalidArgumentError("the standard model is not registered in count.WALKERS")
 
 
 # ---------------------------------------------------------------- the report dict
@@ -233,7 +234,7 @@ def build_report(s, preset=None):
             "asymptotic": asym,
         })
     if not algos:
-        raise ValueError(f"algos: none of {[x['name'] for x in skipped]} can be counted for "
+        raise InvalidArgumentError(f"algos: none of {[x['name'] for x in skipped]} can be counted for "
                          f"passes {s.passes!r}")
     info = PRESETS.get(preset, {})
     paper = info.get("paper")
@@ -320,7 +321,7 @@ def notes(report, s):
         out.append(("Which passes are counted",
                     f"The standard model is an unfused pipeline, step by step: S = QKᵀ, "
                     f"softmax, O = PV, and in the backward dV, dP, softmax's backward, dQ and "
-                    f"dK, every N×N intermediate written to HBM and read back (sim/standard.py), "
+                    f"dK, every N×N intermediate written to HBM and read back (pyfa/sim/standard.py), "
                     f"with {passes_text}. A framework moves more than this model: the bool mask "
                     f"and dropout's random mask, workspace, and reductions that re-read rows. "
                     f"The paper measured a whole attention block in a real framework, and the "
@@ -382,12 +383,12 @@ def run_sweep(s, over, values, on_step=None):
     """Total bytes of each algorithm at each value of Bc, Br or N (the rest from `s`);
     on_step(text), if given, is called after each count (the command line's progress)."""
     if over not in SWEEP_DEFAULTS:
-        raise ValueError(f"over: expected one of {list(SWEEP_DEFAULTS)}, got {over!r}")
+        raise InvalidArgumentError(f"over: expected one of {list(SWEEP_DEFAULTS)}, got {over!r}")
     _check_setup(s)
     algos = [a for a in (s.algos or available_algorithms())
              if a == "standard" or not missing_passes(a, s.passes)]
     if not algos:
-        raise ValueError(f"algos: none of {s.algos} can be counted for passes {s.passes!r}")
+        raise InvalidArgumentError(f"algos: none of {s.algos} can be counted for passes {s.passes!r}")
     rows = []
     for v in values:
         at = {"bc": dict(block_c=v), "br": dict(block_r=v),

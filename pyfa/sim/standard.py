@@ -137,7 +137,7 @@ def steps_record(steps, e, label=""):
     return io
 
 
-# ---- count_io walkers (sim/count.py's, on a count.Walk). The tiles are ignored: there
+# ---- count_io walkers (pyfa/sim/count.py's, on a count.Walk). The tiles are ignored: there
 # are none. The mask is ignored too: an unfused framework still materializes and moves
 # the full Nq x Nk matrices, masked entries included; only a fused kernel can skip them.
 
@@ -202,7 +202,7 @@ def standard_forward(q, k, v, *, causal=False, window=None, causal_align="bottom
     the step list and what each optional pass means); `.io` counts each step's HBM reads
     and writes at 4 bytes per element. The values are computed plainly with NumPy float32
     (its matmul and exp), close to exact attention but not bit-exact with pyfa's kernels or
-    any framework. The mask is sim/mask.py's; a row that sees no key gets O = 0, P = 0,
+    any framework. The mask is pyfa/sim/mask.py's; a row that sees no key gets O = 0, P = 0,
     LSE = -inf. `.lse` is given for comparison with the FlashAttention kernels only: the
     unfused pipeline saves P, not LSE, and its bytes are not counted. `.p` is
     (B, H, Nq, Nk) (without q's missing leading axes) in either layout.

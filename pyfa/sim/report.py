@@ -1,6 +1,6 @@
 """The HBM-IO report's command line: `python -m pyfa.sim report` and
-`python -m pyfa.sim sweep`. The counting is sim/report_model.py's, the formatting
-sim/report_render.py's.
+`python -m pyfa.sim sweep`. The counting is pyfa/sim/report_model.py's, the formatting
+pyfa/sim/report_render.py's.
 """
 
 import argparse

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import numerics as nx
+from .calls import simulated
 from .inputs import check_like, check_qkv, check_rows, resolve_scale, restore_rank
 from .io import IORecord
 from .mask import Mask
@@ -153,7 +154,7 @@ def _dq(Q, K, V, dO, LSE, D, Br, Bc, scale, mask, io):
     for j in range(Tc):
         col0 = j * Bc
         bc = min(Bc, Nk - col0)
-        # The row blocks whose band holds j are the band q_tiles(j) (sim/mask.py).
+        # The row blocks whose band holds j are the band q_tiles(j) (pyfa/sim/mask.py).
         a, z = mask.q_tiles(col0, bc, Br, Nq)
         if a == z:
             continue
@@ -175,6 +176,7 @@ def _dq(Q, K, V, dO, LSE, D, Br, Bc, scale, mask, io):
     return dQ
 
 
+@simulated("fa2", "backward", Fa2BackwardResult)
 @nx.ieee_arithmetic
 def fa2_backward(q, k, v, o, lse, do, *, causal=False, window=None, causal_align="bottom_right",
                  scale=None, block_r=None, block_c=None, layout="bhnd"):

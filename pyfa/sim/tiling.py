@@ -1,5 +1,5 @@
 """Tile counts and the GQA head mapping, shared by the simulator's kernels
-and count_io. The mask itself, and the tile ranges it gives, are sim/mask.py's."""
+and count_io. The mask itself, and the tile ranges it gives, are pyfa/sim/mask.py's."""
 
 import numpy as np
 

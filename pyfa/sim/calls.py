@@ -1,0 +1,117 @@
+"""What every simulated kernel function shares around its body: the Options it takes
+(pyfa/options.py; the simulator uses block_r, block_c and progress), the deprecated
+block_r=, block_c= keywords, and the progress callback.
+
+Progress is counted in bytes through HBM: `total` is the IO model's count for the call
+(count_io, which the simulator's own record equals: tests/test_io_*.py) and `done` the
+bytes the simulated kernels have recorded so far, reported as each tile's transfer is
+recorded (pyfa/sim/io.py observer).
+"""
+
+import dataclasses
+import functools
+import inspect
+
+import numpy as np
+
+from ..checks import (EMPTY_VALUES, caller_shape, check_like, check_qkv, check_rows, is_empty,
+                      mask_bounds, resolve_scale)
+from ..errors import CancelledError
+from ..options import resolve
+from . import io
+
+TILES = ("block_r", "block_c")
+
+
+class _Reporter:
+    def __init__(self, function, progress, total):
+        self.function, self.progress, self.total, self.done = function, progress, total, 0
+
+    def report(self):
+        if self.progress(min(self.done, self.total), self.total) is True:
+            raise CancelledError(f"{self.function}: cancelled by its progress callback")
+
+    def __call__(self, nbytes):
+        self.done += nbytes
+        self.report()
+
+
+def _total(algo, passes, args, kwargs, options):
+    from .count import count_io  # count imports the kernels' modules' neighbours: load late
+
+    layout = kwargs.get("layout", "bhnd")
+    q4, k4, _, _, heads_kv = check_qkv(*args[:3], layout)
+    B, H, Nq, d = q4.shape
+    mask = {n: kwargs[n] for n in ("causal", "window", "causal_align") if n in kwargs}
+    return count_io(algo, passes=passes, batch=B, heads=H, seqlen_q=Nq, seqlen_k=k4.shape[2],
+                    head_dim=d, heads_kv=heads_kv, block_r=options.block_r,
+                    block_c=options.block_c, **mask).total
+
+
+ROWS = ("lse", "m", "l")  # per-row tensors, (B, H, Nq); the others are 4-D
+
+
+def _empty(result_class, tensors, kwargs):
+    """The result of an empty problem (Nq = 0 or Nk = 0), as pyfa's API gives it
+    (checks.EMPTY_VALUES), after the checks the kernel would make; None when the problem
+    is not empty."""
+    layout = kwargs.get("layout", "bhnd")
+    q4, k4, _, rank, _ = check_qkv(tensors["q"], tensors["k"], tensors["v"], layout)
+    if not is_empty(q4.shape[2], k4.shape[2]):
+        return None
+    for name, x in tensors.items():
+        if name in ROWS:
+            check_rows(name, x, q4)
+        elif name not in ("q", "k", "v"):
+            check_like(name, x, q4, layout)
+    mask_bounds(kwargs.get("causal", False), kwargs.get("window"),
+                kwargs.get("causal_align", "bottom_right"), q4.shape[2], k4.shape[2])
+    resolve_scale(kwargs.get("scale"), q4.shape[3])
+    fields = {}
+    for f in dataclasses.fields(result_class):
+        if f.name == "io":
+            fields["io"] = io.IORecord(label=f"{result_class.__name__}: empty problem")
+            continue
+        shape = (q4.shape[:3][4 - rank:] if f.name in ROWS else
+                 caller_shape((k4 if f.name in ("dk", "dv") else q4).shape, rank, layout))
+        fields[f.name] = np.full(shape, EMPTY_VALUES[f.name], np.float32)
+    return result_class(**fields)
+
+
+def simulated(algo, passes, result_class):
+    """Decorates the simulated kernel function of (algo, passes), whose body takes
+    block_r= and block_c= and returns a result_class: the public function takes options=
+    instead (a pyfa.Options; None: the enclosing `with pyfa.Options(...)` block's),
+    reports progress, and answers an empty problem (Nq = 0 or Nk = 0) itself."""
+    def wrap(kernel):
+        name = f"pyfa.sim.{kernel.__name__}"
+        tensor_names = [n for n, p in inspect.signature(kernel).parameters.items()
+                        if p.kind == p.POSITIONAL_OR_KEYWORD]
+
+        @functools.wraps(kernel)
+        def run(*args, options=None, **kwargs):
+            legacy = {n: kwargs.pop(n) for n in TILES if n in kwargs}
+            options = resolve(name, options, legacy, allowed=TILES)
+            tiles = dict(block_r=options.block_r, block_c=options.block_c)
+            empty = _empty(result_class, dict(zip(tensor_names, args)), kwargs)
+            if empty is not None:
+                return empty
+            if options.progress is None:
+                return kernel(*args, **tiles, **kwargs)
+            reporter = _Reporter(name, options.progress, _total(algo, passes, args, kwargs, options))
+            token = io.observer.set(reporter)
+            try:
+                result = kernel(*args, **tiles, **kwargs)
+            finally:
+                io.observer.reset(token)
+            if reporter.done < reporter.total:
+                reporter.done = reporter.total
+                reporter.report()
+            return result
+
+        signature = inspect.signature(kernel)
+        params = [p for n, p in signature.parameters.items() if n not in TILES]
+        params.append(inspect.Parameter("options", inspect.Parameter.KEYWORD_ONLY, default=None))
+        run.__signature__ = signature.replace(parameters=params)
+        return run
+    return wrap
