@@ -433,3 +433,21 @@ def test_every_table_rows_smem_size_is_free_of_undefined_behaviour(tmp_path):
     assert build.returncode == 0, build.stderr[-3000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "smem: ok" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+def test_unloading_the_library_releases_the_emulators_workers(tmp_path):
+    # tests/c/unload_loop.c: dlopen, one emulated call on two workers, dlclose, 40 times.
+    # Each parked worker holds a few hundred mappings; kept past unload they would add up
+    # to thousands here (and hit the process's mapping limit after a few hundred cycles).
+    cc = next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    if cc is None:
+        pytest.skip("no C compiler to build the unload loop")
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("no /proc/self/maps to count mappings in")
+    exe = tmp_path / "unload_loop"
+    subprocess.run([cc, "-std=c99", "-Wall", "-Wextra", "-Werror", f"-I{pyfa.get_include()}",
+                    str(HERE / "c" / "unload_loop.c"), "-o", str(exe), "-ldl"], check=True)
+    run = subprocess.run([str(exe), str(_lib.library_path()), "40"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    early, late = map(int, run.stdout.split()[1:3])
+    assert early > 0 and late - early < 20, run.stdout
