@@ -7,6 +7,7 @@ ending pytest.
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -451,3 +452,27 @@ def test_unloading_the_library_releases_the_emulators_workers(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     early, late = map(int, run.stdout.split()[1:3])
     assert early > 0 and late - early < 20, run.stdout
+
+
+def test_the_library_is_built_hardened():
+    # CMakeLists.txt: full RELRO (BIND_NOW and a GNU_RELRO segment), stack canaries
+    # (__stack_chk_fail referenced) and, in an optimised build, fortified libc calls.
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        pytest.skip("readelf not found: the library's ELF headers cannot be read")
+    library = _lib.library_path().resolve()
+    dynamic = subprocess.run([readelf, "-dW", str(library)], capture_output=True, text=True, check=True).stdout
+    assert "BIND_NOW" in dynamic or re.search(r"FLAGS_1\).*\bNOW\b", dynamic), dynamic
+    segments = subprocess.run([readelf, "-lW", str(library)], capture_output=True, text=True, check=True).stdout
+    assert "GNU_RELRO" in segments
+    symbols = subprocess.run([readelf, "--dyn-syms", "-W", str(library)], capture_output=True, text=True,
+                             check=True).stdout
+    assert "__stack_chk_fail" in symbols
+    cache = library.parent / "CMakeCache.txt"
+    build_type = "Release"  # a wheel's build
+    if cache.exists():
+        m = re.search(r"^CMAKE_BUILD_TYPE:\w+=(\w*)$", cache.read_text(), re.M)
+        build_type = m.group(1) if m else ""
+    if build_type in ("Release", "RelWithDebInfo", "MinSizeRel"):
+        fortified = set(re.findall(r"\b(__\w+_chk)\b", symbols)) - {"__stack_chk_fail"}
+        assert fortified, "no fortified libc call (__*_chk) in an optimised build"
