@@ -165,11 +165,12 @@ void put_waiters(Msg& m, Worker& w) {
 // Workers at rest, shared by all launches and OS threads: a worker keeps its stacks,
 // fibers and shared memory from one launch to the next, so that a launch's fresh threads
 // do not map, fault in and unmap them again. Trivially destructible, so it never goes
-// away under a launch still running at exit.
+// away under a launch still running at exit; g_pool_release empties it at unload.
 struct WorkerPool {
     std::atomic_flag busy = ATOMIC_FLAG_INIT;
     Worker* head = nullptr;
     size_t count = 0;
+    bool closed = false;  // unloading: workers coming back are freed, not kept
 };
 WorkerPool g_pool;
 
@@ -200,7 +201,7 @@ void put_back(Worker* w) noexcept {
     static const size_t keep = std::max(1u, std::thread::hardware_concurrency());
     {
         PoolLock lock;
-        if (g_pool.count < keep) {
+        if (!g_pool.closed && g_pool.count < keep) {
             w->next_free = g_pool.head;
             g_pool.head = w;
             ++g_pool.count;
@@ -209,6 +210,30 @@ void put_back(Worker* w) noexcept {
     }
     delete w;
 }
+
+// When the library is unloaded (dlclose, or the end of the process) the workers at rest
+// are freed: each holds a few hundred mappings (fiber stacks and their guards), which a
+// process loading and unloading the library would otherwise gather until it reaches the
+// mapping limit. Only workers at rest are touched: a launch still running then (another
+// thread at process exit) keeps its own and frees them when it ends.
+struct PoolRelease {
+    ~PoolRelease() {
+        Worker* w = nullptr;
+        {
+            PoolLock lock;
+            w = g_pool.head;
+            g_pool.head = nullptr;
+            g_pool.count = 0;
+            g_pool.closed = true;
+        }
+        while (w) {
+            Worker* next = w->next_free;
+            delete w;
+            w = next;
+        }
+    }
+};
+PoolRelease g_pool_release;
 
 [[noreturn]] void fiber_exit(Fiber* f) {
     Worker* w = f->worker;
