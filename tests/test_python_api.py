@@ -321,3 +321,20 @@ def test_help_lists_every_flag():
     assert run.returncode == 0
     for flag in ("--batch", "--seqlen", "--backend", "--cflags", "--libs", "--cmake-dir"):
         assert flag in run.stdout, flag
+
+
+# ---- enum values live in pyfa.h alone
+
+def test_no_second_table_of_enum_values_in_python():
+    import ast
+    files = sorted((ROOT / "pyfa").rglob("*.py")) + [Path(__file__).parent / "emu_abi.py"]
+    tables = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Dict) and len(node.keys) > 1
+                    and all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in node.keys)
+                    and all(isinstance(v, ast.Constant) and type(v.value) is int for v in node.values)):
+                tables.append(f"{path.name}:{node.lineno}")
+    assert not tables, f"name -> int tables (read them from pyfa.h): {tables}"
+    header = _lib.enum_values("pyfa_backend", "PYFA_BACKEND_")
+    assert dict(pyfa.api.BACKENDS) == dict(header) and list(pyfa.api.BACKENDS)[0] == "auto"

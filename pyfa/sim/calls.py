@@ -19,6 +19,7 @@ from ..checks import (EMPTY_VALUES, caller_shape, check_like, check_qkv, check_r
 from ..errors import CancelledError
 from ..options import resolve
 from . import io
+from .count import count_io
 
 TILES = ("block_r", "block_c")
 
@@ -37,8 +38,6 @@ class _Reporter:
 
 
 def _total(algo, passes, args, kwargs, options):
-    from .count import count_io  # count imports the kernels' modules' neighbours: load late
-
     layout = kwargs.get("layout", "bhnd")
     q4, k4, _, _, heads_kv = check_qkv(*args[:3], layout)
     B, H, Nq, d = q4.shape
