@@ -104,7 +104,7 @@ typedef enum pyfa_status {
 } pyfa_status;
 
 typedef enum pyfa_backend {
-    PYFA_BACKEND_AUTO = 0, /* host entry points: CUDA when usable, else the emulator;
+    PYFA_BACKEND_AUTO = 0, /* host entry points: CUDA when usable, else the cpu backend;
                               *_device entry points: CUDA, or PYFA_ERROR_BACKEND_UNAVAILABLE */
     PYFA_BACKEND_CUDA = 1,
     PYFA_BACKEND_EMU = 2,  /* the same kernel source run on the CPU, threads as fibers */
