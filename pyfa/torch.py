@@ -31,9 +31,13 @@ try:
 except ImportError as e:
     raise ImportError("pyfa.torch needs PyTorch, which is not installed here "
                       "(pip install torch, or pip install \".[torch]\" from a pyfa checkout)") from e
+if not all(hasattr(torch.library, f) for f in ("custom_op", "register_vmap", "register_autocast")):
+    raise ImportError(f"pyfa.torch needs PyTorch >= 2.5 (torch.library.custom_op, register_vmap, "
+                      f"register_autocast), found {torch.__version__}")
 from torch import Tensor
 
 from . import api
+from .sim.mask import check_window
 
 __all__ = ["attention", "scaled_dot_product_attention", "flash_attn_func",
            "flash_attn_varlen_func", "flash_attn_with_kvcache"]
@@ -244,18 +248,6 @@ def _check_bool(name, x):
     return x
 
 
-def _check_window(window):
-    """pyfa's window (None, or (left, right) with ints >= 0 or None) as two Optional ints."""
-    if window is None:
-        return None, None
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise TypeError(f"window: expected None or a pair (left, right), got {window!r}")
-    for side, x in zip(("left", "right"), window):
-        if x is not None and (isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0):
-            raise ValueError(f"window: {side} side must be an int >= 0 or None, got {x!r}")
-    return tuple(None if x is None else int(x) for x in window)
-
-
 def _to_4d(t, rank, layout):
     """The 4-D view of a rank-2 or -3 tensor in `layout` (leading unit axes added)."""
     if rank == 4:
@@ -293,7 +285,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     for name, t in (("k", k), ("v", v)):
         if t.dim() != rank:
             raise ValueError(f"{name}: expected {rank} dimensions like q, got shape {tuple(t.shape)}")
-    left, right = _check_window(window)
+    left, right = check_window(window)
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
             raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")

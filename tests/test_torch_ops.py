@@ -150,19 +150,25 @@ def test_bnhd_layout_equals_bhnd_bit_for_bit():
         assert torch.equal(a.grad.transpose(1, 2), b.grad)
 
 
-def test_lse_and_its_gradient_match_plain_torch():
-    q, k, v = leaves((2, 3, 10, 8), (2, 3, 14, 8), (2, 3, 14, 8), seed=3)
-    o, lse = pyfa.torch.attention(q, k, v, causal=True, scale=0.4, return_lse=True, **KW)
-    w = torch.randn(2, 3, 10)
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_lse_and_its_gradient_match_plain_torch(layout):
+    q, k, v = leaves((2, 4, 10, 8), (2, 2, 14, 8), (2, 2, 14, 8), seed=3)  # GQA
+    w = torch.randn(2, 4, 10)
+    args = [t.detach().transpose(1, 2).requires_grad_() if layout == "bnhd" else t for t in (q, k, v)]
+    o, lse = pyfa.torch.attention(*args, causal=True, scale=0.4, layout=layout, return_lse=True,
+                                  **KW)
+    if layout == "bnhd":
+        o = o.transpose(1, 2)
     (o.square().sum() + (w * lse).sum()).backward()
-    got = [t.grad.clone() for t in (q, k, v)]
+    got = [t.grad.transpose(1, 2) if layout == "bnhd" else t.grad.clone() for t in args]
     for t in (q, k, v):
         t.grad = None
-    s = 0.4 * q @ k.transpose(-1, -2)
+    kr, vr = (t.repeat_interleave(2, 1) for t in (k, v))
+    s = 0.4 * q @ kr.transpose(-1, -2)
     s = s.masked_fill(torch.ones(10, 14, dtype=torch.bool).triu(14 - 10 + 1), -math.inf)
     want_lse = torch.logsumexp(s, -1)
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
-    ((torch.softmax(s, -1) @ v).square().sum() + (w * want_lse).sum()).backward()
+    ((torch.softmax(s, -1) @ vr).square().sum() + (w * want_lse).sum()).backward()
     for a, t in zip(got, (q, k, v)):
         torch.testing.assert_close(a, t.grad, rtol=1e-4, atol=1e-5)
 
