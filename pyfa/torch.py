@@ -90,6 +90,15 @@ def _keywords(causal, window_left, window_right, causal_align, scale, layout, bl
                 layout=layout, block_r=block_r, block_c=block_c, backend=backend)
 
 
+def _check_options(q, kw):
+    """Checks the keywords kw as pyfa checks them, for a call with nothing to compute (the
+    library refuses empty tensors): by pyfa itself, on a one-row problem of q's head dim
+    on q's device, so that an argument is refused, never ignored, whatever the sizes."""
+    one = q.new_zeros((1, 1, 1, q.shape[-1]))
+    with _on_device_of(q):
+        api.fa2_forward(one, one, one, **kw)
+
+
 # The operators' non-tensor arguments, in schema order after the tensors.
 _OPTION_NAMES = ("causal", "window_left", "window_right", "causal_align", "scale", "layout",
                  "block_r", "block_c", "backend")
@@ -105,11 +114,12 @@ def _fa2_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, window_left: Opt
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_dtype(name, t)
     B, H, Nq, Nk, _, _ = _dims(q, k, v, layout)
-    if q.numel() == 0 or k.numel() == 0:
-        # No query rows, or no keys: every row sees nothing (O = 0, LSE = -inf).
-        return q.new_zeros(q.shape), q.new_full((B, H, Nq), -math.inf)
     kw = _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r,
                    block_c, backend)
+    if q.numel() == 0 or k.numel() == 0:
+        # No query rows, or no keys: every row sees nothing (O = 0, LSE = -inf).
+        _check_options(q, kw)
+        return q.new_zeros(q.shape), q.new_full((B, H, Nq), -math.inf)
     # DLPack refuses tensors that require grad.
     with _on_device_of(q):
         return api.fa2_forward(q.detach(), k.detach(), v.detach(), **kw)
@@ -135,10 +145,11 @@ def _fa2_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: T
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("do", do)):
         _check_dtype(name, t)
     _dims(q, k, v, layout)
-    if q.numel() == 0 or k.numel() == 0:
-        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     kw = _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r,
                    block_c, backend)
+    if q.numel() == 0 or k.numel() == 0:
+        _check_options(q, kw)
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     # CUDA tensors must be C-contiguous (a gradient may come expanded or transposed).
     with _on_device_of(q):
         return api.fa2_backward(q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(),

@@ -206,3 +206,11 @@ def test_shape_errors_name_the_argument():
         pyfa.torch.attention(q, q, q, layout="nhd", **KW)
     with pytest.raises(ValueError, match="v: expected 4 dimensions like q"):
         pyfa.torch.attention(q, q, q[0], **KW)
+
+
+def test_empty_sequences_still_check_every_argument():
+    q, k = torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 0, 4)
+    with pytest.raises(ValueError, match="causal_align: expected 'bottom_right' or 'top_left'"):
+        pyfa.torch.attention(q, k, k, causal_align="middle", **KW)
+    with pytest.raises(ValueError, match="backend"):
+        pyfa.torch.attention(q, k, k, backend="tpu")

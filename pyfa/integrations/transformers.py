@@ -10,9 +10,10 @@ True = visible, or None where SDPA's is_causal would do), so the mask of every b
 always reaches pyfa. pyfa has no explicit-mask kernel yet, so the mask is read, batch row
 by batch row, as what FA2 computes exactly: the visible keys of row b are a contiguous
 span [s, e) cut by a causal diagonal, as padding (left or right) with a causal or full
-mask makes them. A batch whose rows share one pattern runs as one call; otherwise each
-row runs alone on its span (exact, slower). Query rows that see no key (left padding's
-padded rows) get O = 0. Any other mask pattern is refused, saying so.
+mask makes them. The mask is read on the host (on CUDA, one synchronisation per layer).
+A batch whose rows share one pattern runs as one call; otherwise each row runs alone on
+its span (exact, slower). Query rows that see no key (left padding's padded rows) get
+O = 0. Any other mask pattern is refused, saying so.
 """
 
 from __future__ import annotations
