@@ -105,9 +105,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     for rows, (qs, qe, s, e, right) in groups:
         if qs >= qe:
             continue  # a batch row that sees nothing keeps O = 0
-        window = None if right >= e - s - 1 else (None, right)
-        o = pyfa_torch.attention(q[rows, qs:qe], k[rows, s:e], v[rows, s:e], window=window,
-                                 causal_align="top_left", **kw)
+        # In the box, key j' is visible to row i' iff j' <= i' + right: causal at right = 0,
+        # a window's right side above it, no mask once every key is visible.
+        causal = right == 0
+        window = None if causal or right >= e - s - 1 else (None, right)
+        o = pyfa_torch.attention(q[rows, qs:qe], k[rows, s:e], v[rows, s:e], causal=causal,
+                                 window=window, causal_align="top_left", **kw)
         if len(groups) == 1 and (qs, qe, s, e) == full:
             return o, None
         if out is None:
