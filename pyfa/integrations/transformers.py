@@ -9,8 +9,8 @@ to its AttentionMaskInterface (transformers' own sdpa_mask: a boolean (B, 1, Nq,
 True = visible, or None where SDPA's is_causal would do), so the mask of every batch
 always reaches pyfa. pyfa has no explicit-mask kernel yet, so the mask is read, batch row
 by batch row, as what FA2 computes exactly: the visible keys of row b are a contiguous
-span [s, e) cut by a causal diagonal, as padding (left or right) with a causal or full
-mask makes them. The mask is read on the host (on CUDA, one synchronisation per layer).
+span [s, e) cut by a band around a diagonal, as padding (left or right) with a causal, a
+sliding-window or a full mask makes them. The mask is read on the host (on CUDA, one synchronisation per layer).
 A batch whose rows share one pattern runs as one call; otherwise each row runs alone on
 its span (exact, slower). Query rows that see no key (left padding's padded rows) get
 O = 0. Any other mask pattern is refused, saying so.
@@ -30,34 +30,41 @@ NAME = "pyfa"
 
 
 def _spans(visible):
-    """Per batch row of visible (B, Nq, Nk) bool: (qs, qe, s, e, right), the rows [qs, qe)
-    that see a key, the keys [s, e) some row sees, and `right` such that in that box key
-    j' is visible to row i' iff j' <= i' + right (top-left); None when the mask is not of
-    that form. right >= e - s - 1 means no diagonal."""
+    """Per batch row of visible (B, Nq, Nk) bool: (qs, qe, s, e, left, right), the rows
+    [qs, qe) that see a key, the keys [s, e) some row sees, and the band such that in that
+    box key j' is visible to row i' iff i' - left <= j' <= i' + right (pyfa's window,
+    top-left); None when the mask is not of that form. A side at least the box's size
+    does not restrict it."""
     B, Nq, Nk = visible.shape
     rows, keys = visible.any(2), visible.any(1)
+    batch = torch.arange(B, device=visible.device)
     iq, ik = torch.arange(Nq, device=visible.device), torch.arange(Nk, device=visible.device)
     big = Nq + Nk
     qs = torch.where(rows, iq, big).amin(1)
     qe = torch.where(rows, iq + 1, 0).amax(1)
     s = torch.where(keys, ik, big).amin(1)
     e = torch.where(keys, ik + 1, 0).amax(1)
-    # The last key row qs sees, relative to s.
-    first_row = visible[torch.arange(B, device=visible.device), qs.clamp(max=Nq - 1)]
+    # The band's right side from the last key the first row sees; its left side from the
+    # first key the last row sees (both relative to the box).
+    first_row = visible[batch, qs.clamp(max=Nq - 1)]
+    last_row = visible[batch, (qe - 1).clamp(min=0)]
     right = torch.where(first_row, ik, -1).amax(1) - s
+    left = (qe - 1 - qs) - (torch.where(last_row, ik, big).amin(1) - s)
     i, j = iq[None, :, None], ik[None, None, :]
-    box = ((qs[:, None, None] <= i) & (i < qe[:, None, None])
-           & (s[:, None, None] <= j) & (j < e[:, None, None]))
-    expected = box & (j - s[:, None, None] <= i - qs[:, None, None] + right[:, None, None])
+    qs3, s3 = qs[:, None, None], s[:, None, None]
+    box = (qs3 <= i) & (i < qe[:, None, None]) & (s3 <= j) & (j < e[:, None, None])
+    diagonal = (j - s3) - (i - qs3)
+    expected = box & (diagonal <= right[:, None, None]) & (-diagonal <= left[:, None, None])
     exact = (expected == visible).all((1, 2)) | ~rows.any(1)
     if not bool(exact.all()):
         return None
-    return [tuple(x) for x in torch.stack((qs, qe, s, e, right), 1).tolist()]
+    return [tuple(x) for x in torch.stack((qs, qe, s, e, left, right), 1).tolist()]
 
 
 def _refuse_mask(why):
-    raise ValueError(f"attention_mask: {why}; pyfa honours padding (left or right) with a causal "
-                     f"or full mask, and other masks need pyfa's bias/varlen support, not landed yet")
+    raise ValueError(f"attention_mask: {why}; pyfa honours padding (left or right) with a "
+                     f"causal, sliding-window or full mask; other masks need pyfa's bias/varlen "
+                     f"support, not landed yet")
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -95,20 +102,21 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     spans = _spans(attention_mask[:, 0].expand(B, Nq, Nk))
     if spans is None:
         _refuse_mask("this mask is not a contiguous span of keys per batch row cut by a "
-                     "causal diagonal")
+                     "band around a diagonal")
     if len(set(spans)) == 1:
         groups = [(slice(None), spans[0])]
     else:
         groups = [(slice(b, b + 1), span) for b, span in enumerate(spans)]
     full = (0, Nq, 0, Nk)
     out = None
-    for rows, (qs, qe, s, e, right) in groups:
+    for rows, (qs, qe, s, e, left, right) in groups:
         if qs >= qe:
             continue  # a batch row that sees nothing keeps O = 0
-        # In the box, key j' is visible to row i' iff j' <= i' + right: causal at right = 0,
-        # a window's right side above it, no mask once every key is visible.
+        # The band as pyfa's mask: causal at right = 0; a side as wide as the box, none.
         causal = right == 0
-        window = None if causal or right >= e - s - 1 else (None, right)
+        left = None if left >= qe - qs - 1 else left
+        right = None if causal or right >= e - s - 1 else right
+        window = None if left is None and right is None else (left, right)
         o = pyfa_torch.attention(q[rows, qs:qe], k[rows, s:e], v[rows, s:e], causal=causal,
                                  window=window, causal_align="top_left", **kw)
         if len(groups) == 1 and (qs, qe, s, e) == full:
