@@ -187,3 +187,17 @@ def test_flash_attn_with_kvcache_refuses_what_it_cannot_honour():
         kv(q, kc, kc, num_splits=2)
     with pytest.raises(ValueError, match=r"cache_seqlens: each length must be in \[0, 4\]"):
         kv(q, kc, kc, cache_seqlens=5)
+
+
+@pytest.mark.parametrize("dropin", ["sdpa", "flash"])
+def test_dropins_compile_fullgraph_to_eager_bits(dropin):
+    def f(q, k, v):
+        if dropin == "sdpa":
+            return (pyfa.torch.scaled_dot_product_attention(q, k, v, is_causal=True),)
+        return pyfa.torch.flash_attn_func(q, k, v, causal=True, window_size=(3, -1),
+                                          return_attn_probs=True)[:2]
+
+    q, k, v = (t.detach() for t in tensors((2, 4, 9, 8), (2, 4, 9, 8), (2, 4, 9, 8)))
+    torch._dynamo.reset()
+    for a, b in zip(f(q, k, v), torch.compile(f, fullgraph=True)(q, k, v)):
+        assert torch.equal(a, b)
