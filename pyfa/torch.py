@@ -1,37 +1,49 @@
-"""pyfa for PyTorch training: attention as a torch.autograd.Function.
+"""pyfa for PyTorch: FA2 as custom operators, differentiable, traceable by torch.compile.
 
     import pyfa.torch
     o = pyfa.torch.attention(q, k, v, causal=True)   # q, k, v: float32 tensors, CPU or CUDA
     o.sum().backward()                               # q.grad, k.grad, v.grad by FA2's backward
 
-The forward is pyfa.fa2_forward, which saves O and LSE; the backward is
-pyfa.fa2_backward on them, deterministic (no atomics): the same inputs give the same
-gradient bits on every run, equal to pyfa.attention_grad's. CUDA tensors run on the
-current stream of their device without a host copy. Needs torch (pip install
-".[torch]" at a pyfa checkout's root).
+Two operators are registered with torch.library: pyfa::fa2_forward (q, k, v -> o, lse) and
+pyfa::fa2_backward (q, k, v, o, lse, do -> dq, dk, dv), each with a fake (meta)
+implementation, so torch.compile(fullgraph=True) traces through them; an autograd rule
+(the forward saves O and LSE, the backward is FA2's, deterministic: the same gradient bits
+on every run, equal to pyfa.attention_grad's); a vmap rule (the vmapped axis is folded into
+the batch); and an autocast rule (under torch.autocast the inputs are cast to float32, the
+only dtype pyfa computes in). CUDA tensors run on the current stream of their device
+without a host copy.
+
+Drop-ins with the conventions of their originals: scaled_dot_product_attention
+(torch.nn.functional's), flash_attn_func, flash_attn_varlen_func and flash_attn_with_kvcache
+(flash-attn's). Each refuses, naming the argument, what pyfa cannot honour yet. docs/torch.md
+says what each one takes. Needs torch (installed with the checkout's "torch" extra).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Tuple
+import math
+import numbers
+from typing import List, Optional, Tuple
 
 try:
     import torch
 except ImportError as e:
     raise ImportError("pyfa.torch needs PyTorch, which is not installed here "
-                      "(pip install torch, or pip install \".[torch]\" at a pyfa checkout's root)") from e
-from torch.autograd.function import once_differentiable
+                      "(pip install torch, or pip install \".[torch]\" from a pyfa checkout)") from e
+if not all(hasattr(torch.library, f) for f in ("custom_op", "register_vmap", "register_autocast")):
+    raise ImportError(f"pyfa.torch needs PyTorch >= 2.5 (torch.library.custom_op, register_vmap, "
+                      f"register_autocast), found {torch.__version__}")
+from torch import Tensor
 
 from . import api
+from .checks import check_window
+from .options import Options
 
-__all__ = ["attention"]
+__all__ = ["attention", "scaled_dot_product_attention", "flash_attn_func",
+           "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
-
-def _options(causal, window, causal_align, scale, block_r, block_c, backend):
-    """The keywords of pyfa's FA2 calls, the same for the forward and the backward."""
-    return dict(causal=causal, window=window, causal_align=causal_align, scale=scale,
-                block_r=block_r, block_c=block_c, backend=backend)
+_LAYOUTS = ("bhnd", "bnhd")
 
 
 def _on_device_of(t):
@@ -39,41 +51,509 @@ def _on_device_of(t):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, options):
-        # pyfa reads the tensors through DLPack, which refuses tensors that require grad.
-        q, k, v = q.detach(), k.detach(), v.detach()
-        with _on_device_of(q):
-            o, lse = api.fa2_forward(q, k, v, **options)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.options = options
-        return o
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, do):
-        # o comes back from the graph requiring grad; DLPack exports only detached tensors.
-        q, k, v, o, lse = (t.detach() for t in ctx.saved_tensors)
-        # CUDA tensors must be C-contiguous (a gradient may come expanded or transposed).
-        with _on_device_of(q):
-            dq, dk, dv = api.fa2_backward(q, k, v, o, lse, do.detach().contiguous(), **ctx.options)
-        return dq, dk, dv, None
+def _check_dtype(name, t):
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name}: expected dtype torch.float32, got {t.dtype} (pyfa computes in "
+                        f"fp32 only; under torch.autocast pyfa's ops cast their inputs to float32)")
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+def _dims(q, k, v, layout):
+    """(B, H, Nq, Nk, d, Hkv) of 4-D q, k, v in `layout`, checked by pyfa's rules except
+    that sizes of 0 are allowed (the library refuses them; these ops answer them as SDPA
+    does)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected 4 dimensions, got shape {tuple(t.shape)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v: shape {tuple(v.shape)} differs from k's {tuple(k.shape)}")
+    if layout == "bnhd":
+        (B, Nq, H, d), (Bk, Nk, Hkv, dk) = q.shape, k.shape
+    else:
+        (B, H, Nq, d), (Bk, Hkv, Nk, dk) = q.shape, k.shape
+    if Bk != B:
+        raise ValueError(f"k: batch {Bk} differs from q's {B}")
+    if dk != d:
+        raise ValueError(f"k: head dim {dk} differs from q's {d}")
+    if d < 1:
+        raise ValueError(f"q: head dim must be >= 1, got {d}")
+    if Hkv < 1 or H % Hkv != 0:
+        raise ValueError(f"k: its {Hkv} heads must divide q's {H} heads (grouped-query "
+                         f"attention), got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    return B, H, Nq, Nk, d, Hkv
+
+
+def _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r, block_c,
+              backend):
+    """pyfa's keywords from the operators' flat arguments (a window with both sides
+    unbounded is no window)."""
+    window = None if window_left is None and window_right is None else (window_left, window_right)
+    return dict(causal=causal, window=window, causal_align=causal_align, scale=scale,
+                layout=layout, options=_options(backend, block_r, block_c))
+
+
+def _options(backend, block_r, block_c):
+    """The execution options of a pyfa call from the operators' flat arguments: those of
+    the enclosing `with pyfa.Options(...)` (threads, emulator order, ...), with the
+    backend and tiles the caller gave here in place of its own."""
+    given = {name: value for name, value in (("backend", backend), ("block_r", block_r),
+                                             ("block_c", block_c)) if value not in (None, "auto")}
+    return Options.current().replace(**given)
+
+
+def _check_options(q, kw):
+    """Checks the keywords kw as pyfa checks them, for a call with nothing to compute (the
+    library refuses empty tensors): by pyfa itself, on a one-row problem of q's head dim
+    on q's device, so that an argument is refused, never ignored, whatever the sizes."""
+    one = q.new_zeros((1, 1, 1, q.shape[-1]))
+    with _on_device_of(q):
+        api.fa2_forward(one, one, one, **kw)
+
+
+# The operators' non-tensor arguments, in schema order after the tensors.
+_OPTION_NAMES = ("causal", "window_left", "window_right", "causal_align", "scale", "layout",
+                 "block_r", "block_c", "backend")
+
+
+@torch.library.custom_op("pyfa::fa2_forward", mutates_args=())
+def _fa2_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, window_left: Optional[int],
+                 window_right: Optional[int], causal_align: str, scale: Optional[float],
+                 layout: str, block_r: Optional[int], block_c: Optional[int],
+                 backend: str) -> Tuple[Tensor, Tensor]:
+    """q: (B, H, Nq, d) in `layout`; k, v: (B, Hkv, Nk, d) in `layout`, float32. Returns
+    o (like q, C-contiguous) and lse (B, H, Nq)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_dtype(name, t)
+    B, H, Nq, Nk, _, _ = _dims(q, k, v, layout)
+    kw = _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r,
+                   block_c, backend)
+    if q.numel() == 0 or k.numel() == 0:
+        # No query rows, or no keys: every row sees nothing (O = 0, LSE = -inf).
+        _check_options(q, kw)
+        return q.new_zeros(q.shape), q.new_full((B, H, Nq), -math.inf)
+    # DLPack refuses tensors that require grad.
+    with _on_device_of(q):
+        return api.fa2_forward(q.detach(), k.detach(), v.detach(), **kw)
+
+
+@_fa2_forward.register_fake
+def _fa2_forward_fake(q, k, v, causal, window_left, window_right, causal_align, scale, layout,
+                      block_r, block_c, backend):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_dtype(name, t)
+    B, H, Nq, _, _, _ = _dims(q, k, v, layout)
+    return q.new_empty(q.shape), q.new_empty((B, H, Nq))
+
+
+@torch.library.custom_op("pyfa::fa2_backward", mutates_args=())
+def _fa2_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+                  causal: bool, window_left: Optional[int], window_right: Optional[int],
+                  causal_align: str, scale: Optional[float], layout: str,
+                  block_r: Optional[int], block_c: Optional[int],
+                  backend: str) -> Tuple[Tensor, Tensor, Tensor]:
+    """FA2's backward from fa2_forward's o and lse and the gradient do (like o); returns
+    dq, dk, dv like q, k, v (C-contiguous)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("do", do)):
+        _check_dtype(name, t)
+    _dims(q, k, v, layout)
+    kw = _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r,
+                   block_c, backend)
+    if q.numel() == 0 or k.numel() == 0:
+        _check_options(q, kw)
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    # CUDA tensors must be C-contiguous (a gradient may come expanded or transposed).
+    with _on_device_of(q):
+        return api.fa2_backward(q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(),
+                                do.detach().contiguous(), **kw)
+
+
+@_fa2_backward.register_fake
+def _fa2_backward_fake(q, k, v, o, lse, do, *options):
+    for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("do", do)):
+        _check_dtype(name, t)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _forward_setup(ctx, inputs, output):
+    q, k, v, *options = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.options = options
+    # An unused output's gradient stays None: no work for an LSE nobody differentiates.
+    ctx.set_materialize_grads(False)
+
+
+def _lse_gradient(q, k, lse, dlse, options):
+    """The gradients of sum(dlse * lse) for q and k. With P = softmax(S), S = scale Q K^T:
+    dLSE_i/dq_i = scale sum_j P_ij k_j, row i of attention(q, k, k); dLSE_i/dk_j =
+    scale P_ij q_i, so dK = scale P^T (dlse q), the dV of that attention's backward for
+    the incoming gradient dlse q. Two more FA2 calls, no N x N matrix."""
+    opts = dict(zip(_OPTION_NAMES, options))
+    scale = opts["scale"] if opts["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
+    # dlse is (B, H, Nq); q's rows are (B, H, Nq, :) or, in "bnhd", (B, Nq, H, :).
+    g = (dlse.transpose(1, 2) if opts["layout"] == "bnhd" else dlse).unsqueeze(-1)
+    ok, _ = torch.ops.pyfa.fa2_forward(q, k, k, *options)
+    _, _, dk = torch.ops.pyfa.fa2_backward(q, k, k, ok, lse, g * q, *options)
+    return scale * g * ok, scale * dk
+
+
+def _forward_backward(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(o)
+    dq, dk, dv = torch.ops.pyfa.fa2_backward(q, k, v, o, lse, do, *ctx.options)
+    if dlse is not None:
+        # Rows that see no key have LSE = -inf for any q, k: their gradient is zero.
+        dlse = torch.where(torch.isinf(lse), torch.zeros_like(dlse), dlse)
+        lq, lk = _lse_gradient(q, k, lse, dlse, ctx.options)
+        dq, dk = dq + lq, dk + lk
+    return (dq, dk, dv) + (None,) * len(ctx.options)
+
+
+def _backward_setup(ctx, inputs, output):
+    pass
+
+
+def _no_double_backward(ctx, ddq, ddk, ddv):
+    raise RuntimeError("pyfa::fa2_backward: double backward (a gradient of pyfa's gradient, "
+                       "e.g. torch.autograd.grad(..., create_graph=True) then another backward) "
+                       "is not supported")
+
+
+torch.library.register_autograd("pyfa::fa2_forward", _forward_backward,
+                                setup_context=_forward_setup)
+torch.library.register_autograd("pyfa::fa2_backward", _no_double_backward,
+                                setup_context=_backward_setup)
+
+
+def _fold(x, bdim, size):
+    """x with its vmapped axis bdim (None: not vmapped, so broadcast) folded into axis 0:
+    each vmapped slice is its own batch elements, the same problem as computed alone."""
+    x = x.expand(size, *x.shape) if bdim is None else x.movedim(bdim, 0)
+    return x.reshape(size * x.shape[1], *x.shape[2:])
+
+
+def _unfold(x, size):
+    return x.reshape(size, x.shape[0] // size, *x.shape[1:])
+
+
+def _forward_vmap(info, in_dims, q, k, v, *options):
+    n = info.batch_size
+    o, lse = torch.ops.pyfa.fa2_forward(*(_fold(t, d, n) for t, d in zip((q, k, v), in_dims)),
+                                        *options)
+    return (_unfold(o, n), _unfold(lse, n)), (0, 0)
+
+
+def _backward_vmap(info, in_dims, q, k, v, o, lse, do, *options):
+    n = info.batch_size
+    grads = torch.ops.pyfa.fa2_backward(
+        *(_fold(t, d, n) for t, d in zip((q, k, v, o, lse, do), in_dims)), *options)
+    return tuple(_unfold(g, n) for g in grads), (0, 0, 0)
+
+
+torch.library.register_vmap("pyfa::fa2_forward", _forward_vmap)
+torch.library.register_vmap("pyfa::fa2_backward", _backward_vmap)
+
+for _op in ("pyfa::fa2_forward", "pyfa::fa2_backward"):
+    for _device in ("cpu", "cuda"):
+        torch.library.register_autocast(_op, _device, torch.float32)
+del _op, _device
+
+
+def _check_tensor(name, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+
+
+def _check_bool(name, x):
+    if not isinstance(x, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(x).__name__}")
+    return x
+
+
+def _to_4d(t, rank, layout):
+    """The 4-D view of a rank-2 or -3 tensor in `layout` (leading unit axes added)."""
+    if rank == 4:
+        return t
+    if rank == 3:
+        return t.unsqueeze(0)
+    return t[None, None] if layout == "bhnd" else t[None, :, None]
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
               window: Optional[Tuple[Optional[int], Optional[int]]] = None,
               causal_align: str = "bottom_right", scale: Optional[float] = None,
-              block_r: Optional[int] = None, block_c: Optional[int] = None,
-              backend: str = "auto") -> torch.Tensor:
+              layout: str = "bhnd", return_lse: bool = False, block_r: Optional[int] = None,
+              block_c: Optional[int] = None, backend: str = "auto"):
     """O = softmax(scale * Q K^T [mask]) V by FlashAttention-2, differentiable.
 
-    q: (B, H, Nq, d), (H, Nq, d) or (Nq, d) float32; k, v: the same with Nk rows and H or
-    a divisor of H heads (GQA); all on one device (CPU, or CUDA: C-contiguous). causal,
-    window, causal_align, scale, block_r, block_c, backend: as in pyfa.attention.
-    Gradients flow to whichever of q, k, v require them."""
+    q: (B, H, Nq, d), (H, Nq, d) or (Nq, d) float32 in layout "bhnd"; (B, Nq, H, d),
+    (Nq, H, d) or (Nq, d) in "bnhd"; k, v: the same with Nk rows and H or a divisor of H
+    heads (GQA); all on one device (CPU, or CUDA: contiguous last axis). causal, window,
+    causal_align, scale, block_r, block_c, backend: as in pyfa.attention. O comes back
+    in `layout`, C-contiguous. return_lse: also return LSE, (B, H, Nq) (q's shape without
+    d, in that order in both layouts), -inf for a row that sees no key; it is
+    differentiable too. Nq = 0 gives an empty O; Nk = 0 gives O = 0 and LSE = -inf, and
+    zero gradients. Gradients flow to whichever of q, k, v require them."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    return _Attention.apply(q, k, v, _options(causal, window, causal_align, scale, block_r, block_c,
-                                                     backend))
+        _check_tensor(name, t)
+    if not isinstance(layout, str) or layout not in _LAYOUTS:
+        raise ValueError(f"layout: expected 'bhnd' or 'bnhd', got {layout!r}")
+    _check_bool("causal", causal)
+    _check_bool("return_lse", return_lse)
+    rank = q.dim()
+    if rank not in (2, 3, 4):
+        words = "(B, H, N, d), (H, N, d)" if layout == "bhnd" else "(B, N, H, d), (N, H, d)"
+        raise ValueError(f"q: expected shape {words} or (N, d), got {tuple(q.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != rank:
+            raise ValueError(f"{name}: expected {rank} dimensions like q, got shape {tuple(t.shape)}")
+    left, right = check_window(window)
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+        scale = float(scale)
+    o, lse = torch.ops.pyfa.fa2_forward(
+        _to_4d(q, rank, layout), _to_4d(k, rank, layout), _to_4d(v, rank, layout), causal,
+        left, right, causal_align, scale, layout, block_r, block_c, backend)
+    if rank < 4:
+        o = o.reshape(q.shape)
+        lse = lse.reshape(lse.shape[4 - rank:])
+    return (o, lse) if return_lse else o
+
+
+def _refuse(name, value, why):
+    raise ValueError(f"{name}: {why}, got {value!r}")
+
+
+def _check_dropout(name, p):
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(f"{name}: expected a float, got {type(p).__name__}")
+    if p != 0:
+        _refuse(name, p, "pyfa has no dropout (only 0.0 is honoured)")
+
+
+def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
+                                 attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: Optional[float] = None,
+                                 enable_gqa: bool = False) -> Tensor:
+    """torch.nn.functional.scaled_dot_product_attention's signature and semantics, by pyfa.
+
+    query (..., H, L, E), key and value (..., Hkv, S, E) with the same leading axes
+    (or (L, E) and (S, E)); is_causal is top-left aligned (query i sees keys j <= i), as
+    in PyTorch; Hkv != H only with enable_gqa=True (H % Hkv == 0). Refused, naming the
+    argument: attn_mask not None (an explicit mask needs pyfa's bias support, not landed
+    yet), dropout_p != 0, value's head dim differing from key's, and leading axes that
+    would need broadcasting. float32 only (under torch.autocast: cast to float32)."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        _check_tensor(name, t)
+    if attn_mask is not None:
+        raise ValueError("attn_mask: pyfa takes no explicit mask yet (it needs pyfa's bias "
+                         "support, not landed yet); use is_causal, or pyfa.torch.attention's "
+                         f"causal= and window=; got a {type(attn_mask).__name__}")
+    _check_dropout("dropout_p", dropout_p)
+    _check_bool("is_causal", is_causal)
+    _check_bool("enable_gqa", enable_gqa)
+    if query.dim() < 2 or key.dim() != query.dim() or value.dim() != query.dim():
+        raise ValueError(f"query, key, value: expected the same number (>= 2) of dimensions, "
+                         f"got shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    if value.shape[-1] != key.shape[-1]:
+        raise ValueError(f"value: head dim {value.shape[-1]} differs from key's {key.shape[-1]}; "
+                         f"pyfa needs them equal")
+    if value.shape[:-1] != key.shape[:-1]:
+        raise ValueError(f"value: shape {tuple(value.shape)} differs from key's {tuple(key.shape)} "
+                         f"before the last axis")
+    lead = query.shape[:-3] if query.dim() > 3 else ()
+    if key.shape[:len(lead)] != lead:
+        raise ValueError(f"key: leading dimensions {tuple(key.shape[:len(lead)])} differ from "
+                         f"query's {tuple(lead)}; pyfa does not broadcast them")
+    if query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
+        hq, hkv = query.shape[-3], key.shape[-3]
+        if not enable_gqa:
+            raise ValueError(f"key: {hkv} heads differ from query's {hq}; pass enable_gqa=True "
+                             f"for grouped-query attention (as torch's SDPA requires)")
+        if hkv == 0 or hq % hkv != 0:
+            raise ValueError(f"key: its {hkv} heads must divide query's {hq} heads "
+                             f"(enable_gqa=True)")
+    if query.dim() > 4:
+        flat = [t.reshape(-1, *t.shape[-3:]) for t in (query, key, value)]
+        o = attention(*flat, causal=is_causal, causal_align="top_left", scale=scale)
+        return o.reshape(*lead, *o.shape[1:])
+    return attention(query, key, value, causal=is_causal, causal_align="top_left", scale=scale)
+
+
+def _flash_window(window_size):
+    """flash-attn's window_size (left, right), -1 unbounded, as pyfa's window."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size: expected a pair (left, right), got {window_size!r}")
+    sides = []
+    for side, x in zip(("left", "right"), window_size):
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < -1:
+            raise ValueError(f"window_size: {side} side must be an int >= 0, or -1 (unbounded), "
+                             f"got {x!r}")
+        sides.append(None if x == -1 else int(x))
+    return None if sides == [None, None] else tuple(sides)
+
+
+def _check_flash_extras(softcap, alibi_slopes, deterministic):
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}")
+    if softcap != 0:
+        _refuse("softcap", softcap, "pyfa has no score soft-capping (only 0.0 is honoured)")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes: pyfa has no ALiBi bias yet (it needs pyfa's bias support, "
+                         "not landed yet); only None is honoured")
+    # pyfa is always deterministic, which satisfies either request.
+    _check_bool("deterministic", deterministic)
+
+
+def _flash_lse(lse):
+    # flash-attn's LSE of a row that sees no key is +inf; pyfa's is -inf.
+    return torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse)
+
+
+def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
+                    softmax_scale: Optional[float] = None, causal: bool = False,
+                    window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
+                    return_attn_probs: bool = False):
+    """flash-attn 2's flash_attn_func by pyfa: q (B, Nq, H, d), k, v (B, Nk, Hkv, d),
+    H % Hkv == 0; causal is bottom-right aligned and window_size (left, right) counts
+    keys either side of that diagonal, -1 unbounded (causal forces right = 0), as in
+    flash-attn. Returns out (B, Nq, H, d); with return_attn_probs=True, the tuple
+    (out, softmax_lse, None): softmax_lse (B, H, Nq) float32 (+inf for a row that sees no
+    key, flash-attn's convention), and None where flash-attn returns its testing-only
+    attention probabilities, which pyfa does not compute. Refused, naming the argument:
+    dropout_p != 0, softcap != 0, alibi_slopes. deterministic: pyfa always is."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected shape (B, N, H, d), got {tuple(t.shape)}")
+    _check_dropout("dropout_p", dropout_p)
+    _check_flash_extras(softcap, alibi_slopes, deterministic)
+    _check_bool("return_attn_probs", return_attn_probs)
+    o, lse = attention(q, k, v, causal=causal, window=_flash_window(window_size),
+                       scale=softmax_scale, layout="bnhd", return_lse=True)
+    return (o, _flash_lse(lse), None) if return_attn_probs else o
+
+
+def _cu_seqlens(name, cu, total, max_seqlen, max_name):
+    """The sequence boundaries cu_seqlens (an int tensor (batch + 1,)) as Python ints,
+    checked against the packed length and max_seqlen."""
+    _check_tensor(name, cu)
+    if cu.dim() != 1 or cu.numel() < 1 or cu.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: expected a 1-D int32 tensor (batch + 1,), got "
+                         f"{cu.dtype} of shape {tuple(cu.shape)}")
+    bounds = cu.tolist()
+    if bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"{name}: expected non-decreasing offsets from 0 to {total} (the "
+                         f"packed length), got {bounds}")
+    longest = max((b - a for a, b in zip(bounds, bounds[1:])), default=0)
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral):
+        raise TypeError(f"{max_name}: expected an int, got {type(max_seqlen).__name__}")
+    if longest > max_seqlen:
+        raise ValueError(f"{max_name}: {max_seqlen} is less than the longest sequence, {longest}")
+    return bounds
+
+
+def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                           cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                           dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
+                           causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
+                           softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+                           deterministic: bool = False, return_attn_probs: bool = False,
+                           block_table: Optional[Tensor] = None):
+    """flash-attn 2's flash_attn_varlen_func by pyfa: q (total_q, H, d), k, v (total_k,
+    Hkv, d), sequence b being rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and
+    cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k and v; masks as in flash_attn_func, per
+    sequence. Each sequence runs as its own dense problem (one pyfa call each: exact,
+    differentiable, slower than a varlen kernel, which pyfa lacks yet); the offsets are
+    read on the host. Returns out (total_q, H, d); with return_attn_probs=True,
+    (out, softmax_lse, None), softmax_lse (H, total_q) as in flash_attn_func. Refused:
+    as flash_attn_func, and block_table (paged K/V)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t)
+        if t.dim() != 3:
+            raise ValueError(f"{name}: expected shape (total, H, d), got {tuple(t.shape)}")
+    _check_dropout("dropout_p", dropout_p)
+    _check_flash_extras(softcap, alibi_slopes, deterministic)
+    _check_bool("return_attn_probs", return_attn_probs)
+    if block_table is not None:
+        raise ValueError("block_table: pyfa has no paged K/V yet; only None is honoured")
+    window = _flash_window(window_size)
+    bq = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
+    bk = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
+    if len(bq) != len(bk):
+        raise ValueError(f"cu_seqlens_k: {len(bk) - 1} sequences, but cu_seqlens_q has "
+                         f"{len(bq) - 1}")
+    outs, lses = [], []
+    for (q0, q1), (k0, k1) in zip(zip(bq, bq[1:]), zip(bk, bk[1:])):
+        o, lse = attention(q[q0:q1], k[k0:k1], v[k0:k1], causal=causal, window=window,
+                           scale=softmax_scale, layout="bnhd", return_lse=True)
+        outs.append(o)
+        lses.append(lse)
+    if not outs:
+        o, lse = q.new_zeros(q.shape), q.new_zeros((q.shape[1], 0))
+    else:
+        o, lse = torch.cat(outs, 0), torch.cat(lses, 1)
+    return (o, _flash_lse(lse), None) if return_attn_probs else o
+
+
+def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
+                            v: Optional[Tensor] = None, rotary_cos: Optional[Tensor] = None,
+                            rotary_sin: Optional[Tensor] = None, cache_seqlens=None,
+                            cache_batch_idx: Optional[Tensor] = None,
+                            cache_leftpad: Optional[Tensor] = None,
+                            block_table: Optional[Tensor] = None,
+                            softmax_scale: Optional[float] = None, causal: bool = False,
+                            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                            rotary_interleaved: bool = True, alibi_slopes: Optional[Tensor] = None,
+                            num_splits: int = 0, return_softmax_lse: bool = False):
+    """flash-attn 2's flash_attn_with_kvcache by pyfa, for a dense cache read as it is:
+    q (B, Nq, H, d), k_cache, v_cache (B, Ncache, Hkv, d); batch element b attends to the
+    first cache_seqlens[b] keys (cache_seqlens: None = all Ncache, an int, or an int
+    tensor (B,)), the masks as in flash_attn_func (bottom-right, so the queries are the
+    last Nq positions). Returns out (B, Nq, H, d), or (out, softmax_lse (B, H, Nq)) with
+    return_softmax_lse=True. Refused, naming the argument (pyfa has no kernel for them
+    yet): k, v (appending to the cache), rotary_cos, rotary_sin, cache_batch_idx,
+    cache_leftpad, block_table, softcap != 0, alibi_slopes, num_splits > 1 (pyfa never
+    splits the keys; 0 and 1 are honoured). rotary_interleaved only matters with rotary."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected shape (B, N, H, d), got {tuple(t.shape)}")
+    for name, x in (("k", k), ("v", v), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+                    ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
+                    ("block_table", block_table)):
+        if x is not None:
+            raise ValueError(f"{name}: not supported by pyfa yet (only a dense cache read as "
+                             f"it is); only None is honoured")
+    _check_flash_extras(softcap, alibi_slopes, False)
+    _check_bool("rotary_interleaved", rotary_interleaved)
+    _check_bool("return_softmax_lse", return_softmax_lse)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
+        raise ValueError(f"num_splits: expected an int >= 0, got {num_splits!r}")
+    if num_splits > 1:
+        _refuse("num_splits", num_splits, "pyfa never splits the keys (0 or 1 only)")
+    window = _flash_window(window_size)
+    B, ncache = q.shape[0], k_cache.shape[1]
+    if cache_seqlens is None:
+        lengths = [ncache] * B
+    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        lengths = [int(cache_seqlens)] * B
+    elif isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.shape == (B,) \
+            and not cache_seqlens.is_floating_point():
+        lengths = cache_seqlens.tolist()
+    else:
+        raise ValueError(f"cache_seqlens: expected None, an int or an int tensor ({B},), got "
+                         f"{cache_seqlens!r}")
+    if any(not 0 <= n <= ncache for n in lengths):
+        raise ValueError(f"cache_seqlens: each length must be in [0, {ncache}] (the cache's "
+                         f"length), got {lengths}")
+    kw = dict(causal=causal, window=window, scale=softmax_scale, layout="bnhd", return_lse=True)
+    if len(set(lengths)) <= 1:
+        n = lengths[0] if lengths else ncache
+        o, lse = attention(q, k_cache[:, :n], v_cache[:, :n], **kw)
+    else:
+        parts = [attention(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n], **kw)
+                 for b, n in enumerate(lengths)]
+        o, lse = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return (o, _flash_lse(lse)) if return_softmax_lse else o

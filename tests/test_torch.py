@@ -1,4 +1,4 @@
-"""pyfa.torch.attention: a torch.autograd.Function over FA2 whose gradients are
+"""pyfa.torch.attention: differentiable FA2 (pyfa's custom operators) whose gradients are
 pyfa.attention_grad's bit for bit, and which trains. Runs when torch imports."""
 
 import os

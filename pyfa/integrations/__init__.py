@@ -1,0 +1,1 @@
+"""pyfa inside other libraries' models: transformers (pyfa.integrations.transformers)."""

@@ -1,0 +1,141 @@
+"""pyfa as a transformers attention backend: attn_implementation="pyfa".
+
+    import pyfa.integrations.transformers as pyfa_hf
+    pyfa_hf.register()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="pyfa")
+
+register() adds "pyfa" to transformers' AttentionInterface (attention_forward below) and
+to its AttentionMaskInterface (transformers' own sdpa_mask: a boolean (B, 1, Nq, Nk) mask,
+True = visible, or None where SDPA's is_causal would do), so the mask of every batch
+always reaches pyfa. pyfa has no explicit-mask kernel yet, so the mask is read, batch row
+by batch row, as what FA2 computes exactly: the visible keys of row b are a contiguous
+span [s, e) cut by a band around a diagonal, as padding (left or right) with a causal, a
+sliding-window or a full mask makes them. The mask is read on the host (on CUDA, one synchronisation per layer).
+A batch whose rows share one pattern runs as one call; otherwise each row runs alone on
+its span (exact, slower). Query rows that see no key (left padding's padded rows) get
+O = 0. Any other mask pattern is refused, saying so.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import torch as pyfa_torch
+
+__all__ = ["register", "attention_forward", "NAME"]
+
+NAME = "pyfa"
+
+
+def _spans(visible):
+    """Per batch row of visible (B, Nq, Nk) bool: (qs, qe, s, e, left, right), the rows
+    [qs, qe) that see a key, the keys [s, e) some row sees, and the band such that in that
+    box key j' is visible to row i' iff i' - left <= j' <= i' + right (pyfa's window,
+    top-left); None when the mask is not of that form. A side at least the box's size
+    does not restrict it."""
+    B, Nq, Nk = visible.shape
+    rows, keys = visible.any(2), visible.any(1)
+    batch = torch.arange(B, device=visible.device)
+    iq, ik = torch.arange(Nq, device=visible.device), torch.arange(Nk, device=visible.device)
+    big = Nq + Nk
+    qs = torch.where(rows, iq, big).amin(1)
+    qe = torch.where(rows, iq + 1, 0).amax(1)
+    s = torch.where(keys, ik, big).amin(1)
+    e = torch.where(keys, ik + 1, 0).amax(1)
+    # The band's right side from the last key the first row sees; its left side from the
+    # first key the last row sees (both relative to the box).
+    first_row = visible[batch, qs.clamp(max=Nq - 1)]
+    last_row = visible[batch, (qe - 1).clamp(min=0)]
+    right = torch.where(first_row, ik, -1).amax(1) - s
+    left = (qe - 1 - qs) - (torch.where(last_row, ik, big).amin(1) - s)
+    i, j = iq[None, :, None], ik[None, None, :]
+    qs3, s3 = qs[:, None, None], s[:, None, None]
+    box = (qs3 <= i) & (i < qe[:, None, None]) & (s3 <= j) & (j < e[:, None, None])
+    diagonal = (j - s3) - (i - qs3)
+    expected = box & (diagonal <= right[:, None, None]) & (-diagonal <= left[:, None, None])
+    exact = (expected == visible).all((1, 2)) | ~rows.any(1)
+    if not bool(exact.all()):
+        return None
+    return [tuple(x) for x in torch.stack((qs, qe, s, e, left, right), 1).tolist()]
+
+
+def _refuse_mask(why):
+    raise ValueError(f"attention_mask: {why}; pyfa honours padding (left or right) with a "
+                     f"causal, sliding-window or full mask; other masks need pyfa's bias/varlen "
+                     f"support, not landed yet")
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                      dropout: float = 0.0, scaling: Optional[float] = None,
+                      is_causal: Optional[bool] = None, **kwargs):
+    """transformers' attention-function contract: query (B, H, Nq, d), key, value
+    (B, Hkv, Nk, d) -> (attn_output (B, Nq, H, d), None). attention_mask: what the "pyfa"
+    mask function made (sdpa_mask's bool (B, 1, Nq, Nk), or None: then, as in
+    transformers' SDPA backend, causal (top-left) iff Nq > 1 and the module is causal).
+    Refused, naming the argument: dropout > 0 (set the model's attention dropout to 0),
+    softcap, position_bias, sinks, and masks of any other pattern."""
+    if dropout:
+        raise ValueError(f"dropout: pyfa has no dropout, got {dropout} (set the config's "
+                         f"attention dropout to 0.0)")
+    for name in ("softcap", "position_bias", "s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{name}: not supported by pyfa's attention backend")
+    B, _, Nq, _ = query.shape
+    Nk = key.shape[2]
+    # pyfa reads (B, N, H, d) views in place and writes O as transformers wants it back.
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    kw = dict(scale=scaling, layout="bnhd")
+    if attention_mask is None:
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        out = pyfa_torch.attention(q, k, v, causal=bool(causal and Nq > 1),
+                                   causal_align="top_left", **kw)
+        return out, None
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
+        _refuse_mask(f"expected the boolean mask of the 'pyfa' mask function, got "
+                     f"{getattr(attention_mask, 'dtype', type(attention_mask).__name__)}")
+    if attention_mask.dim() != 4 or attention_mask.shape[1] != 1 \
+            or attention_mask.shape[2:] != (Nq, Nk) or attention_mask.shape[0] not in (1, B):
+        _refuse_mask(f"expected shape ({B}, 1, {Nq}, {Nk}), got {tuple(attention_mask.shape)}")
+    spans = _spans(attention_mask[:, 0].expand(B, Nq, Nk))
+    if spans is None:
+        _refuse_mask("this mask is not a contiguous span of keys per batch row cut by a "
+                     "band around a diagonal")
+    if len(set(spans)) == 1:
+        groups = [(slice(None), spans[0])]
+    else:
+        groups = [(slice(b, b + 1), span) for b, span in enumerate(spans)]
+    full = (0, Nq, 0, Nk)
+    out = None
+    for rows, (qs, qe, s, e, left, right) in groups:
+        if qs >= qe:
+            continue  # a batch row that sees nothing keeps O = 0
+        # The band as pyfa's mask: causal at right = 0; a side as wide as the box, none.
+        causal = right == 0
+        left = None if left >= qe - qs - 1 else left
+        right = None if causal or right >= e - s - 1 else right
+        window = None if left is None and right is None else (left, right)
+        o = pyfa_torch.attention(q[rows, qs:qe], k[rows, s:e], v[rows, s:e], causal=causal,
+                                 window=window, causal_align="top_left", **kw)
+        if len(groups) == 1 and (qs, qe, s, e) == full:
+            return o, None
+        if out is None:
+            out = query.new_zeros((B, Nq) + tuple(o.shape[2:]))
+        out[rows, qs:qe] = o
+    if out is None:
+        out = query.new_zeros((B, Nq, query.shape[1], query.shape[3]))
+    return out, None
+
+
+def register(name: str = NAME) -> str:
+    """Registers pyfa under `name` with transformers' AttentionInterface and
+    AttentionMaskInterface (both needed: with only the first, transformers hands the
+    attention function no mask at all); returns the name, for attn_implementation=."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name

@@ -1,0 +1,203 @@
+"""pyfa.torch's drop-ins: scaled_dot_product_attention against torch's over its argument
+grid, flash_attn_func / flash_attn_varlen_func / flash_attn_with_kvcache against plain
+torch math with flash-attn's conventions, and every refusal naming its argument."""
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import pyfa.torch  # noqa: E402  (needs torch)
+
+F = torch.nn.functional
+
+
+def tensors(*shapes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).requires_grad_() for s in shapes]
+
+
+def reference(q, k, v, visible, scale=None):
+    """softmax(scale q k^T) v over (..., H, Nq, d) and (..., H, Nk, d) with a (Nq, Nk)
+    bool mask; rows that see nothing give 0. Also LSE (-inf for those rows)."""
+    s = (scale if scale is not None else q.shape[-1] ** -0.5) * q @ k.transpose(-1, -2)
+    s = s.masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    return p @ v, lse
+
+
+def close(a, b):
+    torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+
+
+def grads(out, inputs, seed=1):
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    return torch.autograd.grad(out, inputs, g)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("nq, nk", [(13, 13), (7, 19), (19, 7)])
+@pytest.mark.parametrize("heads_kv", [4, 2, 1])
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_sdpa_equals_torch_sdpa(is_causal, nq, nk, heads_kv, scale):
+    q, k, v = tensors((2, 4, nq, 16), (2, heads_kv, nk, 16), (2, heads_kv, nk, 16))
+    kw = dict(is_causal=is_causal, scale=scale, enable_gqa=heads_kv != 4)
+    got = pyfa.torch.scaled_dot_product_attention(q, k, v, **kw)
+    want = F.scaled_dot_product_attention(q, k, v, **kw)
+    close(got, want)
+    for a, b in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
+        close(a, b)
+
+
+@pytest.mark.parametrize("shape", [(9, 8), (3, 9, 8), (2, 3, 2, 9, 8)])
+def test_sdpa_takes_torch_sdpa_ranks(shape):
+    q, k, v = tensors(shape, shape, shape)
+    close(pyfa.torch.scaled_dot_product_attention(q, k, v, is_causal=True),
+          F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_sdpa_refuses_what_it_cannot_honour():
+    q = torch.zeros(1, 4, 5, 8)
+    sdpa = pyfa.torch.scaled_dot_product_attention
+    with pytest.raises(ValueError, match="attn_mask: pyfa takes no explicit mask yet"):
+        sdpa(q, q, q, attn_mask=torch.ones(5, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="dropout_p: pyfa has no dropout"):
+        sdpa(q, q, q, dropout_p=0.1)
+    kv = torch.zeros(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="key: 2 heads differ from query's 4; pass enable_gqa=True"):
+        sdpa(q, kv, kv)
+    kv3 = torch.zeros(1, 3, 5, 8)
+    with pytest.raises(ValueError, match="key: its 3 heads must divide query's 4"):
+        sdpa(q, kv3, kv3, enable_gqa=True)
+    with pytest.raises(ValueError, match="value: head dim 4 differs from key's 8"):
+        sdpa(q, q, torch.zeros(1, 4, 5, 4))
+    with pytest.raises(TypeError, match="is_causal: expected a bool"):
+        sdpa(q, q, q, is_causal=1)
+
+
+def test_sdpa_empty_keys_as_torch():
+    q, k, v = tensors((1, 2, 3, 4), (1, 2, 0, 4), (1, 2, 0, 4))
+    assert torch.equal(pyfa.torch.scaled_dot_product_attention(q, k, v),
+                       F.scaled_dot_product_attention(q, k, v))
+
+
+def flash_visible(nq, nk, causal, window):
+    """flash-attn's mask: bottom-right diagonal, window (left, right) with -1 unbounded."""
+    i = torch.arange(nq)[:, None] + nk - nq
+    j = torch.arange(nk)[None, :]
+    left, right = window
+    right = 0 if causal else right
+    ok = torch.ones(nq, nk, dtype=torch.bool)
+    if left >= 0:
+        ok &= j >= i - left
+    if right >= 0:
+        ok &= j <= i + right
+    return ok
+
+
+@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (False, (3, 2)),
+                                            (True, (4, -1))])
+@pytest.mark.parametrize("nq, nk", [(11, 11), (6, 14), (14, 6)])
+def test_flash_attn_func_equals_flash_attn_semantics(causal, window, nq, nk):
+    q, k, v = tensors((2, nq, 4, 8), (2, nk, 2, 8), (2, nk, 2, 8))
+    out, lse, probs = pyfa.torch.flash_attn_func(q, k, v, softmax_scale=0.5, causal=causal,
+                                                 window_size=window, return_attn_probs=True)
+    assert probs is None and out.shape == (2, nq, 4, 8) and lse.shape == (2, 4, nq)
+    rep = [t.transpose(1, 2).repeat_interleave(2, 1) for t in (k, v)]
+    want, want_lse = reference(q.transpose(1, 2), *rep, flash_visible(nq, nk, causal, window), 0.5)
+    close(out, want.transpose(1, 2))
+    # flash-attn's LSE of a row that sees no key is +inf.
+    close(lse, torch.where(torch.isneginf(want_lse), math.inf, want_lse))
+    assert torch.equal(pyfa.torch.flash_attn_func(q, k, v, softmax_scale=0.5, causal=causal,
+                                                  window_size=window), out)
+    for a, b in zip(grads(out, (q, k, v)), grads(want.transpose(1, 2), (q, k, v))):
+        close(a, b)
+
+
+def test_flash_attn_func_refuses_what_it_cannot_honour():
+    q = torch.zeros(1, 5, 2, 8)
+    fa = pyfa.torch.flash_attn_func
+    with pytest.raises(ValueError, match="dropout_p: pyfa has no dropout"):
+        fa(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="softcap: pyfa has no score soft-capping"):
+        fa(q, q, q, softcap=30.0)
+    with pytest.raises(ValueError, match="alibi_slopes: pyfa has no ALiBi"):
+        fa(q, q, q, alibi_slopes=torch.zeros(2))
+    with pytest.raises(ValueError, match="window_size: left side must be an int >= 0, or -1"):
+        fa(q, q, q, window_size=(-2, 0))
+    with pytest.raises(ValueError, match=r"q: expected shape \(B, N, H, d\)"):
+        fa(q[0], q[0], q[0])
+
+
+def test_flash_attn_varlen_func_equals_each_sequence_alone():
+    lens_q, lens_k = [3, 0, 5, 4], [6, 2, 5, 0]
+    cq = torch.tensor([0, 3, 3, 8, 12], dtype=torch.int32)
+    ck = torch.tensor([0, 6, 8, 13, 13], dtype=torch.int32)
+    q, k, v = tensors((12, 4, 8), (13, 2, 8), (13, 2, 8))
+    out, lse, _ = pyfa.torch.flash_attn_varlen_func(q, k, v, cq, ck, 5, 6, causal=True,
+                                                    return_attn_probs=True)
+    assert out.shape == (12, 4, 8) and lse.shape == (4, 12)
+    wants = []
+    for (q0, q1), (k0, k1) in zip(zip(cq.tolist(), cq.tolist()[1:]), zip(ck.tolist(), ck.tolist()[1:])):
+        rep = [t[k0:k1].transpose(0, 1).repeat_interleave(2, 0) for t in (k, v)]
+        o, l_ = reference(q[q0:q1].transpose(0, 1), *rep, flash_visible(q1 - q0, k1 - k0, True, (-1, -1)))
+        wants.append((o.transpose(0, 1), l_))
+    want = torch.cat([w[0] for w in wants])
+    want_lse = torch.cat([w[1] for w in wants], 1)
+    close(out, want)
+    close(lse, torch.where(torch.isneginf(want_lse), math.inf, want_lse))
+    for a, b in zip(grads(out, (q, k, v)), grads(want, (q, k, v))):
+        close(a, b)
+
+
+def test_flash_attn_varlen_func_checks_the_offsets():
+    q = torch.zeros(6, 2, 8)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    varlen = pyfa.torch.flash_attn_varlen_func
+    with pytest.raises(ValueError, match="max_seqlen_q: 3 is less than the longest sequence, 4"):
+        varlen(q, q, q, cu, cu, 3, 4)
+    with pytest.raises(ValueError, match="cu_seqlens_k: expected non-decreasing offsets from 0 to 6"):
+        varlen(q, q, q, cu, torch.tensor([0, 4, 2], dtype=torch.int32), 4, 4)
+    with pytest.raises(ValueError, match="block_table: pyfa has no paged K/V"):
+        varlen(q, q, q, cu, cu, 4, 4, block_table=torch.zeros(2, 1, dtype=torch.int32))
+
+
+def test_flash_attn_with_kvcache_honours_cache_seqlens():
+    q, kc, vc = (t.detach() for t in tensors((3, 2, 4, 8), (3, 10, 2, 8), (3, 10, 2, 8)))
+    lengths = torch.tensor([10, 4, 7], dtype=torch.int32)
+    out, lse = pyfa.torch.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, causal=True,
+                                                  return_softmax_lse=True)
+    for b, n in enumerate(lengths.tolist()):
+        want = pyfa.torch.flash_attn_func(q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n],
+                                          causal=True, return_attn_probs=True)
+        assert torch.equal(out[b:b + 1], want[0]) and torch.equal(lse[b:b + 1], want[1])
+    same = pyfa.torch.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=6)
+    assert torch.equal(same, pyfa.torch.flash_attn_func(q, kc[:, :6], vc[:, :6]))
+
+
+def test_flash_attn_with_kvcache_refuses_what_it_cannot_honour():
+    q, kc = torch.zeros(1, 1, 2, 8), torch.zeros(1, 4, 2, 8)
+    kv = pyfa.torch.flash_attn_with_kvcache
+    for name in ("k", "v", "rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad",
+                 "block_table"):
+        with pytest.raises(ValueError, match=f"{name}: not supported by pyfa yet"):
+            kv(q, kc, kc, **{name: torch.zeros(1, dtype=torch.int32)})
+    with pytest.raises(ValueError, match="num_splits: pyfa never splits the keys"):
+        kv(q, kc, kc, num_splits=2)
+    with pytest.raises(ValueError, match=r"cache_seqlens: each length must be in \[0, 4\]"):
+        kv(q, kc, kc, cache_seqlens=5)
+
+
+@pytest.mark.parametrize("dropin", ["sdpa", "flash"])
+def test_dropins_compile_fullgraph_to_eager_bits(dropin):
+    def f(q, k, v):
+        if dropin == "sdpa":
+            return (pyfa.torch.scaled_dot_product_attention(q, k, v, is_causal=True),)
+        return pyfa.torch.flash_attn_func(q, k, v, causal=True, window_size=(3, -1),
+                                          return_attn_probs=True)[:2]
+
+    q, k, v = (t.detach() for t in tensors((2, 4, 9, 8), (2, 4, 9, 8), (2, 4, 9, 8)))
+    torch._dynamo.reset()
+    for a, b in zip(f(q, k, v), torch.compile(f, fullgraph=True)(q, k, v)):
+        assert torch.equal(a, b)

@@ -1,0 +1,216 @@
+"""pyfa.torch's custom operators: torch.compile without a graph break and the same bits
+as eager, opcheck, the autocast rule, dtypes, vmap, double backward, layout=,
+return_lse= and empty sequences. Runs when torch imports."""
+
+import math
+
+import numpy as np
+import pytest
+
+import pyfa
+
+torch = pytest.importorskip("torch")
+import pyfa.torch  # noqa: E402  (needs torch)
+
+KW = dict(backend="cpu")
+
+
+def leaves(*shapes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).requires_grad_() for s in shapes]
+
+
+def op_args(q, k, v, causal=True, layout="bhnd"):
+    return (q, k, v, causal, None, None, "bottom_right", None, layout, None, None, "cpu")
+
+
+def test_compile_fullgraph_equals_eager_bit_for_bit():
+    q, k, v = leaves((2, 4, 12, 8), (2, 2, 15, 8), (2, 2, 15, 8))
+
+    def f(q, k, v):
+        o, lse = pyfa.torch.attention(q * 0.5, k, v, causal=True, return_lse=True, **KW)
+        return o * 2.0, lse
+
+    eager = f(q, k, v)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)(q, k, v)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+    do = torch.randn_like(eager[0])
+    ge = torch.autograd.grad(eager[0], (q, k, v), do)
+    gc = torch.autograd.grad(compiled[0], (q, k, v), do)
+    for a, b in zip(ge, gc):
+        assert torch.equal(a, b)
+
+
+def test_compile_of_a_module_has_no_graph_break():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).reshape(*x.shape[:2], 3, 2, 8).unbind(2)  # (B, N, H, d)
+            return pyfa.torch.attention(q, k, v, causal=True, layout="bnhd", **KW).sum()
+
+    torch._dynamo.reset()
+    model = Block()
+    x = torch.randn(2, 10, 16)
+    explanation = torch._dynamo.explain(model)(x)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    torch.compile(model, fullgraph=True)(x).backward()
+    assert model.qkv.weight.grad is not None
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_opcheck_forward_and_backward(layout):
+    q, k, v = (t.detach() for t in leaves((2, 4, 9, 8), (2, 2, 11, 8), (2, 2, 11, 8)))
+    if layout == "bnhd":
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    torch.library.opcheck(torch.ops.pyfa.fa2_forward.default, op_args(q, k, v, layout=layout))
+    grad_args = op_args(*(t.clone().requires_grad_() for t in (q, k, v)), layout=layout)
+    torch.library.opcheck(torch.ops.pyfa.fa2_forward.default, grad_args)
+    o, lse = torch.ops.pyfa.fa2_forward(*op_args(q, k, v, layout=layout))
+    bwd = op_args(q, k, v, layout=layout)
+    torch.library.opcheck(torch.ops.pyfa.fa2_backward.default,
+                          bwd[:3] + (o, lse, torch.randn_like(o)) + bwd[3:])
+
+
+def test_autocast_runs_the_op_in_float32():
+    q, k, v = leaves((1, 2, 8, 8), (1, 2, 8, 8), (1, 2, 8, 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o = pyfa.torch.attention(*(t.bfloat16() for t in (q, k, v)), **KW)
+    assert o.dtype == torch.float32
+    want = pyfa.torch.attention(*(t.bfloat16().float() for t in (q, k, v)), **KW)
+    assert torch.equal(o, want)
+    o.sum().backward()
+    assert q.grad.dtype == torch.float32 and torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_non_float32_is_one_clear_type_error(dtype):
+    q = torch.zeros(2, 4, 8)
+    with pytest.raises(TypeError, match=f"k: expected dtype torch.float32, got {dtype}"):
+        pyfa.torch.attention(q, q.to(dtype), q, **KW)
+
+
+def test_float64_under_autocast_is_refused_too():
+    # autocast leaves float64 alone, so the op sees it.
+    q = torch.zeros(2, 4, 8, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(TypeError, match="q: expected dtype torch.float32, got torch.float64"):
+            pyfa.torch.attention(q, q, q, **KW)
+
+
+def test_double_backward_is_refused():
+    q, k, v = leaves((2, 6, 8), (2, 6, 8), (2, 6, 8))
+    o = pyfa.torch.attention(q, k, v, **KW)
+    (gq,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward .* is not supported"):
+        gq.sum().backward()
+
+
+def test_vmap_folds_the_mapped_axis_into_the_batch():
+    q, k, v = (t.detach() for t in leaves((3, 2, 4, 9, 8), (2, 2, 9, 8), (2, 2, 9, 8)))
+    mapped = torch.vmap(lambda x: pyfa.torch.attention(x, k, v, causal=True, **KW))(q)
+    for i in range(3):
+        assert torch.equal(mapped[i], pyfa.torch.attention(q[i], k, v, causal=True, **KW))
+    # The backward's own vmap rule, on the operator itself.
+    do = torch.randn(3, 2, 4, 9, 8)
+    opts = op_args(q, k, v, causal=False)[3:]
+    fwd = torch.vmap(lambda x: torch.ops.pyfa.fa2_forward(x, k, v, *opts))(q)
+    grads = torch.vmap(lambda x, o, lse, g: torch.ops.pyfa.fa2_backward(x, k, v, o, lse, g, *opts))(
+        q, *fwd, do)
+    for i in range(3):
+        want = pyfa.attention_grad(q[i].numpy(), k.numpy(), v.numpy(), do[i].numpy(), **KW)
+        assert np.array_equal(fwd[0][i].numpy(), want[0])
+        for got, w in zip(grads, want[1:]):
+            assert np.array_equal(got[i].numpy(), w)
+
+
+def test_torch_func_transforms_of_the_gradient_are_refused_by_torch():
+    # torch's custom-op autograd is not a functorch transform (torch.func.grad, vjp): torch
+    # itself refuses; loss.backward() and torch.autograd.grad are the supported ways.
+    q, k, v = (t.detach() for t in leaves((2, 6, 8), (2, 6, 8), (2, 6, 8)))
+    with pytest.raises(RuntimeError, match="functorch transforms"):
+        torch.func.grad(lambda x: pyfa.torch.attention(x, k, v, **KW).sum())(q)
+
+
+def test_bnhd_layout_equals_bhnd_bit_for_bit():
+    q, k, v = leaves((2, 4, 12, 8), (2, 2, 12, 8), (2, 2, 12, 8))
+    o1, lse1 = pyfa.torch.attention(q, k, v, causal=True, return_lse=True, **KW)
+    tq, tk, tv = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    o2, lse2 = pyfa.torch.attention(tq, tk, tv, causal=True, layout="bnhd", return_lse=True, **KW)
+    assert o2.shape == (2, 12, 4, 8) and lse2.shape == (2, 4, 12)
+    assert torch.equal(o1.transpose(1, 2), o2) and torch.equal(lse1, lse2)
+    do = torch.randn_like(o1)
+    o1.backward(do)
+    o2.backward(do.transpose(1, 2))
+    for a, b in zip((q, k, v), (tq, tk, tv)):
+        assert torch.equal(a.grad.transpose(1, 2), b.grad)
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_lse_and_its_gradient_match_plain_torch(layout):
+    q, k, v = leaves((2, 4, 10, 8), (2, 2, 14, 8), (2, 2, 14, 8), seed=3)  # GQA
+    w = torch.randn(2, 4, 10)
+    args = [t.detach().transpose(1, 2).requires_grad_() if layout == "bnhd" else t for t in (q, k, v)]
+    o, lse = pyfa.torch.attention(*args, causal=True, scale=0.4, layout=layout, return_lse=True,
+                                  **KW)
+    if layout == "bnhd":
+        o = o.transpose(1, 2)
+    (o.square().sum() + (w * lse).sum()).backward()
+    got = [t.grad.transpose(1, 2) if layout == "bnhd" else t.grad.clone() for t in args]
+    for t in (q, k, v):
+        t.grad = None
+    kr, vr = (t.repeat_interleave(2, 1) for t in (k, v))
+    s = 0.4 * q @ kr.transpose(-1, -2)
+    s = s.masked_fill(torch.ones(10, 14, dtype=torch.bool).triu(14 - 10 + 1), -math.inf)
+    want_lse = torch.logsumexp(s, -1)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    ((torch.softmax(s, -1) @ vr).square().sum() + (w * want_lse).sum()).backward()
+    for a, t in zip(got, (q, k, v)):
+        torch.testing.assert_close(a, t.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_an_unused_lse_leaves_the_gradients_as_attention_grad():
+    q, k, v = leaves((2, 9, 8), (2, 9, 8), (2, 9, 8), seed=4)
+    o, _ = pyfa.torch.attention(q, k, v, causal=True, return_lse=True, **KW)
+    o.sum().backward()
+    want = pyfa.attention_grad(*(t.detach().numpy() for t in (q, k, v)), np.ones((2, 9, 8), np.float32),
+                               causal=True, **KW)
+    for t, w in zip((q, k, v), want[1:]):
+        assert np.array_equal(t.grad.numpy(), w)
+
+
+def test_empty_sequences_as_sdpa():
+    F = torch.nn.functional
+    q, k, v = leaves((1, 2, 3, 4), (1, 2, 0, 4), (1, 2, 0, 4))
+    o, lse = pyfa.torch.attention(q, k, v, return_lse=True, **KW)
+    assert torch.equal(o, F.scaled_dot_product_attention(q, k, v)) and not o.any()
+    assert lse.shape == (1, 2, 3) and torch.isneginf(lse).all()
+    o.sum().backward()
+    assert torch.equal(q.grad, torch.zeros_like(q)) and k.grad.shape == (1, 2, 0, 4)
+    q0 = torch.zeros(1, 2, 0, 4, requires_grad=True)
+    o0 = pyfa.torch.attention(q0, torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4), **KW)
+    assert o0.shape == (1, 2, 0, 4)
+    o0.sum().backward()
+    assert q0.grad.shape == (1, 2, 0, 4)
+
+
+def test_shape_errors_name_the_argument():
+    q = torch.zeros(1, 4, 3, 8)
+    with pytest.raises(ValueError, match="k: its 3 heads must divide q's 4 heads"):
+        pyfa.torch.attention(q, torch.zeros(1, 3, 0, 8), torch.zeros(1, 3, 0, 8), **KW)
+    with pytest.raises(ValueError, match="layout: expected 'bhnd' or 'bnhd'"):
+        pyfa.torch.attention(q, q, q, layout="nhd", **KW)
+    with pytest.raises(ValueError, match="v: expected 4 dimensions like q"):
+        pyfa.torch.attention(q, q, q[0], **KW)
+
+
+def test_empty_sequences_still_check_every_argument():
+    q, k = torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 0, 4)
+    with pytest.raises(ValueError, match="causal_align: expected 'bottom_right' or 'top_left'"):
+        pyfa.torch.attention(q, k, k, causal_align="middle", **KW)
+    with pytest.raises(ValueError, match="backend"):
+        pyfa.torch.attention(q, k, k, backend="tpu")
