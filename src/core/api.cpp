@@ -472,6 +472,19 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
 
     int backend = PYFA_BACKEND_EMU;
     if ((st = resolve_backend(cfg.backend, device_pointers, "config->backend", &backend)) != PYFA_OK) return st;
+    // [gpuhost, issue 23] A *_device call on CUDA runs on the device that owns q, made
+    // current here (profile, tiles and launches below all follow it) and put back when
+    // the call returns. One call, for the backend interface to take over.
+    CudaDeviceScope device_scope;
+    if (backend == PYFA_BACKEND_CUDA && device_pointers) {
+        const char* names[kMaxInputs + kMaxOutputs];
+        const void* pointers[kMaxInputs + kMaxOutputs];
+        for (int t = 0; t < n_in + n_out; ++t) {
+            names[t] = kTensors[taken[t]].name;
+            pointers[t] = t < n_in ? static_cast<const void*>(inputs[t]) : outputs[t - n_in];
+        }
+        if ((st = cuda_enter_device(names, pointers, n_in + n_out, stream, &device_scope)) != PYFA_OK) return st;
+    }
     pyfa_device_profile profile;
     if ((st = profile_of(backend, &profile)) != PYFA_OK) return st;
 

@@ -69,9 +69,11 @@ pyfa_status cpu_run(const int* kernels, const AttentionParams* params, size_t co
                     const pyfa_config& config);
 
 // ---- CUDA (cuda_backend.cu, or cuda_stub.cpp when built without nvcc). Every function
-// acts on the calling thread's current device.
+// acts on the calling thread's current device (a *_device call's: cuda_enter_device).
 bool cuda_compiled();
-// Compiled in, the driver initialised and a GPU present; decided once per process.
+// Compiled in, the driver initialised, and a GPU present whose architecture this build
+// has kernels for and on which a kernel image loads (device_rules.h); decided once per
+// process.
 bool cuda_available();
 // Why cuda_available() is false ("" when it is true): for a failed initialisation the
 // driver's error name and string. Computed once; the pointer stays valid.
@@ -94,5 +96,22 @@ pyfa_status cuda_copy_to_host(void* dst, const void* src, size_t bytes, void* st
 pyfa_status cuda_launch(int kernel, const AttentionParams& p, const LaunchShape& shape, void* stream);
 // Waits for `stream` alone and reports the first error of the work on it.
 pyfa_status cuda_synchronize(void* stream);
+
+// Puts back the device that was current before cuda_enter_device switched; a no-op
+// where none was switched (previous < 0).
+void cuda_restore_device(int previous);
+struct CudaDeviceScope {
+    int previous = -1;
+    CudaDeviceScope() = default;
+    CudaDeviceScope(const CudaDeviceScope&) = delete;
+    CudaDeviceScope& operator=(const CudaDeviceScope&) = delete;
+    ~CudaDeviceScope() { cuda_restore_device(previous); }
+};
+// For a *_device call: finds the device that owns pointers[0] (q) with
+// cudaPointerGetAttributes, refuses host memory, another device's memory or a stream of
+// another device (PYFA_ERROR_INVALID_ARGUMENT naming the tensor; device_rules.h), and
+// makes that device current until `scope` goes. names[t] names pointers[t] in messages.
+pyfa_status cuda_enter_device(const char* const* names, const void* const* pointers, int count, void* stream,
+                              CudaDeviceScope* scope);
 
 }  // namespace pyfa
