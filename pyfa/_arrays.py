@@ -327,7 +327,8 @@ def _torch_cuda_empty(shape, index, stream):
     current = torch.cuda.current_stream(device)
     if same_stream(stream, int(current.cuda_stream)):
         return torch.empty(shape, dtype=torch.float32, device=device)
-    with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)):
+    on = torch.cuda.default_stream(device) if stream in (0, 1) else torch.cuda.ExternalStream(stream, device=device)
+    with torch.cuda.stream(on):
         out = torch.empty(shape, dtype=torch.float32, device=device)
     out.record_stream(current)
     return out

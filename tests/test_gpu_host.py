@@ -235,6 +235,7 @@ def fake_torch(current_device=0, current_stream=0):
 
     cuda = types.SimpleNamespace(current_device=lambda: state["device"], set_device=set_device,
                                  current_stream=lambda device=None: state["stream"],
+                                 default_stream=lambda device=None: FakeTorchStream(0),
                                  ExternalStream=FakeTorchStream, stream=stream)
     torch = types.SimpleNamespace(
         cuda=cuda, float32="float32", device=lambda kind, index: (kind, index),
@@ -276,6 +277,13 @@ def test_torch_outputs_are_allocated_on_the_call_stream_and_recorded_on_the_curr
     calls.clear()
     same = allocate((2, 3), 0, 0x10)
     assert same.allocated_on == 0x10 and calls == []
+
+
+def test_torch_outputs_for_the_default_stream_from_a_side_stream(monkeypatch):
+    torch, calls, state = fake_torch(current_stream=0x10)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    out = _arrays.allocator_for("torch")[0]((4,), 0, 0)
+    assert out.allocated_on == 0 and calls == [("record_stream", 0x10)] and state["stream"].cuda_stream == 0x10
 
 
 def test_torch_default_stream_spellings_are_one_stream(monkeypatch):
