@@ -312,19 +312,43 @@ def current_stream(x: Any, place: Place) -> Optional[int]:
 
 # ---- outputs of q's kind
 
-def _torch_cuda_empty(shape, index):
+def same_stream(a: int, b: int) -> bool:
+    """Whether cudaStream_t handles a and b name one stream (0 and 1 both the legacy
+    default stream)."""
+    return a == b or {a, b} <= {0, 1}
+
+
+def _torch_cuda_empty(shape, index, stream):
+    """Allocated under `stream`, the call's, so that the caching allocator hands out
+    memory no work still queued elsewhere uses, and recorded on torch's current stream,
+    where the caller goes on using it, so that it is not reused before that work is done."""
     import torch
-    return torch.empty(shape, dtype=torch.float32, device=torch.device("cuda", index or 0))
+    device = torch.device("cuda", index or 0)
+    current = torch.cuda.current_stream(device)
+    if same_stream(stream, int(current.cuda_stream)):
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    on = torch.cuda.default_stream(device) if stream in (0, 1) else torch.cuda.ExternalStream(stream, device=device)
+    with torch.cuda.stream(on):
+        out = torch.empty(shape, dtype=torch.float32, device=device)
+    out.record_stream(current)
+    return out
 
 
-def _cupy_cuda_empty(shape, index):
+def _cupy_cuda_empty(shape, index, stream):
+    """Allocated under `stream`, the call's: CuPy's memory pool keeps one free list per
+    stream, so the memory is free of work queued on other streams."""
     import cupy
     with cupy.cuda.Device(index or 0):
-        return cupy.empty(shape, dtype=cupy.float32)
+        if same_stream(stream, int(cupy.cuda.get_current_stream().ptr)):
+            return cupy.empty(shape, dtype=cupy.float32)
+        on = cupy.cuda.Stream.null if stream == 0 else cupy.cuda.ExternalStream(stream)
+        with on:
+            return cupy.empty(shape, dtype=cupy.float32)
 
 
-# library -> (shape, device index) -> a fresh C-contiguous float32 CUDA array.
-ALLOCATORS: Dict[str, Callable[[Tuple[int, ...], Optional[int]], Any]] = {
+# library -> (shape, device index, cudaStream_t of the call) -> a fresh C-contiguous
+# float32 CUDA array, safe for the call to write on that stream.
+ALLOCATORS: Dict[str, Callable[[Tuple[int, ...], Optional[int], int], Any]] = {
     "torch": _torch_cuda_empty,
     "cupy": _cupy_cuda_empty,
 }
@@ -352,12 +376,13 @@ def as_kind(kind: str, a: Any) -> Any:
 
 
 def device_switch(kind: str, index: Optional[int]) -> Optional[Callable[[], Callable[[], None]]]:
-    """None when CUDA device `index` needs no switch (device 0, the current device of a
-    fresh thread), else a function that makes it current on the calling thread and
-    returns how to restore the previous one: libpyfa runs on the thread's current
-    device, and pyfa's call may run on a helper thread. The switch goes through q's
-    library, or PyTorch or CuPy when imported; ValueError when neither is."""
-    if not index:
+    """A function that makes CUDA device `index` current on the calling thread whenever
+    another one is (device 0 included: a thread's current device need not be 0) and
+    returns how to put the previous one back; through q's library, or PyTorch or CuPy
+    when imported. None when `index` is unknown or neither library is imported: libpyfa
+    itself runs a *_device call on the device that owns q, so the switch here only keeps
+    the producer library's notion of the current device in step with it."""
+    if index is None:
         return None
     for lib in ([kind] if kind in ("torch", "cupy") else []) + ["torch", "cupy"]:
         if lib not in sys.modules:
@@ -371,14 +396,15 @@ def device_switch(kind: str, index: Optional[int]) -> Optional[Callable[[], Call
 
         def switch(get=get, put=put):
             before = get()
+            if before == index:
+                return lambda: None
             put(index)
             return lambda: put(before)
         return switch
-    raise ValueError(f"q: on cuda:{index}; pyfa makes a device other than 0 current through "
-                     f"PyTorch or CuPy, and neither is imported")
+    return None
 
 
-def allocator_for(kind: str) -> Tuple[Callable[[Tuple[int, ...], Optional[int]], Any], str]:
+def allocator_for(kind: str) -> Tuple[Callable[[Tuple[int, ...], Optional[int], int], Any], str]:
     """(allocator, its library) for outputs of q's `kind`: q's own library's, else that of
     PyTorch or CuPy when imported (the outputs then pass to q's kind through DLPack)."""
     if kind in ALLOCATORS:

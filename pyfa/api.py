@@ -542,7 +542,7 @@ def _run_device(op, intake, outs, problem, config, progress):
         label = f"out ({name})"
         if given is None:
             allocate, _ = _arrays.allocator_for(intake.kind)
-            array = allocate(shape, intake.place.index)
+            array = allocate(shape, intake.place.index, intake.stream)
             t = _arrays.device_tensor(label, array, intake.stream)
         else:
             array = given

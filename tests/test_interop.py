@@ -285,7 +285,9 @@ class FakeCuda:
         return new_capsule(ctypes.addressof(m), b"dltensor_versioned" if versioned else b"dltensor", None)
 
 
-_arrays.ALLOCATORS["__main__"] = lambda shape, index: FakeCuda(np.zeros(shape, np.float32))
+allocated_on = []  # the stream each output pyfa allocated was made for
+_arrays.ALLOCATORS["__main__"] = lambda shape, index, stream: (allocated_on.append(stream),
+                                                               FakeCuda(np.zeros(shape, np.float32)))[1]
 # The fake's test controls, beside the header's declarations.
 import cffi
 ffi = cffi.FFI()
@@ -334,6 +336,13 @@ def forward_explicit_stream_and_out():
     return dict(same=[ro is o, rlse is lse], o=values(o), lse=values(lse),
                 streams=[q.streams[-1], o.streams[-1]])
 results["forward_explicit_stream_and_out"] = case(forward_explicit_stream_and_out)
+
+
+def allocated_for_the_stream():
+    allocated_on.clear()
+    pyfa.fa2_forward(q, k, v, stream=0x4321, block_r=4, block_c=4)
+    return dict(allocated_on=list(allocated_on))
+results["allocated_for_the_stream"] = case(allocated_for_the_stream)
 
 
 def rank2_and_legacy_capsules():
@@ -441,6 +450,13 @@ def test_fake_cuda_explicit_stream_and_out(fake_cuda_pyfa):
     assert r["value"]["o"] == [1.0] and r["value"]["lse"] == [2.0]
     assert launches(r) == ["launch fa2_forward caller"]
     assert r["value"]["streams"] == [0x1234, 0x1234]
+
+
+def test_fake_cuda_outputs_are_allocated_for_the_call_stream(fake_cuda_pyfa):
+    r = fake_cuda_pyfa["allocated_for_the_stream"]
+    assert r["error"] is None, r["error"]
+    assert r["value"]["allocated_on"] == [0x4321, 0x4321]  # o and lse, for stream=
+    assert "launch fa2_forward caller" in r["log"]
 
 
 def test_fake_cuda_rank2_fa1_and_legacy_capsules(fake_cuda_pyfa):

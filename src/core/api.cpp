@@ -633,6 +633,19 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     const Backend* be = nullptr;
     if ((st = resolve_backend(cfg.backend, device_pointers, "config->backend", &be)) != PYFA_OK) return st;
     const Backend& backend = *be;
+    // A *_device call runs on the device that owns q, made current here (profile, tiles
+    // and launches below all follow it) and put back when the call returns.
+    DeviceScope device_scope;
+    if (device_pointers) {
+        const char* names[kMaxInputs + kMaxOutputs];
+        const void* pointers[kMaxInputs + kMaxOutputs];
+        for (int t = 0; t < n_in + n_out; ++t) {
+            names[t] = kTensors[taken[t]].name;
+            pointers[t] = t < n_in ? static_cast<const void*>(inputs[t]) : outputs[t - n_in];
+        }
+        if ((st = backend.enter_device(names, pointers, n_in + n_out, stream, &device_scope)) != PYFA_OK)
+            return st;
+    }
     pyfa_device_profile profile;
     if ((st = backend.profile(&profile)) != PYFA_OK) return st;
 

@@ -60,6 +60,10 @@ pyfa_status Backend::supports(int, const AttentionParams&, const pyfa_config& cf
     return PYFA_OK;
 }
 
+pyfa_status Backend::enter_device(const char* const*, const void* const*, int, void*, DeviceScope*) const {
+    return PYFA_OK;
+}
+
 pyfa_status Backend::check_launch(int, const LaunchShape&) const { return PYFA_OK; }
 
 pyfa_status Backend::launch(int kernel, const AttentionParams&, const LaunchShape&, const pyfa_config&,

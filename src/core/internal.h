@@ -71,6 +71,19 @@ int64_t variant_smem_bytes(int kernel, int variant, int64_t Br, int64_t Bc, int6
 // caller's pointers straight to the kernels.
 enum class Memory { Host, Device };
 
+// The device a call made current, put back when the call returns (DeviceScope's
+// destructor calls restore(previous)); untouched by backends without devices.
+struct DeviceScope {
+    void (*restore)(int previous) = nullptr;
+    int previous = -1;
+    DeviceScope() = default;
+    DeviceScope(const DeviceScope&) = delete;
+    DeviceScope& operator=(const DeviceScope&) = delete;
+    ~DeviceScope() {
+        if (restore) restore(previous);
+    }
+};
+
 class Backend {
 public:
     // A pyfa_backend id (or a test backend's own, above them).
@@ -88,6 +101,13 @@ public:
     virtual Memory memory() const { return Memory::Host; }
     // What the kernels are sized against.
     virtual pyfa_status profile(pyfa_device_profile* profile) const = 0;
+
+    // For a *_device call, before anything is sized or run: a backend with devices of its
+    // own makes the device that owns the tensors current until `scope` goes, refusing
+    // tensors or a stream that live elsewhere (PYFA_ERROR_INVALID_ARGUMENT naming the
+    // tensor; names[t] names pointers[t], q first). The default has nothing to switch.
+    virtual pyfa_status enter_device(const char* const* names, const void* const* pointers, int count,
+                                     void* stream, DeviceScope* scope) const;
 
     // ---- how an op runs on it
     // Runs the kernel table's rows (kernels/table.h): PYFA_VARIANT_* choose among them.
@@ -155,5 +175,6 @@ struct BackendRegistrar {
 // named `name`: the cpu backend uses the emulator's, so that default tiles, and with
 // them the bits, are the same.
 void emulated_h200_profile(const char* name, pyfa_device_profile* profile);
+
 
 }  // namespace pyfa

@@ -17,6 +17,10 @@ public:
     int auto_rank() const override { return 1; }
     Memory memory() const override { return Memory::Device; }
     pyfa_status profile(pyfa_device_profile* profile) const override { return cuda_profile(profile); }
+    pyfa_status enter_device(const char* const* names, const void* const* pointers, int count, void* stream,
+                             DeviceScope* scope) const override {
+        return cuda_enter_device(names, pointers, count, stream, scope);
+    }
     // A cancel takes effect between kernels: the dispatcher waits for the kernels
     // launched and asks before the next (on the library's stream only; work enqueued on
     // a caller's stream cannot be taken back).

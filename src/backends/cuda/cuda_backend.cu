@@ -11,12 +11,15 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <string>
 
-#include "kernels/registry.cuh"
 #include "backends/cuda/cuda_functions.h"
+#include "backends/cuda/device_rules.h"
+#include "kernels/registry.cuh"
 
 namespace pyfa {
 
@@ -33,27 +36,85 @@ pyfa_status cuda_fail(const char* what, cudaError_t err) {
         if (err_ != cudaSuccess) return cuda_fail(#call, err_); \
     } while (0)
 
-// Decided once per process: whether the runtime finds a driver and a GPU, and if not,
-// the driver's own words for it.
+// The architectures this file was compiled for (nvcc's __CUDA_ARCH_LIST__, e.g. 750,800,900),
+// as CMAKE_CUDA_ARCHITECTURES spells them ("75 80 90"), for device_rules.h.
+#if !defined(__CUDA_ARCH_LIST__)
+#error "nvcc 11.5 or later is needed (__CUDA_ARCH_LIST__ names the architectures built)"
+#endif
+constexpr int kBuiltArchs[] = {__CUDA_ARCH_LIST__};
+
+const char* built_archs() {
+    static const std::string list = [] {
+        std::string r;
+        for (int a : kBuiltArchs) r += (r.empty() ? "" : " ") + std::to_string(a / 10);
+        return r;
+    }();
+    return list.c_str();
+}
+
+// The kernel-image check: cudaFuncGetAttributes on one kernel, on the current device. It
+// fails (cudaErrorNoKernelImageForDevice) where the build has neither SASS the device
+// runs nor PTX its driver can compile.
+cudaError_t image_loads() {
+    cudaFuncAttributes attr;
+    const cudaError_t err = cudaFuncGetAttributes(&attr, PYFA_KERNELS::kernel_fn(0));
+    if (err != cudaSuccess) (void)cudaGetLastError();  // not sticky; cleared for the next check
+    return err;
+}
+
+// Decided once per process: whether the runtime finds a driver and a GPU this build can
+// run on (device_rules.h), and if not, why. The current device is the one asked (the one
+// a host call runs on); where it cannot run them, the first visible device that can makes
+// CUDA available, for calls on that device, and the current one is refused when used.
 struct Availability {
     bool usable;
-    char reason[256];
+    char reason[512];
 };
+
+// Whether device `dev` runs this build's kernels; reason[size] says why not. The image
+// check runs with `dev` current, and `current` is made current again.
+bool examine(int dev, int current, char* reason, size_t size) {
+    cudaDeviceProp prop;
+    cudaError_t err = cudaGetDeviceProperties(&prop, dev);
+    if (err != cudaSuccess) {
+        std::snprintf(reason, size, "CUDA device %d: cudaGetDeviceProperties: %s: %s", dev, cudaGetErrorName(err),
+                      cudaGetErrorString(err));
+        (void)cudaGetLastError();
+        return false;
+    }
+    DeviceFacts f{dev, prop.name, prop.major, prop.minor, false, ""};
+    bool known = false;
+    if (arch_supported(built_archs(), f.major, f.minor, &known)) {
+        if (dev != current) err = cudaSetDevice(dev);
+        const cudaError_t image = err == cudaSuccess ? image_loads() : err;
+        f.image_loads = image == cudaSuccess;
+        f.image_error = f.image_loads ? "" : cudaGetErrorName(image);
+        if (dev != current && cudaSetDevice(current) != cudaSuccess) (void)cudaGetLastError();
+    }
+    return device_usable(f, built_archs(), reason, size);
+}
 
 const Availability& availability() {
     static const Availability a = [] {
         Availability r{};
-        int count = 0;
-        const cudaError_t err = cudaGetDeviceCount(&count);
+        int count = 0, current = 0;
+        cudaError_t err = cudaGetDeviceCount(&count);
+        if (err == cudaSuccess) err = cudaGetDevice(&current);
         if (err != cudaSuccess) {
-            std::snprintf(r.reason, sizeof(r.reason), "CUDA initialisation failed: cudaGetDeviceCount: %s: %s",
+            std::snprintf(r.reason, sizeof(r.reason), "CUDA initialisation failed: %s: %s",
                           cudaGetErrorName(err), cudaGetErrorString(err));
             // Not sticky, but cleared so that the next unrelated check does not see it.
             (void)cudaGetLastError();
         } else if (count < 1) {
             std::snprintf(r.reason, sizeof(r.reason), "no CUDA GPU is visible (cudaGetDeviceCount: 0 devices)");
-        } else {
+        } else if (examine(current, current, r.reason, sizeof(r.reason))) {
             r.usable = true;
+        } else {
+            // r.reason keeps the current device's, for when no other device serves.
+            char other[sizeof(r.reason)];
+            for (int dev = 0; dev < count && !r.usable; ++dev)
+                r.usable = dev != current && examine(dev, current, other, sizeof(other));
+            if (r.usable) r.reason[0] = '\0';
         }
         return r;
     }();
@@ -75,6 +136,7 @@ struct DeviceState {
     pyfa_device_profile profile;
     int max_grid[3];
     bool memory_pools;
+    cudaMemPool_t pool;   // the library's own, where memory_pools; lives as long as the process
     cudaStream_t stream;  // the library's own; lives as long as the process
     std::atomic<bool> kernel_ready[kKernelSlots];
     KernelLimits kernel[kKernelSlots];
@@ -83,7 +145,18 @@ struct DeviceState {
 DeviceState g_devices[kMaxDevices];
 std::mutex g_setup;
 
+// How much freed memory the library's pool keeps for the next call instead of handing it
+// back to the driver at each synchronization: a quarter of the device's memory, enough
+// for the staging buffers of the calls a program repeats, and little enough that the
+// rest of a process's GPU work is not starved of it.
+constexpr size_t kPoolKeepDivisor = 4;
+
 pyfa_status setup_device(int dev, DeviceState& s) {
+    {
+        char reason[512];
+        if (!examine(dev, dev, reason, sizeof(reason)))
+            return fail(PYFA_ERROR_BACKEND_UNAVAILABLE, "cuda: %s", reason);
+    }
     int smem = 0, threads = 0, sms = 0, pools = 0;
     PYFA_CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     PYFA_CUDA_CHECK(cudaDeviceGetAttribute(&threads, cudaDevAttrMaxThreadsPerBlock, dev));
@@ -94,7 +167,26 @@ pyfa_status setup_device(int dev, DeviceState& s) {
     PYFA_CUDA_CHECK(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, dev));
     cudaDeviceProp prop;
     PYFA_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-    PYFA_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
+    if (pools) {
+        // A pool of the library's own, so that keeping memory between calls changes
+        // nothing for the process's other users of the device's default pool.
+        cudaMemPoolProps props{};
+        props.allocType = cudaMemAllocationTypePinned;
+        props.location.type = cudaMemLocationTypeDevice;
+        props.location.id = dev;
+        PYFA_CUDA_CHECK(cudaMemPoolCreate(&s.pool, &props));
+        uint64_t keep = prop.totalGlobalMem / kPoolKeepDivisor;
+        const cudaError_t err = cudaMemPoolSetAttribute(s.pool, cudaMemPoolAttrReleaseThreshold, &keep);
+        if (err != cudaSuccess) {
+            (void)cudaMemPoolDestroy(s.pool);  // the setup fails with err's message either way
+            return cuda_fail("cudaMemPoolSetAttribute(cudaMemPoolAttrReleaseThreshold)", err);
+        }
+    }
+    const cudaError_t err = cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking);
+    if (err != cudaSuccess) {
+        if (pools) (void)cudaMemPoolDestroy(s.pool);  // the setup fails with err's message either way
+        return cuda_fail("cudaStreamCreateWithFlags", err);
+    }
     std::memset(&s.profile, 0, sizeof(s.profile));
     std::strncpy(s.profile.name, prop.name, sizeof(s.profile.name) - 1);
     s.profile.smem_per_block = smem;
@@ -194,7 +286,7 @@ pyfa_status cuda_malloc(void** ptr, size_t bytes, void* stream) {
     const pyfa_status st = current_device(&s);
     if (st != PYFA_OK) return st;
     if (s->memory_pools)
-        PYFA_CUDA_CHECK(cudaMallocAsync(ptr, bytes ? bytes : 1, static_cast<cudaStream_t>(stream)));
+        PYFA_CUDA_CHECK(cudaMallocFromPoolAsync(ptr, bytes ? bytes : 1, s->pool, static_cast<cudaStream_t>(stream)));
     else
         PYFA_CUDA_CHECK(cudaMalloc(ptr, bytes ? bytes : 1));
     return PYFA_OK;
@@ -226,6 +318,63 @@ pyfa_status cuda_copy_to_host(void* dst, const void* src, size_t bytes, void* st
 pyfa_status cuda_synchronize(void* stream) {
     PYFA_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
     return PYFA_OK;
+}
+
+pyfa_status cuda_enter_device(const char* const* names, const void* const* pointers, int count, void* stream,
+                              DeviceScope* scope) {
+    constexpr int kMaxTensors = 16;
+    if (count < 1 || count > kMaxTensors)
+        return fail(PYFA_ERROR_INTERNAL, "cuda_enter_device: %d tensors (1 to %d)", count, kMaxTensors);
+    PointerFacts facts[kMaxTensors];
+    for (int t = 0; t < count; ++t) {
+        cudaPointerAttributes attr;
+        const cudaError_t err = cudaPointerGetAttributes(&attr, pointers[t]);
+        if (err != cudaSuccess) {
+            (void)cudaGetLastError();
+            return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: not a pointer CUDA knows: cudaPointerGetAttributes: %s: %s",
+                        names[t], cudaGetErrorName(err), cudaGetErrorString(err));
+        }
+        const MemoryKind kind = attr.type == cudaMemoryTypeDevice    ? MemoryKind::kDevice
+                                : attr.type == cudaMemoryTypeManaged ? MemoryKind::kManaged
+                                                                     : MemoryKind::kHost;
+        facts[t] = PointerFacts{names[t], kind, attr.device};
+    }
+    // The default streams (legacy and per-thread) follow the current device; any other
+    // stream belongs to one device. cudaStreamGetDevice came with CUDA 12.8: built with an
+    // older runtime, or run on a driver without it, the stream's device goes unchecked.
+    int stream_device = -1;
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (s != nullptr && s != cudaStreamLegacy && s != cudaStreamPerThread) {
+#if CUDART_VERSION >= 12080
+        const cudaError_t err = cudaStreamGetDevice(s, &stream_device);
+        if (err == cudaErrorCallRequiresNewerDriver || err == cudaErrorNotSupported) {
+            (void)cudaGetLastError();
+            stream_device = -1;
+        } else if (err != cudaSuccess) {
+            (void)cudaGetLastError();
+            return fail(PYFA_ERROR_INVALID_ARGUMENT, "stream: cudaStreamGetDevice: %s: %s", cudaGetErrorName(err),
+                        cudaGetErrorString(err));
+        }
+#endif
+    }
+    int device = 0;
+    char why[256];
+    if (!owning_device(facts, count, stream_device, &device, why, sizeof(why)))
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s", why);
+    int current = 0;
+    PYFA_CUDA_CHECK(cudaGetDevice(&current));
+    if (current != device) {
+        PYFA_CUDA_CHECK(cudaSetDevice(device));
+        scope->restore = cuda_restore_device;
+        scope->previous = current;
+    }
+    return PYFA_OK;
+}
+
+void cuda_restore_device(int previous) {
+    // The call's status is decided by now; making current again a device that was current
+    // a moment ago has nothing left to fail on, so its result is not reported.
+    if (previous >= 0) (void)cudaSetDevice(previous);
 }
 
 pyfa_status cuda_launch(int kernel, const AttentionParams& p, const LaunchShape& shape, void* stream) {

@@ -7,10 +7,12 @@
 
 namespace pyfa {
 
-// Every function
-// acts on the calling thread's current device.
+// Every function acts on the calling thread's current device (a *_device call's:
+// cuda_enter_device).
 bool cuda_compiled();
-// Compiled in, the driver initialised and a GPU present; decided once per process.
+// Compiled in, the driver initialised, and a GPU present whose architecture this build
+// has kernels for and on which a kernel image loads (device_rules.h); decided once per
+// process.
 bool cuda_available();
 // Why cuda_available() is false ("" when it is true): for a failed initialisation the
 // driver's error name and string. Computed once; the pointer stays valid.
@@ -33,5 +35,15 @@ pyfa_status cuda_copy_to_host(void* dst, const void* src, size_t bytes, void* st
 pyfa_status cuda_launch(int kernel, const AttentionParams& p, const LaunchShape& shape, void* stream);
 // Waits for `stream` alone and reports the first error of the work on it.
 pyfa_status cuda_synchronize(void* stream);
+// For a *_device call: finds the device that owns pointers[0] (q) with
+// cudaPointerGetAttributes, refuses host memory, another device's memory or a stream of
+// another device (PYFA_ERROR_INVALID_ARGUMENT naming the tensor; device_rules.h), and
+// makes that device current until `scope` goes (its restore is cuda_restore_device).
+// names[t] names pointers[t] in messages.
+pyfa_status cuda_enter_device(const char* const* names, const void* const* pointers, int count, void* stream,
+                              DeviceScope* scope);
+// Puts back the device that was current before cuda_enter_device switched; a no-op
+// where none was switched (previous < 0).
+void cuda_restore_device(int previous);
 
 }  // namespace pyfa
