@@ -55,13 +55,14 @@ pyfa_status select_kernel(int kernel, int variant, const AttentionParams& p, int
                           bool aligned, const pyfa_device_profile& profile, int* id, int* Br, int* Bc);
 pyfa_status variant_default_tiles(int kernel, int variant, int64_t d, const pyfa_device_profile& profile,
                                   int* Br, int* Bc);
-// -1 where the variant has no kernel for these tiles.
+// -1 where the variant has no kernel for these tiles, or `kernel` is no pyfa_kernel (a fast
+// row's id, say) or `variant` no pyfa_variant.
 int64_t variant_smem_bytes(int kernel, int variant, int64_t Br, int64_t Bc, int64_t d);
 
 // ---- backends
 // Each backend (emu, cpu, cuda, and a test's own) is one object implementing Backend,
 // registered by one line in its own file:
-//     PYFA_REGISTER_BACKEND(MyBackend);
+//     PYFA_REGISTER_BACKEND(MyBackend)
 // api.cpp drives every one through this interface alone: what differs between backends
 // is a property below, never a test of which backend it is.
 
@@ -149,8 +150,8 @@ protected:
 // At most this many backends register.
 constexpr int kMaxBackends = 8;
 // Adds b to the backends; called by PYFA_REGISTER_BACKEND while the library loads.
-// Allocates nothing; a second backend with b's id, or one past kMaxBackends, is
-// dropped and remembered for registry_problem().
+// Allocates nothing; a second backend with b's id, or one past kMaxBackends, is dropped
+// (ids are unique by construction, and kMaxBackends is well above the backends there are).
 void register_backend(const Backend* b);
 // The registered backend with this id, or nullptr.
 const Backend* find_backend(int id);
