@@ -327,10 +327,9 @@ def test_cupy_outputs_are_allocated_under_the_call_stream(monkeypatch):
 def cuda12_tools():
     """(libnvrtc, ptxas) of CUDA 12, or None: $PYFA_CUDA12 (a folder holding the
     nvidia-cuda-nvrtc-cu12 and nvidia-cuda-nvcc-cu12 packages' nvidia/ tree), else this
-    Python's site-packages, else /work/venvs/nvcc12's."""
+    Python's site-packages."""
     roots = [Path(os.environ["PYFA_CUDA12"])] if os.environ.get("PYFA_CUDA12") else []
     roots += [Path(p) for p in sys.path if p.endswith("site-packages")]
-    roots += sorted(Path("/work/venvs/nvcc12").glob("lib/python3*/site-packages"))
     for root in roots:
         nvrtc = sorted(root.glob("nvidia/cuda_nvrtc/lib/libnvrtc.so.12*"))
         ptxas = root / "nvidia" / "cuda_nvcc" / "bin" / "ptxas"
@@ -364,7 +363,7 @@ def test_volta_and_pascal_kernels_build_with_cuda_12(cc, tmp_path):
     tools = cuda12_tools()
     if tools is None:
         pytest.skip("CUDA 12's NVRTC and ptxas not found: pip install nvidia-cuda-nvrtc-cu12 "
-                    "nvidia-cuda-nvcc-cu12 (into this Python, /work/venvs/nvcc12, or a folder named by $PYFA_CUDA12)")
+                    "nvidia-cuda-nvcc-cu12 (into this Python, or a folder named by $PYFA_CUDA12)")
     import ctypes
     for name, body in SHIMS.items():
         (tmp_path / name).write_text("#pragma once\n" + body)
