@@ -23,16 +23,17 @@ CASES = [
     (1, 1, 70, 150, 128, 64, 64),
 ]
 
+# What a case on the GPU carries: the `gpu` marker, and a skip where no GPU is usable.
+NEEDS_GPU = (pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="no usable CUDA GPU here"))
+
 # The emulator under two thread orders (a missing __syncthreads shows as different bits),
 # the native cpu backend (which ignores the order), and the GPU when one is here.
 RUNS = [("emu", "forward"), ("emu", "reverse"), ("cpu", "forward"),
-        pytest.param("cuda", "forward",
-                     marks=pytest.mark.skipif(not HAS_CUDA, reason="no usable CUDA GPU here"))]
+        pytest.param("cuda", "forward", marks=NEEDS_GPU)]
 
 
 # The backends alone, for tests that do not vary the thread order.
-BACKENDS = ["emu", "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA,
-                                                                 reason="no usable CUDA GPU here"))]
+BACKENDS = ["emu", "cpu", pytest.param("cuda", marks=NEEDS_GPU)]
 
 
 def case_id(case):
@@ -63,7 +64,7 @@ def variant_params(cases):
         for backend, order, variant in VARIANT_RUNS:
             if variant == "fast" and (case[5] is None or case[6] is None):
                 variant = "auto"
-            marks = pytest.mark.skipif(not HAS_CUDA, reason="no usable CUDA GPU here") if backend == "cuda" else ()
+            marks = NEEDS_GPU if backend == "cuda" else ()
             out.append(pytest.param(case, backend, order, variant, marks=marks,
                                     id=f"{case_id(case)}-{backend}-{order}-{variant}"))
     return out

@@ -227,6 +227,7 @@ def _run_driver(tmp_path, workers, mode, max_points=120):
     return done
 
 
+@pytest.mark.slow
 def test_failed_allocations_give_a_status_never_a_crash(tmp_path):
     done = _run_driver(tmp_path, workers=1, mode="warm")
     # Not vacuous: allocations were refused in every computing entry point, and the
@@ -237,10 +238,12 @@ def test_failed_allocations_give_a_status_never_a_crash(tmp_path):
         assert refused and any(" status=6 " in l for l in refused), entry
 
 
+@pytest.mark.slow
 def test_failed_allocations_on_fresh_threads(tmp_path):
     _run_driver(tmp_path, workers=1, mode="cold")
 
 
+@pytest.mark.slow
 def test_failed_allocations_with_emulator_workers(tmp_path):
     _run_driver(tmp_path, workers=2, mode="cold")
 
@@ -297,22 +300,6 @@ FAKE_CUDA_SCRIPT = """
                             outs=[sorted(set(o.ravel().tolist())) for o in outs]))
     print(json.dumps(results))
 """
-
-
-@pytest.fixture(scope="module")
-def fake_cuda_library(tmp_path_factory):
-    cxx = next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    pytest.importorskip("cffi")
-    out = tmp_path_factory.mktemp("fake_cuda") / "libpyfa_fake_cuda.so"
-    launch = ROOT / "src" / "core"
-    subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-O1", "-Wall", "-Wextra",
-                    "-Werror", f"-I{ROOT / 'src'}", f"-I{pyfa.get_include()}",
-                    '-DPYFA_VERSION_STRING="fake"', str(launch / "api.cpp"), str(launch / "errors.cpp"),
-                    str(launch / "tiles.cpp"), str(launch / "backend.cpp"),
-                    str(launch.parent / "backends" / "cuda" / "cuda_adapter.cpp"), str(HERE / "c" / "fake_cuda.cpp"), "-o", str(out)], check=True)
-    return out
 
 
 def fake_cuda(library, *cases):

@@ -127,6 +127,7 @@ def test_c99_program_built_with_the_printed_flags_runs(tmp_path):
     assert os.path.samefile(library.parent / needed[0], library)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["pyfa_DIR", "CMAKE_PREFIX_PATH"])
 def test_cmake_project_built_with_the_printed_cmake_dir_runs(tmp_path, how):
     cmake = need("cmake")
@@ -179,6 +180,8 @@ def install_prefix(cmake_build):
     return cmake_build[1]
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("cmake_build")
 def test_pyfa_library_names_the_build_folder_programs_use(cmake_build, tmp_path):
     # The loader takes PYFA_LIBRARY alone when set; so do the flags, from its folder.
     build = cmake_build[0]
@@ -196,6 +199,8 @@ def installed_libdir(prefix):
     return pc.parent.parent
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("cmake_build")
 def test_install_prefix_has_a_versioned_soname_and_only_the_c_abi(install_prefix):
     libdir = installed_libdir(install_prefix)
     _, lib = _lib.load()
@@ -211,6 +216,8 @@ def test_install_prefix_has_a_versioned_soname_and_only_the_c_abi(install_prefix
     assert (libdir / "cmake" / "pyfa" / "pyfaConfig.cmake").is_file()
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("cmake_build")
 def test_pkg_config_build_against_install_prefix_runs(install_prefix, tmp_path):
     cc, pkg_config = need("cc"), need("pkg-config")
     pc_path = str(installed_libdir(install_prefix) / "pkgconfig")
@@ -225,6 +232,8 @@ def test_pkg_config_build_against_install_prefix_runs(install_prefix, tmp_path):
     assert f"pyfa {pyfa.__version__}: max abs error" in run_program(tmp_path / "smoke")
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("cmake_build")
 def test_find_package_against_install_prefix_runs(install_prefix, tmp_path):
     cmake = need("cmake")
     sh(f"{cmake} -S {shlex.quote(str(C_DIR / 'cmake_user'))} -B build "

@@ -387,6 +387,7 @@ def test_peak_memory_is_inputs_and_outputs_and_a_few_tiles():
     assert bwd <= fwd + 3 * tensor + tensor // 128 + slack, (bwd / 2**20, tensor / 2**20)
 
 
+@pytest.mark.slow
 def test_bench_sweep_smoke_prints_ratios_on_its_last_line():
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ)

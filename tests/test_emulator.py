@@ -47,6 +47,7 @@ def summary_ok(run, prefix):
     return lines
 
 
+@pytest.mark.slow
 def test_emulator_selftest(tmp_path):
     exe = build_cxx(tmp_path, "selftest", "tests/emu/emu_selftest.cpp")
     # The self-test has its own 120 s watchdog; this bound only guards against a stuck process.
@@ -55,9 +56,16 @@ def test_emulator_selftest(tmp_path):
     assert lines[-1].endswith(" passed, 0 failed"), run.stdout
 
 
-def test_kernels_stack_use_is_far_below_the_fiber_stack(tmp_path):
-    exe = build_cxx(tmp_path, "emu_faults", "tests/emu/emu_faults.cpp")
-    run = subprocess.run([str(exe), "stack"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+@pytest.fixture(scope="module")
+def emu_faults(tmp_path_factory):
+    """tests/emu/emu_faults.cpp built once for the two tests below (every kernel, -O2)."""
+    return build_cxx(tmp_path_factory.mktemp("emu_faults"), "emu_faults", "tests/emu/emu_faults.cpp")
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("emu_faults")
+def test_kernels_stack_use_is_far_below_the_fiber_stack(emu_faults):
+    run = subprocess.run([str(emu_faults), "stack"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     lines = summary_ok(run, "emu faults: ")
     used = {line.split(":")[0]: int(line.split(":")[1].split()[0])
             for line in lines if line.startswith("stack ")}
@@ -65,7 +73,9 @@ def test_kernels_stack_use_is_far_below_the_fiber_stack(tmp_path):
     assert max(used.values()) < FIBER_STACK_BYTES // 8, run.stdout
 
 
-def test_allocation_failures_give_a_status_never_a_crash(tmp_path):
+@pytest.mark.slow
+@pytest.mark.xdist_group("emu_faults")
+def test_allocation_failures_give_a_status_never_a_crash(emu_faults, tmp_path):
     """Every memory request of an FA2 launch failed in turn, under an LD_PRELOAD shim."""
     if not sys.platform.startswith("linux"):
         pytest.skip("the allocation-failing shim is for glibc on Linux")
@@ -74,8 +84,7 @@ def test_allocation_failures_give_a_status_never_a_crash(tmp_path):
                             "-o", str(shim), "-ldl"], cwd=ROOT, capture_output=True, text=True,
                            timeout=120)
     assert build.returncode == 0, build.stderr
-    exe = build_cxx(tmp_path, "emu_faults", "tests/emu/emu_faults.cpp")
-    run = subprocess.run([str(exe), "sweep"], cwd=ROOT, capture_output=True, text=True,
+    run = subprocess.run([str(emu_faults), "sweep"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, env={**os.environ, "LD_PRELOAD": str(shim)})
     lines = summary_ok(run, "emu faults: ")
     assert sum(line.startswith("sweep ") for line in lines) == 6, run.stdout

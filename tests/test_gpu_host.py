@@ -5,33 +5,29 @@ switches device and allocates outputs for a call on a stream (fake torch and CuP
 The architecture builds: sm_75 with this nvcc, sm_70 and sm_60 with CUDA 12's."""
 
 import os
-import shutil
 import subprocess
 import sys
 import types
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-import pyfa
+from pyfa._lib import constant
 from pyfa import _arrays
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import gpu_limits  # noqa: E402
 
-CUDA, AUTO = 1, 0
-OK, INVALID, UNAVAILABLE = 0, 1, 3
+CUDA, AUTO = constant("PYFA_BACKEND_CUDA"), constant("PYFA_BACKEND_AUTO")
+OK, INVALID, UNAVAILABLE = (constant(f"PYFA_{name}") for name in
+                            ("OK", "ERROR_INVALID_ARGUMENT", "ERROR_BACKEND_UNAVAILABLE"))
 
 
 @pytest.fixture(scope="module")
-def fake(tmp_path_factory):
-    pytest.importorskip("cffi")
-    if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
-        pytest.skip("no C++ compiler to build the fake CUDA backend")
-    path = gpu_limits.build_fake(tmp_path_factory.mktemp("fake_gpu_host") / "libpyfa_fake.so", pyfa.get_include())
+def fake(fake_cuda_library):
+    path = fake_cuda_library
     return gpu_limits.Fake(*gpu_limits.open_fake(path))
 
 
@@ -354,6 +350,7 @@ SHIMS.update({"stdint.h": SHIMS["cstdint"], "stddef.h": "", "cstring": "", "cuda
               "cfloat": "", "algorithm": "", "type_traits": "", "utility": "", "limits": ""})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cc", ["70", "60"])
 def test_volta_and_pascal_kernels_build_with_cuda_12(cc, tmp_path):
     # nvcc 13 builds sm_75 and later only (CMakeLists.txt's default list starts at 75).

@@ -5,13 +5,11 @@ registers and static shared memory are ptxas's, read back from docs/gpu_limits.m
 by tools/gpu_limits.py, which runs ptxas per architecture: too slow for a test)."""
 
 import re
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
-import pyfa
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
@@ -21,11 +19,8 @@ DOC = ROOT / "docs" / "gpu_limits.md"
 
 
 @pytest.fixture(scope="module")
-def fake(tmp_path_factory):
-    pytest.importorskip("cffi")
-    if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
-        pytest.skip("no C++ compiler to build the fake CUDA backend")
-    path = gpu_limits.build_fake(tmp_path_factory.mktemp("fake_limits") / "libpyfa_fake.so", pyfa.get_include())
+def fake(fake_cuda_library):
+    path = fake_cuda_library
     return gpu_limits.Fake(*gpu_limits.open_fake(path))
 
 

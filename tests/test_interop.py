@@ -10,7 +10,6 @@ or CuPy (tools/device_check.sh selects the tests named *cuda*).
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -405,20 +404,10 @@ print(json.dumps(results))
 
 
 @pytest.fixture(scope="module")
-def fake_cuda_pyfa(tmp_path_factory):
+def fake_cuda_pyfa(fake_cuda_library):
     """libpyfa's C ABI over tests/c/fake_cuda.cpp, built as pyfa's version so that pyfa
     loads it (PYFA_LIBRARY)."""
-    cxx = next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
-    if cxx is None:
-        pytest.skip("no C++ compiler to build the fake CUDA backend")
-    out = tmp_path_factory.mktemp("fake_cuda_interop") / "libpyfa.so"
-    launch = ROOT / "src" / "core"
-    subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-O1",
-                    f"-I{ROOT / 'src'}", f"-I{pyfa.get_include()}",
-                    f'-DPYFA_VERSION_STRING="{pyfa.__version__}"',
-                    str(launch / "api.cpp"), str(launch / "errors.cpp"), str(launch / "tiles.cpp"), str(launch / "backend.cpp"),
-                    str(launch.parent / "backends" / "cuda" / "cuda_adapter.cpp"),
-                    str(HERE / "c" / "fake_cuda.cpp"), "-o", str(out)], check=True)
+    out = fake_cuda_library
     env = dict(os.environ, PYFA_LIBRARY=str(out))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     run = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env,

@@ -133,6 +133,7 @@ echo '"0","pyfa_cuda_kernels::fa2_forward_kernel(AttentionParams)","dram__bytes_
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash for the stand-in tools")
 def test_gpu_steps_run_on_the_emulator_with_stand_in_tools(tmp_path):
     bin_dir = tmp_path / "bin"
@@ -187,6 +188,7 @@ def test_gpu_steps_run_on_the_emulator_with_stand_in_tools(tmp_path):
     assert "- memcheck: clean" in md and "| fa2_forward | forward | fa2_forward | 1.23 kB | 99 B |" in md
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(common.find_tool("nvcc", ["/usr/local/cuda/bin/nvcc"]) is None, reason="nvcc not found")
 def test_ptxas_report_has_a_row_per_kernel_and_no_spills(tmp_path):
     p = run([sys.executable, str(TOOLS / "ptxas_report.py"), "--json", str(tmp_path / "ptxas.json")])
@@ -211,6 +213,7 @@ def _sass_tools_missing():
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_sass_tools_missing() is not None, reason=str(_sass_tools_missing()))
 def test_sass_report_rows_and_summary(tmp_path):
     p = run([sys.executable, str(TOOLS / "sass_report.py"), "--json", str(tmp_path / "sass.json")],

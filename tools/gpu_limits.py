@@ -105,14 +105,15 @@ void fake_cuda_set_profile(int, int64_t, int); int fake_cuda_checks(int64_t*); v
 """
 
 
-def build_fake(out, include_dir):
-    """Compiles the C ABI's sources with tests/c/fake_cuda.cpp into `out`; the path."""
+def build_fake(out, include_dir, version="fake"):
+    """Compiles the C ABI's sources with tests/c/fake_cuda.cpp into `out`; the path. Built
+    as `version` (pyfa's own, for a library pyfa's loader is to accept)."""
     cxx = next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
     if cxx is None:
         raise RuntimeError("no C++ compiler")
     core = ROOT / "src" / "core"
     subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-O1", "-Wall", "-Wextra",
-                    "-Werror", f"-I{ROOT / 'src'}", f"-I{include_dir}", '-DPYFA_VERSION_STRING="fake"',
+                    "-Werror", f"-I{ROOT / 'src'}", f"-I{include_dir}", f'-DPYFA_VERSION_STRING="{version}"',
                     str(core / "api.cpp"), str(core / "errors.cpp"), str(core / "tiles.cpp"),
                     str(core / "backend.cpp"), str(ROOT / "src" / "backends" / "cuda" / "cuda_adapter.cpp"),
                     str(ROOT / "tests" / "c" / "fake_cuda.cpp"), "-o", str(out)], check=True)
