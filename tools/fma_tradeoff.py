@@ -133,10 +133,11 @@ def _unfused_fma32(a, b, c):
     return (np.asarray(a, F32) * np.asarray(b, F32) + np.asarray(c, F32)).astype(F32)
 
 
-def _unfused_sum(a64, b64, shape):
+def _unfused_sum(a64, b64, shape, keep=None):
     total = np.zeros(shape, F32)
     for x in range(a64.shape[0]):
-        total = total + (a64[x].astype(F32) * b64[x].astype(F32))
+        step = total + (a64[x].astype(F32) * b64[x].astype(F32))
+        total = step if keep is None else np.where(keep[x], step, total)
     return total
 
 

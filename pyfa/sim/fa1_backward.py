@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import numerics as nx
+from . import score
 from .calls import simulated
 from .inputs import check_like, check_qkv, check_rows, resolve_scale, restore_rank
 from .io import IORecord
@@ -72,6 +73,9 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, window=None, causal_alig
     mi = row_blocks(m3.reshape(BH, Nq), NEG_INF)
     li = row_blocks(l3.reshape(BH, Nq), 0)
     rows = np.arange(Tr)[:, None] * Wr + np.arange(Wr)[None, :]  # (Tr, Wr) query index
+    # The score pipeline's (b, h) of each query head: (BHkv, G, 1, 1, 1).
+    bh = (np.arange(BHkv)[:, None] // Hkv * H + np.arange(BHkv)[:, None] % Hkv * G
+          + np.arange(G)[None, :]).reshape(BHkv, G, 1, 1, 1)
     K = k4.reshape(BHkv, Nk, d)
     V = v4.reshape(BHkv, Nk, d)
 
@@ -109,35 +113,45 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, window=None, causal_alig
             m_a, l_a = mi[:, :, a:z], li[:, :, a:z]
             Kg, Vg = Kj[:, None, None], Vj[:, None, None]  # (BHkv, 1, 1, Wc, d)
 
-            # S = scale * Q_i K_j^T, -inf if masked; P_ij = exp(S - m_i) / l_i, 0 where l_i = 0.
+            # The score pipeline (sim/score.py): S, -inf if hidden; P_ij = exp(S - m_i) / l_i,
+            # 0 where l_i = 0. A hidden score (or a padding row or column) is 0 in P and dS
+            # by selection and is left out of every product (keep).
             cols = col0 + np.arange(Wc)
-            hidden = (cols[None, None, :] >= Nk) | mask.masked(rows[a:z, :, None], cols[None, None])
-            S = nx.scores(Q_a, Kg, scale, hidden[None, None])
+            r_a, c_a = rows[a:z, :, None], cols[None, None]
+            hidden = (cols[None, None, :] >= Nk) | mask.masked(r_a, c_a)
+            keep = ~(hidden | (r_a >= Nq))[None, None]  # (1, 1, z-a, Wr, Wc)
+            s = score.scaled_scores(Q_a, Kg, scale)
+            S = score.finish(s, hidden[None, None], bh // H, bh % H, r_a, c_a)
             with np.errstate(divide="ignore", invalid="ignore"):
-                P = np.where(l_a[..., None] == 0, F32(0),
-                             nx.exp(S - nx.safe_max(m_a)[..., None]) / l_a[..., None])
+                P = np.where(keep & (l_a[..., None] != 0),
+                             nx.exp(S - nx.safe_max(m_a)[..., None]) / l_a[..., None], F32(0))
 
             # dP_ij = dO_i V_j^T and D_i = rowsum(dO_i o O_i), x in order.
             dP = nx.dot_rows(dO_a, Vg)
             D = nx.dot(dO_a, O_a)
-            dS = P * (dP - D[..., None])
+            dS = np.where(keep, score.score_grad(P, dP, D[..., None], s, bh // H, bh % H, r_a, c_a), F32(0))
+            keep_t = np.swapaxes(keep, -1, -2)
+            # A row that sees no key of the tile, or a key that no row of it sees, takes no step.
+            row_steps = keep.any(axis=-1)                # (1, 1, z-a, Wr)
+            col_steps = keep_t.any(axis=-1)[0, 0]        # (z-a, Wc)
 
             # dV~_j = dV~_j + P_ij^T dO_i: the product per tile (r in order), then the
             # tiles added in the kernel's order: query heads g, then Q tiles i.
-            t = nx.dot_rows(np.swapaxes(P, -1, -2), np.swapaxes(dO_a, -1, -2))
+            t = nx.dot_rows(np.swapaxes(P, -1, -2), np.swapaxes(dO_a, -1, -2), keep_t)
             for g in range(G):
                 for n in range(z - a):
-                    dVj = dVj + t[:, g, n]
+                    dVj = np.where(col_steps[n][:, None], dVj + t[:, g, n], dVj)
 
             # dQ_i = fma(scale, dS_ij K_j, dQ_i) (c in order), in HBM.
-            t = nx.dot_rows(dS, np.swapaxes(Kg, -1, -2))
-            dQ[:, :, a:z] = nx.canonical_nan(nx.fma32(F32(scale), t, dQ[:, :, a:z]))
+            t = nx.dot_rows(dS, np.swapaxes(Kg, -1, -2), keep)
+            dQ[:, :, a:z] = np.where(row_steps[..., None],
+                                     nx.canonical_nan(nx.fma32(F32(scale), t, dQ[:, :, a:z])), dQ[:, :, a:z])
 
             # dK~_j = fma(scale, dS_ij^T Q_i, dK~_j) (r in order), in the same order.
-            t = nx.dot_rows(np.swapaxes(dS, -1, -2), np.swapaxes(Q_a, -1, -2))
+            t = nx.dot_rows(np.swapaxes(dS, -1, -2), np.swapaxes(Q_a, -1, -2), keep_t)
             for g in range(G):
                 for n in range(z - a):
-                    dKj = nx.fma32(F32(scale), t[:, g, n], dKj)
+                    dKj = np.where(col_steps[n][:, None], nx.fma32(F32(scale), t[:, g, n], dKj), dKj)
 
         dK[:, col0:col0 + bc] = nx.canonical_nan(dKj[:, :bc])
         dV[:, col0:col0 + bc] = nx.canonical_nan(dVj[:, :bc])

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import numerics as nx
+from . import score
 from .calls import simulated
 from .inputs import check_qkv, resolve_scale, restore_rank, restore_rows
 from .io import IORecord
@@ -65,6 +66,7 @@ def fa1_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_righ
     Qi[:, :Nq] = q4.reshape(BH, Nq, d)
     Qi = Qi.reshape(BH, Tr, Wr, d)
     rows = np.arange(Tr)[:, None] * Wr + np.arange(Wr)[None, :]  # (Tr, Wr) query index
+    bh = np.arange(BH).reshape(BH, 1, 1, 1)  # the score pipeline's (b, h) of each head
     K = kv_heads(k4, H).reshape(BH, Nk, d)
     V = kv_heads(v4, H).reshape(BH, Nk, d)
 
@@ -88,11 +90,16 @@ def fa1_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_righ
         io.read("m", BH * n_rows * 4)
         io.read("l", BH * n_rows * 4)
 
-        # S_ij[r, c] = scale * sum_x Q_i[r, x] K_j[c, x], x in order.
+        # S_ij: the score pipeline (sim/score.py), its sums x in order.
         Q_a = Qi[:, a:z]
         cols = col0 + np.arange(Wc)
         hidden = (cols[None, None, :] >= Nk) | mask.masked(rows[a:z, :, None], cols[None, None])
-        S = nx.scores(Q_a, Kj[:, None], scale, hidden[None])
+        S = score.scores(Q_a, Kj[:, None], scale, hidden[None], bh // H, bh % H,
+                         rows[a:z, :, None], cols[None, None])
+        # A row that sees no key of the tile takes no step (its O, m, l stay as they are);
+        # a hidden score is left out of P V.
+        keep = ~hidden[None]
+        steps = keep.any(axis=-1)
 
         # m~_ij = max(-inf, S[r, 0], ...); P~_ij = exp(S_ij - m~_ij); l~_ij = rowsum.
         mt = np.full((BH, z - a, Wr), NEG_INF, F32)
@@ -111,14 +118,15 @@ def fa1_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_righ
         l_new = nx.fma32(beta, lt, o_scale)
 
         # pv[r, x] = sum_c P~_ij[r, c] V_j[c, x], c in order, one fma per step.
-        pv = nx.dot_rows(P, np.swapaxes(Vj, -1, -2)[:, None])
+        pv = nx.dot_rows(P, np.swapaxes(Vj, -1, -2)[:, None], keep)
         num = nx.fma32(o_scale[..., None], O[:, a:z], beta[..., None] * pv)
         with np.errstate(divide="ignore", invalid="ignore"):
             O_new = np.where(l_new[..., None] == 0, F32(0), num / l_new[..., None])
 
         # Stored to HBM, so NaNs canonical (docs/numerics.md); l_new above is the on-chip value.
-        O[:, a:z] = nx.canonical_nan(O_new)
-        m[:, a:z], l[:, a:z] = nx.canonical_nan(m_new), nx.canonical_nan(l_new)
+        O[:, a:z] = np.where(steps[..., None], nx.canonical_nan(O_new), O[:, a:z])
+        m[:, a:z] = np.where(steps, nx.canonical_nan(m_new), m[:, a:z])
+        l[:, a:z] = np.where(steps, nx.canonical_nan(l_new), l[:, a:z])
         io.write("O", BH * nbytes(n_rows))
         io.write("m", BH * n_rows * 4)
         io.write("l", BH * n_rows * 4)

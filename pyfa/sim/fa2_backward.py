@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import numerics as nx
+from . import score
 from .calls import simulated
 from .inputs import check_like, check_qkv, check_rows, resolve_scale, restore_rank
 from .io import IORecord
@@ -45,21 +46,27 @@ def _pad_rows(x, rows):
     return out
 
 
-def _p_ds(Qi, dOi, LSEi, Di, Kj, Vj, masked, pad, scale):
-    """fa2_backward_p_ds on whole tiles: P_ij and dS_ij of shape (..., Br, Bc).
+def _p_ds(Qi, dOi, LSEi, Di, Kj, Vj, masked, pad, scale, bh, H, rows, cols):
+    """fa2_backward_p_ds on whole tiles: P_ij, dS_ij of shape (..., Br, Bc) and keep, the
+    scores that take part in the products.
 
     Qi, dOi: (BH, X, Br, d); LSEi, Di: (BH, X, Br); Kj, Vj: (BH, Y, Bc, d) with X and Y
     broadcastable; masked, pad: (X or Y, Br, Bc), True where the mask hides the
-    score, and where the row or column is padding. Padding gets P = dS = +0 outright, so
-    that it adds exactly +0 to the sums whatever the real inputs hold."""
-    S = nx.scores(Qi, Kj, scale, masked[None])
+    score, and where the row or column is padding; bh: the query head index (b * H + h)
+    broadcasting against the tiles; rows, cols: the query and key indices. A hidden or
+    padding score gets P = dS = +0 by selection and keep False: it is left out of every
+    product whatever the real inputs hold."""
+    hidden = masked[None]
+    s = score.scaled_scores(Qi, Kj, scale)
+    S = score.finish(s, hidden, bh // H, bh % H, rows, cols)
     no_key = (LSEi == NEG_INF)[..., None]
     # The kernel selects P = 0 for LSE = -inf; the 0 subtracted here instead keeps
     # -inf - (-inf) out of the arithmetic and is never selected.
     lse = np.where(no_key, F32(0), LSEi[..., None])
     P = np.where(no_key, F32(0), nx.exp(S - lse))
-    dS = P * (nx.dot_rows(dOi, Vj) - Di[..., None])
-    return np.where(pad[None], F32(0), P), np.where(pad[None], F32(0), dS)
+    dS = score.score_grad(P, nx.dot_rows(dOi, Vj), Di[..., None], s, bh // H, bh % H, rows, cols)
+    keep = ~(hidden | pad[None])
+    return np.where(keep, P, F32(0)), np.where(keep, dS, F32(0)), keep
 
 
 def _preprocess(O, dO, io):
@@ -72,7 +79,7 @@ def _preprocess(O, dO, io):
     return D
 
 
-def _dkdv(Q, K, V, dO, LSE, D, Br, Bc, scale, mask, io):
+def _dkdv(Q, K, V, dO, LSE, D, Br, Bc, scale, mask, io, Hkv):
     """The dK/dV kernel: blocks (j, K/V head) (vectorized) walk, for each query head g of
     their group in increasing order, the Q row blocks i of their band mask.q_tiles(j) in
     increasing order. Q, dO: (BHkv, G, Nq, d); LSE, D: (BHkv, G, Nq); K, V: (BHkv, Nk, d)."""
@@ -91,6 +98,8 @@ def _dkdv(Q, K, V, dO, LSE, D, Br, Bc, scale, mask, io):
     io.read("K", BHkv * seen * d * 4)
     io.read("V", BHkv * seen * d * 4)
     for g in range(G):
+        # The score pipeline's query head index b * H + h of each block's head hk * G + g.
+        bh = (np.arange(BHkv) // Hkv * (Hkv * G) + np.arange(BHkv) % Hkv * G + g).reshape(BHkv, 1, 1, 1)
         Qp, dOp = _pad_rows(Q[:, g], Tr * Br), _pad_rows(dO[:, g], Tr * Br)
         LSEp = np.full((BHkv, Tr * Br), NEG_INF, F32)
         LSEp[:, :Nq] = LSE[:, g]
@@ -114,14 +123,17 @@ def _dkdv(Q, K, V, dO, LSE, D, Br, Bc, scale, mask, io):
             c = cols[active][:, None, :]
             pad = (c >= Nk) | (rows[None, :, None] >= Nq)
             masked = mask.masked(rows[None, :, None], c)
-            P, dS = _p_ds(Qi, dOi, LSEi, Di, Kj[:, active], Vj[:, active], masked, pad, scale)
+            P, dS, keep = _p_ds(Qi, dOi, LSEi, Di, Kj[:, active], Vj[:, active], masked, pad, scale,
+                                bh, Hkv * G, rows[None, :, None], c)
 
-            # dV_j += P^T dO_i, dK_j += dS^T Q_i, each summed r = 0 .. br-1 in order
-            # (padded rows add +0).
-            dv = nx.dot_rows(np.swapaxes(P, -1, -2), np.swapaxes(dOi, -1, -2))
-            dk = nx.dot_rows(np.swapaxes(dS, -1, -2), np.swapaxes(Qi, -1, -2))
-            dVj[:, active] = dVj[:, active] + dv
-            dKj[:, active] = dKj[:, active] + dk
+            # dV_j += P^T dO_i, dK_j += dS^T Q_i, each summed over the rows that see the
+            # key, r in order; a key that no row of the tile sees takes no step.
+            keep_t = np.swapaxes(keep, -1, -2)
+            steps = keep_t.any(axis=-1)[..., None]
+            dv = nx.dot_rows(np.swapaxes(P, -1, -2), np.swapaxes(dOi, -1, -2), keep_t)
+            dk = nx.dot_rows(np.swapaxes(dS, -1, -2), np.swapaxes(Qi, -1, -2), keep_t)
+            dVj[:, active] = np.where(steps, dVj[:, active] + dv, dVj[:, active])
+            dKj[:, active] = np.where(steps, dKj[:, active] + dk, dKj[:, active])
 
     dK = nx.canonical_nan((dKj * scale).reshape(BHkv, Tc * Bc, d)[:, :Nk])
     dV = nx.canonical_nan(dVj.reshape(BHkv, Tc * Bc, d)[:, :Nk])
@@ -130,7 +142,7 @@ def _dkdv(Q, K, V, dO, LSE, D, Br, Bc, scale, mask, io):
     return dK, dV
 
 
-def _dq(Q, K, V, dO, LSE, D, Br, Bc, scale, mask, io):
+def _dq(Q, K, V, dO, LSE, D, Br, Bc, scale, mask, io, H):
     """The dQ kernel: blocks (i, query head) (vectorized) walk the K/V column blocks j of
     their band mask.kv_tiles(i) in increasing order. Q, dO: (BH, Nq, d); K, V: (BH, Nk, d),
     the K/V head of each query head."""
@@ -165,11 +177,15 @@ def _dq(Q, K, V, dO, LSE, D, Br, Bc, scale, mask, io):
         r, c = rows[a:z, :, None], (col0 + np.arange(Bc))[None, None, :]
         pad = (c >= Nk) | (r >= Nq)
         masked = mask.masked(r, c)
-        _, dS = _p_ds(Qi[:, a:z], dOi[:, a:z], LSEi[:, a:z], Di[:, a:z], Kj, Vj, masked, pad, scale)
+        bh = np.arange(BH).reshape(BH, 1, 1, 1)
+        _, dS, keep = _p_ds(Qi[:, a:z], dOi[:, a:z], LSEi[:, a:z], Di[:, a:z], Kj, Vj, masked, pad, scale,
+                            bh, H, r, c)
 
-        # dQ_i += dS_ij K_j, summed c = 0 .. bc-1 in order (padded columns add +0).
-        dq = nx.dot_rows(dS, np.swapaxes(Kj, -1, -2))
-        dQi[:, a:z] = dQi[:, a:z] + dq
+        # dQ_i += dS_ij K_j, summed over the row's visible keys, c in order; a row that
+        # sees no key of the tile takes no step.
+        steps = keep.any(axis=-1)[..., None]
+        dq = nx.dot_rows(dS, np.swapaxes(Kj, -1, -2), keep)
+        dQi[:, a:z] = np.where(steps, dQi[:, a:z] + dq, dQi[:, a:z])
 
     dQ = nx.canonical_nan((dQi * scale).reshape(BH, Tr * Br, d)[:, :Nq])
     io.write("dQ", BH * Nq * d * 4)
@@ -205,10 +221,10 @@ def fa2_backward(q, k, v, o, lse, do, *, causal=False, window=None, causal_align
     D = _preprocess(O, dO, io)
     # Query head h = hk * G + g: (B*H, ...) is (B*Hkv, G, ...) without a copy.
     group = lambda x: x.reshape((BHkv, G) + x.shape[1:])
-    dK, dV = _dkdv(group(Q), K, V, group(dO), group(LSE), group(D), Br_kv, Bc_kv, scale, mask, io)
+    dK, dV = _dkdv(group(Q), K, V, group(dO), group(LSE), group(D), Br_kv, Bc_kv, scale, mask, io, Hkv)
     K_h = kv_heads(k4, H).reshape(BH, Nk, d)
     V_h = kv_heads(v4, H).reshape(BH, Nk, d)
-    dQ = _dq(Q, K_h, V_h, dO, LSE, D, Br_q, Bc_q, scale, mask, io)
+    dQ = _dq(Q, K_h, V_h, dO, LSE, D, Br_q, Bc_q, scale, mask, io, H)
     return Fa2BackwardResult(restore_rank(dQ.reshape(B, H, Nq, d), rank, layout),
                              restore_rank(dK.reshape(B, Hkv, Nk, d), rank, layout),
                              restore_rank(dV.reshape(B, Hkv, Nk, d), rank, layout), io)

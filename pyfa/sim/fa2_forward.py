@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import numerics as nx
+from . import score
 from .calls import simulated
 from .inputs import check_qkv, resolve_scale, restore_rank, restore_rows
 from .io import IORecord
@@ -57,6 +58,7 @@ def fa2_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_righ
     li = np.zeros((BH, Tr, Br), F32)
 
     rows = (np.arange(Tr)[:, None] * Br + np.arange(Br)[None, :])  # (Tr, Br) query index
+    bh = np.arange(BH).reshape(BH, 1, 1, 1)  # the score pipeline's (b, h) of each head
     K = kv_heads(k4, H).reshape(BH, Nk, d)
     V = kv_heads(v4, H).reshape(BH, Nk, d)
     for j in range(Tc):
@@ -74,11 +76,15 @@ def fa2_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_righ
         io.read("K", BH * (z - a) * nbytes(bc))
         io.read("V", BH * (z - a) * nbytes(bc))
 
-        # S_ij[r, c] = scale * sum_x Q_i[r, x] K_j[c, x], x in order.
+        # S_ij: the score pipeline (sim/score.py), its sums x in order.
         Q_a = Qi[:, a:z]
         cols = col0 + np.arange(Bc)
         hidden = (cols[None, None, :] >= Nk) | mask.masked(rows[a:z, :, None], cols[None, None, :])
-        S = nx.scores(Q_a, Kj[:, None], scale, hidden[None])
+        S = score.scores(Q_a, Kj[:, None], scale, hidden[None], bh // H, bh % H,
+                         rows[a:z, :, None], cols[None, None, :])
+        # A row that sees no key of the tile takes no step; a hidden score is left out of P V.
+        keep = ~hidden[None]
+        steps = keep.any(axis=-1)
 
         m_old = mi[:, a:z]
         m_new = m_old
@@ -92,10 +98,12 @@ def fa2_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_righ
             rowsum = rowsum + P[..., c]
         l_new = nx.fma32(alpha, li[:, a:z], rowsum)
         # pv[r, x] = sum_c P[r, c] V_j[c, x], c in order, one fma per step.
-        pv = nx.dot_rows(P, np.swapaxes(Vj, -1, -2)[:, None])
+        pv = nx.dot_rows(P, np.swapaxes(Vj, -1, -2)[:, None], keep)
         O_new = nx.fma32(alpha[..., None], Oi[:, a:z], pv)
 
-        mi[:, a:z], li[:, a:z], Oi[:, a:z] = m_new, l_new, O_new
+        mi[:, a:z] = np.where(steps, m_new, mi[:, a:z])
+        li[:, a:z] = np.where(steps, l_new, li[:, a:z])
+        Oi[:, a:z] = np.where(steps[..., None], O_new, Oi[:, a:z])
 
     with np.errstate(divide="ignore", invalid="ignore"):
         O = np.where(li[..., None] == 0, F32(0), Oi / li[..., None])

@@ -352,36 +352,46 @@ def dot(a, b):
     return _fma_sum(a64, b64, shape)
 
 
-def dot_rows(A, B):
+def dot_rows(A, B, keep=None):
     """All inner products of rows of A with rows of B, each summed like pyfa_dot:
     out[..., r, c] = sum_x A[..., r, x] * B[..., c, x], x in order from +0, each step one
     fma: s = fma32(A[r, x], B[c, x], s). A: (..., R, n), B: (..., C, n), leading axes
     broadcast; returns (..., R, C) float32. The x axis is moved to the front only so that
     each step reads contiguous slices; the operands are widened to float64 once (exactly),
-    and every step works in the same reused buffers."""
+    and every step works in the same reused buffers.
+
+    keep, when given, is a bool array broadcasting against A: a step x whose A[..., r, x]
+    is not kept leaves the sums of row r as they are (the kernels' selection, which leaves
+    a hidden score out of a product rather than multiplying it by zero)."""
     At = np.ascontiguousarray(np.moveaxis(A, -1, 0), np.float64)[..., :, None]  # (n, ..., R, 1)
     Bt = np.ascontiguousarray(np.moveaxis(B, -1, 0), np.float64)[..., None, :]  # (n, ..., 1, C)
     shape = np.broadcast_shapes(At.shape[1:], Bt.shape[1:])
-    return _fma_sum(At, Bt, shape)
+    if keep is not None:
+        keep = np.moveaxis(np.broadcast_to(keep, A.shape), -1, 0)[..., :, None]  # (n, ..., R, 1)
+    return _fma_sum(At, Bt, shape, keep)
 
 
-def _fma_sum(a64, b64, shape):
+def _fma_sum(a64, b64, shape, keep=None):
     """s = +0; for x in order: s = fma32(a64[x], b64[x], s); a64, b64 float64 (exactly
-    float32 values) broadcasting to `shape` after their first axis."""
+    float32 values) broadcasting to `shape` after their first axis. With keep (like a64):
+    s stays where keep[x] is False."""
     total, w = np.zeros(shape, np.float32), _FmaScratch(shape)
     c64 = np.zeros(shape, np.float64)
     with np.errstate(all="ignore"):
         for x in range(a64.shape[0]):
             np.multiply(a64[x], b64[x], out=w.p)
-            _fma_step(c64, total, w)
+            if keep is None:
+                _fma_step(c64, total, w)
+            else:
+                skip = np.broadcast_to(~keep[x], shape)
+                if skip.all():
+                    continue
+                before = total.copy()
+                _fma_step(c64, total, w)
+                np.copyto(total, before, where=skip)
+                np.copyto(w.r, c64, where=skip)
             c64, w.r = w.r, c64  # the result is the next step's addend
     return total
-
-
-def scores(Q, K, scale, hidden):
-    """S = scale * Q K^T, -inf where `hidden` (numerics.h attention_score), with Q, K
-    shaped as dot_rows takes them and `hidden` broadcasting against the result."""
-    return np.where(hidden, -_INF, dot_rows(Q, K) * np.float32(scale))
 
 
 # The simulators' arithmetic runs under this: like the kernels, they turn Inf and NaN

@@ -98,18 +98,24 @@ def fits(kernel, Br, Bc, d, profile=EMU_PROFILE):
     return smem_bytes(kernel, Br, Bc, d) <= profile.smem_per_block
 
 
-def default_tiles(kernel, d, profile=EMU_PROFILE):
+def default_tiles(kernel, d, profile=EMU_PROFILE, block_r=None, block_c=None):
     """(Br, Bc) the library uses when none are given: the kernel's own rule in
     DEFAULT_TILE_RULES, else start from 64 x 64 and halve both until the tiles fit the
-    profile's shared memory."""
+    profile's shared memory. A side the caller gives (block_r, block_c) stays, and only the
+    other one follows the rule, for those tiles (src/core/tiles.cpp default_tiles)."""
     if kernel not in SMEM_LAYOUTS:
         raise InvalidArgumentError(f"kernel: unknown kernel {kernel!r}; known: {sorted(SMEM_LAYOUTS)}")
+    if block_r and block_c:
+        return block_r, block_c
     if kernel in DEFAULT_TILE_RULES:
-        return DEFAULT_TILE_RULES[kernel](kernel, d, profile)
-    Br = Bc = 64
-    while Br > 1 and not fits(kernel, Br, Bc, d, profile):
-        Br //= 2
-        Bc //= 2
+        return DEFAULT_TILE_RULES[kernel](kernel, d, profile, block_r, block_c)
+    Br = block_r or 64
+    Bc = block_c or 64
+    while not fits(kernel, Br, Bc, d, profile) and (Bc if block_r else Br) > 1:
+        if not block_r:
+            Br //= 2
+        if not block_c:
+            Bc //= 2
     return Br, Bc
 
 
@@ -131,8 +137,7 @@ def resolve_tiles(kernel, d, block_r, block_c, profile=EMU_PROFILE):
     Br = check_tile("block_r", block_r)
     Bc = check_tile("block_c", block_c)
     if Br is None or Bc is None:
-        default_r, default_c = default_tiles(kernel, d, profile)
-        Br, Bc = Br or default_r, Bc or default_c
+        Br, Bc = default_tiles(kernel, d, profile, Br, Bc)
     return Br, Bc
 
 
@@ -146,17 +151,24 @@ def launch_tiles(kernel, d, block_r, block_c):
 
 
 @lru_cache(maxsize=None)
-def fa1_default_tiles(kernel, d, profile=EMU_PROFILE):
+def fa1_default_tiles(kernel, d, profile=EMU_PROFILE, block_r=None, block_c=None):
     """FA1's rule (Dao et al. 2022, Algorithms 1 and 4; src/core/tiles.cpp
     fa1_default_tiles): Bc = ceil(M / 4d), Br = min(Bc, d), M the profile's shared memory
     in floats; then Bc is lowered one at a time, Br following it down whenever it would
-    exceed Bc, until the kernel's layout fits."""
+    exceed Bc, until the kernel's layout fits. A side the caller gives stays; with Bc
+    given, Br starts from min(Bc, d) and is lowered alone."""
     M = profile.smem_per_block // FLOAT_BYTES
-    Bc = max(1, -(-M // (4 * d)))
-    Br = min(Bc, d)
-    while Bc > 1 and not fits(kernel, Br, Bc, d, profile):
-        Bc -= 1
-        Br = min(Br, Bc)
+    Bc = block_c or max(1, -(-M // (4 * d)))
+    Br = block_r or min(Bc, d)
+    while not fits(kernel, Br, Bc, d, profile):
+        if not block_c and Bc > 1:
+            Bc -= 1
+            if not block_r:
+                Br = min(Br, Bc)
+        elif not block_r and Br > 1:
+            Br -= 1
+        else:
+            break
     return Br, Bc
 
 

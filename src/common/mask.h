@@ -15,14 +15,51 @@ struct TileRange {
     int64_t begin, end;
 };
 
+// The mask seen from one tile: rows row0 + r, keys col0 + c (r, c local). Key c is
+// visible to row r iff lo <= c - r <= hi. Every test of a score's visibility, in every
+// kernel and the cpu backend, goes through this (or Mask::masked, which is its (0, 0)).
+struct Band {
+    int64_t lo, hi;
+
+    // The visibility test itself, on dc = c - r against the band's edges, in any integer
+    // type: a scalar here, a GCC vector of lanes in the cpu backend (whose edges are the
+    // band's, clamped to its lanes' range), so that the formula is written once.
+    template <class T, class E>
+    PYFA_HD static T visible_diff(T dc, E lo_edge, E hi_edge) {
+        return (dc >= lo_edge) & (dc <= hi_edge);
+    }
+
+    PYFA_HD bool visible(int64_t r, int64_t c) const { return visible_diff<int64_t>(c - r, lo, hi) != 0; }
+
+    // The visible keys [begin, end) of row r among c = 0 .. bc-1 (empty: begin == end).
+    PYFA_HD TileRange cols(int64_t r, int64_t bc) const {
+        const int64_t a = r + lo > 0 ? r + lo : 0;
+        const int64_t z = r + hi + 1 < bc ? r + hi + 1 : bc;
+        return z > a ? TileRange{a, z} : TileRange{0, 0};
+    }
+
+    // The rows [begin, end) among r = 0 .. br-1 that see key c.
+    PYFA_HD TileRange rows(int64_t c, int64_t br) const {
+        const int64_t a = c - hi > 0 ? c - hi : 0;
+        const int64_t z = c - lo + 1 < br ? c - lo + 1 : br;
+        return z > a ? TileRange{a, z} : TileRange{0, 0};
+    }
+
+    // Some score of the br x bc tile is hidden (the tile is cut by the mask).
+    PYFA_HD bool cuts(int64_t br, int64_t bc) const { return bc - 1 > hi || 1 - br < lo; }
+};
+
 struct Mask {
     int64_t left;   // keys visible left of the diagonal, in [0, Nq + Nk]
     int64_t right;  // keys visible right of the diagonal, in [0, Nq + Nk]
     int64_t off;    // the diagonal of row i is key i + off
 
-    PYFA_HD bool masked(int64_t row, int64_t col) const {
-        return col < row + off - left || col > row + off + right;
+    // The band of the tile whose first row is row0 and first key col0.
+    PYFA_HD Band band(int64_t row0, int64_t col0) const {
+        return Band{row0 + off - left - col0, row0 + off + right - col0};
     }
+
+    PYFA_HD bool masked(int64_t row, int64_t col) const { return !band(row, col).visible(0, 0); }
 
     // The K/V tiles (Bc keys each) holding a key visible to some row of
     // [row0, row0 + br): a band, since both edges of the visible range grow with the row.

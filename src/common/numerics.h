@@ -212,11 +212,3 @@ PYFA_HD float pyfa_dot(const float* a, const float* b, int64_t n) {
     for (int64_t x = 0; x < n; ++x) s = pyfa_fma(a[x], b[x], s);
     return s;
 }
-
-// The score S[r,c] = scale * (Q_r . K_c), or -inf where the causal mask hides key c from
-// query r. Every kernel forms S this way, so a backward pass recomputes the very bits its
-// forward pass saw. NumPy twin: pyfa/sim/numerics.py scores.
-PYFA_HD float attention_score(const float* Q_r, const float* K_c, int64_t d, float scale,
-                              bool masked) {
-    return masked ? -INFINITY : pyfa_dot(Q_r, K_c, d) * scale;
-}

@@ -506,7 +506,7 @@ pyfa_status kernel_tiles(int kernel, const pyfa_config& cfg, int64_t d,
                     cfg.block_c);
     int r = 0, c = 0;
     if (cfg.block_r == 0 || cfg.block_c == 0) {
-        const pyfa_status st = default_tiles(kernel, d, profile, &r, &c);
+        const pyfa_status st = default_tiles(kernel, d, profile, cfg.block_r, cfg.block_c, &r, &c);
         if (st != PYFA_OK) return st;
     }
     r = cfg.block_r ? cfg.block_r : r;

@@ -44,6 +44,9 @@ bool smem_fits(int kernel, int64_t Br, int64_t Bc, int64_t d, int64_t limit);
 void smem_breakdown(int kernel, int64_t Br, int64_t Bc, int64_t d, char* buf, size_t size);
 const char* kernel_name(int kernel);
 pyfa_status default_tiles(int kernel, int64_t d, const pyfa_device_profile& profile, int* Br, int* Bc);
+// The default for the sides the caller left free (fixed_br, fixed_bc: 0), given the others.
+pyfa_status default_tiles(int kernel, int64_t d, const pyfa_device_profile& profile, int fixed_br,
+                          int fixed_bc, int* Br, int* Bc);
 
 // Variants (kernels/table.h). `kernel` is a pyfa_kernel; ids returned are table rows,
 // which launch_shape, smem_bytes, kernel_name and the backends take like a pyfa_kernel.

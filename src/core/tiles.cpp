@@ -95,19 +95,27 @@ void smem_breakdown(int kernel, int64_t Br, int64_t Bc, int64_t d, char* buf, si
 // FA1's rule (Dao et al. 2022, Algorithms 1 and 4): Bc = ceil(M / 4d), Br = min(Bc, d),
 // with M the device's shared memory per block in floats. The paper sizes only Q_i, O_i,
 // K_j, V_j against M; the kernels also hold S_ij and more, so Bc is then lowered one at a
-// time, Br following it down whenever it would exceed Bc, until the layout fits.
+// time, Br following it down whenever it would exceed Bc, until the layout fits. A side
+// the caller fixed (fixed_br, fixed_bc > 0) stays as given and only the other one moves:
+// Bc starts from the paper's value, Br from min(Bc, d).
 static pyfa_status fa1_default_tiles(int kernel, int64_t d, const pyfa_device_profile& profile,
-                                     int* Br, int* Bc) {
+                                     int fixed_br, int fixed_bc, int* Br, int* Bc) {
     const int64_t limit = profile.smem_per_block;
     const int64_t M = limit / static_cast<int64_t>(sizeof(float));
     // Bc may not exceed what a pyfa_config can hold; far below that it no longer fits.
-    int64_t c = min64(max64(1, ceil_div(M, 4 * d)), INT32_MAX);
-    int64_t r = min64(c, d);
-    while (c > 1 && !smem_fits(kernel, r, c, d, limit)) {
-        --c;
-        r = min64(r, c);
+    int64_t c = fixed_bc ? fixed_bc : min64(max64(1, ceil_div(M, 4 * d)), INT32_MAX);
+    int64_t r = fixed_br ? fixed_br : min64(c, d);
+    while (!smem_fits(kernel, r, c, d, limit)) {
+        if (!fixed_bc && c > 1) {
+            --c;
+            if (!fixed_br) r = min64(r, c);
+        } else if (!fixed_br && r > 1) {
+            --r;
+        } else {
+            break;
+        }
     }
-    if (!smem_fits(kernel, r, c, d, limit))
+    if (!fixed_br && !fixed_bc && !smem_fits(kernel, r, c, d, limit))
         return fail(PYFA_ERROR_TILE_TOO_LARGE, "%s: even 1 x 1 tiles at head_dim=%lld do not fit in %lld bytes",
                     kernel_name(kernel), static_cast<long long>(d), static_cast<long long>(limit));
     *Br = static_cast<int>(r);
@@ -115,27 +123,39 @@ static pyfa_status fa1_default_tiles(int kernel, int64_t d, const pyfa_device_pr
     return PYFA_OK;
 }
 
-// Start from 64 x 64 and halve both until the tiles fit the device's shared memory.
-pyfa_status default_tiles(int kernel, int64_t d, const pyfa_device_profile& profile, int* Br,
-                          int* Bc) {
+// Start from 64 x 64 and halve both until the tiles fit the device's shared memory; a
+// side the caller fixed (> 0) stays, and the other is halved alone. Tiles that still do
+// not fit with the free side at 1 are returned as they are, for the caller's size check
+// to refuse with the full breakdown.
+pyfa_status default_tiles(int kernel, int64_t d, const pyfa_device_profile& profile, int fixed_br,
+                          int fixed_bc, int* Br, int* Bc) {
     if (!row_of(kernel) || row_of(kernel)->variant != PYFA_VARIANT_REFERENCE)
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "kernel: unknown kernel %d", kernel);
     if (d < 1)
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "head_dim: must be >= 1, got %lld", static_cast<long long>(d));
-    if (kernel == PYFA_KERNEL_FA1_FORWARD || kernel == PYFA_KERNEL_FA1_BACKWARD)
-        return fa1_default_tiles(kernel, d, profile, Br, Bc);
-    const int64_t limit = profile.smem_per_block;
-    int r = 64, c = 64;
-    while (r > 1 && !smem_fits(kernel, r, c, d, limit)) {
-        r /= 2;
-        c /= 2;
+    if (fixed_br && fixed_bc) {
+        *Br = fixed_br;
+        *Bc = fixed_bc;
+        return PYFA_OK;
     }
-    if (!smem_fits(kernel, r, c, d, limit))
+    if (kernel == PYFA_KERNEL_FA1_FORWARD || kernel == PYFA_KERNEL_FA1_BACKWARD)
+        return fa1_default_tiles(kernel, d, profile, fixed_br, fixed_bc, Br, Bc);
+    const int64_t limit = profile.smem_per_block;
+    int r = fixed_br ? fixed_br : 64, c = fixed_bc ? fixed_bc : 64;
+    while (!smem_fits(kernel, r, c, d, limit) && (fixed_br ? c : r) > 1) {
+        if (!fixed_br) r /= 2;
+        if (!fixed_bc) c /= 2;
+    }
+    if (!fixed_br && !fixed_bc && !smem_fits(kernel, r, c, d, limit))
         return fail(PYFA_ERROR_TILE_TOO_LARGE, "%s: even 1 x 1 tiles at head_dim=%lld do not fit in %lld bytes",
                     kernel_name(kernel), static_cast<long long>(d), static_cast<long long>(limit));
     *Br = r;
     *Bc = c;
     return PYFA_OK;
+}
+
+pyfa_status default_tiles(int kernel, int64_t d, const pyfa_device_profile& profile, int* Br, int* Bc) {
+    return default_tiles(kernel, d, profile, 0, 0, Br, Bc);
 }
 
 LaunchShape launch_shape(int kernel, const AttentionParams& p) {
@@ -228,7 +248,7 @@ pyfa_status auto_wanted_tiles(int kernel, int64_t d, const pyfa_device_profile& 
                               int* want_bc) {
     if (*want_br && *want_bc) return PYFA_OK;
     int r = 0, c = 0;
-    const pyfa_status st = default_tiles(kernel, d, profile, &r, &c);
+    const pyfa_status st = default_tiles(kernel, d, profile, *want_br, *want_bc, &r, &c);
     if (st != PYFA_OK) return st;
     const TileSides sides = tile_sides_in_bits(kernel);
     if (!*want_br && sides.br) *want_br = r;

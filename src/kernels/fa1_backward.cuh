@@ -28,6 +28,7 @@
 #include "common/device.h"
 #include "common/numerics.h"
 #include "common/params.h"
+#include "common/score.h"
 #include "common/smem.h"
 #include "common/tiling.h"
 
@@ -116,15 +117,21 @@ __global__ void fa1_backward_kernel(const AttentionParams p) {
                 }
                 __syncthreads();
 
-                // S = scale * sum_x Q_i[r, x] K_j[c, x], -inf if masked;
+                // The score pipeline (common/score.h): S, -inf if hidden;
                 // P_ij[r, c] = exp(S - m_i[r]) / l_i[r], 0 for a row with l_i = 0 (no visible key);
                 // dP_ij[r, c] = sum_x dO_i[r, x] V_j[c, x]. Both sums x = 0 .. d-1 in order.
+                // A hidden score gets P = 0 by selection and no dP.
                 for (int64_t e = tid; e < br * bc; e += nthreads) {
                     const int64_t r = e / bc, c = e % bc;
-                    const bool masked = p.mask.masked(row0 + r, col0 + c);
-                    const float s = attention_score(Qi + r * d, Kj + c * ld, d, p.scale, masked);
+                    if (p.mask.masked(row0 + r, col0 + c)) {
+                        Pij[r * Bc + c] = 0.0f;
+                        dSij[r * Bc + c] = 0.0f;
+                        continue;
+                    }
+                    const float s = scaled_score(p, Qi + r * d, Kj + c * ld);
+                    const float S = score_finish(p, s, false, b, h, row0 + r, col0 + c);
                     const float lr = li[r];
-                    Pij[r * Bc + c] = lr == 0.0f ? 0.0f : pyfa_exp(s - safe_max(mi[r])) / lr;
+                    Pij[r * Bc + c] = lr == 0.0f ? 0.0f : pyfa_exp(S - safe_max(mi[r])) / lr;
                     dSij[r * Bc + c] = pyfa_dot(dOi + r * ld, Vj + c * ld, d);
                 }
                 // D_i[r] = sum_x dO_i[r, x] O_i[r, x], x in order.
@@ -132,35 +139,49 @@ __global__ void fa1_backward_kernel(const AttentionParams p) {
                     Di[r] = pyfa_dot(dOi + r * ld, O + (row0 + r) * row_o, d);
                 }
                 __syncthreads();
+                const Band band = p.mask.band(row0, col0);
 
-                // dS_ij = P_ij o (dP_ij - D_i), in place over dP_ij.
+                // dS_ij = P_ij o (dP_ij - D_i), in place over dP_ij, for the visible scores
+                // (the modification's gradient needs the scaled score, recomputed here).
                 for (int64_t e = tid; e < br * bc; e += nthreads) {
                     const int64_t r = e / bc, c = e % bc;
-                    dSij[r * Bc + c] = Pij[r * Bc + c] * (dSij[r * Bc + c] - Di[r]);
+                    if (!band.visible(r, c)) continue;
+                    const float s = score_mod_is_identity(p) ? 0.0f : scaled_score(p, Qi + r * d, Kj + c * ld);
+                    dSij[r * Bc + c] = score_grad(p, Pij[r * Bc + c], dSij[r * Bc + c], Di[r], s, b, h, row0 + r,
+                                                  col0 + c);
                 }
-                // dV~_j = dV~_j + P_ij^T dO_i, the product summed r = 0 .. br-1 in order.
+                // dV~_j = dV~_j + P_ij^T dO_i, the product summed over the rows r that see
+                // key c, in increasing order; a key no row of the tile sees takes no step.
                 for (int64_t e = tid; e < bc * d; e += nthreads) {
                     const int64_t c = e / d, x = e % d;
+                    const TileRange vis = band.rows(c, br);
+                    if (vis.begin == vis.end) continue;
                     float t = 0.0f;
-                    for (int64_t r = 0; r < br; ++r) t = pyfa_fma(Pij[r * Bc + c], dOi[r * ld + x], t);
+                    for (int64_t r = vis.begin; r < vis.end; ++r) t = pyfa_fma(Pij[r * Bc + c], dOi[r * ld + x], t);
                     dVj[e] = dVj[e] + t;
                 }
                 __syncthreads();
 
-                // dQ_i = fma(scale, dS_ij K_j, dQ_i), the product summed c = 0 .. bc-1 in order;
-                // read from and written back to HBM.
+                // dQ_i = fma(scale, dS_ij K_j, dQ_i), the product summed over the row's
+                // visible keys c in increasing order; read from and written back to HBM. A
+                // row that sees no key of the tile takes no step.
                 for (int64_t e = tid; e < br * d; e += nthreads) {
                     const int64_t r = e / d, x = e % d;
+                    const TileRange vis = band.cols(r, bc);
+                    if (vis.begin == vis.end) continue;
                     float t = 0.0f;
-                    for (int64_t c = 0; c < bc; ++c) t = pyfa_fma(dSij[r * Bc + c], Kj[c * ld + x], t);
+                    for (int64_t c = vis.begin; c < vis.end; ++c) t = pyfa_fma(dSij[r * Bc + c], Kj[c * ld + x], t);
                     float* dQ_rx = dQ + (row0 + r) * row_dq + x;
                     *dQ_rx = pyfa_canonical_nan(pyfa_fma(p.scale, t, *dQ_rx));
                 }
-                // dK~_j = fma(scale, dS_ij^T Q_i, dK~_j), the product summed r = 0 .. br-1 in order.
+                // dK~_j = fma(scale, dS_ij^T Q_i, dK~_j), the product summed over the rows
+                // that see key c, in increasing order.
                 for (int64_t e = tid; e < bc * d; e += nthreads) {
                     const int64_t c = e / d, x = e % d;
+                    const TileRange vis = band.rows(c, br);
+                    if (vis.begin == vis.end) continue;
                     float t = 0.0f;
-                    for (int64_t r = 0; r < br; ++r) t = pyfa_fma(dSij[r * Bc + c], Qi[r * d + x], t);
+                    for (int64_t r = vis.begin; r < vis.end; ++r) t = pyfa_fma(dSij[r * Bc + c], Qi[r * d + x], t);
                     dKj[e] = pyfa_fma(p.scale, t, dKj[e]);
                 }
             }

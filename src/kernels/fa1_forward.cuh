@@ -25,6 +25,7 @@
 #include "common/device.h"
 #include "common/numerics.h"
 #include "common/params.h"
+#include "common/score.h"
 #include "common/smem.h"
 #include "common/tiling.h"
 
@@ -89,13 +90,13 @@ __global__ void fa1_forward_kernel(const AttentionParams p) {
             for (int64_t e = tid; e < br * d; e += nthreads) Qi[e] = Q[(row0 + e / d) * row_q + e % d];
             __syncthreads();
 
-            // S_ij[r, c] = scale * sum_x Q_i[r, x] K_j[c, x], summed x = 0 .. d-1 in order.
+            // S_ij[r, c]: the score pipeline (common/score.h), its sum x = 0 .. d-1 in order.
             for (int64_t e = tid; e < br * bc; e += nthreads) {
                 const int64_t r = e / bc, c = e % bc;
-                const bool masked = p.mask.masked(row0 + r, col0 + c);
-                Sij[r * lds + c] = attention_score(Qi + r * d, Kj + c * ldk, d, p.scale, masked);
+                Sij[r * lds + c] = attention_score(p, Qi + r * d, Kj + c * ldk, b, h, row0 + r, col0 + c);
             }
             __syncthreads();
+            const Band band = p.mask.band(row0, col0);
 
             // m~_ij = max(-inf, S_ij[r, 0], ..., S_ij[r, bc-1]).
             for (int64_t r = tid; r < br; r += nthreads) {
@@ -113,8 +114,10 @@ __global__ void fa1_forward_kernel(const AttentionParams p) {
             __syncthreads();
 
             // l~_ij = rowsum(P~_ij), c = 0 .. bc-1 in order; then the row statistics, read
-            // from HBM and written back.
+            // from HBM and written back. A row that sees no key of the tile takes no step:
+            // its m, l and O stay as they are.
             for (int64_t r = tid; r < br; r += nthreads) {
+                if (band.cols(r, bc).begin == band.cols(r, bc).end) continue;
                 float lt = 0.0f;
                 for (int64_t c = 0; c < bc; ++c) lt = lt + Sij[r * lds + c];
                 const float m_old = m[row0 + r];
@@ -133,12 +136,15 @@ __global__ void fa1_forward_kernel(const AttentionParams p) {
             __syncthreads();
 
             // O_i = fma(o_scale, O_i, pv_scale * P~_ij V_j) / l_new, the product summed
-            // c = 0 .. bc-1 in order. A row with no visible key so far has l_new = 0 and
+            // over the row's visible keys c in increasing order (hidden ones are left out,
+            // not multiplied by 0). A row with no visible key so far has l_new = 0 and
             // keeps O = 0 rather than 0/0.
             for (int64_t e = tid; e < br * d; e += nthreads) {
                 const int64_t r = e / d, x = e % d;
+                const TileRange vis = band.cols(r, bc);
+                if (vis.begin == vis.end) continue;
                 float pv = 0.0f;
-                for (int64_t c = 0; c < bc; ++c) pv = pyfa_fma(Sij[r * lds + c], Vj[c * d + x], pv);
+                for (int64_t c = vis.begin; c < vis.end; ++c) pv = pyfa_fma(Sij[r * lds + c], Vj[c * d + x], pv);
                 const float o_old = O[(row0 + r) * row_o + x];
                 const float num = pyfa_fma(oscale[r], o_old, pvscale[r] * pv);
                 const float ln = lnew[r];

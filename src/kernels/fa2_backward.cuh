@@ -26,24 +26,32 @@
 #include "common/device.h"
 #include "common/numerics.h"
 #include "common/params.h"
+#include "common/score.h"
 #include "common/smem.h"
 #include "common/tiling.h"
 
 namespace PYFA_KERNELS {
 
-// P[r,c] and dS[r,c] of one score, shared by the dK/dV and dQ kernels so that both
-// recompute the very same bits. Q_r, dO_r: row r of Q_i, dO_i; K_c, V_c: row c of K_j, V_j.
-// S is formed by attention_score, as in the forward, so that exp(S - LSE) uses the very
-// S the forward's LSE was computed from. A row that sees no key has
-// LSE = -inf, and P = 0 is chosen outright there instead of exp(S + inf).
-PYFA_HD void fa2_backward_p_ds(const float* Q_r, const float* dO_r, const float* K_c,
-                               const float* V_c, int64_t d, float scale, bool masked, float lse,
-                               float D_r, float* P_rc, float* dS_rc) {
-    const float s = attention_score(Q_r, K_c, d, scale, masked);
-    const float P = lse == -INFINITY ? 0.0f : pyfa_exp(s - lse);
-    const float dp = pyfa_dot(dO_r, V_c, d);
-    *P_rc = P;
-    *dS_rc = P * (dp - D_r);
+// P[i,j] and dS[i,j] of one score of row i, key j, shared by the dK/dV and dQ kernels so
+// that both recompute the very same bits. Q_i, dO_i: the query row; K_j, V_j: the key
+// row. S is the forward's (common/score.h), so exp(S - LSE) uses the very S the forward's
+// LSE was computed from. A hidden score gets P = dS = 0 by selection (its dP is not even
+// formed), and a row that sees no key (LSE = -inf) gets P = 0 outright instead of
+// exp(S + inf).
+PYFA_HD void fa2_backward_p_ds(const AttentionParams& p, const float* Q_i, const float* dO_i, const float* K_j,
+                               const float* V_j, int64_t b, int64_t h, int64_t i, int64_t j, float lse,
+                               float D_i, float* P_ij, float* dS_ij) {
+    if (p.mask.masked(i, j)) {
+        *P_ij = 0.0f;
+        *dS_ij = 0.0f;
+        return;
+    }
+    const float s = scaled_score(p, Q_i, K_j);
+    const float S = score_finish(p, s, false, b, h, i, j);
+    const float P = lse == -INFINITY ? 0.0f : pyfa_exp(S - lse);
+    const float dp = pyfa_dot(dO_i, V_j, p.head_dim);
+    *P_ij = P;
+    *dS_ij = score_grad(p, P, dp, D_i, s, b, h, i, j);
 }
 
 // D_i = rowsum(dO_i o O_i): D[r] = pyfa_dot(dO_r, O_r), x = 0 .. d-1 in order.
@@ -147,18 +155,21 @@ __global__ void fa2_backward_dkdv_kernel(const AttentionParams p) {
             // P_ij = exp(S_ij - LSE_i), dS_ij = P_ij o (dO_i V_j^T - D_i), element by element.
             for (int64_t e = tid; e < br * bc; e += nthreads) {
                 const int64_t r = e / bc, c = e % bc;
-                const bool masked = p.mask.masked(row0 + r, col0 + c);
-                fa2_backward_p_ds(Qi + r * d, dOi + r * d, Kj + c * ld, Vj + c * ld, d, p.scale, masked,
+                fa2_backward_p_ds(p, Qi + r * d, dOi + r * d, Kj + c * ld, Vj + c * ld, b, h, row0 + r, col0 + c,
                                   LSEi[r], Di[r], &Pij[r * Bc + c], &dSij[r * Bc + c]);
             }
             __syncthreads();
+            const Band band = p.mask.band(row0, col0);
 
-            // dV_j += P_ij^T dO_i and dK_j += dS_ij^T Q_i, each tile's product summed
-            // r = 0 .. br-1 in order before it is added to the accumulator.
+            // dV_j += P_ij^T dO_i and dK_j += dS_ij^T Q_i, each tile's product summed over
+            // the rows r that see key c, in increasing order, before it is added to the
+            // accumulator; a key no row of the tile sees takes no step.
             for (int64_t e = tid; e < bc * d; e += nthreads) {
                 const int64_t c = e / d, x = e % d;
+                const TileRange vis = band.rows(c, br);
+                if (vis.begin == vis.end) continue;
                 float dv = 0.0f, dk = 0.0f;
-                for (int64_t r = 0; r < br; ++r) {
+                for (int64_t r = vis.begin; r < vis.end; ++r) {
                     dv = pyfa_fma(Pij[r * Bc + c], dOi[r * d + x], dv);
                     dk = pyfa_fma(dSij[r * Bc + c], Qi[r * d + x], dk);
                 }
@@ -237,18 +248,21 @@ __global__ void fa2_backward_dq_kernel(const AttentionParams p) {
         // dS_ij as in the dK/dV kernel (P_ij is not needed here and is dropped).
         for (int64_t e = tid; e < br * bc; e += nthreads) {
             const int64_t r = e / bc, c = e % bc;
-            const bool masked = p.mask.masked(row0 + r, col0 + c);
             float P_rc;
-            fa2_backward_p_ds(Qi + r * d, dOi + r * d, Kj + c * ld, Vj + c * ld, d, p.scale, masked,
+            fa2_backward_p_ds(p, Qi + r * d, dOi + r * d, Kj + c * ld, Vj + c * ld, b, h, row0 + r, col0 + c,
                               LSEi[r], Di[r], &P_rc, &dSij[r * Bc + c]);
         }
         __syncthreads();
+        const Band band = p.mask.band(row0, col0);
 
-        // dQ_i += dS_ij K_j, the tile's product summed c = 0 .. bc-1 in order.
+        // dQ_i += dS_ij K_j, the tile's product summed over the row's visible keys c in
+        // increasing order; a row that sees no key of the tile takes no step.
         for (int64_t e = tid; e < br * d; e += nthreads) {
             const int64_t r = e / d, x = e % d;
+            const TileRange vis = band.cols(r, bc);
+            if (vis.begin == vis.end) continue;
             float dq = 0.0f;
-            for (int64_t c = 0; c < bc; ++c) dq = pyfa_fma(dSij[r * Bc + c], Kj[c * ld + x], dq);
+            for (int64_t c = vis.begin; c < vis.end; ++c) dq = pyfa_fma(dSij[r * Bc + c], Kj[c * ld + x], dq);
             dQi[e] = dQi[e] + dq;
         }
     }

@@ -18,6 +18,7 @@
 #include "common/device.h"
 #include "common/numerics.h"
 #include "common/params.h"
+#include "common/score.h"
 #include "common/smem.h"
 #include "common/tiling.h"
 
@@ -75,16 +76,18 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
         }
         __syncthreads();
 
-        // S_ij[r, c] = scale * sum_x Q_i[r, x] K_j[c, x], summed x = 0 .. d-1 in order.
+        // S_ij[r, c]: the score pipeline (common/score.h), its sum x = 0 .. d-1 in order.
         for (int64_t e = tid; e < br * bc; e += nthreads) {
             const int64_t r = e / bc, c = e % bc;
-            const bool masked = p.mask.masked(row0 + r, col0 + c);
-            Sij[r * lds + c] = attention_score(Qi + r * d, Kj + c * ldk, d, p.scale, masked);
+            Sij[r * lds + c] = attention_score(p, Qi + r * d, Kj + c * ldk, b, h, row0 + r, col0 + c);
         }
         __syncthreads();
+        const Band band = p.mask.band(row0, col0);
 
         // m_new = max(m_old, S_ij[r, 0], ..., S_ij[r, bc-1]); alpha = exp(m_old - m_new).
+        // A row that sees no key of the tile takes no step (alpha is not read for it).
         for (int64_t r = tid; r < br; r += nthreads) {
+            if (band.cols(r, bc).begin == band.cols(r, bc).end) continue;
             const float m_old = mi[r];
             float m_new = m_old;
             for (int64_t c = 0; c < bc; ++c) m_new = pyfa_max(m_new, Sij[r * lds + c]);
@@ -102,15 +105,19 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
 
         // l_i = fma(alpha, l_i, rowsum(P~_ij)), the row sum taken c = 0 .. bc-1 in order.
         for (int64_t r = tid; r < br; r += nthreads) {
+            if (band.cols(r, bc).begin == band.cols(r, bc).end) continue;
             float rowsum = 0.0f;
             for (int64_t c = 0; c < bc; ++c) rowsum = rowsum + Sij[r * lds + c];
             li[r] = pyfa_fma(alpha[r], li[r], rowsum);
         }
-        // O_i = fma(alpha, O_i, P~_ij V_j), the product summed c = 0 .. bc-1 in order.
+        // O_i = fma(alpha, O_i, P~_ij V_j), the product summed over the row's visible keys
+        // c in increasing order (hidden ones are left out, not multiplied by 0).
         for (int64_t e = tid; e < br * d; e += nthreads) {
             const int64_t r = e / d, x = e % d;
+            const TileRange vis = band.cols(r, bc);
+            if (vis.begin == vis.end) continue;
             float pv = 0.0f;
-            for (int64_t c = 0; c < bc; ++c) pv = pyfa_fma(Sij[r * lds + c], Vj[c * d + x], pv);
+            for (int64_t c = vis.begin; c < vis.end; ++c) pv = pyfa_fma(Sij[r * lds + c], Vj[c * d + x], pv);
             Oi[e] = pyfa_fma(alpha[r], Oi[e], pv);
         }
     }

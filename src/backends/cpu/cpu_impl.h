@@ -22,6 +22,7 @@
 
 #include "common/numerics.h"
 #include "common/params.h"
+#include "common/score.h"
 #include "backends/cpu/contract.h"
 #include "backends/cpu/cpu_kernels.h"
 
@@ -192,11 +193,21 @@ inline int32_t clamp32(int64_t v, int64_t lo, int64_t hi) {
 // C, when given, holds sums stopped part way (C[j * ldc + i]): they go on from there, so
 // the chain of fused multiply-adds of each sum is the same as in one call. Always inlined:
 // left out of line (GCC's choice once it has more callers) it ran slower at d = 64.
-template <int NI, int NJ, class Epi>
+//
+// Sel decides which steps take part: NoSel, every step (a tile the mask leaves whole), or a
+// selection whose keep(k, i, j) gives the lanes i .. i+W-1 of operand j whose step k is
+// kept. A step left out leaves its sum as it is: a hidden score takes no part in a product
+// (common/score.h), whatever the other operand holds.
+struct NoSel {
+    static constexpr bool on = false;
+    vi keep(int64_t, int64_t, int64_t) const { return vi{}; }
+};
+
+template <int NI, int NJ, class Epi, class Sel>
 __attribute__((always_inline)) inline void micro(const float* A, int64_t lda, const float* B,
                                                  int64_t sj, int64_t sk, int64_t K, int64_t i0,
-                                                 int64_t j0, Epi& epi, const float* C = nullptr,
-                                                 int64_t ldc = 0) {
+                                                 int64_t j0, Epi& epi, const Sel& sel,
+                                                 const float* C = nullptr, int64_t ldc = 0) {
     vf acc[NJ][NI];
     for (int jj = 0; jj < NJ; ++jj)
         for (int ii = 0; ii < NI; ++ii)
@@ -209,38 +220,45 @@ __attribute__((always_inline)) inline void micro(const float* A, int64_t lda, co
         for (int ii = 0; ii < NI; ++ii) av[ii] = ld(a + k * lda + ii * W);
         for (int jj = 0; jj < NJ; ++jj) {
             const vf bv = splat(b[jj * sj + k * sk]);
-            for (int ii = 0; ii < NI; ++ii) acc[jj][ii] = vmadd(av[ii], bv, acc[jj][ii]);
+            for (int ii = 0; ii < NI; ++ii) {
+                if constexpr (Sel::on) {
+                    const vf t = vmadd(av[ii], bv, acc[jj][ii]);
+                    acc[jj][ii] = sel.keep(k, i0 + ii * W, j0 + jj) ? t : acc[jj][ii];
+                } else {
+                    acc[jj][ii] = vmadd(av[ii], bv, acc[jj][ii]);
+                }
+            }
         }
     }
     for (int jj = 0; jj < NJ; ++jj)
         for (int ii = 0; ii < NI; ++ii) epi(j0 + jj, i0 + ii * W, acc[jj][ii]);
 }
 
-template <int NI, int NJ, class Epi>
+template <int NI, int NJ, class Epi, class Sel>
 inline void micro_tail(int64_t rem, const float* A, int64_t lda, const float* B, int64_t sj,
-                       int64_t sk, int64_t K, int64_t i0, int64_t j0, Epi& epi,
+                       int64_t sk, int64_t K, int64_t i0, int64_t j0, Epi& epi, const Sel& sel,
                        const float* C = nullptr, int64_t ldc = 0) {
     if constexpr (NJ > 0) {
-        if (rem == NJ) micro<NI, NJ>(A, lda, B, sj, sk, K, i0, j0, epi, C, ldc);
-        else micro_tail<NI, NJ - 1>(rem, A, lda, B, sj, sk, K, i0, j0, epi, C, ldc);
+        if (rem == NJ) micro<NI, NJ>(A, lda, B, sj, sk, K, i0, j0, epi, sel, C, ldc);
+        else micro_tail<NI, NJ - 1>(rem, A, lda, B, sj, sk, K, i0, j0, epi, sel, C, ldc);
     }
 }
 
-template <int NI, class Epi>
+template <int NI, class Epi, class Sel>
 inline void gemm_cols(const float* A, int64_t lda, const float* B, int64_t sj, int64_t sk,
-                      int64_t K, int64_t nj, int64_t i0, Epi& epi) {
+                      int64_t K, int64_t nj, int64_t i0, Epi& epi, const Sel& sel) {
     int64_t j = 0;
-    for (; j + RJ <= nj; j += RJ) micro<NI, RJ>(A, lda, B, sj, sk, K, i0, j, epi);
-    micro_tail<NI, RJ - 1>(nj - j, A, lda, B, sj, sk, K, i0, j, epi);
+    for (; j + RJ <= nj; j += RJ) micro<NI, RJ>(A, lda, B, sj, sk, K, i0, j, epi, sel);
+    micro_tail<NI, RJ - 1>(nj - j, A, lda, B, sj, sk, K, i0, j, epi, sel);
 }
 
 // ni: lanes, a multiple of W; nj: operands.
-template <class Epi>
+template <class Epi, class Sel = NoSel>
 inline void gemm(const float* A, int64_t lda, int64_t ni, const float* B, int64_t sj, int64_t sk,
-                 int64_t K, int64_t nj, Epi epi) {
+                 int64_t K, int64_t nj, Epi epi, const Sel& sel = Sel{}) {
     int64_t i = 0;
-    for (; i + RI * W <= ni; i += RI * W) gemm_cols<RI>(A, lda, B, sj, sk, K, nj, i, epi);
-    for (; i < ni; i += W) gemm_cols<1>(A, lda, B, sj, sk, K, nj, i, epi);
+    for (; i + RI * W <= ni; i += RI * W) gemm_cols<RI>(A, lda, B, sj, sk, K, nj, i, epi, sel);
+    for (; i < ni; i += W) gemm_cols<1>(A, lda, B, sj, sk, K, nj, i, epi, sel);
 }
 
 // C[j * ldc + i] = sum_k A[k * lda + i] * B[j * sj + k * sk], as gemm stores it, but in
@@ -251,6 +269,7 @@ constexpr int64_t KB = 64;
 inline void gemm_store_kb(const float* A, int64_t lda, int64_t ni, const float* B, int64_t sj,
                           int64_t sk, int64_t K, int64_t nj, float* C, int64_t ldc) {
     auto epi = [&](int64_t j, int64_t i, vf acc) { st(C + j * ldc + i, acc); };
+    const NoSel all;
     if (K <= KB) return gemm(A, lda, ni, B, sj, sk, K, nj, epi);
     for (int64_t k0 = 0; k0 < K; k0 += KB) {
         const int64_t kn = min64(KB, K - k0);
@@ -262,11 +281,11 @@ inline void gemm_store_kb(const float* A, int64_t lda, int64_t ni, const float* 
             const bool full = i + RI * W <= ni;
             int64_t j = 0;
             for (; j + RJ <= nj; j += RJ) {
-                if (full) micro<RI, RJ>(Ak, lda, Bk, sj, sk, kn, i, j, epi, Ck, ldc);
-                else micro<1, RJ>(Ak, lda, Bk, sj, sk, kn, i, j, epi, Ck, ldc);
+                if (full) micro<RI, RJ>(Ak, lda, Bk, sj, sk, kn, i, j, epi, all, Ck, ldc);
+                else micro<1, RJ>(Ak, lda, Bk, sj, sk, kn, i, j, epi, all, Ck, ldc);
             }
-            if (full) micro_tail<RI, RJ - 1>(nj - j, Ak, lda, Bk, sj, sk, kn, i, j, epi, Ck, ldc);
-            else micro_tail<1, RJ - 1>(nj - j, Ak, lda, Bk, sj, sk, kn, i, j, epi, Ck, ldc);
+            if (full) micro_tail<RI, RJ - 1>(nj - j, Ak, lda, Bk, sj, sk, kn, i, j, epi, all, Ck, ldc);
+            else micro_tail<1, RJ - 1>(nj - j, Ak, lda, Bk, sj, sk, kn, i, j, epi, all, Ck, ldc);
         }
     }
 }
@@ -277,23 +296,60 @@ inline void gemm_store_kb(const float* A, int64_t lda, int64_t ni, const float* 
 // The same sums in the same order as gemm; only the order in which independent sums are
 // computed differs. A narrower V_j fits L1, and gemm's order re-reads less. (The
 // backward's dV, dK products measured no faster this way, so they keep gemm.)
-template <class Epi>
+template <class Epi, class Sel = NoSel>
 inline void gemm_jo(const float* A, int64_t lda, int64_t ni, const float* B, int64_t sj, int64_t sk,
-                    int64_t K, int64_t nj, Epi epi) {
-    if (nj <= KB) return gemm(A, lda, ni, B, sj, sk, K, nj, epi);
+                    int64_t K, int64_t nj, Epi epi, const Sel& sel = Sel{}) {
+    if (nj <= KB) return gemm(A, lda, ni, B, sj, sk, K, nj, epi, sel);
     int64_t j = 0;
     for (; j + RJ <= nj; j += RJ) {
         int64_t i = 0;
-        for (; i + RI * W <= ni; i += RI * W) micro<RI, RJ>(A, lda, B, sj, sk, K, i, j, epi);
-        for (; i < ni; i += W) micro<1, RJ>(A, lda, B, sj, sk, K, i, j, epi);
+        for (; i + RI * W <= ni; i += RI * W) micro<RI, RJ>(A, lda, B, sj, sk, K, i, j, epi, sel);
+        for (; i < ni; i += W) micro<1, RJ>(A, lda, B, sj, sk, K, i, j, epi, sel);
     }
     if (j < nj) {
         int64_t i = 0;
         for (; i + RI * W <= ni; i += RI * W)
-            micro_tail<RI, RJ - 1>(nj - j, A, lda, B, sj, sk, K, i, j, epi);
-        for (; i < ni; i += W) micro_tail<1, RJ - 1>(nj - j, A, lda, B, sj, sk, K, i, j, epi);
+            micro_tail<RI, RJ - 1>(nj - j, A, lda, B, sj, sk, K, i, j, epi, sel);
+        for (; i < ni; i += W) micro_tail<1, RJ - 1>(nj - j, A, lda, B, sj, sk, K, i, j, epi, sel);
     }
 }
+
+// The mask seen from one tile, in vector form: the tile's Band (common/mask.h) with its
+// edges clamped to the lanes' range of c - r (|c - r| < 2^31 there), tested by the band's
+// own visible_diff. rows_lane: the lanes run along rows (the forward), else along keys.
+struct VBand {
+    vi lo, hi;
+    Band band;
+    VBand(const Band& b, int64_t span) : band(b) {
+        lo = splati(clamp32(b.lo, -span, span));
+        hi = splati(clamp32(b.hi, -span, span));
+    }
+    // Lanes r .. r+W-1 against key c (the forward's lanes).
+    vi rows_see(vi r, int64_t c) const { return Band::visible_diff<vi, vi>(splati(static_cast<int32_t>(c)) - r, lo, hi); }
+    // Keys c .. c+W-1 against row r (the backward's lanes).
+    vi keys_seen(vi c, int64_t r) const { return Band::visible_diff<vi, vi>(c - splati(static_cast<int32_t>(r)), lo, hi); }
+};
+
+// Selections of the products (micro's Sel). Forward P V: lanes are rows, steps k keys.
+struct SelRowsKeys {
+    static constexpr bool on = true;
+    const VBand* vb;
+    vi lane;
+    vi keep(int64_t k, int64_t i, int64_t) const { return vb->rows_see(lane + static_cast<int32_t>(i), k); }
+};
+// Backward P^T dO and dS^T Q: lanes are keys, steps k rows.
+struct SelKeysRows {
+    static constexpr bool on = true;
+    const VBand* vb;
+    vi lane;
+    vi keep(int64_t k, int64_t i, int64_t) const { return vb->keys_seen(lane + static_cast<int32_t>(i), k); }
+};
+// Backward dS K: lanes are the head dimension, steps k keys, operands j rows.
+struct SelOpsKeys {
+    static constexpr bool on = true;
+    const Band* band;
+    vi keep(int64_t k, int64_t, int64_t j) const { return splati(band->visible(j, k) ? -1 : 0); }
+};
 
 // ---------------------------------------------------------------------------------------
 // Forward (FA1 and FA2), one Q tile: lanes are the tile's rows, so the row max, the row
@@ -307,7 +363,7 @@ inline int64_t pad_stride(int64_t d) { return round_up(d, W) + W; }
 
 struct FwdBufs {
     int64_t Rp, Ep;
-    float *QT, *S, *OT, *m, *l, *a, *b, *Vj;
+    float *QT, *S, *OT, *m, *l, *a, *b, *g, *Vj;
 };
 
 inline FwdBufs fwd_bufs(const AttentionParams& p, float* ws) {
@@ -321,14 +377,15 @@ inline FwdBufs fwd_bufs(const AttentionParams& p, float* ws) {
     f.l = f.m + f.Rp;              // (Rp)
     f.a = f.l + f.Rp;              // (Rp)      FA2: alpha; FA1: o_scale; at the end LSE
     f.b = f.a + f.Rp;              // (Rp)      FA1: beta
+    f.g = f.b + f.Rp;              // (Rp)      lanes of rows that see a key of a cut tile (vi bits)
     f.Ep = pad_stride(d);
-    f.Vj = f.b + f.Rp;             // (Bc, Ep)  V_j, rows padded to Ep
+    f.Vj = f.g + f.Rp;             // (Bc, Ep)  V_j, rows padded to Ep
     return f;
 }
 
 inline size_t fwd_floats(const AttentionParams& p) {
     const int64_t Rp = round_up(p.block_r, W);
-    return static_cast<size_t>(2 * p.head_dim * Rp + p.block_c * Rp + 4 * Rp +
+    return static_cast<size_t>(2 * p.head_dim * Rp + p.block_c * Rp + 5 * Rp +
                                p.block_c * pad_stride(p.head_dim));
 }
 
@@ -363,25 +420,27 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
         const float* V = p.v + (bkv * Nk + col0) * d;  // (bc, d)
         // S^T[c][r] = sum_x Q[r,x] K[c,x].
         gemm_store_kb(f.QT, Rp, Rp, K, d, 1, d, bc, f.S, Rp);
-        // Key c is hidden from row r iff c - r > delta (the mask's right side) or
-        // c - r < delta_lo (its left side).
-        const int64_t delta = row0 + p.mask.off + p.mask.right - col0;
-        const int64_t delta_lo = row0 + p.mask.off - p.mask.left - col0;
-        const bool mask = bc - 1 > delta;
-        const bool mask_lo = delta_lo > 1 - br;  // some real row r < br hides some key
-        const vi dl = splati(clamp32(delta, -Rp, Bc));
-        const vi dlo = splati(clamp32(delta_lo, -Rp, Bc + 1));
+        // The score pipeline (common/score.h) on S^T, lanes along rows. In a tile the mask
+        // cuts, a row that sees none of its keys takes no step (g), and hidden scores are
+        // left out of P V; a whole tile keeps the plain loops.
+        const Band band = p.mask.band(row0, col0);
+        const bool cut = band.cuts(br, bc);
+        const VBand vb(band, Rp + Bc + 1);
 
         for (int64_t iv = 0; iv < Rp; iv += W) {
             const vi rl = lane + static_cast<int32_t>(iv);
             float* Sv = f.S + iv;
+            vi sees = splati(cut ? 0 : -1);
             if (!ctx.fa1) {
                 const vf m_old = ld(f.m + iv);
                 vf m_new = m_old;
                 for (int64_t c = 0; c < bc; ++c) {
-                    vf s = ld(Sv + c * Rp) * scale;
-                    if (mask) s = (splati(static_cast<int32_t>(c)) - rl) > dl ? ninf : s;
-                    if (mask_lo) s = dlo > (splati(static_cast<int32_t>(c)) - rl) ? ninf : s;
+                    vf s = score_mod(p, ld(Sv + c * Rp) * scale, bh / p.heads, bh % p.heads, rl + static_cast<int32_t>(row0), col0 + c);
+                    if (cut) {
+                        const vi vis = vb.rows_see(rl, c);
+                        s = vis ? s : ninf;
+                        sees |= vis;
+                    }
                     st(Sv + c * Rp, s);
                     m_new = vmax(m_new, s);
                 }
@@ -394,14 +453,17 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
                     rowsum = rowsum + pc;
                 }
                 st(f.a + iv, alpha);
-                st(f.m + iv, m_new);
-                st(f.l + iv, vmadd(alpha, ld(f.l + iv), rowsum));
+                st(f.m + iv, sees ? m_new : m_old);
+                st(f.l + iv, sees ? vmadd(alpha, ld(f.l + iv), rowsum) : ld(f.l + iv));
             } else {
                 vf mt = ninf;
                 for (int64_t c = 0; c < bc; ++c) {
-                    vf s = ld(Sv + c * Rp) * scale;
-                    if (mask) s = (splati(static_cast<int32_t>(c)) - rl) > dl ? ninf : s;
-                    if (mask_lo) s = dlo > (splati(static_cast<int32_t>(c)) - rl) ? ninf : s;
+                    vf s = score_mod(p, ld(Sv + c * Rp) * scale, bh / p.heads, bh % p.heads, rl + static_cast<int32_t>(row0), col0 + c);
+                    if (cut) {
+                        const vi vis = vb.rows_see(rl, c);
+                        s = vis ? s : ninf;
+                        sees |= vis;
+                    }
                     st(Sv + c * Rp, s);
                     mt = vmax(mt, s);
                 }
@@ -419,26 +481,34 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
                 const vf os = l_old * alpha;
                 st(f.a + iv, os);
                 st(f.b + iv, beta);
-                st(f.l + iv, vmadd(beta, lt, os));
-                st(f.m + iv, m_new);
+                st(f.l + iv, sees ? vmadd(beta, lt, os) : l_old);
+                st(f.m + iv, sees ? m_new : m_old);
             }
+            st(f.g + iv, reinterpret_cast<vf>(sees));
         }
 
         // pv^T[x][r] = sum_c P~[r,c] V[c,x], then the row update.
         for (int64_t c = 0; c < bc; ++c)
             std::memcpy(f.Vj + c * f.Ep, V + c * d, sizeof(float) * static_cast<size_t>(d));
-        if (!ctx.fa1) {
-            gemm_jo(f.S, Rp, Rp, f.Vj, 1, f.Ep, bc, d, [&](int64_t x, int64_t r, vf pv) {
-                float* o = f.OT + x * Rp + r;
-                st(o, vmadd(ld(f.a + r), ld(o), pv));
-            });
+        auto fa2_step = [&](int64_t x, int64_t r, vf pv) {
+            float* o = f.OT + x * Rp + r;
+            const vf next = vmadd(ld(f.a + r), ld(o), pv);
+            st(o, cut ? (reinterpret_cast<vi>(ld(f.g + r)) ? next : ld(o)) : next);
+        };
+        auto fa1_step = [&](int64_t x, int64_t r, vf pv) {
+            float* o = f.OT + x * Rp + r;
+            const vf ln = ld(f.l + r);
+            const vf num = vmadd(ld(f.a + r), ld(o), ld(f.b + r) * pv);
+            const vf next = ln == zero ? zero : num / ln;
+            st(o, cut ? (reinterpret_cast<vi>(ld(f.g + r)) ? next : ld(o)) : next);
+        };
+        if (!cut) {
+            if (!ctx.fa1) gemm_jo(f.S, Rp, Rp, f.Vj, 1, f.Ep, bc, d, fa2_step);
+            else gemm_jo(f.S, Rp, Rp, f.Vj, 1, f.Ep, bc, d, fa1_step);
         } else {
-            gemm_jo(f.S, Rp, Rp, f.Vj, 1, f.Ep, bc, d, [&](int64_t x, int64_t r, vf pv) {
-                float* o = f.OT + x * Rp + r;
-                const vf ln = ld(f.l + r);
-                const vf num = vmadd(ld(f.a + r), ld(o), ld(f.b + r) * pv);
-                st(o, ln == zero ? zero : num / ln);
-            });
+            const SelRowsKeys sel{&vb, lane};
+            if (!ctx.fa1) gemm_jo(f.S, Rp, Rp, f.Vj, 1, f.Ep, bc, d, fa2_step, sel);
+            else gemm_jo(f.S, Rp, Rp, f.Vj, 1, f.Ep, bc, d, fa1_step, sel);
         }
     }
 
@@ -474,7 +544,7 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
 // ---------------------------------------------------------------------------------------
 struct BwdBufs {
     int64_t Cp, Dp, Ep;
-    float *KT, *VT, *Kp, *P, *dS, *dKT, *dVT, *dQi, *Qi, *dOi;
+    float *KT, *VT, *Kp, *P, *dS, *dKT, *dVT, *dQi, *Qi, *dOi, *g;
 };
 
 inline BwdBufs bwd_bufs(const AttentionParams& p, float* ws) {
@@ -493,13 +563,14 @@ inline BwdBufs bwd_bufs(const AttentionParams& p, float* ws) {
     b.dQi = b.dVT + d * b.Cp;  // (Br, Dp)  dQ rows of tile i
     b.Qi = b.dQi + Br * b.Dp;  // (Br, Ep)  Q_i, rows padded to Ep
     b.dOi = b.Qi + Br * b.Ep;  // (Br, Ep)  dO_i, rows padded to Ep
+    b.g = b.dOi + Br * b.Ep;   // (Cp)      lanes of keys that a row of a cut tile sees (vi bits)
     return b;
 }
 
 inline size_t bwd_floats(const AttentionParams& p) {
     const int64_t d = p.head_dim, Br = p.block_r, Bc = p.block_c;
     const int64_t Cp = round_up(Bc, W), Dp = round_up(d, W), Ep = pad_stride(d);
-    return static_cast<size_t>(4 * d * Cp + Bc * Ep + 2 * Br * Cp + Br * Dp + 2 * Br * Ep);
+    return static_cast<size_t>(4 * d * Cp + Bc * Ep + 2 * Br * Cp + Br * Dp + 2 * Br * Ep + Cp);
 }
 
 size_t workspace_floats(const Ctx& ctx) {
@@ -538,51 +609,51 @@ void load_q(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i) {
 }
 
 // P_ij into b.P and dS_ij into b.dS, rows r < br of Q tile i (loaded by load_q), columns
-// of K/V tile j (loaded by load_kv).
+// of K/V tile j (loaded by load_kv): the score pipeline (common/score.h), lanes along keys.
+// In a tile the mask cuts, a hidden score gets P = dS = 0 by selection and b.g marks the
+// keys some row of the tile sees.
 void tile_pair(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i, int64_t j) {
     const AttentionParams& p = ctx.p;
     const int64_t d = p.head_dim, Nq = p.seqlen_q;
     const int64_t Br = p.block_r, Bc = p.block_c, Cp = b.Cp, Ep = b.Ep;
     const int64_t row0 = i * Br, br = min64(Br, Nq - row0), col0 = j * Bc;
+    const int64_t bc = min64(Bc, p.seqlen_k - col0);
     // S[r][c] = sum_x Q[r,x] K[c,x]; dP[r][c] = sum_x dO[r,x] V[c,x].
     gemm_store_kb(b.KT, Cp, Cp, b.Qi, Ep, 1, d, br, b.P, Cp);
     gemm_store_kb(b.VT, Cp, Cp, b.dOi, Ep, 1, d, br, b.dS, Cp);
 
-    const vf scale = splat(p.scale), ninf = splat(-INFINITY), zero = splat(0.0f);
+    const vf scale = splat(p.scale), zero = splat(0.0f);
     const vi lane = iota();
     const int64_t base = bh * Nq + row0;
+    const int64_t bi = bh / p.heads, hi = bh % p.heads;
+    const Band band = p.mask.band(row0, col0);
+    const bool cut = band.cuts(br, bc);
+    const VBand vb(band, Cp + Br + 1);
+    if (cut)
+        for (int64_t cv = 0; cv < Cp; cv += W) st(b.g + cv, zero);
     for (int64_t r = 0; r < br; ++r) {
-        // Key c is hidden from this row iff c > thr (the mask's right side) or c < thr_lo
-        // (its left side).
-        const int32_t t = clamp32(row0 + r + p.mask.off + p.mask.right - col0, -1, Cp);
-        const int32_t t_lo = clamp32(row0 + r + p.mask.off - p.mask.left - col0, 0, Cp);
-        const bool hides = t < Cp - 1, hides_lo = t_lo > 0;
-        const vi thr = splati(t), thr_lo = splati(t_lo);
         const vf Dr = splat(ctx.D[base + r]);
         float* Pr = b.P + r * Cp;
         float* dSr = b.dS + r * Cp;
-        if (!ctx.fa1) {
-            const float lse = p.lse[base + r];
-            const vf vlse = splat(lse);
-            for (int64_t cv = 0; cv < Cp; cv += W) {
-                vf s = ld(Pr + cv) * scale;
-                if (hides) s = (lane + static_cast<int32_t>(cv)) > thr ? ninf : s;
-                if (hides_lo) s = thr_lo > (lane + static_cast<int32_t>(cv)) ? ninf : s;
-                const vf P = lse == -INFINITY ? zero : vexp(s - vlse);
-                st(Pr + cv, P);
-                st(dSr + cv, P * (ld(dSr + cv) - Dr));
+        const float lse = ctx.fa1 ? 0.0f : p.lse[base + r];
+        const float lr = ctx.fa1 ? p.l[base + r] : 0.0f;
+        const vf vlse = splat(lse), ms = splat(ctx.fa1 ? ssafe(p.m[base + r]) : 0.0f), vl = splat(lr);
+        for (int64_t cv = 0; cv < Cp; cv += W) {
+            const vi cl = lane + static_cast<int32_t>(cv);
+            const vf s = ld(Pr + cv) * scale;
+            const vf S = score_mod(p, s, bi, hi, row0 + r, cl + static_cast<int32_t>(col0));
+            vf P;
+            if (!ctx.fa1) P = lse == -INFINITY ? zero : vexp(S - vlse);
+            else P = lr == 0.0f ? zero : vexp(S - ms) / vl;
+            vf dS = score_mod_grad(p, P * (ld(dSr + cv) - Dr), s, bi, hi, row0 + r, cl + static_cast<int32_t>(col0));
+            if (cut) {
+                const vi vis = vb.keys_seen(cl, r);
+                P = vis ? P : zero;
+                dS = vis ? dS : zero;
+                st(b.g + cv, reinterpret_cast<vf>(reinterpret_cast<vi>(ld(b.g + cv)) | vis));
             }
-        } else {
-            const float lr = p.l[base + r];
-            const vf ms = splat(ssafe(p.m[base + r])), vl = splat(lr);
-            for (int64_t cv = 0; cv < Cp; cv += W) {
-                vf s = ld(Pr + cv) * scale;
-                if (hides) s = (lane + static_cast<int32_t>(cv)) > thr ? ninf : s;
-                if (hides_lo) s = thr_lo > (lane + static_cast<int32_t>(cv)) ? ninf : s;
-                const vf P = lr == 0.0f ? zero : vexp(s - ms) / vl;
-                st(Pr + cv, P);
-                st(dSr + cv, P * (ld(dSr + cv) - Dr));
-            }
+            st(Pr + cv, P);
+            st(dSr + cv, dS);
         }
     }
 }
@@ -597,6 +668,7 @@ void backward_kv(const Ctx& ctx, int64_t bkv, int64_t j, bool with_dq, float* ws
     const int64_t Cp = b.Cp, Dp = b.Dp, Ep = b.Ep;
     const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0);
     const vf scale = splat(p.scale);
+    const vi lane = iota();
     load_kv(ctx, b, bkv, j, with_dq);
     for (int64_t e = 0; e < d * Cp; ++e) {
         b.dKT[e] = 0.0f;
@@ -610,28 +682,39 @@ void backward_kv(const Ctx& ctx, int64_t bkv, int64_t j, bool with_dq, float* ws
             const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
             load_q(ctx, b, bh, i);
             tile_pair(ctx, b, bh, i, j);
+            // In a tile the mask cuts, hidden scores are left out of every product and a
+            // key (a row) that no row (key) of the tile sees takes no step.
+            const Band band = p.mask.band(row0, col0);
+            const bool cut = band.cuts(br, bc);
+            const VBand vb(band, Cp + Br + 1);
+            const SelKeysRows by_keys{&vb, lane};
+            auto step = [&](int64_t c, vf next, vf old) {
+                return cut ? (reinterpret_cast<vi>(ld(b.g + c)) ? next : old) : next;
+            };
             // dv^T[x][c] = sum_r P[r,c] dO[r,x]; dk^T[x][c] = sum_r dS[r,c] Q[r,x].
-            gemm(b.P, Cp, Cp, b.dOi, 1, Ep, br, d, [&](int64_t x, int64_t c, vf dv) {
+            auto dv_step = [&](int64_t x, int64_t c, vf dv) {
                 float* a = b.dVT + x * Cp + c;
-                st(a, ld(a) + dv);
-            });
-            if (!ctx.fa1) {
-                gemm(b.dS, Cp, Cp, b.Qi, 1, Ep, br, d, [&](int64_t x, int64_t c, vf dk) {
-                    float* a = b.dKT + x * Cp + c;
-                    st(a, ld(a) + dk);
-                });
+                st(a, step(c, ld(a) + dv, ld(a)));
+            };
+            auto dk_step = [&](int64_t x, int64_t c, vf dk) {
+                float* a = b.dKT + x * Cp + c;
+                st(a, step(c, ctx.fa1 ? vmadd(scale, dk, ld(a)) : ld(a) + dk, ld(a)));
+            };
+            if (!cut) {
+                gemm(b.P, Cp, Cp, b.dOi, 1, Ep, br, d, dv_step);
+                gemm(b.dS, Cp, Cp, b.Qi, 1, Ep, br, d, dk_step);
             } else {
-                gemm(b.dS, Cp, Cp, b.Qi, 1, Ep, br, d, [&](int64_t x, int64_t c, vf dk) {
-                    float* a = b.dKT + x * Cp + c;
-                    st(a, vmadd(scale, dk, ld(a)));
-                });
+                gemm(b.P, Cp, Cp, b.dOi, 1, Ep, br, d, dv_step, by_keys);
+                gemm(b.dS, Cp, Cp, b.Qi, 1, Ep, br, d, dk_step, by_keys);
             }
             if (with_dq) {
                 // dq[r][x] = sum_c dS[r,c] K[c,x], added to the head's dQ rows in place.
-                gemm(b.Kp, Ep, Dp, b.dS, Cp, 1, bc, br,
-                     [&](int64_t r, int64_t x, vf dq) { st(b.dQi + r * Dp + x, dq); });
+                auto store = [&](int64_t r, int64_t x, vf dq) { st(b.dQi + r * Dp + x, dq); };
+                if (!cut) gemm(b.Kp, Ep, Dp, b.dS, Cp, 1, bc, br, store);
+                else gemm(b.Kp, Ep, Dp, b.dS, Cp, 1, bc, br, store, SelOpsKeys{&band});
                 float* dQ = p.dq + (bh * Nq + row0) * d;  // (br, d)
                 for (int64_t r = 0; r < br; ++r) {
+                    if (cut && band.cols(r, bc).begin == band.cols(r, bc).end) continue;
                     const float* dq = b.dQi + r * Dp;
                     float* out = dQ + r * d;
                     if (!ctx.fa1)
@@ -668,17 +751,17 @@ void backward_dq(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
         const int64_t bc = min64(Bc, Nk - j * Bc);
         load_kv(ctx, b, kv_head(p, bh), j, true);
         tile_pair(ctx, b, bh, i, j);
-        if (!ctx.fa1) {
-            gemm(b.Kp, b.Ep, Dp, b.dS, Cp, 1, bc, br, [&](int64_t r, int64_t x, vf dq) {
-                float* a = b.dQi + r * Dp + x;
-                st(a, ld(a) + dq);
-            });
-        } else {
-            gemm(b.Kp, b.Ep, Dp, b.dS, Cp, 1, bc, br, [&](int64_t r, int64_t x, vf dq) {
-                float* a = b.dQi + r * Dp + x;
-                st(a, vmadd(scale, dq, ld(a)));
-            });
-        }
+        // In a tile the mask cuts, hidden scores are left out of dS K and a row that sees
+        // no key of the tile takes no step.
+        const Band band = p.mask.band(row0, j * Bc);
+        const bool cut = band.cuts(br, bc);
+        auto dq_step = [&](int64_t r, int64_t x, vf dq) {
+            if (cut && band.cols(r, bc).begin == band.cols(r, bc).end) return;
+            float* a = b.dQi + r * Dp + x;
+            st(a, ctx.fa1 ? vmadd(scale, dq, ld(a)) : ld(a) + dq);
+        };
+        if (!cut) gemm(b.Kp, b.Ep, Dp, b.dS, Cp, 1, bc, br, dq_step);
+        else gemm(b.Kp, b.Ep, Dp, b.dS, Cp, 1, bc, br, dq_step, SelOpsKeys{&band});
     }
     float* dQ = p.dq + (bh * Nq + row0) * d;  // (br, d)
     for (int64_t r = 0; r < br; ++r)

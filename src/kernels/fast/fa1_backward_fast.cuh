@@ -186,10 +186,13 @@ PYFA_UNROLL
             float s[8][4];
             fast_scores_8x4<D>((half ? VjT : KjT) + wcol + rg * 8, half ? dOs : Qs, cg, s);
 
+            // In a tile the mask cuts, a hidden score is P = 0 by selection and is left out
+            // of every product; a key (a row) that no row (key) of the tile sees takes no step.
+            const Band band = mask.band(row0, col0);
+            const bool cut = band.cuts(br, bc);
             if (half == 0) {
-                // S = s * scale, -inf if masked; P = (l == 0) ? 0 : exp(S - safe_max(m)) / l,
-                // into P_ij^T.
-                const bool whole = !mask.masked(row0 + br - 1, col0) && !mask.masked(row0, col0 + bc - 1);
+                // The score pipeline (common/score.h): S, -inf if hidden;
+                // P = (l == 0) ? 0 : exp(S - safe_max(m)) / l, into P_ij^T.
 PYFA_UNROLL
                 for (int ii = 0; ii < 8; ++ii) {
                     const int c = wcol + rg + 2 * ii;
@@ -197,9 +200,9 @@ PYFA_UNROLL
 PYFA_UNROLL
                     for (int kk = 0; kk < 4; ++kk) {
                         const int r = cg * 4 + kk;
-                        const bool masked = !whole && mask.masked(row0 + r, col0 + c);
-                        const float sc = masked ? -INFINITY : s[ii][kk] * scale;
-                        P[kk] = lr[kk] == 0.0f ? 0.0f : pyfa_exp(sc - safe_max(mr[kk])) / lr[kk];
+                        const bool hidden = cut && !band.visible(r, c);
+                        const float sc = score_finish(p, s[ii][kk] * scale, hidden, b, hk * G + g, row0 + r, col0 + c);
+                        P[kk] = hidden || lr[kk] == 0.0f ? 0.0f : pyfa_exp(sc - safe_max(mr[kk])) / lr[kk];
                     }
                     st4(PT + c * LDP + cg * 4, pyfa_f4{P[0], P[1], P[2], P[3]});
                 }
@@ -263,10 +266,13 @@ PYFA_UNROLL
                             const float ac[4] = {ar.x, ar.y, ar.z, ar.w};
 PYFA_UNROLL
                             for (int rr = 0; rr < 4; ++rr) {
-                                t[ii][0] = pyfa_fma(ac[rr], bx[rr].x, t[ii][0]);
-                                t[ii][1] = pyfa_fma(ac[rr], bx[rr].y, t[ii][1]);
-                                t[ii][2] = pyfa_fma(ac[rr], bx[rr].z, t[ii][2]);
-                                t[ii][3] = pyfa_fma(ac[rr], bx[rr].w, t[ii][3]);
+                                const bool kept = !cut || band.visible(r + rr, wcol + rg + 2 * ii);
+                                const float bv[4] = {bx[rr].x, bx[rr].y, bx[rr].z, bx[rr].w};
+PYFA_UNROLL
+                                for (int x = 0; x < 4; ++x) {
+                                    const float u = pyfa_fma(ac[rr], bv[x], t[ii][x]);
+                                    t[ii][x] = kept ? u : t[ii][x];
+                                }
                             }
                         }
                     }
@@ -279,20 +285,26 @@ PYFA_UNROLL
 PYFA_UNROLL
                                 for (int ii = 0; ii < 8; ++ii) {
                                     const float ac = at[2 * ii * LDP + r + rr];
-                                    t[ii][0] = pyfa_fma(ac, v.x, t[ii][0]);
-                                    t[ii][1] = pyfa_fma(ac, v.y, t[ii][1]);
-                                    t[ii][2] = pyfa_fma(ac, v.z, t[ii][2]);
-                                    t[ii][3] = pyfa_fma(ac, v.w, t[ii][3]);
+                                    const bool kept = !cut || band.visible(r + rr, wcol + rg + 2 * ii);
+                                    const float bv[4] = {v.x, v.y, v.z, v.w};
+PYFA_UNROLL
+                                    for (int x = 0; x < 4; ++x) {
+                                        const float u = pyfa_fma(ac, bv[x], t[ii][x]);
+                                        t[ii][x] = kept ? u : t[ii][x];
+                                    }
                                 }
                             }
                         }
                     }
 PYFA_UNROLL
-                    for (int ii = 0; ii < 8; ++ii)
+                    for (int ii = 0; ii < 8; ++ii) {
+                        const int c = wcol + rg + 2 * ii;
+                        if (cut && band.rows(c, br).begin == band.rows(c, br).end) continue;
 PYFA_UNROLL
                         for (int x = 0; x < 4; ++x)
                             acc[ii][4 * hh + x] = half ? pyfa_fma(scale, t[ii][x], acc[ii][4 * hh + x])
                                                        : acc[ii][4 * hh + x] + t[ii][x];
+                    }
                 }
             }
             __syncthreads();  // dS_ij^T is complete; Q_i, dO_i, O_i are free
@@ -331,10 +343,13 @@ PYFA_UNROLL
                         const float dc[4] = {dv[cc].x, dv[cc].y, dv[cc].z, dv[cc].w};
 PYFA_UNROLL
                         for (int kk = 0; kk < 4; ++kk) {
-                            t[kk][0] = pyfa_fma(dc[kk], kx[cc].x, t[kk][0]);
-                            t[kk][1] = pyfa_fma(dc[kk], kx[cc].y, t[kk][1]);
-                            t[kk][2] = pyfa_fma(dc[kk], kx[cc].z, t[kk][2]);
-                            t[kk][3] = pyfa_fma(dc[kk], kx[cc].w, t[kk][3]);
+                            const bool kept = !cut || band.visible(rq * 4 + kk, c + cc);
+                            const float kv[4] = {kx[cc].x, kx[cc].y, kx[cc].z, kx[cc].w};
+PYFA_UNROLL
+                            for (int x = 0; x < 4; ++x) {
+                                const float u = pyfa_fma(dc[kk], kv[x], t[kk][x]);
+                                t[kk][x] = kept ? u : t[kk][x];
+                            }
                         }
                     }
                 }
@@ -347,10 +362,13 @@ PYFA_UNROLL
                             const float dc[4] = {dv.x, dv.y, dv.z, dv.w};
 PYFA_UNROLL
                             for (int kk = 0; kk < 4; ++kk) {
-                                t[kk][0] = pyfa_fma(dc[kk], kv.x, t[kk][0]);
-                                t[kk][1] = pyfa_fma(dc[kk], kv.y, t[kk][1]);
-                                t[kk][2] = pyfa_fma(dc[kk], kv.z, t[kk][2]);
-                                t[kk][3] = pyfa_fma(dc[kk], kv.w, t[kk][3]);
+                                const bool kept = !cut || band.visible(rq * 4 + kk, c + cc);
+                                const float kw[4] = {kv.x, kv.y, kv.z, kv.w};
+PYFA_UNROLL
+                                for (int x = 0; x < 4; ++x) {
+                                    const float u = pyfa_fma(dc[kk], kw[x], t[kk][x]);
+                                    t[kk][x] = kept ? u : t[kk][x];
+                                }
                             }
                         }
                     }
@@ -358,7 +376,7 @@ PYFA_UNROLL
 PYFA_UNROLL
                 for (int kk = 0; kk < 4; ++kk) {
                     const int r = rq * 4 + kk;
-                    if (r >= br) continue;
+                    if (r >= br || (cut && band.cols(r, bc).begin == band.cols(r, bc).end)) continue;
                     st4(cur.dQ + (row0 + r) * lddq + xq * 4 + 64 * hh,
                         pyfa_f4{pyfa_canonical_nan(pyfa_fma(scale, t[kk][0], old[kk].x)),
                                 pyfa_canonical_nan(pyfa_fma(scale, t[kk][1], old[kk].y)),

@@ -148,7 +148,11 @@ PYFA_UNROLL
             float s[8][4];
             fast_s_tile<D, BR, BC>(Qt + wrow + rg * 8, KjT + cg * 4, s);
             q_stage(1);
-            fast_scale_mask(s, mask, p.scale, row0, br, col0, bc, wrow, rg, cg);
+            fast_scale_mask(s, p, b, h, row0, br, col0, bc, wrow, rg, cg);
+            // In a tile the mask cuts, hidden scores are left out of P V and a row that
+            // sees none of its keys takes no step: its m, l and O stay (common/score.h).
+            const Band band = mask.band(row0, col0);
+            const bool cut = band.cuts(br, bc);
 
             // 2. m~_ij = pyfa_max over (-inf, S[r, 0 .. bc-1]) in order; 3. P~_ij =
             // exp(S_ij - safe_max(m~_ij)).
@@ -173,7 +177,7 @@ PYFA_UNROLL
                 const float os = l_old * alpha;
                 const float l_new = pyfa_fma(beta, lt, os);
                 st4(prow + BC, pyfa_f4{os, beta, l_new, mt});
-                if (my_row < br) {
+                if (my_row < br && (!cut || band.cols(my_row, bc).begin != band.cols(my_row, bc).end)) {
                     m[row0 + my_row] = pyfa_canonical_nan(m_new);
                     l[row0 + my_row] = pyfa_canonical_nan(l_new);
                 }
@@ -192,11 +196,15 @@ PYFA_UNROLL
                     o[ii][hh] = r < br ? ld4(O + (row0 + r) * ldo + cg * 4 + 64 * hh) : zero4;
             }
             float pv[8][4 * XC];
-            fast_pv_tile<D, LDP>(Pij + (wrow + rg) * LDP, Vj + cg * 4, bc, pv);
+            if (!cut) {
+                fast_pv_tile<D, LDP>(Pij + (wrow + rg) * LDP, Vj + cg * 4, bc, pv);
+            } else {
+                fast_pv_tile<D, LDP, true>(Pij + (wrow + rg) * LDP, Vj + cg * 4, bc, pv, band, wrow + rg);
+            }
 PYFA_UNROLL
             for (int ii = 0; ii < 8; ++ii) {
                 const int r = wrow + rg + 2 * ii;
-                if (r >= br) continue;
+                if (r >= br || (cut && band.cols(r, bc).begin == band.cols(r, bc).end)) continue;
                 const pyfa_f4 rs = ld4(Pij + r * LDP + BC);
                 const float os = rs.x, beta = rs.y, ln = rs.z;
 PYFA_UNROLL

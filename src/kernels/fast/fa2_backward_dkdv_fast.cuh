@@ -115,11 +115,19 @@ PYFA_UNROLL
             // S^T = K_j Q_i^T (warps 0..3) or dP^T = V_j dO_i^T (warps 4..7), over x in order.
             float s[8][4];
             fast_scores_8x4<D>(score_at, score_b, cg, s);
+            // In a tile the mask cuts, a hidden score is P = 0 by selection and is left out
+            // of both products; a key that no row of the tile sees takes no step.
+            const Band band = mask.band(row0, col0);
+            const bool cut = band.cuts(br, bc);
+            // The band's edges in 32 bits (|c - r| < 2 BC in a tile), to spare registers.
+            const int blo = static_cast<int>(band.lo < -2 * BC ? -2 * BC : band.lo > 2 * BC ? 2 * BC : band.lo);
+            const int bhi = static_cast<int>(band.hi < -2 * BC ? -2 * BC : band.hi > 2 * BC ? 2 * BC : band.hi);
+            auto seen = [=](int c, int r) { return Band::visible_diff<int, int>(c - r, blo, bhi) != 0; };
 
             float* prow = PT + (wcol + rg) * LDP;  // the thread's keys' rows of P_ij^T
             if (!dk_role) {
-                // P = exp(S - LSE) (0 for a row that sees no key) into P_ij^T.
-                const bool whole = !mask.masked(row0 + br - 1, col0) && !mask.masked(row0, col0 + bc - 1);
+                // P = exp(S - LSE) (0 for a row that sees no key) into P_ij^T: the score
+                // pipeline (common/score.h).
 PYFA_UNROLL
                 for (int ii = 0; ii < 8; ++ii) {
                     const int c = wcol + rg + 2 * ii;
@@ -127,9 +135,9 @@ PYFA_UNROLL
 PYFA_UNROLL
                     for (int kk = 0; kk < 4; ++kk) {
                         const int r = cg * 4 + kk;
-                        const bool masked = !whole && mask.masked(row0 + r, col0 + c);
-                        const float sc = masked ? -INFINITY : s[ii][kk] * p.scale;
-                        P[kk] = rowv[kk] == -INFINITY ? 0.0f : pyfa_exp(sc - rowv[kk]);
+                        const bool hidden = cut && !seen(c, r);
+                        const float sc = score_finish(p, s[ii][kk] * p.scale, hidden, b, h, row0 + r, col0 + c);
+                        P[kk] = hidden || rowv[kk] == -INFINITY ? 0.0f : pyfa_exp(sc - rowv[kk]);
                     }
                     st4(prow + 2 * ii * LDP + cg * 4, pyfa_f4{P[0], P[1], P[2], P[3]});
                 }
@@ -147,7 +155,11 @@ PYFA_UNROLL
                 pyfa_syncwarp();
             }
             // dV_j += P_ij^T dO_i (warps 0..3) or dK_j += dS_ij^T Q_i (warps 4..7).
-            fast_product_8x4<D, XC, LDP>(prod_at, prod_b, br, cg, acc);
+            if (!cut) {
+                fast_product_8x4<D, XC, LDP>(prod_at, prod_b, br, cg, acc);
+            } else {
+                fast_product_8x4<D, XC, LDP, 1>(prod_at, prod_b, br, cg, acc, wcol + rg, blo, bhi);
+            }
         }
     }
 

@@ -151,8 +151,11 @@ PYFA_UNROLL
         }
 
         // dS = P (dp - D), P = exp(S - LSE) (0 for a row that sees no key), into the warp's
-        // rows of dS_ij.
-        const bool whole = !mask.masked(row0 + br - 1, col0) && !mask.masked(row0, col0 + bc - 1);
+        // rows of dS_ij: the score pipeline (common/score.h). In a tile the mask cuts, a
+        // hidden score is dS = 0 by selection and is left out of dS K, and a row that sees
+        // no key of the tile takes no step.
+        const Band band = mask.band(row0, col0);
+        const bool cut = band.cuts(br, bc);
 PYFA_UNROLL
         for (int ii = 0; ii < 8; ++ii) {
             const int r = wrow + rg + 2 * ii;
@@ -160,10 +163,12 @@ PYFA_UNROLL
 PYFA_UNROLL
             for (int kk = 0; kk < 4; ++kk) {
                 const int c = cg * 4 + kk;
-                const bool masked = !whole && mask.masked(row0 + r, col0 + c);
-                const float sc = masked ? -INFINITY : s[ii][kk] * p.scale;
+                const bool hidden = cut && !band.visible(r, c);
+                const float sv = s[ii][kk] * p.scale;
+                const float sc = score_finish(p, sv, hidden, blockIdx.z, blockIdx.y, row0 + r, col0 + c);
                 const float P = lse[ii] == -INFINITY ? 0.0f : pyfa_exp(sc - lse[ii]);
-                ds[kk] = P * (dp[ii][kk] - drow[ii]);
+                ds[kk] = hidden ? 0.0f : score_grad(p, P, dp[ii][kk], drow[ii], sv, blockIdx.z, blockIdx.y, row0 + r,
+                                                    col0 + c);
             }
             st4(dSij + r * LDP + cg * 4, pyfa_f4{ds[0], ds[1], ds[2], ds[3]});
         }
@@ -191,10 +196,13 @@ PYFA_UNROLL
                     const float pc[4] = {pr.x, pr.y, pr.z, pr.w};
 PYFA_UNROLL
                     for (int cc = 0; cc < 4; ++cc) {
-                        dq[ii][0] = pyfa_fma(pc[cc], kx[cc].x, dq[ii][0]);
-                        dq[ii][1] = pyfa_fma(pc[cc], kx[cc].y, dq[ii][1]);
-                        dq[ii][2] = pyfa_fma(pc[cc], kx[cc].z, dq[ii][2]);
-                        dq[ii][3] = pyfa_fma(pc[cc], kx[cc].w, dq[ii][3]);
+                        const bool kept = !cut || band.visible(wrow + rg + 2 * ii, c + cc);
+                        const float kv[4] = {kx[cc].x, kx[cc].y, kx[cc].z, kx[cc].w};
+PYFA_UNROLL
+                        for (int x = 0; x < 4; ++x) {
+                            const float u = pyfa_fma(pc[cc], kv[x], dq[ii][x]);
+                            dq[ii][x] = kept ? u : dq[ii][x];
+                        }
                     }
                 }
             }
@@ -206,17 +214,22 @@ PYFA_UNROLL
 PYFA_UNROLL
                         for (int ii = 0; ii < 8; ++ii) {
                             const float pc = dsp[2 * ii * LDP + c + cc];
-                            dq[ii][0] = pyfa_fma(pc, v.x, dq[ii][0]);
-                            dq[ii][1] = pyfa_fma(pc, v.y, dq[ii][1]);
-                            dq[ii][2] = pyfa_fma(pc, v.z, dq[ii][2]);
-                            dq[ii][3] = pyfa_fma(pc, v.w, dq[ii][3]);
+                            const bool kept = !cut || band.visible(wrow + rg + 2 * ii, c + cc);
+                            const float kv[4] = {v.x, v.y, v.z, v.w};
+PYFA_UNROLL
+                            for (int x = 0; x < 4; ++x) {
+                                const float u = pyfa_fma(pc, kv[x], dq[ii][x]);
+                                dq[ii][x] = kept ? u : dq[ii][x];
+                            }
                         }
                     }
                 }
             }
 PYFA_UNROLL
             for (int ii = 0; ii < 8; ++ii) {
-                float* acc = dQi + (wrow + rg + 2 * ii) * D + cg * 4 + 64 * hh;
+                const int r = wrow + rg + 2 * ii;
+                if (cut && band.cols(r, bc).begin == band.cols(r, bc).end) continue;
+                float* acc = dQi + r * D + cg * 4 + 64 * hh;
                 const pyfa_f4 a = ld4(acc);
                 st4(acc, pyfa_f4{a.x + dq[ii][0], a.y + dq[ii][1], a.z + dq[ii][2], a.w + dq[ii][3]});
             }
@@ -314,9 +327,13 @@ PYFA_UNROLL
 
         float* prow = Pij + (wrow + rg) * LDP;  // the thread's rows of P_ij
         float* dsrow = dSij + (wrow + rg) * LDP;
+        // In a tile the mask cuts, a hidden score is P = 0 by selection and is left out of
+        // dS K; a row that sees no key of the tile takes no step.
+        const Band band = mask.band(row0, col0);
+        const bool cut = band.cuts(br, bc);
         if (role == 0) {
-            // P = exp(S - LSE) (0 for a row that sees no key) into P_ij.
-            const bool whole = !mask.masked(row0 + br - 1, col0) && !mask.masked(row0, col0 + bc - 1);
+            // P = exp(S - LSE) (0 for a row that sees no key) into P_ij: the score pipeline
+            // (common/score.h).
 PYFA_UNROLL
             for (int ii = 0; ii < 8; ++ii) {
                 const int r = wrow + rg + 2 * ii;
@@ -324,9 +341,10 @@ PYFA_UNROLL
 PYFA_UNROLL
                 for (int kk = 0; kk < 4; ++kk) {
                     const int c = cg * 4 + kk;
-                    const bool masked = !whole && mask.masked(row0 + r, col0 + c);
-                    const float sc = masked ? -INFINITY : s[ii][kk] * p.scale;
-                    P[kk] = rowv[ii] == -INFINITY ? 0.0f : pyfa_exp(sc - rowv[ii]);
+                    const bool hidden = cut && !band.visible(r, c);
+                    const float sc = score_finish(p, s[ii][kk] * p.scale, hidden, blockIdx.z, blockIdx.y, row0 + r,
+                                                  col0 + c);
+                    P[kk] = hidden || rowv[ii] == -INFINITY ? 0.0f : pyfa_exp(sc - rowv[ii]);
                 }
                 st4(prow + 2 * ii * LDP + cg * 4, pyfa_f4{P[0], P[1], P[2], P[3]});
             }
@@ -344,7 +362,13 @@ PYFA_UNROLL
         }
         __syncthreads();  // dS_ij is whole
         // dq = sum_c dS[r, c] K[c, x] over c < bc in order; dQ_i = dQ_i + dq.
-        fast_product_8x4<D, 1, LDP>(dsrow, Kj + 64 * role, bc, cg, acc);
+        if (!cut) {
+            fast_product_8x4<D, 1, LDP>(dsrow, Kj + 64 * role, bc, cg, acc);
+        } else {
+            const int blo = static_cast<int>(band.lo < -2 * BC ? -2 * BC : band.lo > 2 * BC ? 2 * BC : band.lo);
+            const int bhi = static_cast<int>(band.hi < -2 * BC ? -2 * BC : band.hi > 2 * BC ? 2 * BC : band.hi);
+            fast_product_8x4<D, 1, LDP, -1>(dsrow, Kj + 64 * role, bc, cg, acc, wrow + rg, blo, bhi);
+        }
     }
 
     // dQ = canonical(dQ_i * scale).

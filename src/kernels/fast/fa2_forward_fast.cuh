@@ -168,7 +168,11 @@ PYFA_UNROLL
             if (KPARTS == 2) load_k(j + 1, 1);
         }
 
-        fast_scale_mask(s, mask, p.scale, row0, br, col0, bc, wrow, rg, cg);
+        fast_scale_mask(s, p, blockIdx.z, blockIdx.y, row0, br, col0, bc, wrow, rg, cg);
+        // In a tile the mask cuts, hidden scores are left out of P V and a row that sees
+        // none of its keys takes no step (common/score.h).
+        const Band band = mask.band(row0, col0);
+        const bool cut = band.cuts(br, bc);
 
         // m_new = pyfa_max over (m_old, S[r, 0 .. bc-1]) in order; P = exp(S - safe_max(m_new)).
 PYFA_UNROLL
@@ -183,11 +187,13 @@ PYFA_UNROLL
         if (lane < 16) {
             const float m_new = mi[my_row];
             const float a = pyfa_exp(m_row - safe_max(m_new));
-            m_row = m_new;
-            const float* prow = Pij + my_row * LDP;
-            float rowsum = 0.0f;
-            for (int c = 0; c < bc; ++c) rowsum = rowsum + prow[c];
-            l_row = pyfa_fma(a, l_row, rowsum);
+            if (!cut || band.cols(my_row, bc).begin != band.cols(my_row, bc).end) {
+                m_row = m_new;
+                const float* prow = Pij + my_row * LDP;
+                float rowsum = 0.0f;
+                for (int c = 0; c < bc; ++c) rowsum = rowsum + prow[c];
+                l_row = pyfa_fma(a, l_row, rowsum);
+            }
             alpha_s[my_row] = a;
         }
         pyfa_syncwarp();
@@ -196,12 +202,18 @@ PYFA_UNROLL
 
         // pv = sum_c P[r, c] V[c, x], c in order; O = fma(alpha, O, pv).
         float pv[8][4 * XC];
-        fast_pv_tile<D, LDP>(Pij + (wrow + rg) * LDP, Vt + cg * 4, bc, pv);
+        if (!cut) {
+            fast_pv_tile<D, LDP>(Pij + (wrow + rg) * LDP, Vt + cg * 4, bc, pv);
+        } else {
+            fast_pv_tile<D, LDP, true>(Pij + (wrow + rg) * LDP, Vt + cg * 4, bc, pv, band, wrow + rg);
+        }
 PYFA_UNROLL
         for (int ii = 0; ii < 8; ++ii) {
-            const float a = alpha_s[wrow + rg + 2 * ii];
+            const int r = wrow + rg + 2 * ii;
+            const float a = alpha_s[r];
+            const bool steps = !cut || band.cols(r, bc).begin != band.cols(r, bc).end;
 PYFA_UNROLL
-            for (int x = 0; x < 4 * XC; ++x) o[ii][x] = pyfa_fma(a, o[ii][x], pv[ii][x]);
+            for (int x = 0; x < 4 * XC; ++x) o[ii][x] = steps ? pyfa_fma(a, o[ii][x], pv[ii][x]) : o[ii][x];
         }
     }
 

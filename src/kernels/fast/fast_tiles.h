@@ -82,13 +82,28 @@ PYFA_UNROLL
 // the columns of B's chunks cg + 16 hh (hh < XC). at: the thread's first row of A^T (row
 // stride LDP); b: B (br, D) row-major, chunks swizzled, from the first column this thread
 // group covers (a multiple of 64).
-template <int D, int XC, int LDP>
-PYFA_DEV void fast_product_8x4(const float* at, const float* b, int br, int cg, float (&acc)[8][4 * XC]) {
+//
+// SEL != 0 (a tile the mask cuts): step r of row a = a0 + 2 ii takes part iff the score is
+// visible, lo <= dc <= hi (the tile's Band, edges clamped to 32 bits) with dc = a - r when
+// A^T's rows are keys (SEL = 1, the dK/dV kernel) or dc = r - a when they are query rows
+// (SEL = -1, dS K); a hidden step is left out rather than multiplied by 0, and a row with
+// no step left keeps its acc. The test is one unsigned compare against hi - lo (>= 0), so
+// that the selecting loop needs two registers more than the plain one.
+template <int D, int XC, int LDP, int SEL = 0>
+PYFA_DEV void fast_product_8x4(const float* at, const float* b, int br, int cg, float (&acc)[8][4 * XC],
+                               int a0 = 0, int lo = 0, int hi = 0) {
     float t[8][4 * XC];
 PYFA_UNROLL
     for (int ii = 0; ii < 8; ++ii)
 PYFA_UNROLL
         for (int x = 0; x < 4 * XC; ++x) t[ii][x] = 0.0f;
+    // kept(a, r) = (unsigned)(SEL * (a - r) - lo) <= span, with base = SEL * (a0 - r) - lo
+    // following r.
+    const unsigned span = static_cast<unsigned>(hi - lo);
+    auto kept = [&](int base, int ii, int rr) {
+        return !SEL || static_cast<unsigned>(base + SEL * (2 * ii - rr)) <= span;
+    };
+    unsigned stepm = 0;  // bit ii: some step of row ii was kept
     int r = 0;
     for (; r + 4 <= br; r += 4) {
         const float* brow = b + r * D + ((cg ^ swz_qk(r)) << 2);  // rows r .. r+3 share one swizzle
@@ -102,14 +117,19 @@ PYFA_UNROLL
             const pyfa_f4 ar = ld4(at + 2 * ii * LDP + r);
             const float ac[4] = {ar.x, ar.y, ar.z, ar.w};
 PYFA_UNROLL
-            for (int rr = 0; rr < 4; ++rr)
+            for (int rr = 0; rr < 4; ++rr) {
+                const bool k = kept(SEL * (a0 - r) - lo, ii, rr);
+                if (SEL) stepm |= static_cast<unsigned>(k) << ii;
 PYFA_UNROLL
                 for (int hh = 0; hh < XC; ++hh) {
-                    t[ii][4 * hh + 0] = pyfa_fma(ac[rr], bx[rr][hh].x, t[ii][4 * hh + 0]);
-                    t[ii][4 * hh + 1] = pyfa_fma(ac[rr], bx[rr][hh].y, t[ii][4 * hh + 1]);
-                    t[ii][4 * hh + 2] = pyfa_fma(ac[rr], bx[rr][hh].z, t[ii][4 * hh + 2]);
-                    t[ii][4 * hh + 3] = pyfa_fma(ac[rr], bx[rr][hh].w, t[ii][4 * hh + 3]);
+                    const float bv[4] = {bx[rr][hh].x, bx[rr][hh].y, bx[rr][hh].z, bx[rr][hh].w};
+PYFA_UNROLL
+                    for (int x = 0; x < 4; ++x) {
+                        const float u = pyfa_fma(ac[rr], bv[x], t[ii][4 * hh + x]);
+                        t[ii][4 * hh + x] = k ? u : t[ii][4 * hh + x];
+                    }
                 }
+            }
         }
     }
     if (r < br) {  // the last 1..3 rows of a tail Q tile, in order
@@ -120,13 +140,17 @@ PYFA_UNROLL
 PYFA_UNROLL
                 for (int hh = 0; hh < XC; ++hh) {
                     const pyfa_f4 v = ld4(brow + 64 * hh);
+                    const float bv[4] = {v.x, v.y, v.z, v.w};
 PYFA_UNROLL
                     for (int ii = 0; ii < 8; ++ii) {
                         const float ac = at[2 * ii * LDP + r + rr];
-                        t[ii][4 * hh + 0] = pyfa_fma(ac, v.x, t[ii][4 * hh + 0]);
-                        t[ii][4 * hh + 1] = pyfa_fma(ac, v.y, t[ii][4 * hh + 1]);
-                        t[ii][4 * hh + 2] = pyfa_fma(ac, v.z, t[ii][4 * hh + 2]);
-                        t[ii][4 * hh + 3] = pyfa_fma(ac, v.w, t[ii][4 * hh + 3]);
+                        const bool k = kept(SEL * (a0 - r) - lo, ii, rr);
+                        if (SEL) stepm |= static_cast<unsigned>(k) << ii;
+PYFA_UNROLL
+                        for (int x = 0; x < 4; ++x) {
+                            const float u = pyfa_fma(ac, bv[x], t[ii][4 * hh + x]);
+                            t[ii][4 * hh + x] = k ? u : t[ii][4 * hh + x];
+                        }
                     }
                 }
             }
@@ -135,7 +159,8 @@ PYFA_UNROLL
 PYFA_UNROLL
     for (int ii = 0; ii < 8; ++ii)
 PYFA_UNROLL
-        for (int x = 0; x < 4 * XC; ++x) acc[ii][x] = acc[ii][x] + t[ii][x];
+        for (int x = 0; x < 4 * XC; ++x)
+            acc[ii][x] = (!SEL || ((stepm >> ii) & 1u)) ? acc[ii][x] + t[ii][x] : acc[ii][x];
 }
 
 }  // namespace PYFA_KERNELS

@@ -9,6 +9,8 @@
 
 #include "common/mask.h"
 #include "common/numerics.h"
+#include "common/params.h"
+#include "common/score.h"
 #include "kernels/fast/fast_common.h"
 
 namespace PYFA_KERNELS {
@@ -81,22 +83,23 @@ PYFA_UNROLL
     }
 }
 
-// S_ij[r, c] = s * scale, or -inf where the mask hides key c from row r or c >= bc
-// (docs/numerics.md, step 1), on the thread's 8 x 4 tile: rows row0 + wrow + rg + 2 ii,
-// keys col0 + cg*4 + kk. A tile that the mask leaves whole skips the per-element test;
-// keys past bc become -inf, which the row max passes over (pyfa_max(m, -inf) = m) and the
-// row sum and P V never visit.
-PYFA_DEV void fast_scale_mask(float (&s)[8][4], const Mask& mask, float scale, int row0, int br, int col0,
-                              int bc, int wrow, int rg, int cg) {
-    const bool whole = !mask.masked(row0 + br - 1, col0) && !mask.masked(row0, col0 + bc - 1);
+// S_ij[r, c] of the score pipeline (common/score.h) from the thread's sums s: -inf where
+// the mask hides key c from row r or c >= bc, on the thread's 8 x 4 tile: rows
+// row0 + wrow + rg + 2 ii, keys col0 + cg*4 + kk of batch b, head h. A tile that the mask
+// leaves whole skips the per-element test; keys past bc become -inf, which the row max
+// passes over (pyfa_max(m, -inf) = m) and the row sum and P V never visit.
+PYFA_DEV void fast_scale_mask(float (&s)[8][4], const AttentionParams& p, int64_t b, int64_t h, int row0, int br,
+                              int col0, int bc, int wrow, int rg, int cg) {
+    const Band band = p.mask.band(row0, col0);
+    const bool whole = !band.cuts(br, bc);
 PYFA_UNROLL
     for (int ii = 0; ii < 8; ++ii) {
-        const int r = row0 + wrow + rg + 2 * ii;
+        const int r = wrow + rg + 2 * ii;
 PYFA_UNROLL
         for (int kk = 0; kk < 4; ++kk) {
             const int c = cg * 4 + kk;
-            const bool hidden = c >= bc || (!whole && mask.masked(r, col0 + c));
-            s[ii][kk] = hidden ? -INFINITY : s[ii][kk] * scale;
+            const bool hidden = c >= bc || (!whole && !band.visible(r, c));
+            s[ii][kk] = score_finish(p, s[ii][kk] * p.scale, hidden, b, h, row0 + r, col0 + c);
         }
     }
 }
@@ -123,9 +126,12 @@ PYFA_UNROLL
 // pv[ii][x] = sum_c P[row ii, c] V[c, column x], c = 0 .. bc-1 in order from +0, one
 // pyfa_fma per step, on the thread's 8 rows and D/16 columns. pp: P_ij (row stride LDP)
 // at the thread's first row (w*16 + rg; its rows are 2 apart); vp: V_j (Bc, D) at its
-// first column (cg*4; the second chunk, at d = 128, is 64 columns on).
-template <int D, int LDP>
-PYFA_DEV void fast_pv_tile(const float* pp, const float* vp, int bc, float (&pv)[8][D / 16]) {
+// first column (cg*4; the second chunk, at d = 128, is 64 columns on). With SEL (a tile
+// the mask cuts) a step whose score is hidden from the row (band; the thread's first row
+// is r0 of the tile) is left out rather than multiplied by 0.
+template <int D, int LDP, bool SEL = false>
+PYFA_DEV void fast_pv_tile(const float* pp, const float* vp, int bc, float (&pv)[8][D / 16],
+                           const Band band = Band{0, 0}, int r0 = 0) {
     constexpr int XC = D / 64;  // 4-column chunks per thread per row
 PYFA_UNROLL
     for (int ii = 0; ii < 8; ++ii)
@@ -149,9 +155,14 @@ PYFA_UNROLL
             const pyfa_f4 pr = ld4(pp + 2 * ii * LDP + c);
             const float pc[4] = {pr.x, pr.y, pr.z, pr.w};
 PYFA_UNROLL
-            for (int cc = 0; cc < 4; ++cc)
+            for (int cc = 0; cc < 4; ++cc) {
+                const bool kept = !SEL || band.visible(r0 + 2 * ii, c + cc);
 PYFA_UNROLL
-                for (int x = 0; x < 4 * XC; ++x) pv[ii][x] = pyfa_fma(pc[cc], vx[cc][x], pv[ii][x]);
+                for (int x = 0; x < 4 * XC; ++x) {
+                    const float t = pyfa_fma(pc[cc], vx[cc][x], pv[ii][x]);
+                    pv[ii][x] = kept ? t : pv[ii][x];
+                }
+            }
         }
     }
     if (c < bc) {  // the last 1..3 keys of a tail tile, in order
@@ -161,13 +172,16 @@ PYFA_UNROLL
 PYFA_UNROLL
                 for (int ii = 0; ii < 8; ++ii) {
                     const float pc = pp[2 * ii * LDP + c + cc];
+                    const bool kept = !SEL || band.visible(r0 + 2 * ii, c + cc);
 PYFA_UNROLL
                     for (int h = 0; h < XC; ++h) {
                         const pyfa_f4 v = ld4(vp + (c + cc) * D + 64 * h);
-                        pv[ii][4 * h + 0] = pyfa_fma(pc, v.x, pv[ii][4 * h + 0]);
-                        pv[ii][4 * h + 1] = pyfa_fma(pc, v.y, pv[ii][4 * h + 1]);
-                        pv[ii][4 * h + 2] = pyfa_fma(pc, v.z, pv[ii][4 * h + 2]);
-                        pv[ii][4 * h + 3] = pyfa_fma(pc, v.w, pv[ii][4 * h + 3]);
+                        const float vv[4] = {v.x, v.y, v.z, v.w};
+PYFA_UNROLL
+                        for (int x = 0; x < 4; ++x) {
+                            const float t = pyfa_fma(pc, vv[x], pv[ii][4 * h + x]);
+                            pv[ii][4 * h + x] = kept ? t : pv[ii][4 * h + x];
+                        }
                     }
                 }
             }

@@ -1,0 +1,49 @@
+"""The score pipeline: the twin of src/common/score.h, and the one place in the simulator
+where a score is formed, modified and differentiated (docs/numerics.md, "The score
+pipeline").
+
+Forward:  s = dot_rows(Q, K) * scale; S = score_mod(s, ...); S = -inf where hidden.
+Backward: dS = P * (dP - D); dS = score_mod_grad(dS, s, ...).
+A hidden score takes no part in any product: the simulators pass `keep` (the visible
+scores) to numerics.dot_rows, which leaves such a step out rather than multiplying it by 0.
+
+The index arguments b, h (batch and query head), i, j (query row and key) are integer
+arrays that broadcast against the scores; the modification reads what it needs of them.
+"""
+
+import numpy as np
+
+from . import numerics as nx
+
+_NEG_INF = np.float32(-np.inf)
+
+
+def score_mod(s, b, h, i, j):
+    """The modification of the scaled scores s (score.h score_mod): the identity today."""
+    return s
+
+
+def score_mod_grad(dS, s, b, h, i, j):
+    """dS of the modified scores -> dS of the scaled scores s (score.h score_mod_grad)."""
+    return dS
+
+
+def scaled_scores(Q, K, scale):
+    """s = (Q K^T) * scale, each inner product pyfa_dot's (score.h scaled_score)."""
+    return nx.dot_rows(Q, K) * np.float32(scale)
+
+
+def finish(s, hidden, b, h, i, j):
+    """S from the scaled scores: -inf where hidden, else the modification (score_finish)."""
+    return np.where(hidden, _NEG_INF, score_mod(s, b, h, i, j))
+
+
+def scores(Q, K, scale, hidden, b, h, i, j):
+    """S = finish(scaled_scores(Q, K, scale), ...) (score.h attention_score), with Q, K
+    shaped as dot_rows takes them and `hidden` broadcasting against the result."""
+    return finish(scaled_scores(Q, K, scale), hidden, b, h, i, j)
+
+
+def score_grad(P, dp, D, s, b, h, i, j):
+    """dS with respect to the scaled scores s (score.h score_grad); D broadcasts against P."""
+    return score_mod_grad(P * (dp - D), s, b, h, i, j)

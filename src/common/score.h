@@ -1,0 +1,78 @@
+// score.h: the score pipeline, written once for every kernel (readable and fast) and, in
+// its vector form, for the cpu backend (src/backends/cpu/cpu_impl.h). Simulator twin:
+// pyfa/sim/score.py. Contract: docs/numerics.md, "The score pipeline".
+//
+// Forward, for query row i and key j of batch b, query head h:
+//     s  = pyfa_dot(Q_i, K_j) * scale        the scaled score
+//     S  = score_mod(p, s, b, h, i, j)        the modification (today the identity)
+//     S  = -inf where the mask hides j from i
+//     then the online softmax (each kernel's own: FA1's or FA2's)
+// Backward, from the same S:
+//     P  = the forward's probabilities (recomputed from LSE, or m and l)
+//     dP = pyfa_dot(dO_i, V_j)
+//     dS = P * (dP - D_i)                     the gradient with respect to S
+//     dS = score_mod_grad(p, dS, s, b, h, i, j), the gradient with respect to s
+//
+// A hidden score takes no part in any product (P V, P^T dO, dO V^T, dS^T Q, dS K): it is
+// left out by selection, never multiplied by zero, so an Inf or NaN in a hidden key's V or
+// in the dO of a row that sees no key cannot reach a visible result, and which tiles a
+// kernel visits (a matter of Br and Bc) changes no bit. Likewise a row of a visited tile
+// that sees none of its keys (or a key no row of the tile sees) takes no step at all.
+#pragma once
+
+#include <cmath>
+
+#include "common/device.h"
+#include "common/mask.h"
+#include "common/numerics.h"
+#include "common/params.h"
+
+// The modification of a scaled score s of row i, key j: a modification adds its
+// parameters to AttentionParams and its formula here, its gradient in score_mod_grad,
+// and the same two in pyfa/sim/score.py. T is float in the kernels; the cpu backend calls the
+// same function on its vectors (T a GCC vector of floats, I and J of lane indices), so
+// a formula made of the operations both support is written once.
+template <class T, class I, class J>
+PYFA_HD T score_mod(const AttentionParams& p, T s, int64_t b, int64_t h, I i, J j) {
+    (void)p, (void)b, (void)h, (void)i, (void)j;
+    return s;
+}
+
+// dS of the modified score -> dS of the scaled score s it was made from.
+template <class T, class I, class J>
+PYFA_HD T score_mod_grad(const AttentionParams& p, T dS, T s, int64_t b, int64_t h, I i, J j) {
+    (void)p, (void)s, (void)b, (void)h, (void)i, (void)j;
+    return dS;
+}
+
+// Whether the modification is the identity, so that a kernel may skip what only its
+// gradient needs (FA1's backward recomputes the scaled score for it).
+PYFA_HD bool score_mod_is_identity(const AttentionParams& p) {
+    (void)p;
+    return true;
+}
+
+// The scaled score s = (Q_i . K_j) * scale. Q_i, K_j: rows of d floats.
+PYFA_HD float scaled_score(const AttentionParams& p, const float* Q_i, const float* K_j) {
+    return pyfa_dot(Q_i, K_j, p.head_dim) * p.scale;
+}
+
+// S from the scaled score s: -inf where hidden, else the modification. The fast kernels
+// and the cpu backend form s by their own loops (the same fused steps) and finish it here.
+PYFA_HD float score_finish(const AttentionParams& p, float s, bool hidden, int64_t b, int64_t h, int64_t i,
+                           int64_t j) {
+    return hidden ? -INFINITY : score_mod(p, s, b, h, i, j);
+}
+
+// S[i, j] of the pipeline above: every kernel's scores, so that a backward pass recomputes
+// the very S its forward saw. A hidden score's inner product is not even formed.
+PYFA_HD float attention_score(const AttentionParams& p, const float* Q_i, const float* K_j, int64_t b,
+                              int64_t h, int64_t i, int64_t j) {
+    return p.mask.masked(i, j) ? -INFINITY : score_finish(p, scaled_score(p, Q_i, K_j), false, b, h, i, j);
+}
+
+// dS of a visible score with respect to its scaled score s, from P, dp = dO_i . V_j and D_i.
+PYFA_HD float score_grad(const AttentionParams& p, float P, float dp, float D, float s, int64_t b, int64_t h,
+                         int64_t i, int64_t j) {
+    return score_mod_grad(p, P * (dp - D), s, b, h, i, j);
+}
