@@ -320,3 +320,15 @@ def test_mask_and_heads_options_reach_the_report():
                        (["-H", "6", "--heads-kv", "4"], "heads_kv")):
         proc = _run_cli("report", *args)
         assert proc.returncode == 2 and word in proc.stderr, proc.stderr
+
+
+def test_paper_figure_stands_beside_fa1_only():
+    # The paper's 4.4 GB was measured for FlashAttention as it then was: FA1.
+    proc = _run_cli("report", "--preset", "gpt2-medium", "--algos", "standard,fa1,fa2")
+    assert proc.returncode == 0, proc.stderr
+    table = proc.stdout[proc.stdout.index("Against the paper"):proc.stdout.index("Notes")]
+    rows = {line.split()[0]: line.split()[1:] for line in table.splitlines()
+            if line.split()[:1] in (["standard"], ["fa1"], ["fa2"])}
+    assert rows["standard"][0] == "40.3" and rows["fa1"][0] == "4.4"
+    assert rows["fa2"][0] == "—" and rows["fa2"][2] == "—"
+    assert "4.4" not in " ".join(rows["fa2"])
