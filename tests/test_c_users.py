@@ -241,3 +241,115 @@ def test_find_package_against_install_prefix_runs(install_prefix, tmp_path):
        f"-DPYFA_EXPECTED_VERSION={pyfa.__version__} && {cmake} --build build -j2", cwd=tmp_path)
     assert "max abs error" in run_program(tmp_path / "build" / "c99_user")
     assert f"pyfa {pyfa.__version__} (C++17)" in run_program(tmp_path / "build" / "cpp17_user")
+
+
+# ---- docs/c_api.md: every route it documents, run exactly as written there
+
+C_API_DOC = ROOT / "docs" / "c_api.md"
+
+
+def doc_blocks(marker):
+    """{name: text} of the fenced blocks that follow `<!-- marker: name -->` lines."""
+    text = C_API_DOC.read_text()
+    found = re.findall(rf"<!-- {marker}: (\S+) -->\n```\w*\n(.*?)```", text, re.S)
+    return dict(found)
+
+
+DOC_ROUTES = doc_blocks("test")
+
+
+def test_doc_names_every_route_and_file_the_tests_run():
+    assert set(DOC_ROUTES) == {"pkg-config-rpath", "pkg-config-ld-library-path",
+                               "cmake-prefix-path", "python-flags", "python-cmake-dir"}
+    assert set(doc_blocks("file")) == {"my.c", "CMakeLists.txt"}
+
+
+def run_doc_route(name, tmp_path, **extra):
+    """The route's shell block in a folder holding the doc's files, under /bin/sh -e, in a
+    user's shell: `python` on PATH being this interpreter, no LD_LIBRARY_PATH and no
+    PKG_CONFIG_PATH of this machine's; returns the output."""
+    for file, text in doc_blocks("file").items():
+        (tmp_path / file).write_text(text)
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "python").symlink_to(sys.executable)
+    extra.setdefault("PATH", f"{shim}{os.pathsep}{os.environ.get('PATH', '')}")
+    env = user_env(**extra)
+    env.pop("PKG_CONFIG_PATH", None)
+    run = subprocess.run(["/bin/sh", "-ec", DOC_ROUTES[name]], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"{name}: exit {run.returncode}\n{run.stdout}\n{run.stderr}"
+    return run.stdout
+
+
+def assert_ran(out):
+    assert re.search(rf"^pyfa {re.escape(pyfa.__version__)}: o\[0\] = \S+, lse\[0\] = \S+$",
+                     out, re.M), out
+
+
+def prefix_libdir_is_lib(prefix):
+    if installed_libdir(prefix) != prefix / "lib":
+        pytest.skip(f"GNUInstallDirs chose {installed_libdir(prefix)}; the doc's paths say lib")
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("cmake_build")
+@pytest.mark.parametrize("route", ["pkg-config-rpath", "pkg-config-ld-library-path"])
+def test_documented_pkg_config_routes_run(install_prefix, tmp_path, route):
+    need("cc"), need("pkg-config")
+    prefix_libdir_is_lib(install_prefix)
+    assert_ran(run_doc_route(route, tmp_path, PREFIX=str(install_prefix)))
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("cmake_build")
+def test_pkg_config_libdir_is_the_installed_library_folder(install_prefix, tmp_path):
+    need("pkg-config")
+    libdir = sh("pkg-config --variable=libdir pyfa", cwd=tmp_path,
+                PKG_CONFIG_PATH=str(installed_libdir(install_prefix) / "pkgconfig")).strip()
+    assert os.path.samefile(libdir, installed_libdir(install_prefix))
+    assert (Path(libdir) / "libpyfa.so").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("cmake_build")
+def test_without_rpath_or_ld_library_path_the_program_cannot_start(install_prefix, tmp_path):
+    # Why the doc gives the two routes: the loader alone does not find a prefix's library.
+    cc, pkg_config = need("cc"), need("pkg-config")
+    prefix_libdir_is_lib(install_prefix)
+    run_doc_route("pkg-config-ld-library-path", tmp_path, PREFIX=str(install_prefix))
+    run = subprocess.run([str(tmp_path / "my")], env=user_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 127 and "libpyfa.so" in run.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("cmake_build")
+def test_documented_cmake_prefix_path_route_runs(install_prefix, tmp_path):
+    need("cmake"), need("cc")
+    assert_ran(run_doc_route("cmake-prefix-path", tmp_path, PREFIX=str(install_prefix)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route", ["python-flags", "python-cmake-dir"])
+def test_documented_python_routes_run(tmp_path, route):
+    need("cc")
+    if route == "python-cmake-dir":
+        need("cmake")
+    assert_ran(run_doc_route(route, tmp_path))
+
+
+def normalized_declarations(text):
+    """Each `pyfa_status|int|... pyfa_x(...);` declaration, comments and PYFA_API dropped,
+    whitespace collapsed: {name: declaration}."""
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S).replace("PYFA_API", " ")
+    found = re.findall(r"((?:const\s+)?\w+\*?\s+(pyfa_\w+)\s*\([^;{]*\)\s*;)", text)
+    return {name: re.sub(r"\s*([(),*])\s*", r"\1", " ".join(decl.split())) for decl, name in found}
+
+
+def test_doc_lists_every_entry_point_with_its_signature():
+    header = normalized_declarations((ROOT / "src" / "include" / "pyfa.h").read_text())
+    blocks = re.findall(r"```c\n(.*?)```", C_API_DOC.read_text(), re.S)
+    listed = normalized_declarations("\n".join(b for b in blocks if "int main" not in b))
+    assert "pyfa_run" in header and len(header) >= 18
+    assert listed == header
