@@ -6,38 +6,91 @@ pyfa/sim/report_render.py's.
 import argparse
 import json
 import sys
+import threading
 import time
 from dataclasses import replace
 
 from .report_model import (PRESETS, PROFILES, SWEEP_DEFAULTS, Setup, available_algorithms,
-                           build_report, run_sweep)
+                           build_report, report_steps, run_sweep)
 from .report_render import (PASS_WORDS, plot_sweep, render_markdown, render_sweep_markdown,
                             render_sweep_text, render_text)
 
 
-class Progress:
-    """A one-line progress bar on stderr; silent when disabled."""
+# A command's progress bar appears only once a call has run this long: a short call
+# leaves no trace on the terminal.
+PROGRESS_DELAY_S = 1.0
 
-    def __init__(self, total, label, enabled, stream=None):
+
+def progress_wanted(flag, stream=None):
+    """--progress / --no-progress as given, else whether stderr is a terminal."""
+    return flag if flag is not None else (stream or sys.stderr).isatty()
+
+
+class Progress:
+    """A one-line progress bar on stderr (plain text, redrawn in place with \\r); silent
+    when disabled, and until `delay` seconds have passed since it was made.
+
+    Driven either by step() (one of `total` steps done: the sweep's counts) or as a
+    progress(done, total) callback (pyfa.Options(progress=bar): the library's and the
+    simulator's calls), which never cancels. The library may call it from several of its
+    threads at once, hence the lock; the bar never moves back."""
+
+    def __init__(self, total, label, enabled, stream=None, delay=0.0):
         self.total, self.label, self.enabled = max(total, 1), label, enabled
         self.stream = stream or sys.stderr
+        self.delay = delay
         self.done = 0
+        self.drawn = False
+        self.last_draw = None
+        self.lock = threading.Lock()
         self.start = time.perf_counter()
 
     def step(self, what=""):
-        self.done += 1
+        with self.lock:
+            self.done += 1
+            self._draw(what, steps=True)
+
+    def __call__(self, done, total):
+        with self.lock:
+            if total > 0:
+                self.total = total
+                self.done = max(self.done, min(done, total))
+                self._draw("", steps=False)
+        return None
+
+    def _draw(self, what, steps):
         if not self.enabled:
             return
+        now = time.perf_counter()
+        elapsed = now - self.start
+        if elapsed < self.delay:
+            return
+        finished = self.done >= self.total
+        # At most ten redraws a second, but always the last one.
+        if self.last_draw is not None and not finished and now - self.last_draw < 0.1:
+            return
+        self.drawn, self.last_draw = True, now
         filled = 30 * self.done // self.total
-        elapsed = time.perf_counter() - self.start
+        count = (f"{self.done}/{self.total}" if steps
+                 else f"{100 * self.done // self.total:3d}%")
         self.stream.write(f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] "
-                          f"{self.done}/{self.total} {elapsed:5.1f}s {what:<24}")
+                          f"{count} {elapsed:5.1f}s {what:<24}")
         self.stream.flush()
 
+    def finish(self):
+        """The call returned: the bar at its end (a library reports progress now and then,
+        not necessarily at the last step)."""
+        with self.lock:
+            self.done = self.total
+            self._draw("", steps=False)
+
     def close(self):
-        if self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()
+        """Ends the bar's line, if one was drawn."""
+        with self.lock:
+            if self.drawn:
+                self.stream.write("\n")
+                self.stream.flush()
+                self.drawn = False
 
 
 # ---------------------------------------------------------------- command line
@@ -97,6 +150,9 @@ def _add_common(ap):
     g = ap.add_argument_group("output")
     g.add_argument("--format", choices=["text", "markdown", "json"], default="text")
     g.add_argument("--out", help="write the report to this file instead of stdout")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a progress bar on stderr for counts that take over "
+                        f"{PROGRESS_DELAY_S:g} s (default: when stderr is a terminal)")
 
 
 def setup_from_args(args):
@@ -141,14 +197,17 @@ def main(argv=None):
                     + "; ".join(f"{k}: {','.join(map(str, v))}" for k, v in SWEEP_DEFAULTS.items())
                     + ")")
     sp.add_argument("--plot", metavar="FILE.png", help="also write a PNG plot (needs matplotlib)")
-    sp.add_argument("--progress", action="store_true", default=None,
-                    help="show a progress bar (default: when stderr is a terminal)")
     args = ap.parse_args(argv)
 
     try:
         s = setup_from_args(args)
+        show = progress_wanted(args.progress)
         if args.command == "report":
-            r = build_report(s, preset=args.preset)
+            bar = Progress(report_steps(s), "report", show, delay=PROGRESS_DELAY_S)
+            try:
+                r = build_report(s, preset=args.preset, on_step=bar.step)
+            finally:
+                bar.close()
             if args.format == "json":
                 text = json.dumps(r, indent=2, ensure_ascii=False) + "\n"
             elif args.format == "markdown":
@@ -158,10 +217,12 @@ def main(argv=None):
         else:
             values = args.values or SWEEP_DEFAULTS[args.over]
             algos = s.algos or available_algorithms()
-            bar = Progress(len(values) * len(algos), f"sweep {args.over}",
-                           args.progress if args.progress is not None else sys.stderr.isatty())
-            sw = run_sweep(s, args.over, values, on_step=bar.step)
-            bar.close()
+            bar = Progress(len(values) * len(algos), f"sweep {args.over}", show,
+                           delay=PROGRESS_DELAY_S)
+            try:
+                sw = run_sweep(s, args.over, values, on_step=bar.step)
+            finally:
+                bar.close()
             if args.plot:
                 plot_sweep(sw, args.plot)
             if args.format == "json":

@@ -207,20 +207,31 @@ def _check_setup(s):
 
 # ---------------------------------------------------------------- the report dict
 
-def build_report(s, preset=None):
+def report_steps(s):
+    """How many times build_report calls its on_step: the standard model, then each
+    algorithm asked for (counted or skipped)."""
+    return 1 + len(s.algos or available_algorithms())
+
+
+def build_report(s, preset=None, on_step=None):
     """The report as a JSON-able dict: per algorithm its record, totals, ratio to the
-    standard model and asymptotic form, and the notes."""
+    standard model and asymptotic form, and the notes. on_step(text), if given, is called
+    after each count, report_steps(s) times (the command line's progress)."""
     _check_setup(s)
+    step = on_step or (lambda text: None)
     dev = s.device()
     standard, _ = count("standard", s)
+    step("standard model")
     algos, skipped = [], []
     for algo in (s.algos or available_algorithms()):
         missing = missing_passes(algo, s.passes)
         if algo != "standard" and missing:
             skipped.append({"name": algo,
                             "reason": f"no {' or '.join(missing)} walker registered yet"})
+            step(f"{algo} (skipped)")
             continue
         record, tiles = count(algo, s)
+        step(algo)
         asym = asymptotic(algo, s)
         asym["counted_over_form"] = record.total / asym["bytes"]
         algos.append({
