@@ -113,7 +113,7 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, window=None, causal_alig
             m_a, l_a = mi[:, :, a:z], li[:, :, a:z]
             Kg, Vg = Kj[:, None, None], Vj[:, None, None]  # (BHkv, 1, 1, Wc, d)
 
-            # The score pipeline (sim/score.py): S, -inf if hidden; P_ij = exp(S - m_i) / l_i,
+            # The score pipeline (pyfa/sim/score.py): S, -inf if hidden; P_ij = exp(S - m_i) / l_i,
             # 0 where l_i = 0. A hidden score (or a padding row or column) is 0 in P and dS
             # by selection and is left out of every product (keep).
             cols = col0 + np.arange(Wc)

@@ -90,7 +90,7 @@ def fa1_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_righ
         io.read("m", BH * n_rows * 4)
         io.read("l", BH * n_rows * 4)
 
-        # S_ij: the score pipeline (sim/score.py), its sums x in order.
+        # S_ij: the score pipeline (pyfa/sim/score.py), its sums x in order.
         Q_a = Qi[:, a:z]
         cols = col0 + np.arange(Wc)
         hidden = (cols[None, None, :] >= Nk) | mask.masked(rows[a:z, :, None], cols[None, None])

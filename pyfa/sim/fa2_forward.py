@@ -76,7 +76,7 @@ def fa2_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_righ
         io.read("K", BH * (z - a) * nbytes(bc))
         io.read("V", BH * (z - a) * nbytes(bc))
 
-        # S_ij: the score pipeline (sim/score.py), its sums x in order.
+        # S_ij: the score pipeline (pyfa/sim/score.py), its sums x in order.
         Q_a = Qi[:, a:z]
         cols = col0 + np.arange(Bc)
         hidden = (cols[None, None, :] >= Nk) | mask.masked(rows[a:z, :, None], cols[None, None, :])
