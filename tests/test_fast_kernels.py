@@ -3,7 +3,9 @@ simulator on every case they take, under two thread orders; variant selection (a
 back, fast names what it lacks); and the argument behind the ordered row-max tree."""
 
 import itertools
+import re
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -406,3 +408,27 @@ def test_fast_dkdv_auto_falls_back(d, tiles):
     dq, dk, dv = pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, causal=True, block_r=tiles[0],
                                    block_c=tiles[1], backend="emu", variant="auto")
     assert same_bits(dq, sim.dq) and same_bits(dk, sim.dk) and same_bits(dv, sim.dv)
+
+
+# ---- the fast kernels' includes (issue 26): what the backwards share with the forwards
+# lives in fast_common.h, so that no backward kernel depends on a forward kernel's file.
+
+def _fast_includes(name, fast_dir):
+    """The files of src/kernels/fast that `name` includes, directly or through another."""
+    seen, todo = set(), [name]
+    while todo:
+        text = (fast_dir / todo.pop()).read_text()
+        for inc in re.findall(r'#include "kernels/fast/([^"]+)"', text):
+            if inc not in seen:
+                seen.add(inc)
+                todo.append(inc)
+    return seen
+
+
+def test_fast_backwards_include_no_forward_kernel():
+    fast_dir = Path(__file__).resolve().parents[1] / "src" / "kernels" / "fast"
+    forward = {"fa2_forward_fast.cuh", "fa1_forward_fast.cuh", "forward_tiles.h"}
+    for name in ("fa2_backward_dkdv_fast.cuh", "fa2_backward_dq_fast.cuh", "fa1_backward_fast.cuh", "fast_tiles.h"):
+        included = _fast_includes(name, fast_dir)
+        assert "fast_common.h" in included, name
+        assert not included & forward, (name, sorted(included & forward))

@@ -129,7 +129,7 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, window=None, causal_alig
             # dP_ij = dO_i V_j^T and D_i = rowsum(dO_i o O_i), x in order.
             dP = nx.dot_rows(dO_a, Vg)
             D = nx.dot(dO_a, O_a)
-            dS = np.where(keep, score.score_grad(P, dP, D[..., None], s, bh // H, bh % H, r_a, c_a), F32(0))
+            dS = np.where(keep, score.score_grad(P, dP, D[..., None], s, S, bh // H, bh % H, r_a, c_a), F32(0))
             keep_t = np.swapaxes(keep, -1, -2)
             # A row that sees no key of the tile, or a key that no row of it sees, takes no step.
             row_steps = keep.any(axis=-1)                # (1, 1, z-a, Wr)

@@ -64,7 +64,7 @@ def _p_ds(Qi, dOi, LSEi, Di, Kj, Vj, masked, pad, scale, bh, H, rows, cols):
     # -inf - (-inf) out of the arithmetic and is never selected.
     lse = np.where(no_key, F32(0), LSEi[..., None])
     P = np.where(no_key, F32(0), nx.exp(S - lse))
-    dS = score.score_grad(P, nx.dot_rows(dOi, Vj), Di[..., None], s, bh // H, bh % H, rows, cols)
+    dS = score.score_grad(P, nx.dot_rows(dOi, Vj), Di[..., None], s, S, bh // H, bh % H, rows, cols)
     keep = ~(hidden | pad[None])
     return np.where(keep, P, F32(0)), np.where(keep, dS, F32(0)), keep
 

@@ -3,7 +3,8 @@ where a score is formed, modified and differentiated (docs/numerics.md, "The sco
 pipeline").
 
 Forward:  s = dot_rows(Q, K) * scale; S = score_mod(s, ...); S = -inf where hidden.
-Backward: dS = P * (dP - D); dS = score_mod_grad(dS, s, ...).
+Backward: dS = P * (dP - D); dS = score_mod_grad(dS, s, S, ...), reading the scaled score s
+or the modified S, whichever the modification's gradient is written in (score.h ScoreAt).
 A hidden score takes no part in any product: the simulators pass `keep` (the visible
 scores) to numerics.dot_rows, which leaves such a step out rather than multiplying it by 0.
 
@@ -23,8 +24,9 @@ def score_mod(s, b, h, i, j):
     return s
 
 
-def score_mod_grad(dS, s, b, h, i, j):
-    """dS of the modified scores -> dS of the scaled scores s (score.h score_mod_grad)."""
+def score_mod_grad(dS, s, S, b, h, i, j):
+    """dS of the modified scores S -> dS of the scaled scores s they were made from
+    (score.h score_mod_grad; s and S are its ScoreAt)."""
     return dS
 
 
@@ -44,6 +46,7 @@ def scores(Q, K, scale, hidden, b, h, i, j):
     return finish(scaled_scores(Q, K, scale), hidden, b, h, i, j)
 
 
-def score_grad(P, dp, D, s, b, h, i, j):
-    """dS with respect to the scaled scores s (score.h score_grad); D broadcasts against P."""
-    return score_mod_grad(P * (dp - D), s, b, h, i, j)
+def score_grad(P, dp, D, s, S, b, h, i, j):
+    """dS with respect to the scaled scores s, S = score_mod(s) (score.h score_grad); D
+    broadcasts against P."""
+    return score_mod_grad(P * (dp - D), s, S, b, h, i, j)

@@ -11,7 +11,7 @@
 //     P  = the forward's probabilities (recomputed from LSE, or m and l)
 //     dP = pyfa_dot(dO_i, V_j)
 //     dS = P * (dP - D_i)                     the gradient with respect to S
-//     dS = score_mod_grad(p, dS, s, b, h, i, j), the gradient with respect to s
+//     dS = score_mod_grad(p, dS, {s, S}, b, h, i, j), the gradient with respect to s
 //
 // A hidden score takes no part in any product (P V, P^T dO, dO V^T, dS^T Q, dS K): it is
 // left out by selection, never multiplied by zero, so an Inf or NaN in a hidden key's V or
@@ -38,15 +38,42 @@ PYFA_HD T score_mod(const AttentionParams& p, T s, int64_t b, int64_t h, I i, J 
     return s;
 }
 
+// What a modification's gradient may read of the score it differentiates (ScoreAt): s,
+// the scaled score, and S = score_mod(s), both of the same (i, j) and from the same fused
+// steps as the forward's, so that a gradient written in either gets the forward's bits.
+// Both are given because a modification's gradient is cheapest in one or the other:
+//     softcap   S = c tanh(s / c):  dS_s = dS * (1 - (S / c)^2), reads S (no second tanh);
+//     ALiBi     S = s - slope_h * |i - j|, and an additive bias S = s + bias[b, h, i, j]:
+//               dS_s = dS, reads neither;
+//     dropout   acts on P, not on the score: its keep mask (a function of the seed and
+//               b, h, i, j) and 1 / (1 - rate) scale dp in score_grad before dS is formed,
+//               and it reads neither.
+// A kernel whose thread that forms dS does not hold the score (the fast kernels whose
+// warps split into roles) recomputes it, by the same fused steps, only when
+// score_mod_is_identity(p) is false, and passes ScoreAt{} otherwise: an identity gradient
+// reads nothing, so the recomputation costs no instruction or register today.
+template <class T>
+struct ScoreAt {
+    T s;  // the scaled score
+    T S;  // the modified score, score_mod(p, s, ...)
+};
+
+// ScoreAt of a scaled score s of row i, key j: s and its modification.
+template <class T, class I, class J>
+PYFA_HD ScoreAt<T> score_at(const AttentionParams& p, T s, int64_t b, int64_t h, I i, J j) {
+    return ScoreAt<T>{s, score_mod(p, s, b, h, i, j)};
+}
+
 // dS of the modified score -> dS of the scaled score s it was made from.
 template <class T, class I, class J>
-PYFA_HD T score_mod_grad(const AttentionParams& p, T dS, T s, int64_t b, int64_t h, I i, J j) {
-    (void)p, (void)s, (void)b, (void)h, (void)i, (void)j;
+PYFA_HD T score_mod_grad(const AttentionParams& p, T dS, ScoreAt<T> at, int64_t b, int64_t h, I i, J j) {
+    (void)p, (void)at, (void)b, (void)h, (void)i, (void)j;
     return dS;
 }
 
 // Whether the modification is the identity, so that a kernel may skip what only its
-// gradient needs (FA1's backward recomputes the scaled score for it).
+// gradient needs (the FA1 backwards and the fast role-split kernels recompute the score
+// for it; see ScoreAt).
 PYFA_HD bool score_mod_is_identity(const AttentionParams& p) {
     (void)p;
     return true;
@@ -71,8 +98,10 @@ PYFA_HD float attention_score(const AttentionParams& p, const float* Q_i, const 
     return p.mask.masked(i, j) ? -INFINITY : score_finish(p, scaled_score(p, Q_i, K_j), false, b, h, i, j);
 }
 
-// dS of a visible score with respect to its scaled score s, from P, dp = dO_i . V_j and D_i.
-PYFA_HD float score_grad(const AttentionParams& p, float P, float dp, float D, float s, int64_t b, int64_t h,
-                         int64_t i, int64_t j) {
-    return score_mod_grad(p, P * (dp - D), s, b, h, i, j);
+// dS of a visible score with respect to its scaled score s, from P, dp = dO_i . V_j, D_i
+// and what the modification's gradient reads of the score (ScoreAt): every kernel's dS,
+// readable and fast, is formed here.
+PYFA_HD float score_grad(const AttentionParams& p, float P, float dp, float D, ScoreAt<float> at, int64_t b,
+                         int64_t h, int64_t i, int64_t j) {
+    return score_mod_grad(p, P * (dp - D), at, b, h, i, j);
 }

@@ -142,12 +142,15 @@ __global__ void fa1_backward_kernel(const AttentionParams p) {
                 const Band band = p.mask.band(row0, col0);
 
                 // dS_ij = P_ij o (dP_ij - D_i), in place over dP_ij, for the visible scores
-                // (the modification's gradient needs the scaled score, recomputed here).
+                // (what the modification's gradient reads of the score, ScoreAt, recomputed here).
                 for (int64_t e = tid; e < br * bc; e += nthreads) {
                     const int64_t r = e / bc, c = e % bc;
                     if (!band.visible(r, c)) continue;
-                    const float s = score_mod_is_identity(p) ? 0.0f : scaled_score(p, Qi + r * d, Kj + c * ld);
-                    dSij[r * Bc + c] = score_grad(p, Pij[r * Bc + c], dSij[r * Bc + c], Di[r], s, b, h, row0 + r,
+                    const ScoreAt<float> at =
+                        score_mod_is_identity(p)
+                            ? ScoreAt<float>{}
+                            : score_at(p, scaled_score(p, Qi + r * d, Kj + c * ld), b, h, row0 + r, col0 + c);
+                    dSij[r * Bc + c] = score_grad(p, Pij[r * Bc + c], dSij[r * Bc + c], Di[r], at, b, h, row0 + r,
                                                   col0 + c);
                 }
                 // dV~_j = dV~_j + P_ij^T dO_i, the product summed over the rows r that see

@@ -51,7 +51,7 @@ PYFA_HD void fa2_backward_p_ds(const AttentionParams& p, const float* Q_i, const
     const float P = lse == -INFINITY ? 0.0f : pyfa_exp(S - lse);
     const float dp = pyfa_dot(dO_i, V_j, p.head_dim);
     *P_ij = P;
-    *dS_ij = score_grad(p, P, dp, D_i, s, b, h, i, j);
+    *dS_ij = score_grad(p, P, dp, D_i, ScoreAt<float>{s, S}, b, h, i, j);
 }
 
 // D_i = rowsum(dO_i o O_i): D[r] = pyfa_dot(dO_r, O_r), x = 0 .. d-1 in order.

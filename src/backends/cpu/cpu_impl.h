@@ -645,7 +645,8 @@ void tile_pair(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i, int64_t 
             vf P;
             if (!ctx.fa1) P = lse == -INFINITY ? zero : vexp(S - vlse);
             else P = lr == 0.0f ? zero : vexp(S - ms) / vl;
-            vf dS = score_mod_grad(p, P * (ld(dSr + cv) - Dr), s, bi, hi, row0 + r, cl + static_cast<int32_t>(col0));
+            vf dS = score_mod_grad(p, P * (ld(dSr + cv) - Dr), ScoreAt<vf>{s, S}, bi, hi, row0 + r,
+                                   cl + static_cast<int32_t>(col0));
             if (cut) {
                 const vi vis = vb.keys_seen(cl, r);
                 P = vis ? P : zero;

@@ -14,7 +14,7 @@
 //           P, the "dS" half the same tile of dP^T; two warps of the dS half compute D_i,
 //           one row per thread;
 //   step B  the P half adds its 8 x 4 (d = 128: 8 x 8) tile of P^T dO_i to dV~_j, the dS
-//           half forms dS and adds its tile of scale * dS^T Q_i to dK~_j; dK~_j and dV~_j
+//           half forms dS (score_grad, common/score.h) and adds its tile of scale * dS^T Q_i to dK~_j; dK~_j and dV~_j
 //           live in registers;
 //   step C  all 256 threads compute a 4 x 4 (4 x 8) tile of dS K_j each and update dQ_i in
 //           HBM, each dQ element always by the same thread.
@@ -28,7 +28,13 @@
 // unchanged.
 #pragma once
 
-#include "kernels/fast/fa2_forward_fast.cuh"
+#include "common/async_copy.h"
+#include "common/mask.h"
+#include "common/params.h"
+#include "common/score.h"
+#include "common/smem.h"
+#include "common/tiling.h"
+#include "kernels/fast/fast_common.h"
 #include "kernels/fast/fast_tiles.h"
 
 namespace PYFA_KERNELS {
@@ -200,9 +206,9 @@ PYFA_UNROLL
 PYFA_UNROLL
                     for (int kk = 0; kk < 4; ++kk) {
                         const int r = cg * 4 + kk;
-                        const bool hidden = cut && !band.visible(r, c);
-                        const float sc = score_finish(p, s[ii][kk] * scale, hidden, b, hk * G + g, row0 + r, col0 + c);
-                        P[kk] = hidden || lr[kk] == 0.0f ? 0.0f : pyfa_exp(sc - safe_max(mr[kk])) / lr[kk];
+                        P[kk] = fast_score_p(p, s[ii][kk], cut && !band.visible(r, c), lr[kk] == 0.0f, b, hk * G + g,
+                                             row0 + r, col0 + c,
+                                             [&](float S) { return pyfa_exp(S - safe_max(mr[kk])) / lr[kk]; });
                     }
                     st4(PT + c * LDP + cg * 4, pyfa_f4{P[0], P[1], P[2], P[3]});
                 }
@@ -225,9 +231,13 @@ PYFA_UNROLL
             __syncthreads();  // P_ij^T and D_i are complete
 
             if (half == 1) {
-                // dS = P (dp - D), into dS_ij^T.
+                // dS = score_grad(P, dp, D), into dS_ij^T; the score its modification reads,
+                // from the P half's operands.
                 const pyfa_f4 d4 = ld4(Di + cg * 4);
                 const float dr[4] = {d4.x, d4.y, d4.z, d4.w};
+                ScoreAt<float> sa[8][4];
+                fast_scores_for_grad<D, true>(p, KjT + wcol + rg * 8, Qs, wcol + rg, cg, row0, col0, b, hk * G + g,
+                                              sa);
 PYFA_UNROLL
                 for (int ii = 0; ii < 8; ++ii) {
                     const int c = wcol + rg + 2 * ii;
@@ -235,7 +245,9 @@ PYFA_UNROLL
                     const float P[4] = {pv.x, pv.y, pv.z, pv.w};
                     float ds[4];
 PYFA_UNROLL
-                    for (int kk = 0; kk < 4; ++kk) ds[kk] = P[kk] * (s[ii][kk] - dr[kk]);
+                    for (int kk = 0; kk < 4; ++kk)
+                        ds[kk] = score_grad(p, P[kk], s[ii][kk], dr[kk], sa[ii][kk], b, hk * G + g, row0 + cg * 4 + kk,
+                                            col0 + c);
                     st4(dST + c * LDP + cg * 4, pyfa_f4{ds[0], ds[1], ds[2], ds[3]});
                 }
                 pyfa_syncwarp();  // the warp reads back only its own rows of dS_ij^T

@@ -18,12 +18,17 @@
 //
 // Per element (docs/numerics.md, FA2 dK/dV): S by pyfa_fma over x in order, times scale,
 // -inf if masked; P = (LSE == -inf) ? 0 : exp(S - LSE); dp over x in order;
-// dS = P * (dp - D); per Q tile dv and dk summed over r in order from +0, then added to
+// dS = score_grad(P, dp, D) (common/score.h); per Q tile dv and dk summed over r in order from +0, then added to
 // dV_j and dK_j; query heads of the group g outer, Q tiles of the band inner; at the end
 // dK = canonical(dK_j * scale), dV = canonical(dV_j).
 #pragma once
 
-#include "kernels/fast/fa2_forward_fast.cuh"
+#include "common/async_copy.h"
+#include "common/mask.h"
+#include "common/params.h"
+#include "common/score.h"
+#include "common/smem.h"
+#include "kernels/fast/fast_common.h"
 #include "kernels/fast/fast_tiles.h"
 
 namespace PYFA_KERNELS {
@@ -135,22 +140,29 @@ PYFA_UNROLL
 PYFA_UNROLL
                     for (int kk = 0; kk < 4; ++kk) {
                         const int r = cg * 4 + kk;
-                        const bool hidden = cut && !seen(c, r);
-                        const float sc = score_finish(p, s[ii][kk] * p.scale, hidden, b, h, row0 + r, col0 + c);
-                        P[kk] = hidden || rowv[kk] == -INFINITY ? 0.0f : pyfa_exp(sc - rowv[kk]);
+                        P[kk] = fast_score_p(p, s[ii][kk], cut && !seen(c, r), rowv[kk] == -INFINITY, b, h, row0 + r,
+                                             col0 + c, [&](float S) { return pyfa_exp(S - rowv[kk]); });
                     }
                     st4(prow + 2 * ii * LDP + cg * 4, pyfa_f4{P[0], P[1], P[2], P[3]});
                 }
             }
             __syncthreads();  // P_ij^T is whole
             if (dk_role) {
-                // dS = P (dp - D), P from the twin thread of warp w - 4, into dS_ij^T.
+                // dS = score_grad(P, dp, D), P from the twin thread of warp w - 4, into
+                // dS_ij^T; the score its modification reads, from the twin's operands.
+                ScoreAt<float> sa[8][4];
+                fast_scores_for_grad<D, true>(p, KjT + wcol + rg * 8, Qi, wcol + rg, cg, row0, col0, b, h, sa);
 PYFA_UNROLL
                 for (int ii = 0; ii < 8; ++ii) {
-                    const pyfa_f4 P = ld4(prow + 2 * ii * LDP + cg * 4);
-                    st4(prod_at + 2 * ii * LDP + cg * 4,
-                        pyfa_f4{P.x * (s[ii][0] - rowv[0]), P.y * (s[ii][1] - rowv[1]),
-                                P.z * (s[ii][2] - rowv[2]), P.w * (s[ii][3] - rowv[3])});
+                    const int c = wcol + rg + 2 * ii;
+                    const pyfa_f4 P4 = ld4(prow + 2 * ii * LDP + cg * 4);
+                    const float P[4] = {P4.x, P4.y, P4.z, P4.w};
+                    float ds[4];
+PYFA_UNROLL
+                    for (int kk = 0; kk < 4; ++kk)
+                        ds[kk] = score_grad(p, P[kk], s[ii][kk], rowv[kk], sa[ii][kk], b, h, row0 + cg * 4 + kk,
+                                            col0 + c);
+                    st4(prod_at + 2 * ii * LDP + cg * 4, pyfa_f4{ds[0], ds[1], ds[2], ds[3]});
                 }
                 pyfa_syncwarp();
             }

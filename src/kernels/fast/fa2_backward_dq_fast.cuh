@@ -11,11 +11,18 @@
 // loads; LSE and D of the thread's rows in registers; 32-bit indices inside a head; d and
 // Br compile-time. Per element (docs/numerics.md §5):
 // S by pyfa_fma over x in order, times scale, -inf if masked; P = (LSE == -inf) ? 0 :
-// exp(S - LSE); dp over x in order; dS = P * (dp - D); dq over c in order from +0;
+// exp(S - LSE); dp over x in order; dS = score_grad(P, dp, D) (common/score.h); dq over c
+// in order from +0;
 // dQ_i = dQ_i + dq; at the end dQ = canonical(dQ_i * scale).
 #pragma once
 
-#include "kernels/fast/fa2_forward_fast.cuh"
+#include "common/async_copy.h"
+#include "common/mask.h"
+#include "common/params.h"
+#include "common/score.h"
+#include "common/smem.h"
+#include "common/tiling.h"
+#include "kernels/fast/fast_common.h"
 #include "kernels/fast/fast_tiles.h"
 
 namespace PYFA_KERNELS {
@@ -150,9 +157,9 @@ PYFA_UNROLL
                 }
         }
 
-        // dS = P (dp - D), P = exp(S - LSE) (0 for a row that sees no key), into the warp's
-        // rows of dS_ij: the score pipeline (common/score.h). In a tile the mask cuts, a
-        // hidden score is dS = 0 by selection and is left out of dS K, and a row that sees
+        // dS = score_grad(P, dp, D), P = exp(S - LSE) (0 for a row that sees no key), into the
+        // warp's rows of dS_ij: the score pipeline (common/score.h). In a tile the mask cuts,
+        // a hidden score is dS = 0 by selection and is left out of dS K, and a row that sees
         // no key of the tile takes no step.
         const Band band = mask.band(row0, col0);
         const bool cut = band.cuts(br, bc);
@@ -164,10 +171,13 @@ PYFA_UNROLL
             for (int kk = 0; kk < 4; ++kk) {
                 const int c = cg * 4 + kk;
                 const bool hidden = cut && !band.visible(r, c);
-                const float sv = s[ii][kk] * p.scale;
-                const float sc = score_finish(p, sv, hidden, blockIdx.z, blockIdx.y, row0 + r, col0 + c);
-                const float P = lse[ii] == -INFINITY ? 0.0f : pyfa_exp(sc - lse[ii]);
-                ds[kk] = hidden ? 0.0f : score_grad(p, P, dp[ii][kk], drow[ii], sv, blockIdx.z, blockIdx.y, row0 + r,
+                const float P = fast_score_p(p, s[ii][kk], hidden, lse[ii] == -INFINITY, blockIdx.z, blockIdx.y,
+                                             row0 + r, col0 + c, [&](float S) { return pyfa_exp(S - lse[ii]); });
+                const ScoreAt<float> at = score_mod_is_identity(p)
+                                              ? ScoreAt<float>{}
+                                              : score_at(p, s[ii][kk] * p.scale, blockIdx.z, blockIdx.y, row0 + r,
+                                                         col0 + c);
+                ds[kk] = hidden ? 0.0f : score_grad(p, P, dp[ii][kk], drow[ii], at, blockIdx.z, blockIdx.y, row0 + r,
                                                     col0 + c);
             }
             st4(dSij + r * LDP + cg * 4, pyfa_f4{ds[0], ds[1], ds[2], ds[3]});
@@ -257,7 +267,7 @@ PYFA_UNROLL
 // d = 128, Br = Bc = 64: 8 warps in two roles (4 * Bc threads), as in the fast dK/dV
 // kernel. Warp w owns the 16 query rows (w & 3) * 16 ..; a thread the 8 rows
 // (w & 3) * 16 + rg + 2 ii and, of a K/V tile, the 4 keys cg*4 .. cg*4+3. Warps 0..3 form
-// S = Q_i K_j^T and P into P_ij; warps 4..7 form dP = dO_i V_j^T and dS = P (dP - D) into
+// S = Q_i K_j^T and P into P_ij; warps 4..7 form dP = dO_i V_j^T and dS = score_grad into
 // dS_ij; then warps 0..3 add dS_ij K_j's columns 0..63 to dQ_i, warps 4..7 its columns
 // 64..127, each in registers (8 rows x 4 columns a thread). Q_i, dO_i transposed once
 // (rows permuted by fast_q_pos); K_j, V_j row-major only, chunks swizzled, by cp.async.
@@ -341,23 +351,31 @@ PYFA_UNROLL
 PYFA_UNROLL
                 for (int kk = 0; kk < 4; ++kk) {
                     const int c = cg * 4 + kk;
-                    const bool hidden = cut && !band.visible(r, c);
-                    const float sc = score_finish(p, s[ii][kk] * p.scale, hidden, blockIdx.z, blockIdx.y, row0 + r,
-                                                  col0 + c);
-                    P[kk] = hidden || rowv[ii] == -INFINITY ? 0.0f : pyfa_exp(sc - rowv[ii]);
+                    P[kk] = fast_score_p(p, s[ii][kk], cut && !band.visible(r, c), rowv[ii] == -INFINITY, blockIdx.z,
+                                         blockIdx.y, row0 + r, col0 + c,
+                                         [&](float S) { return pyfa_exp(S - rowv[ii]); });
                 }
                 st4(prow + 2 * ii * LDP + cg * 4, pyfa_f4{P[0], P[1], P[2], P[3]});
             }
         }
         __syncthreads();  // P_ij is whole
         if (role == 1) {
-            // dS = P (dp - D), P from the twin thread of warp w - 4, into dS_ij.
+            // dS = score_grad(P, dp, D), P from the twin thread of warp w - 4, into dS_ij;
+            // the score its modification reads, from the twin's operands.
+            ScoreAt<float> sa[8][4];
+            fast_scores_for_grad<D, false>(p, QiT + wrow + rg * 8, Kj, wrow + rg, cg, row0, col0, blockIdx.z,
+                                           blockIdx.y, sa);
 PYFA_UNROLL
             for (int ii = 0; ii < 8; ++ii) {
-                const pyfa_f4 P = ld4(prow + 2 * ii * LDP + cg * 4);
-                st4(dsrow + 2 * ii * LDP + cg * 4,
-                    pyfa_f4{P.x * (s[ii][0] - rowv[ii]), P.y * (s[ii][1] - rowv[ii]),
-                            P.z * (s[ii][2] - rowv[ii]), P.w * (s[ii][3] - rowv[ii])});
+                const int r = wrow + rg + 2 * ii;
+                const pyfa_f4 P4 = ld4(prow + 2 * ii * LDP + cg * 4);
+                const float P[4] = {P4.x, P4.y, P4.z, P4.w};
+                float ds[4];
+PYFA_UNROLL
+                for (int kk = 0; kk < 4; ++kk)
+                    ds[kk] = score_grad(p, P[kk], s[ii][kk], rowv[ii], sa[ii][kk], blockIdx.z, blockIdx.y, row0 + r,
+                                        col0 + cg * 4 + kk);
+                st4(dsrow + 2 * ii * LDP + cg * 4, pyfa_f4{ds[0], ds[1], ds[2], ds[3]});
             }
         }
         __syncthreads();  // dS_ij is whole

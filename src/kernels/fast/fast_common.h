@@ -1,5 +1,6 @@
-// fast_common.h: what the register-tiled kernels share: 128-bit shared-memory access, the
-// chunk swizzles of their shared-memory tiles, and the ordered row max.
+// fast_common.h: what the register-tiled kernels share, forward and backward: 128-bit
+// shared-memory access, the row permutation and chunk swizzles of their shared-memory
+// tiles, and the ordered row max.
 #pragma once
 
 #include <cstring>
@@ -47,6 +48,11 @@ PYFA_DEV void st4(float* p, pyfa_f4 v) {
     std::memcpy(p, &v, sizeof(v));
 #endif
 }
+
+// Position of tile row r in a transposed tile (Q_i^T; K_j^T, V_j^T in the backwards): a
+// thread's 8 rows (w*16 + rg + 2 ii) become 8 consecutive floats (w*16 + rg*8 + ii), two
+// 128-bit loads.
+PYFA_HD int fast_q_pos(int r) { return (r & ~15) | ((r & 1) << 3) | ((r >> 1) & 7); }
 
 // Row-major tiles of 4-float chunks whose chunk index is XORed with a function of the
 // row, so that the 16 lanes reading 16 different rows at one chunk hit all 8 bank groups

@@ -1,16 +1,22 @@
-// fast_tiles.h: the two register-tile loops of the kernels whose warps split into roles
-// (fa2_backward_dkdv_fast.cuh, fa2_backward_dq_fast.cuh at d = 128): a thread's 8 x 4 tile
-// of scores from a transposed operand and a row-major one, and a thread's 8 x 4*XC tile of
-// a product summed over the tile's other index. Both keep the contract's order (every sum
-// in index order from +0), so a kernel that uses them keeps the simulator's bits.
+// fast_tiles.h: what the fast backward kernels share (fa2_backward_dkdv_fast.cuh,
+// fa2_backward_dq_fast.cuh, fa1_backward_fast.cuh): the two register-tile loops of the
+// kernels whose warps split into roles (a thread's 8 x 4 tile of scores from a transposed
+// operand and a row-major one, and a thread's 8 x 4*XC tile of a product summed over the
+// tile's other index), and the score pipeline's backward steps (P from a score's sum, and
+// what dS's modification gradient reads of the score). The loops keep the contract's
+// order (every sum in index order from +0), so a kernel that uses them keeps the
+// simulator's bits.
 //
 // Row-major operands (B) sit in shared memory as (rows, D) with 16-byte chunks swizzled by
 // swz_qk (fast_common.h): a warp reads 16 rows cg*4 + kk at one chunk (the scores) or one
 // row at 16 chunks (the products), each in two wavefronts per 128-bit load.
 #pragma once
 
+#include "common/mask.h"
+#include "common/numerics.h"
+#include "common/params.h"
+#include "common/score.h"
 #include "common/smem.h"
-#include "kernels/fast/fa2_forward_fast.cuh"
 #include "kernels/fast/fast_common.h"
 
 namespace PYFA_KERNELS {
@@ -75,6 +81,50 @@ PYFA_UNROLL
                 for (int kk = 0; kk < 4; ++kk) s[ii][kk] = pyfa_fma(bx[xx][kk], ax[ii], s[ii][kk]);
         }
     }
+}
+
+// The backward's P of one score from its sum (Q_i . K_j, the fast loops' fused steps): the
+// score pipeline (common/score.h) S = score_finish(sum * scale, hidden) of row i, key j
+// (batch b, query head h), then P = 0 where hidden or where the row sees no key (none:
+// FA2's LSE = -inf, FA1's l = 0), else prob(S), the family's rule (FA2: exp(S - LSE),
+// FA1: exp(S - safe_max(m)) / l). One score at a time, each kernel in its own loop and
+// with its own band test, because at two blocks per SM the dK/dV kernel at d = 64 has no
+// register to spare: a helper over the whole 8 x 4 tile made ptxas spill there.
+template <class Prob>
+PYFA_DEV float fast_score_p(const AttentionParams& p, float sum, bool hidden, bool none, int64_t b, int64_t h,
+                            int64_t i, int64_t j, Prob prob) {
+    const float S = score_finish(p, sum * p.scale, hidden, b, h, i, j);
+    return hidden || none ? 0.0f : prob(S);
+}
+
+// What the modification's gradient reads of the score (ScoreAt, common/score.h) on the
+// thread's 8 x 4 tile, for a thread that forms dS without holding the score (the dS role
+// of a kernel whose warps split): the sums are recomputed by fast_scores_8x4 on the P
+// role's operands (at, bm as its twin passes them), the same fused steps and so the same
+// bits, and only when the modification is not the identity; else ScoreAt{}, which an
+// identity gradient never reads. KEYS: ii indexes the tile's keys a0 + 2 ii and kk its
+// rows cg*4 + kk (S^T: the dK/dV and FA1 kernels); else ii the rows a0 + 2 ii, kk the keys
+// cg*4 + kk (dQ).
+template <int D, bool KEYS>
+PYFA_DEV void fast_scores_for_grad(const AttentionParams& p, const float* at, const float* bm, int a0, int cg,
+                                   int row0, int col0, int64_t b, int64_t h, ScoreAt<float> (&sa)[8][4]) {
+    if (score_mod_is_identity(p)) {
+PYFA_UNROLL
+        for (int ii = 0; ii < 8; ++ii)
+PYFA_UNROLL
+            for (int kk = 0; kk < 4; ++kk) sa[ii][kk] = ScoreAt<float>{};
+        return;
+    }
+    float s[8][4];
+    fast_scores_8x4<D>(at, bm, cg, s);
+PYFA_UNROLL
+    for (int ii = 0; ii < 8; ++ii)
+PYFA_UNROLL
+        for (int kk = 0; kk < 4; ++kk) {
+            const int r = KEYS ? cg * 4 + kk : a0 + 2 * ii;
+            const int c = KEYS ? a0 + 2 * ii : cg * 4 + kk;
+            sa[ii][kk] = score_at(p, s[ii][kk] * p.scale, b, h, row0 + r, col0 + c);
+        }
 }
 
 // One tile's product: t[c, x] = sum_r A^T[c, r] B[r, x] (r = 0 .. br-1 in order, from +0),

@@ -15,10 +15,6 @@
 
 namespace PYFA_KERNELS {
 
-// Position of tile row r in Q_i^T: a thread's 8 rows (w*16 + rg + 2 ii) become 8
-// consecutive floats (w*16 + rg*8 + ii), two 128-bit loads.
-PYFA_HD int fast_q_pos(int r) { return (r & ~15) | ((r & 1) << 3) | ((r >> 1) & 7); }
-
 // 16-byte chunks `first` .. `first` + N - 1 (per thread) of a (ROWS, d) tile of global
 // memory at `src` (row stride ld): chunk t is e = tid + (first + t) * NT, row e % ROWS,
 // columns 4 (e / ROWS) .. +3, so that consecutive lanes take consecutive rows at one
