@@ -201,13 +201,20 @@ def test_progress_bar_draws_only_when_enabled():
 
 # ---- the command line, run as a user runs it
 
-def _run_cli(*args):
+def _run_cli(*args, progress_delay=None):
+    """python -m pyfa.sim ARGS in a child; progress_delay replaces PROGRESS_DELAY_S there (0:
+    a bar from the first step, however fast the machine)."""
     env = dict(os.environ)
     # The subprocess must import this very pyfa (installed or the source tree).
     root = str(Path(pyfa.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return subprocess.run([sys.executable, "-m", "pyfa.sim", *args], capture_output=True,
-                          text=True, env=env, timeout=60)
+    if progress_delay is None:
+        command = ["-m", "pyfa.sim", *args]
+    else:
+        command = ["-c", "import sys; from pyfa.sim import report; "
+                         f"report.PROGRESS_DELAY_S = {progress_delay!r}; sys.exit(report.main(sys.argv[1:]))",
+                   *args]
+    return subprocess.run([sys.executable, *command], capture_output=True, text=True, env=env, timeout=60)
 
 
 def test_gpt2_medium_preset_runs_fast_and_compares_every_algorithm():
@@ -263,7 +270,8 @@ def test_sweep_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "sweep.png"
     proc = _run_cli("sweep", "--over", "bc", "--values", "16,32,64,128", "--preset",
-                    "v1-table", "--passes", "forward", "--plot", str(png), "--progress")
+                    "v1-table", "--passes", "forward", "--plot", str(png), "--progress",
+                    progress_delay=0)
     assert proc.returncode == 0, proc.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size < 100_000
