@@ -4,6 +4,8 @@ query row that sees no key, reaches no visible result, on every backend and vari
 which tiles a kernel visits (a matter of Br) changes no bit. Every result equals the
 simulator's bit for bit, NaNs compared as NaNs."""
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -40,6 +42,9 @@ RUNS = [
                  marks=pytest.mark.skipif(not HAS_CUDA, reason="no usable CUDA GPU here")),
 ]
 SPECIALS = [np.inf, -np.inf, np.nan]
+# One worker runs the module, so the simulator's results (simulated, below) are shared by
+# every backend and variant of a case.
+pytestmark = pytest.mark.xdist_group("masked_specials")
 
 
 def same_bits(a, b):
@@ -94,22 +99,41 @@ def tiles_kw(tiles):
     return {k: x for k, x in (("block_r", r), ("block_c", c)) if x is not None}
 
 
+def case_inputs(algo, shape, mask_args):
+    """(q, k, v, do, vis, kw) of one case: the same arrays for every backend and variant."""
+    Nq, Nk = shape
+    vis = visible(mask_args, Nq, Nk)
+    seed = Nq + 7 * Nk if algo == "fa2" else 3 * Nq + Nk
+    q, k, v, do, _ = poisoned(Nq, Nk, vis, seed=seed)
+    causal, window, align = mask_args
+    return q, k, v, do, vis, dict(causal=causal, window=window, causal_align=align)
+
+
+@functools.lru_cache(maxsize=None)
+def simulated(algo, shape, mask_args, tiles):
+    """The simulator's forward and backward of one case at these tiles, computed once and
+    shared by every backend and variant that runs them (read only)."""
+    q, k, v, do, _, kw = case_inputs(algo, shape, mask_args)
+    kw.update(tiles_kw(tiles))
+    if algo == "fa2":
+        ref = pyfa.sim.fa2_forward(q, k, v, **kw)
+        return ref, pyfa.sim.fa2_backward(q, k, v, ref.o, ref.lse, do, **kw)
+    ref = pyfa.sim.fa1_forward(q, k, v, **kw)
+    return ref, pyfa.sim.fa1_backward(q, k, v, ref.o, ref.m, ref.l, do, **kw)
+
+
 @pytest.mark.parametrize("backend,variant,tiles", RUNS)
 @pytest.mark.parametrize("mask_args", MASKS, ids=lambda m: f"{m[0]}-{m[1]}-{m[2]}")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_fa2_hidden_specials(shape, mask_args, backend, variant, tiles):
-    Nq, Nk = shape
-    vis = visible(mask_args, Nq, Nk)
-    q, k, v, do, keys = poisoned(Nq, Nk, vis, seed=Nq + 7 * Nk)
-    causal, window, align = mask_args
-    kw = dict(causal=causal, window=window, causal_align=align, **tiles_kw(tiles))
+    q, k, v, do, vis, kw = case_inputs("fa2", shape, mask_args)
+    kw.update(tiles_kw(tiles))
     o, lse = pyfa.fa2_forward(q, k, v, backend=backend, variant=variant, **kw)
     # The simulator at the tiles that ran: the caller's, else the readable kernels' defaults
     # (which variant auto gives the bits of).
-    ref = pyfa.sim.fa2_forward(q, k, v, **kw)
+    ref, g = simulated("fa2", shape, mask_args, tiles)
     assert same_bits(o, ref.o) and same_bits(lse, ref.lse)
     dq, dk, dv = pyfa.fa2_backward(q, k, v, o, lse, do, backend=backend, variant=variant, **kw)
-    g = pyfa.sim.fa2_backward(q, k, v, ref.o, ref.lse, do, **kw)
     assert same_bits(dq, g.dq) and same_bits(dk, g.dk) and same_bits(dv, g.dv)
 
     row_ok, row_ok_bwd, dk_ok, dv_ok = clean_rows_and_keys(v, do, vis)
@@ -126,16 +150,12 @@ def test_fa2_hidden_specials(shape, mask_args, backend, variant, tiles):
 @pytest.mark.parametrize("mask_args", MASKS, ids=lambda m: f"{m[0]}-{m[1]}-{m[2]}")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_fa1_hidden_specials(shape, mask_args, backend, variant, tiles):
-    Nq, Nk = shape
-    vis = visible(mask_args, Nq, Nk)
-    q, k, v, do, keys = poisoned(Nq, Nk, vis, seed=3 * Nq + Nk)
-    causal, window, align = mask_args
-    kw = dict(causal=causal, window=window, causal_align=align, **tiles_kw(tiles))
+    q, k, v, do, vis, kw = case_inputs("fa1", shape, mask_args)
+    kw.update(tiles_kw(tiles))
     o, m, l = pyfa.fa1_forward(q, k, v, backend=backend, variant=variant, **kw)
-    ref = pyfa.sim.fa1_forward(q, k, v, **kw)
+    ref, g = simulated("fa1", shape, mask_args, tiles)
     assert same_bits(o, ref.o) and same_bits(m, ref.m) and same_bits(l, ref.l)
     dq, dk, dv = pyfa.fa1_backward(q, k, v, o, m, l, do, backend=backend, variant=variant, **kw)
-    g = pyfa.sim.fa1_backward(q, k, v, ref.o, ref.m, ref.l, do, **kw)
     assert same_bits(dq, g.dq) and same_bits(dk, g.dk) and same_bits(dv, g.dv)
 
     row_ok, row_ok_bwd, dk_ok, dv_ok = clean_rows_and_keys(v, do, vis)
