@@ -1,4 +1,6 @@
+import shlex
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -45,3 +47,29 @@ def fake_cuda_library(fake_cuda_build, tmp_path_factory):
     state of its own, never another module's."""
     folder = tmp_path_factory.mktemp("fake_cuda_copy")
     return Path(shutil.copy(fake_cuda_build, folder / "libpyfa.so"))
+
+
+def _sh(command, cwd):
+    run = subprocess.run(["/bin/sh", "-c", command], cwd=cwd, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, f"{command}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="session")
+def cmake_build(tmp_path_factory):
+    """An emulator-only CMake build of this source tree, and its `cmake --install` into a
+    prefix: (build folder, prefix), for the tests that need a build tree or a prefix of
+    their own (marked xdist_group("cmake_build"), so that one worker builds it once).
+    Unoptimised: what is checked here is the layout, linking and the bits (which the
+    numerical contract keeps the same at every optimisation level), and -O0 builds it in
+    less than half the time."""
+    cmake, cc = shutil.which("cmake"), shutil.which("cc")
+    if cmake is None or cc is None:
+        pytest.skip("cmake and cc are needed to build the library with CMake")
+    tmp = tmp_path_factory.mktemp("cmake-install")
+    build, prefix = tmp / "build", tmp / "prefix"
+    q = shlex.quote
+    _sh(f"{q(cmake)} -S {q(str(ROOT))} -B {q(str(build))} -DPYFA_WITH_CUDA=OFF "
+       "-DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG=-O0 "
+       f"&& {q(cmake)} --build {q(str(build))} -j2 "
+       f"&& {q(cmake)} --install {q(str(build))} --prefix {q(str(prefix))}", cwd=tmp)
+    return build, prefix

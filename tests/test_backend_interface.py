@@ -15,12 +15,17 @@ from pyfa import _lib
 TOY = 100
 
 
+# The toy is built in a CMake build tree: the loaded library's own in a checkout, else the
+# suite's shared one (conftest.py's cmake_build), which one worker builds for every module
+# of this group.
+pytestmark = pytest.mark.xdist_group("cmake_build")
+
+
 @pytest.fixture(scope="module")
-def toy():
-    library = _lib.library_path()
-    build = library.parent
+def toy(request):
+    build = _lib.library_path().parent
     if not (build / "CMakeCache.txt").exists():
-        pytest.skip(f"{library} is not in a CMake build tree, so the pyfa_toy target cannot be built")
+        build = request.getfixturevalue("cmake_build")[0]
     cmake = shutil.which("cmake")
     if cmake is None:
         pytest.skip("cmake not found: the pyfa_toy target needs it")

@@ -158,24 +158,6 @@ def test_package_library_soname():
 
 
 @pytest.fixture(scope="module")
-def cmake_build(tmp_path_factory):
-    """An emulator-only CMake build of this source tree, and its `cmake --install` into a
-    prefix: (build folder, prefix).
-    Unoptimised: what is checked here is the layout and linking, and -O0 builds it in
-    less than half the time."""
-    cmake = need("cmake")
-    need("cc")
-    tmp = tmp_path_factory.mktemp("cmake-install")
-    build, prefix = tmp / "build", tmp / "prefix"
-    q = shlex.quote
-    sh(f"{q(cmake)} -S {q(str(ROOT))} -B {q(str(build))} -DPYFA_WITH_CUDA=OFF "
-       "-DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG=-O0 "
-       f"&& {q(cmake)} --build {q(str(build))} -j2 "
-       f"&& {q(cmake)} --install {q(str(build))} --prefix {q(str(prefix))}", cwd=tmp)
-    return build, prefix
-
-
-@pytest.fixture(scope="module")
 def install_prefix(cmake_build):
     return cmake_build[1]
 
