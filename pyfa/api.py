@@ -265,7 +265,7 @@ def _address(ffi, x):
 
 
 def _as_4d_shape(name, shape, rank=None, layout="bhnd"):
-    # The device twin of sim.inputs.as_tensor and as_4d's shape rules, with their messages.
+    # The device twin of pyfa.checks.as_tensor and as_4d's shape rules, with their messages.
     if len(shape) not in (2, 3, 4):
         words = "(B, H, N, d), (H, N, d)" if layout == "bhnd" else "(B, N, H, d), (N, H, d)"
         raise InvalidArgumentError(f"{name}: expected shape {words} or (N, d), got {shape}")
@@ -276,7 +276,7 @@ def _as_4d_shape(name, shape, rank=None, layout="bhnd"):
 
 
 def _check_device_shapes(tensors, layout):
-    """sim.inputs.check_qkv, check_like and check_rows on the shapes of DeviceTensors
+    """checks.check_qkv, check_like and check_rows on the shapes of DeviceTensors
     (same rules, same messages); returns (dims, rank)."""
     q, k, v = tensors["q"].shape, tensors["k"].shape, tensors["v"].shape
     q4 = _as_4d_shape("q", q, layout=layout)

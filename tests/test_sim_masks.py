@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import pyfa
-from pyfa.sim.inputs import check_like, check_qkv, check_rows, element_strides, restore_rank
+from pyfa.checks import check_like, check_qkv, check_rows, element_strides, restore_rank
 from pyfa.sim.mask import Mask
 from reference import (attention_grad_ref, attention_ref, make_inputs, mask_matrix, rel_err,
                        row_stats_ref, same_bits)

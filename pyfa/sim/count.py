@@ -23,7 +23,7 @@ import numbers
 from dataclasses import dataclass
 
 from ..errors import ArgumentTypeError, InvalidArgumentError
-from .inputs import check_count_args, check_tile
+from ..checks import check_count_args, check_tile
 from .io import IORecord
 from .mask import Mask
 from .tiles import EMU_PROFILE, DeviceProfile, resolve_tiles

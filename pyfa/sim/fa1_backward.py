@@ -19,7 +19,7 @@ import numpy as np
 from . import numerics as nx
 from . import score
 from .calls import simulated
-from .inputs import check_like, check_qkv, check_rows, resolve_scale, restore_rank
+from ..checks import check_like, check_qkv, check_rows, resolve_scale, restore_rank
 from .io import IORecord
 from .mask import Mask
 from .tiles import launch_tiles

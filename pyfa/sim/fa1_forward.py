@@ -17,7 +17,7 @@ import numpy as np
 from . import numerics as nx
 from . import score
 from .calls import simulated
-from .inputs import check_qkv, resolve_scale, restore_rank, restore_rows
+from ..checks import check_qkv, resolve_scale, restore_rank, restore_rows
 from .io import IORecord
 from .mask import Mask
 from .tiles import launch_tiles

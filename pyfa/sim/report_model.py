@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, replace
 
 from ..errors import InvalidArgumentError
 from . import count as count_mod
-from .inputs import MAX_HEAD_DIM
+from ..checks import MAX_HEAD_DIM
 from .mask import check_causal_align, check_window
 from .report_render import PASS_WORDS, _problem_line, gb
 from .standard import PASS_NAMES, backward_steps, count_standard_io, forward_steps

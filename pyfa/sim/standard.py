@@ -32,7 +32,7 @@ from typing import Optional
 
 import numpy as np
 
-from .inputs import (check_count_args, check_like, check_qkv, resolve_scale, restore_rank,
+from ..checks import (check_count_args, check_like, check_qkv, resolve_scale, restore_rank,
                      restore_rows)
 from .io import IORecord
 from .mask import Mask

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..errors import InvalidArgumentError, TileTooLargeError  # noqa: F401 (also sim's name)
-from .inputs import check_tile
+from ..checks import check_tile
 
 FLOAT_BYTES = 4
 
