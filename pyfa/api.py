@@ -11,6 +11,7 @@ layout asked for, or the out= arrays given.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from collections.abc import Mapping
@@ -21,11 +22,12 @@ import numpy as np
 from . import _arrays, _lib
 from ._arrays import Array, ArrayLike
 from .checks import (
-    EMPTY_VALUES, MAX_HEAD_DIM, caller_shape, check_int, check_layout, check_like, check_qkv,
+    EMPTY_VALUES, MAX_HEAD_DIM, ScoreMods, caller_shape, check_int, check_layout, check_like, check_qkv,
     check_rows, check_sizes, element_strides, is_empty, mask_bounds, resolve_scale,
 )
 from .errors import ArgumentTypeError, BackendUnavailableError, InvalidArgumentError
 from .options import Options, Progress  # noqa: F401 (Progress: the callback's type)
+from .options import FIELDS as OPTION_FIELDS
 from .options import resolve as resolve_options
 
 
@@ -76,9 +78,10 @@ INT64_MAX = 2**63 - 1
 # "key" (B, Hkv, Nk, d) or "row" (B, H, Nq), one float per query row.
 TENSOR_KINDS = {"q": "query", "k": "key", "v": "key", "o": "query", "do": "query",
                 "lse": "row", "m": "row", "l": "row", "dq": "query", "dk": "key", "dv": "key"}
-# The pyfa_problem field holding each 4-D tensor's strides.
-STRIDE_FIELDS = {"q": "q", "k": "k", "v": "v", "o": "o", "do": "dout", "dq": "dq", "dk": "dk",
-                 "dv": "dv"}
+# The pyfa_tensors field of each tensor (pyfa.h), and the pyfa_problem field holding each
+# 4-D tensor's strides: its name, but for "do".
+C_FIELDS = {n: "dout" if n == "do" else n for n in TENSOR_KINDS}
+STRIDE_FIELDS = {n: C_FIELDS[n] for n, kind in TENSOR_KINDS.items() if kind != "row"}
 
 
 def tensor_shape(name, batch, heads, seqlen_q, seqlen_k, head_dim, heads_kv=None):
@@ -105,6 +108,11 @@ class Op:
     inputs: tuple    # TENSOR_KINDS names, in C argument order
     outputs: tuple   # TENSOR_KINDS names, in C argument order, after the inputs
     kernels: tuple   # KERNELS names, in launch order
+
+    @property
+    def c_op(self):
+        """Its pyfa_op, what pyfa_run takes."""
+        return _lib.constant("PYFA_OP_" + self.name.upper())
 
     @property
     def c_function(self):
@@ -178,10 +186,11 @@ def _config(options):
     return cfg
 
 
-def _problem(dims, scale, causal, window, causal_align):
+def _problem(dims, scale, causal, window, causal_align, mods):
     """The pyfa_problem (struct_size 0: ABI 3's layout, which is all of it) of sizes
-    dims = (B, H, Nq, Nk, d, Hkv) and the mask arguments, checked as the simulator checks
-    them; the strides are set by the caller. A window side wider than Nq + Nk is passed
+    dims = (B, H, Nq, Nk, d, Hkv), the mask arguments, checked as the simulator checks
+    them, and the score modifications (a checks.ScoreMods: each scalar field copied to
+    the pyfa_problem field of its name); the strides are set by the caller. A window side wider than Nq + Nk is passed
     as Nq + Nk (checks.mask_bounds: the same mask), so any int fits int64_t."""
     ffi, _ = _lib.load()
     bounds = mask_bounds(causal, window, causal_align, dims[2], dims[3])
@@ -195,6 +204,10 @@ def _problem(dims, scale, causal, window, causal_align):
         pr.window_left = -1 if left is None else bounds.left
         pr.window_right = -1 if right is None else bounds.right
     pr.causal_align = CAUSAL_ALIGNS[causal_align]
+    for field in dataclasses.fields(mods):
+        value = getattr(mods, field.name)
+        if isinstance(value, (int, float)):
+            setattr(pr, field.name, value)
     return pr
 
 
@@ -257,6 +270,20 @@ def _layout_strides(shape4, rank, layout):
         return None
     B, H, N, d = shape4
     return (N * H * d, d, H * d)
+
+
+def _tensors(memory, pointers):
+    """The pyfa_tensors of a pyfa_run call: `memory` a pyfa_memory name, `pointers`
+    {tensor name: address (an int or a cffi pointer)}; strides travel in pyfa_problem.
+    Every call goes through pyfa_run, so an op's new tensor is a field here, not an
+    argument of a new entry point."""
+    ffi, _ = _lib.load()
+    t = ffi.new("pyfa_tensors *")
+    t.struct_size = ffi.sizeof("pyfa_tensors")
+    t.memory = _lib.constant(memory)
+    for name, address in pointers.items():
+        getattr(t, C_FIELDS[name]).data = ffi.cast("void *", address)
+    return t
 
 
 def _address(ffi, x):
@@ -472,13 +499,14 @@ def _run_host(op, intake, outs, problem, config, progress):
     _set_strides(problem, {n: intake.strides[n] for n in op.inputs})
     _set_strides(problem, {n: _layout_strides(intake.shape4(n), intake.rank, intake.layout)
                            for n in op.outputs if TENSOR_KINDS[n] != "row"})
-    pointers = [_address(ffi, x)
-                for x in [intake.tensors[n] for n in op.inputs] + [w for _, _, w in targets.values()]]
+    tensors = _tensors("PYFA_MEMORY_HOST",
+                       {**{n: _address(ffi, intake.tensors[n]) for n in op.inputs},
+                        **{n: _address(ffi, w) for n, (_, _, w) in targets.items()}})
     if all(view is not written for _, view, written in targets.values()):
         # Every array the library writes is ours until the call returns: a cancelled call
         # may leave them partly written, and no staging copy is needed.
         config.flags |= lib.PYFA_FLAG_IN_PLACE
-    _lib.call(getattr(lib, op.c_function), config, problem, config, *pointers, progress=progress)
+    _lib.call(lib.pyfa_run, config, op.c_op, problem, config, tensors, ffi.NULL, progress=progress)
     results = []
     for given, view, written in targets.values():
         if given is None:
@@ -560,7 +588,7 @@ def _run_device(op, intake, outs, problem, config, progress):
             raise InvalidArgumentError(f"out ({n}): a per-row CUDA tensor must be C-contiguous")
     _set_strides(problem, {n: _device_strides(t, intake.shape4(n), intake.rank, intake.layout)
                            for n, (_, _, t) in targets.items() if TENSOR_KINDS[n] != "row"})
-    fn = getattr(lib, op.device_function)
+    fn = lib.pyfa_run
     switch = _arrays.device_switch(intake.kind, intake.place.index)
     if switch is not None:
         entry = fn
@@ -571,16 +599,26 @@ def _run_device(op, intake, outs, problem, config, progress):
                 return entry(*args)
             finally:
                 restore()
-    pointers = [ffi.cast("float *", t.ptr) for t in
-                [intake.tensors[n] for n in op.inputs] + [t for _, _, t in targets.values()]]
-    _lib.call(fn, config, problem, config, *pointers, ffi.cast("void *", intake.stream),
+    tensors = _tensors("PYFA_MEMORY_DEVICE",
+                       {**{n: intake.tensors[n].ptr for n in op.inputs},
+                        **{n: t.ptr for n, (_, _, t) in targets.items()}})
+    _lib.call(fn, config, op.c_op, problem, config, tensors, ffi.cast("void *", intake.stream),
               progress=progress)
     return tuple(given if given is not None else _arrays.as_kind(intake.kind, array)
                  for given, array, _ in targets.values())
 
 
+def _keywords(function, options, kwargs):
+    """(the Options, the score modifications) of a call to `function` (its public name)
+    from options= and its other keyword arguments: an Options field given as a keyword is
+    the deprecated form of options= (pyfa/options.py), any other keyword a score
+    modification, checked later by checks.ScoreMods."""
+    legacy = {n: kwargs.pop(n) for n in list(kwargs) if n in OPTION_FIELDS}
+    return resolve_options(function, options, legacy), kwargs
+
+
 def _run(op_name, args, *, causal, window, causal_align, scale, layout, options, out,
-         stream):
+         stream, mods):
     """Runs OPS[op_name] on the caller's arrays `args` ({name: array}, op.inputs order)
     with the resolved Options `options`; returns its outputs in op.outputs order, at the
     caller's rank and in its layout, of q's kind (or the out= arrays given). CPU arrays
@@ -588,11 +626,12 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
     op = OPS[op_name]
     outs = _out_dict(op_name, op.outputs, out)
     intake = _intake(args, stream, options.backend, layout, outs)
+    mods = ScoreMods.resolve(f"pyfa.{op_name}", intake.dims, **mods)
     if is_empty(*intake.dims[2:4]):
         mask_bounds(causal, window, causal_align, *intake.dims[2:4])
         resolve_scale(scale, intake.dims[4])
         return _run_empty(op, intake, outs)
-    problem = _problem(intake.dims, scale, causal, window, causal_align)
+    problem = _problem(intake.dims, scale, causal, window, causal_align, mods)
     config = _config(options)
     with _lib.interrupts_after():
         if intake.place.kind == "cpu":
@@ -611,6 +650,11 @@ _COMMON_DOC = """
     k and v may have Hkv heads, H % Hkv == 0 (grouped-query attention: query head h
     reads K/V head h // (H // Hkv)); dk and dv then have Hkv heads, each the sum over
     its group's query heads.
+
+    **mods: the score modifications (pyfa.checks.ScoreMods, docs/numerics.md §2), the
+    same keywords as the simulator's; none is defined yet, so any other keyword is a
+    TypeError naming it. (An Options field given as a keyword, e.g. block_r=, is the
+    deprecated form of options=.)
 
     Arrays: NumPy, or any array with __dlpack__ (PyTorch, CuPy, JAX, ...) or
     __cuda_array_interface__, all on one device. CPU arrays run as NumPy arrays (any
@@ -648,14 +692,14 @@ def fa2_forward(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = Fals
                 scale: Optional[float] = None, layout: str = "bhnd",
                 options: Optional[Options] = None,
                 out: Optional[Sequence[Optional[ArrayLike]]] = None, stream: Any = None,
-                **deprecated) -> Tuple[Array, Array]:
+                **mods) -> Tuple[Array, Array]:
     """FlashAttention-2 forward. Returns (o, lse): o like q, lse (log-sum-exp of each
     query row's scaled scores, -inf for a row with no visible key) q's shape without d.
     out: (o, lse), either None to allocate it."""
-    options = resolve_options("pyfa.fa2_forward", options, deprecated)
+    options, mods = _keywords("pyfa.fa2_forward", options, mods)
     return _run("fa2_forward", dict(q=q, k=k, v=v), causal=causal, window=window,
                 causal_align=causal_align, scale=scale, layout=layout, options=options,
-                out=out, stream=stream)
+                out=out, stream=stream, mods=mods)
 
 
 def fa2_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, lse: ArrayLike,
@@ -663,15 +707,15 @@ def fa2_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, lse: Ar
                  causal_align: str = "bottom_right", scale: Optional[float] = None,
                  layout: str = "bhnd", options: Optional[Options] = None,
                  out: Optional[Sequence[Optional[ArrayLike]]] = None, stream: Any = None,
-                 **deprecated) -> Tuple[Array, Array, Array]:
+                 **mods) -> Tuple[Array, Array, Array]:
     """FlashAttention-2 backward from the forward's saved o and lse (fa2_forward) and the
     incoming gradient do (like o). Returns (dq, dk, dv), shaped like q, k, v. The mask
     and scale must be the forward's. Deterministic: the same inputs give the same bits.
     out: (dq, dk, dv), each None to allocate it."""
-    options = resolve_options("pyfa.fa2_backward", options, deprecated)
+    options, mods = _keywords("pyfa.fa2_backward", options, mods)
     return _run("fa2_backward", dict(q=q, k=k, v=v, o=o, lse=lse, do=do), causal=causal,
                 window=window, causal_align=causal_align, scale=scale, layout=layout,
-                options=options, out=out, stream=stream)
+                options=options, out=out, stream=stream, mods=mods)
 
 
 def fa1_forward(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
@@ -679,15 +723,15 @@ def fa1_forward(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = Fals
                 scale: Optional[float] = None, layout: str = "bhnd",
                 options: Optional[Options] = None,
                 out: Optional[Sequence[Optional[ArrayLike]]] = None, stream: Any = None,
-                **deprecated) -> Tuple[Array, Array, Array]:
+                **mods) -> Tuple[Array, Array, Array]:
     """FlashAttention-1 forward (the paper's Algorithm 1 as written). Returns (o, m, l):
     o like q; m (row max of the scaled scores) and l (sum of exp(score - m)) q's shape
     without d, as the paper keeps them for the backward; a row with no visible key gets
     o = 0, m = -inf, l = 0. out: (o, m, l), each None to allocate it."""
-    options = resolve_options("pyfa.fa1_forward", options, deprecated)
+    options, mods = _keywords("pyfa.fa1_forward", options, mods)
     return _run("fa1_forward", dict(q=q, k=k, v=v), causal=causal, window=window,
                 causal_align=causal_align, scale=scale, layout=layout, options=options,
-                out=out, stream=stream)
+                out=out, stream=stream, mods=mods)
 
 
 def fa1_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, m: ArrayLike,
@@ -696,15 +740,15 @@ def fa1_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, m: Arra
                  scale: Optional[float] = None, layout: str = "bhnd",
                  options: Optional[Options] = None,
                  out: Optional[Sequence[Optional[ArrayLike]]] = None, stream: Any = None,
-                 **deprecated) -> Tuple[Array, Array, Array]:
+                 **mods) -> Tuple[Array, Array, Array]:
     """FlashAttention-1 backward (the paper's Algorithm 4) from the forward's saved o, m, l
     (fa1_forward) and the incoming gradient do (like o). Returns (dq, dk, dv), shaped like
     q, k, v. The mask and scale must be the forward's. Deterministic: no atomics.
     out: (dq, dk, dv), each None to allocate it."""
-    options = resolve_options("pyfa.fa1_backward", options, deprecated)
+    options, mods = _keywords("pyfa.fa1_backward", options, mods)
     return _run("fa1_backward", dict(q=q, k=k, v=v, o=o, m=m, l=l, do=do), causal=causal,
                 window=window, causal_align=causal_align, scale=scale, layout=layout,
-                options=options, out=out, stream=stream)
+                options=options, out=out, stream=stream, mods=mods)
 
 
 # algo -> the forward pass; attention() takes its first output, O.
@@ -721,7 +765,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
               window: Window = None, causal_align: str = "bottom_right",
               scale: Optional[float] = None, algo: str = "fa2", layout: str = "bhnd",
               options: Optional[Options] = None, out: Optional[ArrayLike] = None,
-              stream: Any = None, **deprecated) -> Array:
+              stream: Any = None, **mods) -> Array:
     """O = softmax(scale * Q K^T [masked]) V by FlashAttention.
 
     q: (B, H, Nq, d), (H, Nq, d) or (Nq, d) float32 in layout "bhnd" ((B, Nq, H, d), ...
@@ -729,12 +773,12 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     runs (backend, tiles, threads, progress, ...) is `options`, a pyfa.Options (None: the
     enclosing `with pyfa.Options(...)` block's, else the defaults: the best backend
     here). out: an array like q to write O into."""
-    options = resolve_options("pyfa.attention", options, deprecated)
+    options, mods = _keywords("pyfa.attention", options, mods)
     fn = _FORWARD[_algo(algo)]
     extra = 2 if algo == "fa1" else 1  # m, l or lse: allocated
     return fn(q, k, v, causal=causal, window=window, causal_align=causal_align, scale=scale,
               layout=layout, options=options,
-              out=None if out is None else (out,) + (None,) * extra, stream=stream)[0]
+              out=None if out is None else (out,) + (None,) * extra, stream=stream, **mods)[0]
 
 
 def attention_grad(q: ArrayLike, k: ArrayLike, v: ArrayLike, do: ArrayLike, *,
@@ -742,18 +786,18 @@ def attention_grad(q: ArrayLike, k: ArrayLike, v: ArrayLike, do: ArrayLike, *,
                    causal_align: str = "bottom_right", scale: Optional[float] = None,
                    algo: str = "fa2", layout: str = "bhnd", options: Optional[Options] = None,
                    out: Optional[Sequence[Optional[ArrayLike]]] = None, stream: Any = None,
-                   **deprecated) -> Tuple[Array, Array, Array, Array]:
+                   **mods) -> Tuple[Array, Array, Array, Array]:
     """The forward and backward of attention(q, k, v, ...) for the incoming gradient do
     (like the output): returns (o, dq, dk, dv), o like q and the gradients like q, k, v.
     Arguments as in attention(); do is checked before any kernel runs; options.progress
     sees each of the two calls in turn. out: (o, dq, dk, dv), each None to allocate it."""
-    options = resolve_options("pyfa.attention_grad", options, deprecated)
+    options, mods = _keywords("pyfa.attention_grad", options, mods)
     _algo(algo)
     outs = _out_dict("attention_grad", ("o", "dq", "dk", "dv"), out)
     _refuse_given_overlaps(_intake(dict(q=q, k=k, v=v, do=do), stream, options.backend,
                                    layout, outs), outs)
     kw = dict(causal=causal, window=window, causal_align=causal_align, scale=scale,
-              layout=layout, options=options, stream=stream)
+              layout=layout, options=options, stream=stream, **mods)
     grads = (outs["dq"], outs["dk"], outs["dv"])
     if algo == "fa1":
         o, m, l = fa1_forward(q, k, v, out=(outs["o"], None, None), **kw)

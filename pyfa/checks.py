@@ -10,6 +10,7 @@ drops B, of rank 2 drops B and H (then the layouts coincide). Per-row statistics
 m, l) are (B, H, Nq) in both layouts, as in flash-attn.
 """
 
+import dataclasses
 import math
 import numbers
 from typing import NamedTuple
@@ -307,8 +308,36 @@ def mask_bounds(causal, window, causal_align, Nq, Nk):
     return MaskBounds(left, right, off)
 
 
+@dataclasses.dataclass(frozen=True)
+class ScoreMods:
+    """The score modifications of one call, checked (docs/numerics.md, "The score
+    pipeline"): one field per modification, holding its neutral value when it is off.
+    This is the one list of them in Python. pyfa's API and the simulator take them as
+    keyword arguments (**mods) and resolve them here, once per call. A scalar field is
+    copied to the pyfa_problem field of the same name (pyfa/api.py), and the simulator's
+    formulas read the fields (pyfa/sim/score.py). There are none yet.
+
+    A modification adds its field here, its check to resolve(), and its formula to
+    pyfa/sim/score.py and src/common/score.h."""
+
+    @classmethod
+    def resolve(cls, function, dims, **mods):
+        """The modifications of the keyword arguments `mods` of `function` (its name, for
+        the error) on a problem of dims = (B, H, Nq, Nk, d, Hkv); TypeError for a keyword
+        that names none."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        for name in mods:
+            if name not in known:
+                raise ArgumentTypeError(f"{function}() got an unexpected keyword argument {name!r}")
+        return cls(**mods)
+
+    def is_identity(self):
+        """True when no modification is on: the score pipeline is the identity."""
+        return self == type(self)()
+
+
 __all__ = [
-    "ALIGNMENTS", "EMPTY_VALUES", "FLOAT32_MAX", "LAYOUTS", "MAX_HEAD_DIM", "MAX_TILE", "MaskBounds", "QKV",
+    "ALIGNMENTS", "EMPTY_VALUES", "FLOAT32_MAX", "LAYOUTS", "MAX_HEAD_DIM", "MAX_TILE", "MaskBounds", "QKV", "ScoreMods",
     "as_4d", "as_tensor", "caller_shape", "check_causal", "check_causal_align",
     "check_count_args", "check_int", "check_layout", "check_like", "check_qkv",
     "check_rows", "check_sizes", "check_tile", "check_window", "element_strides", "empty_output", "is_empty",

@@ -338,3 +338,14 @@ def test_no_second_table_of_enum_values_in_python():
     assert not tables, f"name -> int tables (read them from pyfa.h): {tables}"
     header = _lib.enum_values("pyfa_backend", "PYFA_BACKEND_")
     assert dict(pyfa.api.BACKENDS) == dict(header) and list(pyfa.api.BACKENDS)[0] == "auto"
+
+
+# ---- score modifications: one keyword list (checks.ScoreMods) for pyfa and pyfa.sim
+
+@pytest.mark.parametrize("function", ["attention", "attention_grad", "fa2_forward", "fa1_forward"])
+def test_a_keyword_that_names_no_modification_is_refused_by_name(function):
+    import pyfa.sim
+    args = (Q, K, V, DO) if function == "attention_grad" else (Q, K, V)
+    for module in (pyfa, pyfa.sim) if hasattr(pyfa.sim, function) else (pyfa,):
+        with pytest.raises(TypeError, match="unexpected keyword argument 'softcapp'"):
+            getattr(module, function)(*args, softcapp=30.0, options=EMU)

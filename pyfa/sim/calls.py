@@ -110,7 +110,8 @@ def simulated(algo, passes, result_class):
 
         signature = inspect.signature(kernel)
         params = [p for n, p in signature.parameters.items() if n not in TILES]
-        params.append(inspect.Parameter("options", inspect.Parameter.KEYWORD_ONLY, default=None))
+        at = next((n for n, p in enumerate(params) if p.kind == p.VAR_KEYWORD), len(params))
+        params.insert(at, inspect.Parameter("options", inspect.Parameter.KEYWORD_ONLY, default=None))
         run.__signature__ = signature.replace(parameters=params)
         return run
     return wrap

@@ -19,7 +19,7 @@ import numpy as np
 from . import numerics as nx
 from . import score
 from .calls import simulated
-from ..checks import check_like, check_qkv, check_rows, resolve_scale, restore_rank
+from ..checks import ScoreMods, check_like, check_qkv, check_rows, resolve_scale, restore_rank
 from .io import IORecord
 from .mask import Mask
 from .tiles import launch_tiles
@@ -40,7 +40,7 @@ class Fa1BackwardResult:
 @simulated("fa1", "backward", Fa1BackwardResult)
 @nx.ieee_arithmetic
 def fa1_backward(q, k, v, o, m, l, do, *, causal=False, window=None, causal_align="bottom_right",
-                 scale=None, block_r=None, block_c=None, layout="bhnd"):
+                 scale=None, block_r=None, block_c=None, layout="bhnd", **mods):
     q4, k4, v4, rank, Hkv = check_qkv(q, k, v, layout)
     o4 = check_like("o", o, q4, layout)
     do4 = check_like("do", do, q4, layout)
@@ -52,6 +52,7 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, window=None, causal_alig
     scale = resolve_scale(scale, d)
     Br, Bc = launch_tiles("fa1_backward", d, block_r, block_c)
     mask = Mask.resolve(causal, window, causal_align, Nq, Nk)
+    mods = ScoreMods.resolve("pyfa.sim.fa1_backward", (B, H, Nq, Nk, d, Hkv), **mods)
 
     BH, BHkv, Tr, Tc = B * H, B * Hkv, ceil_div(Nq, Br), ceil_div(Nk, Bc)
     # Array widths: a tile never holds more rows than Nq or more columns than Nk (a tile
@@ -121,7 +122,7 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, window=None, causal_alig
             hidden = (cols[None, None, :] >= Nk) | mask.masked(r_a, c_a)
             keep = ~(hidden | (r_a >= Nq))[None, None]  # (1, 1, z-a, Wr, Wc)
             s = score.scaled_scores(Q_a, Kg, scale)
-            S = score.finish(s, hidden[None, None], bh // H, bh % H, r_a, c_a)
+            S = score.finish(mods, s, hidden[None, None], bh // H, bh % H, r_a, c_a)
             with np.errstate(divide="ignore", invalid="ignore"):
                 P = np.where(keep & (l_a[..., None] != 0),
                              nx.exp(S - nx.safe_max(m_a)[..., None]) / l_a[..., None], F32(0))
@@ -129,7 +130,7 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, window=None, causal_alig
             # dP_ij = dO_i V_j^T and D_i = rowsum(dO_i o O_i), x in order.
             dP = nx.dot_rows(dO_a, Vg)
             D = nx.dot(dO_a, O_a)
-            dS = np.where(keep, score.score_grad(P, dP, D[..., None], s, S, bh // H, bh % H, r_a, c_a), F32(0))
+            dS = np.where(keep, score.score_grad(mods, P, dP, D[..., None], s, S, bh // H, bh % H, r_a, c_a), F32(0))
             keep_t = np.swapaxes(keep, -1, -2)
             # A row that sees no key of the tile, or a key that no row of it sees, takes no step.
             row_steps = keep.any(axis=-1)                # (1, 1, z-a, Wr)

@@ -17,7 +17,7 @@ import numpy as np
 from . import numerics as nx
 from . import score
 from .calls import simulated
-from ..checks import check_qkv, resolve_scale, restore_rank, restore_rows
+from ..checks import ScoreMods, check_qkv, resolve_scale, restore_rank, restore_rows
 from .io import IORecord
 from .mask import Mask
 from .tiles import launch_tiles
@@ -38,13 +38,14 @@ class Fa1ForwardResult:
 @simulated("fa1", "forward", Fa1ForwardResult)
 @nx.ieee_arithmetic
 def fa1_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_right", scale=None,
-                block_r=None, block_c=None, layout="bhnd"):
+                block_r=None, block_c=None, layout="bhnd", **mods):
     q4, k4, v4, rank, Hkv = check_qkv(q, k, v, layout)
     B, H, Nq, d = q4.shape
     Nk = k4.shape[2]
     scale = resolve_scale(scale, d)
     Br, Bc = launch_tiles("fa1_forward", d, block_r, block_c)
     mask = Mask.resolve(causal, window, causal_align, Nq, Nk)
+    mods = ScoreMods.resolve("pyfa.sim.fa1_forward", (B, H, Nq, Nk, d, Hkv), **mods)
 
     BH, Tr, Tc = B * H, ceil_div(Nq, Br), ceil_div(Nk, Bc)
     # Array widths: a tile never holds more rows than Nq or more columns than Nk (a tile
@@ -94,7 +95,7 @@ def fa1_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_righ
         Q_a = Qi[:, a:z]
         cols = col0 + np.arange(Wc)
         hidden = (cols[None, None, :] >= Nk) | mask.masked(rows[a:z, :, None], cols[None, None])
-        S = score.scores(Q_a, Kj[:, None], scale, hidden[None], bh // H, bh % H,
+        S = score.scores(mods, Q_a, Kj[:, None], scale, hidden[None], bh // H, bh % H,
                          rows[a:z, :, None], cols[None, None])
         # A row that sees no key of the tile takes no step (its O, m, l stay as they are);
         # a hidden score is left out of P V.

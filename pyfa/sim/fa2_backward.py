@@ -21,7 +21,7 @@ import numpy as np
 from . import numerics as nx
 from . import score
 from .calls import simulated
-from ..checks import check_like, check_qkv, check_rows, resolve_scale, restore_rank
+from ..checks import ScoreMods, check_like, check_qkv, check_rows, resolve_scale, restore_rank
 from .io import IORecord
 from .mask import Mask
 from .tiles import launch_tiles
@@ -46,7 +46,7 @@ def _pad_rows(x, rows):
     return out
 
 
-def _p_ds(Qi, dOi, LSEi, Di, Kj, Vj, masked, pad, scale, bh, H, rows, cols):
+def _p_ds(Qi, dOi, LSEi, Di, Kj, Vj, masked, pad, scale, mods, bh, H, rows, cols):
     """fa2_backward_p_ds on whole tiles: P_ij, dS_ij of shape (..., Br, Bc) and keep, the
     scores that take part in the products.
 
@@ -58,13 +58,13 @@ def _p_ds(Qi, dOi, LSEi, Di, Kj, Vj, masked, pad, scale, bh, H, rows, cols):
     product whatever the real inputs hold."""
     hidden = masked[None]
     s = score.scaled_scores(Qi, Kj, scale)
-    S = score.finish(s, hidden, bh // H, bh % H, rows, cols)
+    S = score.finish(mods, s, hidden, bh // H, bh % H, rows, cols)
     no_key = (LSEi == NEG_INF)[..., None]
     # The kernel selects P = 0 for LSE = -inf; the 0 subtracted here instead keeps
     # -inf - (-inf) out of the arithmetic and is never selected.
     lse = np.where(no_key, F32(0), LSEi[..., None])
     P = np.where(no_key, F32(0), nx.exp(S - lse))
-    dS = score.score_grad(P, nx.dot_rows(dOi, Vj), Di[..., None], s, S, bh // H, bh % H, rows, cols)
+    dS = score.score_grad(mods, P, nx.dot_rows(dOi, Vj), Di[..., None], s, S, bh // H, bh % H, rows, cols)
     keep = ~(hidden | pad[None])
     return np.where(keep, P, F32(0)), np.where(keep, dS, F32(0)), keep
 
@@ -79,7 +79,7 @@ def _preprocess(O, dO, io):
     return D
 
 
-def _dkdv(Q, K, V, dO, LSE, D, Br, Bc, scale, mask, io, Hkv):
+def _dkdv(Q, K, V, dO, LSE, D, Br, Bc, scale, mods, mask, io, Hkv):
     """The dK/dV kernel: blocks (j, K/V head) (vectorized) walk, for each query head g of
     their group in increasing order, the Q row blocks i of their band mask.q_tiles(j) in
     increasing order. Q, dO: (BHkv, G, Nq, d); LSE, D: (BHkv, G, Nq); K, V: (BHkv, Nk, d)."""
@@ -124,7 +124,7 @@ def _dkdv(Q, K, V, dO, LSE, D, Br, Bc, scale, mask, io, Hkv):
             pad = (c >= Nk) | (rows[None, :, None] >= Nq)
             masked = mask.masked(rows[None, :, None], c)
             P, dS, keep = _p_ds(Qi, dOi, LSEi, Di, Kj[:, active], Vj[:, active], masked, pad, scale,
-                                bh, Hkv * G, rows[None, :, None], c)
+                                mods, bh, Hkv * G, rows[None, :, None], c)
 
             # dV_j += P^T dO_i, dK_j += dS^T Q_i, each summed over the rows that see the
             # key, r in order; a key that no row of the tile sees takes no step.
@@ -142,7 +142,7 @@ def _dkdv(Q, K, V, dO, LSE, D, Br, Bc, scale, mask, io, Hkv):
     return dK, dV
 
 
-def _dq(Q, K, V, dO, LSE, D, Br, Bc, scale, mask, io, H):
+def _dq(Q, K, V, dO, LSE, D, Br, Bc, scale, mods, mask, io, H):
     """The dQ kernel: blocks (i, query head) (vectorized) walk the K/V column blocks j of
     their band mask.kv_tiles(i) in increasing order. Q, dO: (BH, Nq, d); K, V: (BH, Nk, d),
     the K/V head of each query head."""
@@ -179,7 +179,7 @@ def _dq(Q, K, V, dO, LSE, D, Br, Bc, scale, mask, io, H):
         masked = mask.masked(r, c)
         bh = np.arange(BH).reshape(BH, 1, 1, 1)
         _, dS, keep = _p_ds(Qi[:, a:z], dOi[:, a:z], LSEi[:, a:z], Di[:, a:z], Kj, Vj, masked, pad, scale,
-                            bh, H, r, c)
+                            mods, bh, H, r, c)
 
         # dQ_i += dS_ij K_j, summed over the row's visible keys, c in order; a row that
         # sees no key of the tile takes no step.
@@ -195,7 +195,7 @@ def _dq(Q, K, V, dO, LSE, D, Br, Bc, scale, mask, io, H):
 @simulated("fa2", "backward", Fa2BackwardResult)
 @nx.ieee_arithmetic
 def fa2_backward(q, k, v, o, lse, do, *, causal=False, window=None, causal_align="bottom_right",
-                 scale=None, block_r=None, block_c=None, layout="bhnd"):
+                 scale=None, block_r=None, block_c=None, layout="bhnd", **mods):
     """dQ, dK, dV of O = softmax(scale * Q K^T [masked]) V from the forward's O and LSE
     (pyfa.sim.fa2_forward) and dO; .io counts every HBM byte of the three kernels. dK and
     dV have k's Hkv heads, each summed over its group's query heads in increasing order."""
@@ -208,6 +208,7 @@ def fa2_backward(q, k, v, o, lse, do, *, causal=False, window=None, causal_align
     G = H // Hkv
     scale = resolve_scale(scale, d)
     mask = Mask.resolve(causal, window, causal_align, Nq, Nk)
+    mods = ScoreMods.resolve("pyfa.sim.fa2_backward", (B, H, Nq, Nk, d, Hkv), **mods)
     BH, BHkv = B * H, B * Hkv
     Q, dO, LSE = q4.reshape(BH, Nq, d), do4.reshape(BH, Nq, d), lse3.reshape(BH, Nq)
     O = o4.reshape(BH, Nq, d)
@@ -221,10 +222,10 @@ def fa2_backward(q, k, v, o, lse, do, *, causal=False, window=None, causal_align
     D = _preprocess(O, dO, io)
     # Query head h = hk * G + g: (B*H, ...) is (B*Hkv, G, ...) without a copy.
     group = lambda x: x.reshape((BHkv, G) + x.shape[1:])
-    dK, dV = _dkdv(group(Q), K, V, group(dO), group(LSE), group(D), Br_kv, Bc_kv, scale, mask, io, Hkv)
+    dK, dV = _dkdv(group(Q), K, V, group(dO), group(LSE), group(D), Br_kv, Bc_kv, scale, mods, mask, io, Hkv)
     K_h = kv_heads(k4, H).reshape(BH, Nk, d)
     V_h = kv_heads(v4, H).reshape(BH, Nk, d)
-    dQ = _dq(Q, K_h, V_h, dO, LSE, D, Br_q, Bc_q, scale, mask, io, H)
+    dQ = _dq(Q, K_h, V_h, dO, LSE, D, Br_q, Bc_q, scale, mods, mask, io, H)
     return Fa2BackwardResult(restore_rank(dQ.reshape(B, H, Nq, d), rank, layout),
                              restore_rank(dK.reshape(B, Hkv, Nk, d), rank, layout),
                              restore_rank(dV.reshape(B, Hkv, Nk, d), rank, layout), io)

@@ -16,7 +16,7 @@ import numpy as np
 from . import numerics as nx
 from . import score
 from .calls import simulated
-from ..checks import check_qkv, resolve_scale, restore_rank, restore_rows
+from ..checks import ScoreMods, check_qkv, resolve_scale, restore_rank, restore_rows
 from .io import IORecord
 from .mask import Mask
 from .tiles import launch_tiles
@@ -36,13 +36,14 @@ class Fa2ForwardResult:
 @simulated("fa2", "forward", Fa2ForwardResult)
 @nx.ieee_arithmetic
 def fa2_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_right", scale=None,
-                block_r=None, block_c=None, layout="bhnd"):
+                block_r=None, block_c=None, layout="bhnd", **mods):
     q4, k4, v4, rank, Hkv = check_qkv(q, k, v, layout)
     B, H, Nq, d = q4.shape
     Nk = k4.shape[2]
     scale = resolve_scale(scale, d)
     Br, Bc = launch_tiles("fa2_forward", d, block_r, block_c)
     mask = Mask.resolve(causal, window, causal_align, Nq, Nk)
+    mods = ScoreMods.resolve("pyfa.sim.fa2_forward", (B, H, Nq, Nk, d, Hkv), **mods)
 
     BH, Tr, Tc = B * H, ceil_div(Nq, Br), ceil_div(Nk, Bc)
     io = IORecord(label=f"FA2 forward (simulated), Br={Br}, Bc={Bc}")
@@ -80,7 +81,7 @@ def fa2_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_righ
         Q_a = Qi[:, a:z]
         cols = col0 + np.arange(Bc)
         hidden = (cols[None, None, :] >= Nk) | mask.masked(rows[a:z, :, None], cols[None, None, :])
-        S = score.scores(Q_a, Kj[:, None], scale, hidden[None], bh // H, bh % H,
+        S = score.scores(mods, Q_a, Kj[:, None], scale, hidden[None], bh // H, bh % H,
                          rows[a:z, :, None], cols[None, None, :])
         # A row that sees no key of the tile takes no step; a hidden score is left out of P V.
         keep = ~hidden[None]

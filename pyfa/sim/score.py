@@ -8,8 +8,10 @@ or the modified S, whichever the modification's gradient is written in (score.h 
 A hidden score takes no part in any product: the simulators pass `keep` (the visible
 scores) to numerics.dot_rows, which leaves such a step out rather than multiplying it by 0.
 
-The index arguments b, h (batch and query head), i, j (query row and key) are integer
-arrays that broadcast against the scores; the modification reads what it needs of them.
+`mods` is the call's pyfa.checks.ScoreMods, resolved once per call by the simulated
+kernel functions from their keyword arguments; the index arguments b, h (batch and query
+head), i, j (query row and key) are integer arrays that broadcast against the scores, and
+a modification reads what it needs of them and of mods.
 """
 
 import numpy as np
@@ -19,12 +21,12 @@ from . import numerics as nx
 _NEG_INF = np.float32(-np.inf)
 
 
-def score_mod(s, b, h, i, j):
+def score_mod(mods, s, b, h, i, j):
     """The modification of the scaled scores s (score.h score_mod): the identity today."""
     return s
 
 
-def score_mod_grad(dS, s, S, b, h, i, j):
+def score_mod_grad(mods, dS, s, S, b, h, i, j):
     """dS of the modified scores S -> dS of the scaled scores s they were made from
     (score.h score_mod_grad; s and S are its ScoreAt)."""
     return dS
@@ -35,18 +37,18 @@ def scaled_scores(Q, K, scale):
     return nx.dot_rows(Q, K) * np.float32(scale)
 
 
-def finish(s, hidden, b, h, i, j):
+def finish(mods, s, hidden, b, h, i, j):
     """S from the scaled scores: -inf where hidden, else the modification (score_finish)."""
-    return np.where(hidden, _NEG_INF, score_mod(s, b, h, i, j))
+    return np.where(hidden, _NEG_INF, score_mod(mods, s, b, h, i, j))
 
 
-def scores(Q, K, scale, hidden, b, h, i, j):
+def scores(mods, Q, K, scale, hidden, b, h, i, j):
     """S = finish(scaled_scores(Q, K, scale), ...) (score.h attention_score), with Q, K
     shaped as dot_rows takes them and `hidden` broadcasting against the result."""
-    return finish(scaled_scores(Q, K, scale), hidden, b, h, i, j)
+    return finish(mods, scaled_scores(Q, K, scale), hidden, b, h, i, j)
 
 
-def score_grad(P, dp, D, s, S, b, h, i, j):
+def score_grad(mods, P, dp, D, s, S, b, h, i, j):
     """dS with respect to the scaled scores s, S = score_mod(s) (score.h score_grad); D
     broadcasts against P."""
-    return score_mod_grad(P * (dp - D), s, S, b, h, i, j)
+    return score_mod_grad(mods, P * (dp - D), s, S, b, h, i, j)
