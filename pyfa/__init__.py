@@ -31,6 +31,7 @@ from .errors import (
     TileTooLargeError,
 )
 from .options import Options
+from .varlen import attention_varlen, attention_varlen_grad
 
 
 def __getattr__(name):
@@ -44,7 +45,7 @@ __all__ = [
     "ArgumentTypeError", "BackendUnavailableError", "CancelledError", "CudaError",
     "EmulationError", "Error", "InternalError", "InvalidArgumentError",
     "LibraryNotFoundError", "Options", "OutOfMemoryError", "PyfaError", "TileTooLargeError",
-    "attention", "attention_grad", "backends", "default_tiles", "device_profile",
+    "attention", "attention_grad", "attention_varlen", "attention_varlen_grad", "backends", "default_tiles", "device_profile",
     "fa1_backward", "fa1_forward", "fa2_backward", "fa2_forward", "get_include",
     "get_library", "library_version", "sim", "smem_bytes", "unavailable_backends",
 ]

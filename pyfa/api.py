@@ -272,17 +272,20 @@ def _layout_strides(shape4, rank, layout):
     return (N * H * d, d, H * d)
 
 
-def _tensors(memory, pointers):
+def _tensors(memory, pointers, varlen=None):
     """The pyfa_tensors of a pyfa_run call: `memory` a pyfa_memory name, `pointers`
     {tensor name: address (an int or a cffi pointer)}; strides travel in pyfa_problem.
     Every call goes through pyfa_run, so an op's new tensor is a field here, not an
-    argument of a new entry point."""
+    argument of a new entry point. varlen: a pyfa.varlen.Varlen, whose offsets are two
+    more (its pointers name their pyfa_tensors fields)."""
     ffi, _ = _lib.load()
     t = ffi.new("pyfa_tensors *")
     t.struct_size = ffi.sizeof("pyfa_tensors")
     t.memory = _lib.constant(memory)
     for name, address in pointers.items():
         getattr(t, C_FIELDS[name]).data = ffi.cast("void *", address)
+    for field, address in (varlen.pointers.items() if varlen is not None else ()):
+        getattr(t, field).data = ffi.cast("void *", address)
     return t
 
 
@@ -493,7 +496,7 @@ def _host_outputs(op, intake, outs):
     return result
 
 
-def _run_host(op, intake, outs, problem, config, progress):
+def _run_host(op, intake, outs, problem, config, progress, varlen=None):
     ffi, lib = _lib.load()
     targets = _host_outputs(op, intake, outs)
     _set_strides(problem, {n: intake.strides[n] for n in op.inputs})
@@ -501,7 +504,7 @@ def _run_host(op, intake, outs, problem, config, progress):
                            for n in op.outputs if TENSOR_KINDS[n] != "row"})
     tensors = _tensors("PYFA_MEMORY_HOST",
                        {**{n: _address(ffi, intake.tensors[n]) for n in op.inputs},
-                        **{n: _address(ffi, w) for n, (_, _, w) in targets.items()}})
+                        **{n: _address(ffi, w) for n, (_, _, w) in targets.items()}}, varlen)
     if all(view is not written for _, view, written in targets.values()):
         # Every array the library writes is ours until the call returns: a cancelled call
         # may leave them partly written, and no staging copy is needed.
@@ -561,7 +564,7 @@ def _check_cuda_backend(backend, place):
             f"{_reason(lib, cuda)}", _lib.constant("PYFA_ERROR_BACKEND_UNAVAILABLE"))
 
 
-def _run_device(op, intake, outs, problem, config, progress):
+def _run_device(op, intake, outs, problem, config, progress, varlen=None):
     """Enqueues OPS[op] on intake.stream with the arrays' device pointers: no host copy."""
     ffi, lib = _lib.load()
     targets = {}
@@ -601,7 +604,7 @@ def _run_device(op, intake, outs, problem, config, progress):
                 restore()
     tensors = _tensors("PYFA_MEMORY_DEVICE",
                        {**{n: intake.tensors[n].ptr for n in op.inputs},
-                        **{n: t.ptr for n, (_, _, t) in targets.items()}})
+                        **{n: t.ptr for n, (_, _, t) in targets.items()}}, varlen)
     _lib.call(fn, config, op.c_op, problem, config, tensors, ffi.cast("void *", intake.stream),
               progress=progress)
     return tuple(given if given is not None else _arrays.as_kind(intake.kind, array)
@@ -618,25 +621,29 @@ def _keywords(function, options, kwargs):
 
 
 def _run(op_name, args, *, causal, window, causal_align, scale, layout, options, out,
-         stream, mods):
+         stream, mods, varlen=None, function=None):
     """Runs OPS[op_name] on the caller's arrays `args` ({name: array}, op.inputs order)
     with the resolved Options `options`; returns its outputs in op.outputs order, at the
     caller's rank and in its layout, of q's kind (or the out= arrays given). CPU arrays
-    take the host entry point, CUDA arrays the device one."""
+    take the host entry point, CUDA arrays the device one. varlen: packed sequences (a
+    pyfa.varlen.Varlen), the tensors then one (total, heads, d) batch in layout "bnhd";
+    function: the public name errors use (default pyfa.<op_name>)."""
     op = OPS[op_name]
     outs = _out_dict(op_name, op.outputs, out)
     intake = _intake(args, stream, options.backend, layout, outs)
-    mods = ScoreMods.resolve(f"pyfa.{op_name}", intake.dims, **mods)
+    mods = ScoreMods.resolve(function or f"pyfa.{op_name}", intake.dims, **mods)
     if is_empty(*intake.dims[2:4]):
         mask_bounds(causal, window, causal_align, *intake.dims[2:4])
         resolve_scale(scale, intake.dims[4])
         return _run_empty(op, intake, outs)
     problem = _problem(intake.dims, scale, causal, window, causal_align, mods)
+    if varlen is not None:
+        varlen.apply(problem, intake.dims[2], intake.dims[3])
     config = _config(options)
     with _lib.interrupts_after():
         if intake.place.kind == "cpu":
-            return _run_host(op, intake, outs, problem, config, options.progress)
-        return _run_device(op, intake, outs, problem, config, options.progress)
+            return _run_host(op, intake, outs, problem, config, options.progress, varlen)
+        return _run_device(op, intake, outs, problem, config, options.progress, varlen)
 
 
 _COMMON_DOC = """

@@ -343,3 +343,64 @@ __all__ = [
     "check_rows", "check_sizes", "check_tile", "check_window", "element_strides", "empty_output", "is_empty",
     "mask_bounds", "resolve_scale", "restore_rank", "restore_rows",
 ]
+
+
+# ---- Packed sequences (varlen): flash-attn's flash_attn_varlen_func arguments. q is
+# (total_q, H, d), k and v (total_k, Hkv, d), the offsets int32 (B + 1,), first 0,
+# non-decreasing, last the total; sequence b owns rows cu[b] .. cu[b + 1] - 1.
+
+VARLEN_SHAPES = {"q": "(total_q, H, d)", "k": "(total_k, Hkv, d)", "v": "(total_k, Hkv, d)",
+                 "o": "(total_q, H, d)", "do": "(total_q, H, d)"}
+
+
+def check_varlen_rank(name, shape):
+    """A packed tensor has rank 3: one axis of rows, then heads and d."""
+    if len(shape) != 3:
+        raise InvalidArgumentError(f"{name}: expected a packed tensor {VARLEN_SHAPES.get(name, '(total, H, d)')}, "
+                                   f"got shape {tuple(shape)}")
+
+
+def check_offsets_shape(name, shape, typestr, batch=None):
+    """The offsets' dtype (int32: 'int32' or a typestr '<i4') and shape (B + 1,), B >= 1;
+    `batch`: B of the other offsets, which these must match. Returns B."""
+    if typestr not in ("int32", "<i4", "=i4", "|i4"):
+        raise ArgumentTypeError(f"{name}: expected dtype int32 (flash-attn's cu_seqlens), got {typestr}")
+    if len(shape) != 1 or shape[0] < 2:
+        raise InvalidArgumentError(f"{name}: expected a 1-D array of B + 1 >= 2 offsets, got shape {tuple(shape)}")
+    if batch is not None and shape[0] != batch + 1:
+        raise InvalidArgumentError(f"{name}: {shape[0]} offsets, but cu_seqlens_q has {batch + 1} "
+                                   f"(B + 1 each)")
+    return shape[0] - 1
+
+
+def check_offsets(name, cu, total, batch=None):
+    """CPU offsets (a NumPy int32 array) checked against the `total` rows of the packed
+    tensor they split: B + 1 of them, first 0, non-decreasing, last total. Returns them as
+    a tuple of Python ints."""
+    if not isinstance(cu, np.ndarray):
+        raise ArgumentTypeError(f"{name}: expected a 1-D int32 array (NumPy, or any with __dlpack__), "
+                                f"got {type(cu).__name__}")
+    check_offsets_shape(name, cu.shape, str(cu.dtype), batch)
+    offsets = tuple(int(x) for x in cu)
+    if offsets[0] != 0:
+        raise InvalidArgumentError(f"{name}[0]: must be 0, got {offsets[0]}")
+    for b in range(1, len(offsets)):
+        if offsets[b] < offsets[b - 1]:
+            raise InvalidArgumentError(f"{name}[{b}]: {offsets[b]} is below the offset before it "
+                                       f"({offsets[b - 1]}); offsets must not decrease")
+    if offsets[-1] != total:
+        raise InvalidArgumentError(f"{name}[{len(offsets) - 1}]: must be the {total} rows of the packed "
+                                   f"tensor, got {offsets[-1]}")
+    return offsets
+
+
+def check_max_seqlen(name, value, offsets):
+    """max_seqlen_q or _k: None (the longest length of `offsets`) or an int >= it."""
+    longest = max(b - a for a, b in zip(offsets, offsets[1:]))
+    if value is None:
+        return longest
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ArgumentTypeError(f"{name}: expected None or an int, got {type(value).__name__}")
+    if value < longest:
+        raise InvalidArgumentError(f"{name}: {value} is below the longest sequence ({longest} rows)")
+    return int(value)

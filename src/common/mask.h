@@ -81,6 +81,14 @@ struct Mask {
         if (hi < lo) return TileRange{0, 0};
         return TileRange{lo / Br, hi / Br + 1};
     }
+
+    // The same mask for a sequence of Nq queries and Nk keys (a packed batch's): off is
+    // its own. left and right stay those resolved for the longest lengths, which reach
+    // every key of a shorter sequence too, so each row sees the keys its sequence's dense
+    // call shows it.
+    PYFA_HD Mask for_lengths(int align, int64_t Nq, int64_t Nk) const {
+        return Mask{left, right, align == 1 ? 0 : Nk - Nq};
+    }
 };
 
 // align: a pyfa_causal_align (0 bottom-right, 1 top-left). The arguments are checked by
@@ -88,8 +96,7 @@ struct Mask {
 inline Mask make_mask(int causal, int window, int64_t left, int64_t right, int align,
                       int64_t Nq, int64_t Nk) {
     const int64_t unbounded = Nq + Nk;
-    Mask mask;
-    mask.off = align == 1 ? 0 : Nk - Nq;
+    Mask mask = Mask{0, 0, 0}.for_lengths(align, Nq, Nk);  // the off of these lengths
     mask.left = (window && left >= 0 && left < unbounded) ? left : unbounded;
     mask.right = (window && right >= 0 && right < unbounded) ? right : unbounded;
     if (causal) mask.right = 0;

@@ -21,6 +21,21 @@ struct TensorStrides {
     }
 };
 
+// One sequence of the batch as its blocks see it (AttentionParams::sequence): where its
+// rows start in the tensors, its lengths and its own mask. Every kernel and the cpu
+// backend find a block's rows through it, never through seqlen_q, seqlen_k or mask.
+struct Sequence {
+    int64_t batch;      // batch index of the 4-D tensors' strides: b dense, 0 packed
+    int64_t q0, k0;     // row of its first query and of its first key in those tensors
+    int64_t Nq, Nk;     // its lengths (0 allowed when packed)
+    int64_t stat0;      // element of its row 0, head 0 in the per-row tensors (lse, m, l, D)
+    int64_t stat_head;  // elements from head h to h + 1 there
+    Mask mask;          // its mask: off from its own lengths
+
+    // Element of its row 0, query head h, in the per-row tensors.
+    PYFA_HD int64_t stat(int64_t h) const { return stat0 + h * stat_head; }
+};
+
 struct AttentionParams {
     // ---- inputs
     const float* q;     // (B, H, Nq, d)    Q
@@ -52,4 +67,20 @@ struct AttentionParams {
     // ---- tiling
     int block_r;        // Br: rows of Q (and O, dO, dQ) per tile
     int block_c;        // Bc: rows of K and V (and dK, dV) per tile
+    // ---- packed sequences (varlen: pyfa.h's cu_seqlens_q, cu_seqlens_k); null for a
+    // dense batch. Packed, the 4-D tensors hold one batch of total_q (total_k) rows,
+    // sequence b owns rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 (keys likewise),
+    // batch is the number of sequences and seqlen_q, seqlen_k are bounds of their lengths
+    // (the grid's), and the per-row tensors are (H, total_q).
+    const int32_t* cu_seqlens_q;  // (B + 1) offsets, first 0, last total_q
+    const int32_t* cu_seqlens_k;  // (B + 1) offsets, first 0, last total_k
+    int64_t total_q;              // rows of q, o, dO, dQ
+    int causal_align;             // a pyfa_causal_align: each sequence's off (mask.h)
+
+    PYFA_HD Sequence sequence(int64_t b) const {
+        if (!cu_seqlens_q) return Sequence{b, 0, 0, seqlen_q, seqlen_k, b * heads * seqlen_q, seqlen_q, mask};
+        const int64_t q0 = cu_seqlens_q[b], k0 = cu_seqlens_k[b];
+        const int64_t nq = cu_seqlens_q[b + 1] - q0, nk = cu_seqlens_k[b + 1] - k0;
+        return Sequence{0, q0, k0, nq, nk, q0, total_q, mask.for_lengths(causal_align, nq, nk)};
+    }
 };

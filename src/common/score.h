@@ -92,10 +92,11 @@ PYFA_HD float score_finish(const AttentionParams& p, float s, bool hidden, int64
 }
 
 // S[i, j] of the pipeline above: every kernel's scores, so that a backward pass recomputes
-// the very S its forward saw. A hidden score's inner product is not even formed.
-PYFA_HD float attention_score(const AttentionParams& p, const float* Q_i, const float* K_j, int64_t b,
-                              int64_t h, int64_t i, int64_t j) {
-    return p.mask.masked(i, j) ? -INFINITY : score_finish(p, scaled_score(p, Q_i, K_j), false, b, h, i, j);
+// the very S its forward saw. A hidden score's inner product is not even formed. mask:
+// the sequence's (Sequence::mask), i and j its own rows.
+PYFA_HD float attention_score(const AttentionParams& p, const Mask& mask, const float* Q_i, const float* K_j,
+                              int64_t b, int64_t h, int64_t i, int64_t j) {
+    return mask.masked(i, j) ? -INFINITY : score_finish(p, scaled_score(p, Q_i, K_j), false, b, h, i, j);
 }
 
 // dS of a visible score with respect to its scaled score s, from P, dp = dO_i . V_j, D_i

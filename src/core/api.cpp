@@ -69,12 +69,18 @@ bool all_zero(const pyfa_strides& s) { return s.batch == 0 && s.head == 0 && s.r
 
 // Heads of tensor t (pr.heads_kv already resolved from 0).
 int64_t tensor_heads(TensorId t, const pyfa_problem& pr) { return kTensors[t].key_rows ? pr.heads_kv : pr.heads; }
-int64_t tensor_rows(TensorId t, const pyfa_problem& pr) { return kTensors[t].key_rows ? pr.seqlen_k : pr.seqlen_q; }
+// Packed sequences (pr.varlen) are, as tensors, one batch of total_q (total_k) rows: every
+// function below sizes, copies and compares them so; only the kernels see the sequences.
+int64_t tensor_batch(const pyfa_problem& pr) { return pr.varlen ? 1 : pr.batch; }
+int64_t tensor_rows(TensorId t, const pyfa_problem& pr) {
+    if (pr.varlen) return kTensors[t].key_rows ? pr.total_k : pr.total_q;
+    return kTensors[t].key_rows ? pr.seqlen_k : pr.seqlen_q;
+}
 
 // Elements of tensor t when dense; exact, or -1 when B * heads * rows * cols does not fit
 // in int64_t.
 int64_t tensor_elems(TensorId t, const pyfa_problem& pr) {
-    int64_t n = checked_mul(pr.batch, tensor_heads(t, pr));
+    int64_t n = checked_mul(tensor_batch(pr), tensor_heads(t, pr));
     n = checked_mul(n, tensor_rows(t, pr));
     return kTensors[t].per_row ? n : checked_mul(n, pr.head_dim);
 }
@@ -93,16 +99,22 @@ const pyfa_strides* caller_strides(TensorId t, const pyfa_problem& pr) {
 // the field).
 const char* strides_field(TensorId t) { return t == T_DO ? "dout" : kTensors[t].name; }
 
+// The layout of the library's own copies (staged outputs, gathered inputs): row-major
+// (B, heads, N, d), packed sequences included ((1, heads, total, d)).
 TensorStrides dense_strides(TensorId t, const pyfa_problem& pr) {
     const int64_t row = pr.head_dim, head = tensor_rows(t, pr) * row;
     return TensorStrides{tensor_heads(t, pr) * head, head, row};
 }
 
 // The strides the kernels use for tensor t as the caller laid it out (check_problem has
-// checked them).
+// checked them). All zero: dense, which for packed sequences is (total, heads, d).
 TensorStrides resolved_strides(TensorId t, const pyfa_problem& pr) {
     const pyfa_strides* s = caller_strides(t, pr);
-    if (!s || (s->batch == 0 && s->head == 0 && s->row == 0)) return dense_strides(t, pr);
+    if (s && pr.varlen && all_zero(*s)) {
+        const int64_t head = pr.head_dim, row = tensor_heads(t, pr) * head;
+        return TensorStrides{tensor_rows(t, pr) * row, head, row};
+    }
+    if (!s || all_zero(*s)) return dense_strides(t, pr);
     return TensorStrides{s->batch, s->head, s->row};
 }
 
@@ -116,7 +128,7 @@ bool is_dense(TensorId t, const pyfa_problem& pr) {
 int64_t tensor_extent(TensorId t, const pyfa_problem& pr) {
     if (kTensors[t].per_row) return tensor_elems(t, pr);
     const TensorStrides s = resolved_strides(t, pr);
-    int64_t n = checked_add(checked_mul(pr.batch - 1, s.batch), checked_mul(tensor_heads(t, pr) - 1, s.head));
+    int64_t n = checked_add(checked_mul(tensor_batch(pr) - 1, s.batch), checked_mul(tensor_heads(t, pr) - 1, s.head));
     n = n < 0 ? -1 : checked_add(n, checked_mul(tensor_rows(t, pr) - 1, s.row));
     return n < 0 ? -1 : checked_add(n, pr.head_dim);
 }
@@ -132,9 +144,10 @@ struct ByteLayout {
 ByteLayout byte_layout(TensorId t, const pyfa_problem& pr) {
     const int64_t f = static_cast<int64_t>(sizeof(float));
     const int64_t heads = tensor_heads(t, pr), rows = tensor_rows(t, pr);
-    if (kTensors[t].per_row) return ByteLayout{{heads * rows * f, rows * f, f}, {pr.batch, heads, rows}, f};
+    const int64_t batch = tensor_batch(pr);
+    if (kTensors[t].per_row) return ByteLayout{{heads * rows * f, rows * f, f}, {batch, heads, rows}, f};
     const TensorStrides s = resolved_strides(t, pr);
-    return ByteLayout{{s.batch * f, s.head * f, s.row * f}, {pr.batch, heads, rows}, pr.head_dim * f};
+    return ByteLayout{{s.batch * f, s.head * f, s.row * f}, {batch, heads, rows}, pr.head_dim * f};
 }
 
 // Whether some row of a (at byte address a0) and some row of b (at b0) share a byte.
@@ -192,7 +205,7 @@ void gather_rows(TensorId t, const pyfa_problem& pr, const float* in, float* den
     const TensorStrides s = resolved_strides(t, pr);
     const int64_t heads = tensor_heads(t, pr), rows = tensor_rows(t, pr), d = pr.head_dim;
     const size_t row_bytes = sizeof(float) * static_cast<size_t>(d);
-    for (int64_t b = 0; b < pr.batch; ++b)
+    for (int64_t b = 0; b < tensor_batch(pr); ++b)
         for (int64_t h = 0; h < heads; ++h)
             for (int64_t n = 0; n < rows; ++n)
                 std::memcpy(dense + ((b * heads + h) * rows + n) * d, in + s.at(b, h, n), row_bytes);
@@ -207,7 +220,7 @@ void scatter_rows(TensorId t, const pyfa_problem& pr, const float* dense, float*
     const TensorStrides s = resolved_strides(t, pr);
     const int64_t heads = tensor_heads(t, pr), rows = tensor_rows(t, pr), d = pr.head_dim;
     const size_t row_bytes = sizeof(float) * static_cast<size_t>(d);
-    for (int64_t b = 0; b < pr.batch; ++b)
+    for (int64_t b = 0; b < tensor_batch(pr); ++b)
         for (int64_t h = 0; h < heads; ++h)
             for (int64_t n = 0; n < rows; ++n)
                 std::memcpy(out + s.at(b, h, n), dense + ((b * heads + h) * rows + n) * d, row_bytes);
@@ -240,7 +253,7 @@ float*& param_slot(AttentionParams& p, TensorId t) {
 // Fixed-size lists, ended by T_NONE (the zero the aggregate fills in), so that the
 // operation table needs no allocation, not even when the library is loaded.
 constexpr int kMaxInputs = 8, kMaxOutputs = 4, kMaxScratch = 2, kMaxKernels = 4;
-constexpr int kMaxOwned = kMaxInputs + kMaxOutputs + kMaxScratch;
+constexpr int kMaxOwned = kMaxInputs + kMaxOutputs + kMaxScratch + 2;  // + the offsets of packed sequences
 
 template <int N>
 int count(const TensorId (&list)[N]) {
@@ -289,9 +302,12 @@ template <class T>
 struct Layouts;
 template <>
 struct Layouts<pyfa_problem> {
-    static constexpr size_t sizes[] = {sizeof(pyfa_problem)};  // ABI 3 to 5
+    static constexpr size_t sizes[] = {offsetof(pyfa_problem, varlen),  // ABI 3 to 5
+                                       sizeof(pyfa_problem)};           // varlen: varlen, total_q, total_k
     static constexpr int first_abi = 3;
 };
+static_assert(offsetof(pyfa_problem, varlen) == offsetof(pyfa_problem, dv) + sizeof(pyfa_strides),
+              "pyfa_problem.varlen must start where ABI 5's pyfa_problem ended");
 template <>
 struct Layouts<pyfa_config> {
     static constexpr size_t sizes[] = {offsetof(pyfa_config, flags),  // ABI 3: up to variant
@@ -300,9 +316,12 @@ struct Layouts<pyfa_config> {
 };
 template <>
 struct Layouts<pyfa_tensors> {
-    static constexpr size_t sizes[] = {sizeof(pyfa_tensors)};  // ABI 5
+    static constexpr size_t sizes[] = {offsetof(pyfa_tensors, cu_seqlens_q),  // ABI 5
+                                       sizeof(pyfa_tensors)};                 // varlen: cu_seqlens_q, _k
     static constexpr int first_abi = 5;
 };
+static_assert(offsetof(pyfa_tensors, cu_seqlens_q) == offsetof(pyfa_tensors, dv) + sizeof(pyfa_tensor),
+              "pyfa_tensors.cu_seqlens_q must start where ABI 5's pyfa_tensors ended");
 // ABI 3's pyfa_config ended after variant, padded to the struct's alignment (unchanged by
 // flags: emu_seed is a uint64_t too).
 static_assert(offsetof(pyfa_config, flags) == (offsetof(pyfa_config, variant) + sizeof(int) + alignof(pyfa_config) - 1) /
@@ -400,6 +419,13 @@ pyfa_status check_problem(const pyfa_problem* in, const TensorId* tensors, int n
     if (pr->head_dim > kMaxHeadDim)
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->head_dim: must be in [1, 256], got %lld",
                     static_cast<long long>(pr->head_dim));
+    // Packed sequences: the tensors' rows (an empty batch has nothing to compute).
+    if (pr->varlen && (pr->total_q < 1 || pr->total_k < 1)) {
+        const bool q = pr->total_q < 1;
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: must be >= 1 with problem->varlen, got %lld",
+                    q ? "problem->total_q" : "problem->total_k",
+                    static_cast<long long>(q ? pr->total_q : pr->total_k));
+    }
     if (pr->batch > kMaxGridYZ || pr->heads > kMaxGridYZ) {
         const bool b = pr->batch > kMaxGridYZ;
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: at most 65535 (a grid dimension), got %lld",
@@ -443,6 +469,67 @@ pyfa_status check_problem(const pyfa_problem* in, const TensorId* tensors, int n
     }
     if (!std::isfinite(pr->scale))
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->scale: must be finite (0 means 1/sqrt(d))");
+    return PYFA_OK;
+}
+
+// ---- Packed sequences (varlen): the offsets' place in the call, and their checks.
+struct SeqOffsets {
+    const char* name;                 // as in messages: the pyfa_tensors field
+    pyfa_tensor pyfa_tensors::*field;
+    int64_t pyfa_problem::*total;     // the rows they must end at
+    int64_t pyfa_problem::*longest;   // the bound of every length
+    const char* total_name;
+    const char* longest_name;
+};
+const SeqOffsets kSeqOffsets[] = {
+    {"cu_seqlens_q", &pyfa_tensors::cu_seqlens_q, &pyfa_problem::total_q, &pyfa_problem::seqlen_q,
+     "problem->total_q", "problem->seqlen_q"},
+    {"cu_seqlens_k", &pyfa_tensors::cu_seqlens_k, &pyfa_problem::total_k, &pyfa_problem::seqlen_k,
+     "problem->total_k", "problem->seqlen_k"},
+};
+
+// What can be checked without reading the offsets: given exactly when problem->varlen
+// asks for them, without strides (check_problem has checked the totals).
+pyfa_status check_varlen(const pyfa_problem& pr, const pyfa_tensors& named) {
+    for (const SeqOffsets& o : kSeqOffsets) {
+        const pyfa_tensor& t = named.*o.field;
+        if (!all_zero(t.strides))
+            return fail(PYFA_ERROR_INVALID_ARGUMENT, "tensors->%s.strides: must be 0 (the offsets are dense int32)",
+                        o.name);
+        if (!pr.varlen && t.data)
+            return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                        "tensors->%s: given, but problem->varlen is 0 (a dense batch takes no offsets)", o.name);
+        if (pr.varlen && !t.data)
+            return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                        "tensors->%s.data: null pointer, but problem->varlen asks for packed sequences", o.name);
+    }
+    return PYFA_OK;
+}
+
+// The offsets themselves, where they are host memory: first 0, monotone, last the total,
+// every length at most the bound the grid is sized for.
+pyfa_status check_offsets(const pyfa_problem& pr, const pyfa_tensors& named) {
+    for (const SeqOffsets& o : kSeqOffsets) {
+        const int32_t* cu = static_cast<const int32_t*>((named.*o.field).data);
+        if (cu[0] != 0)
+            return fail(PYFA_ERROR_INVALID_ARGUMENT, "tensors->%s[0]: must be 0, got %d", o.name, cu[0]);
+        for (int64_t b = 0; b < pr.batch; ++b) {
+            const int64_t len = static_cast<int64_t>(cu[b + 1]) - cu[b];
+            if (len < 0)
+                return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                            "tensors->%s[%lld]: %d is below the offset before it (%d); offsets must not decrease",
+                            o.name, static_cast<long long>(b + 1), cu[b + 1], cu[b]);
+            if (len > pr.*o.longest)
+                return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                            "tensors->%s: sequence %lld has %lld rows, more than %s = %lld (the longest)", o.name,
+                            static_cast<long long>(b), static_cast<long long>(len), o.longest_name,
+                            static_cast<long long>(pr.*o.longest));
+        }
+        if (cu[pr.batch] != pr.*o.total)
+            return fail(PYFA_ERROR_INVALID_ARGUMENT, "tensors->%s[%lld]: must be %s = %lld, got %d", o.name,
+                        static_cast<long long>(pr.batch), o.total_name, static_cast<long long>(pr.*o.total),
+                        cu[pr.batch]);
+    }
     return PYFA_OK;
 }
 
@@ -607,6 +694,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     }
     pyfa_problem pr;
     if ((st = check_problem(problem, taken, n_in + n_out, named, &pr)) != PYFA_OK) return st;
+    if ((st = check_varlen(pr, named)) != PYFA_OK) return st;
     pyfa_config cfg;
     if ((st = check_config(config, &cfg)) != PYFA_OK) return st;
     const float* inputs[kMaxInputs] = {};
@@ -648,6 +736,11 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     }
     pyfa_device_profile profile;
     if ((st = backend.profile(&profile)) != PYFA_OK) return st;
+    // Offsets the host can read (host pointers, or a host-memory backend's) are checked
+    // here; a device-memory backend's device pointers cannot be (pyfa.h).
+    if (pr.varlen && (!device_pointers || backend.memory() != Memory::Device) &&
+        (st = check_offsets(pr, named)) != PYFA_OK)
+        return st;
 
     AttentionParams base{};
     base.batch = pr.batch;
@@ -659,6 +752,12 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     base.scale = pr.scale != 0.0f ? pr.scale : 1.0f / std::sqrt(static_cast<float>(pr.head_dim));
     base.mask = make_mask(pr.causal, pr.window, pr.window_left, pr.window_right, pr.causal_align, pr.seqlen_q,
                           pr.seqlen_k);
+    if (pr.varlen) {
+        base.cu_seqlens_q = static_cast<const int32_t*>(named.cu_seqlens_q.data);
+        base.cu_seqlens_k = static_cast<const int32_t*>(named.cu_seqlens_k.data);
+        base.total_q = pr.total_q;
+        base.causal_align = pr.causal_align;
+    }
     for (int t = 0; t < n_in + n_out; ++t)
         if (TensorStrides* slot = strides_slot(base, taken[t])) *slot = resolved_strides(taken[t], pr);
 
@@ -699,9 +798,18 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     }
 
     // Last of the argument checks, so that the others are reported first.
-    if ((st = check_overlaps(op, pr, inputs, outputs, device_pointers || (cfg.flags & PYFA_FLAG_IN_PLACE))) !=
-        PYFA_OK)
-        return st;
+    const bool in_place = device_pointers || (cfg.flags & PYFA_FLAG_IN_PLACE);
+    if ((st = check_overlaps(op, pr, inputs, outputs, in_place)) != PYFA_OK) return st;
+    for (int x = 0; in_place && pr.varlen && x < n_out; ++x)
+        for (const SeqOffsets& o : kSeqOffsets) {
+            const ByteLayout offsets{{0, 0, 4}, {1, 1, pr.batch + 1}, 4};
+            if (rows_meet(byte_layout(op.outputs[x], pr), reinterpret_cast<uintptr_t>(outputs[x]), offsets,
+                          reinterpret_cast<uintptr_t>((named.*o.field).data)))
+                return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                            "%s and %s: the output overlaps the input in memory, which outputs written in place "
+                            "(PYFA_FLAG_IN_PLACE, device pointers) must not",
+                            kTensors[op.outputs[x]].name, o.name);
+        }
 
     // On a device-memory backend the host entry points work on the library's own stream.
     const bool device_backend = backend.memory() == Memory::Device;
@@ -735,6 +843,17 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
             if ((st = owned.alloc(tensor_bytes(op.inputs[t], pr), &slot)) != PYFA_OK) return st;
             gather_rows(op.inputs[t], pr, inputs[t], slot);
             *strides_slot(bound, op.inputs[t]) = dense_strides(op.inputs[t], pr);
+        }
+    }
+    // The offsets go to the device as the inputs do.
+    if (stage_inputs && pr.varlen) {
+        const int32_t** cu[] = {&bound.cu_seqlens_q, &bound.cu_seqlens_k};
+        const size_t bytes = sizeof(int32_t) * static_cast<size_t>(pr.batch + 1);
+        for (int n = 0; n < 2; ++n) {
+            float* copy = nullptr;
+            if ((st = owned.alloc(bytes, &copy)) != PYFA_OK) return st;
+            if ((st = backend.copy_to_device(copy, *cu[n], bytes, stream)) != PYFA_OK) return st;
+            *cu[n] = reinterpret_cast<const int32_t*>(copy);
         }
     }
     for (int t = 0; t < n_out; ++t) {

@@ -175,6 +175,25 @@ typedef struct pyfa_problem {
     /* Element strides of each 4-D tensor; all zero: dense. Those of tensors an entry
        point does not take are ignored. */
     pyfa_strides q, k, v, o, dout, dq, dk, dv;
+    /* ---- Packed sequences (varlen, flash-attn's cu_seqlens), read only when struct_size
+       reaches past them; 0: a dense batch. Nonzero: the batch is `batch` sequences packed
+       along the rows, with their offsets in pyfa_run's tensors->cu_seqlens_q and
+       cu_seqlens_k (so only pyfa_run takes them). Then
+         q, o, dout, dq   (total_q, H, d): element (n, h, x) at n * strides.row + h * strides.head + x
+         k, v, dk, dv     (total_k, Hkv, d), likewise
+         lse, m, l        (H, total_q), dense
+       (all-zero strides: dense (total, heads, d), i.e. row = heads * d, head = d; the
+       batch strides are not used), and sequence b owns query rows cu_seqlens_q[b] ..
+       cu_seqlens_q[b + 1] - 1 and key rows cu_seqlens_k[b] .. cu_seqlens_k[b + 1] - 1.
+       seqlen_q and seqlen_k are then the longest query and key lengths (bounds: a larger
+       value is allowed and sizes the grid), each >= 1. Each sequence is its own problem:
+       its mask's off is its Nk_b - Nq_b (bottom-right) or 0, a tile never straddles two
+       sequences, a sequence may be empty (Nq_b = 0: nothing; Nk_b = 0: its rows get
+       O = 0, LSE = -inf), and its rows' bits equal those of the dense call of that
+       sequence alone. */
+    int varlen;            /* nonzero: packed sequences, as above */
+    int64_t total_q;       /* rows of q, o, dout, dq: cu_seqlens_q[batch], >= 1 */
+    int64_t total_k;       /* rows of k, v, dk, dv: cu_seqlens_k[batch], >= 1 */
 } pyfa_problem;
 
 typedef enum pyfa_flags {
@@ -223,11 +242,12 @@ typedef enum pyfa_memory {
                                backend): the call behaves as the *_device entry points */
 } pyfa_memory;
 
-/* One float32 tensor of a pyfa_run call. */
+/* One float32 tensor of a pyfa_run call (int32 for cu_seqlens_q and cu_seqlens_k). */
 typedef struct pyfa_tensor {
     void* data;            /* NULL: absent */
     pyfa_strides strides;  /* element strides of a 4-D tensor, all 0: those in pyfa_problem
-                              (dense when those are 0 too); must be 0 for lse, m and l */
+                              (dense when those are 0 too); must be 0 for lse, m, l and
+                              cu_seqlens_q, cu_seqlens_k */
 } pyfa_tensor;
 
 /* The tensors of a pyfa_run call, by name; shapes as at the top of this file. A tensor
@@ -242,6 +262,16 @@ typedef struct pyfa_tensors {
     pyfa_tensor m, l;      /* FA1: outputs of the forward, inputs of the backward */
     pyfa_tensor dout;      /* dO, input of the backwards (errors call it "do" in the entry points below) */
     pyfa_tensor dq, dk, dv; /* outputs of the backwards */
+    /* ---- Packed sequences (problem->varlen nonzero), inputs of every op; read only when
+       struct_size reaches past them. int32, (batch + 1) offsets each: first 0, monotone
+       non-decreasing, last total_q (total_k), every length at most seqlen_q (seqlen_k).
+       Where the library can read them (host memory: tensors->memory PYFA_MEMORY_HOST, or
+       the cpu and emu backends) it checks all of that first (PYFA_ERROR_INVALID_ARGUMENT
+       naming the offset); device pointers on CUDA are not read by the host, and offsets
+       breaking these rules there give undefined results. Given without problem->varlen,
+       or absent with it: PYFA_ERROR_INVALID_ARGUMENT. */
+    pyfa_tensor cu_seqlens_q;
+    pyfa_tensor cu_seqlens_k;
 } pyfa_tensors;
 
 /* What the kernels are sized against: the GPU's limits, or the emulated device's. */

@@ -35,16 +35,17 @@
 namespace PYFA_KERNELS {
 
 __global__ void fa1_backward_kernel(const AttentionParams p) {
-    const int64_t d = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
-    const int64_t Br = p.block_r, Bc = p.block_c;
     const int64_t hk = blockIdx.y, b = blockIdx.z;
+    const Sequence seq = p.sequence(b);
+    const int64_t d = p.head_dim, Nq = seq.Nq, Nk = seq.Nk;
+    const int64_t Br = p.block_r, Bc = p.block_c;
     const int64_t tid = threadIdx.x, nthreads = blockDim.x;
     const int64_t G = p.heads / p.heads_kv;  // query heads per K/V head
 
-    const float* K = p.k + p.k_strides.at(b, hk, 0);  // (Nk, d), HBM row stride row_k
-    const float* V = p.v + p.v_strides.at(b, hk, 0);  // (Nk, d), row stride row_v
-    float* dK = p.dk + p.dk_strides.at(b, hk, 0);     // (Nk, d), row stride row_dk
-    float* dV = p.dv + p.dv_strides.at(b, hk, 0);     // (Nk, d), row stride row_dv
+    const float* K = p.k + p.k_strides.at(seq.batch, hk, seq.k0);  // (Nk, d), HBM row stride row_k
+    const float* V = p.v + p.v_strides.at(seq.batch, hk, seq.k0);  // (Nk, d), row stride row_v
+    float* dK = p.dk + p.dk_strides.at(seq.batch, hk, seq.k0);     // (Nk, d), row stride row_dk
+    float* dV = p.dv + p.dv_strides.at(seq.batch, hk, seq.k0);     // (Nk, d), row stride row_dv
     const int64_t row_q = p.q_strides.row, row_k = p.k_strides.row, row_v = p.v_strides.row;
     const int64_t row_o = p.o_strides.row, row_do = p.dout_strides.row;
     const int64_t row_dq = p.dq_strides.row, row_dk = p.dk_strides.row;
@@ -69,7 +70,7 @@ __global__ void fa1_backward_kernel(const AttentionParams p) {
     // dQ = 0 in HBM for every query head of the group before its first read; the barrier
     // after the first Q tile's load makes these global writes visible to every thread.
     for (int64_t g = 0; g < G; ++g) {
-        float* dQ = p.dq + p.dq_strides.at(b, hk * G + g, 0);  // (Nq, d), row stride row_dq
+        float* dQ = p.dq + p.dq_strides.at(seq.batch, hk * G + g, seq.q0);  // (Nq, d), row stride row_dq
         for (int64_t e = tid; e < Nq * d; e += nthreads) dQ[(e / d) * row_dq + e % d] = 0.0f;
     }
 
@@ -79,7 +80,7 @@ __global__ void fa1_backward_kernel(const AttentionParams p) {
         const int64_t bc = min64(Bc, Nk - col0);
         // The Q tiles of the mask's band; the others see no key of this tile. The band is
         // the same for every query head of the group.
-        const TileRange visit = p.mask.q_tiles(col0, bc, Br, Nq);
+        const TileRange visit = seq.mask.q_tiles(col0, bc, Br, Nq);
         // No barrier needed here: every reader of K_j and V_j is before the barrier ahead of
         // the previous tile's write-out, and each element of dK~_j, dV~_j is zeroed by the
         // thread that wrote it out (the same e loop).
@@ -95,13 +96,12 @@ __global__ void fa1_backward_kernel(const AttentionParams p) {
 
         for (int64_t g = 0; g < G; ++g) {
             const int64_t h = hk * G + g;
-            const int64_t bh = b * p.heads + h;
-            const float* Q = p.q + p.q_strides.at(b, h, 0);         // (Nq, d), row stride row_q
-            const float* O = p.o + p.o_strides.at(b, h, 0);         // (Nq, d), row stride row_o; the forward's output
-            const float* dO = p.dout + p.dout_strides.at(b, h, 0);  // (Nq, d), row stride row_do
-            float* dQ = p.dq + p.dq_strides.at(b, h, 0);            // (Nq, d), row stride row_dq; accumulated in HBM
-            const float* m = p.m + bh * Nq;  // (Nq), dense: the forward's row max
-            const float* l = p.l + bh * Nq;  // (Nq), dense: the forward's row sum, relative to m
+            const float* Q = p.q + p.q_strides.at(seq.batch, h, seq.q0);         // (Nq, d), row stride row_q
+            const float* O = p.o + p.o_strides.at(seq.batch, h, seq.q0);         // (Nq, d), row stride row_o; the forward's output
+            const float* dO = p.dout + p.dout_strides.at(seq.batch, h, seq.q0);  // (Nq, d), row stride row_do
+            float* dQ = p.dq + p.dq_strides.at(seq.batch, h, seq.q0);            // (Nq, d), row stride row_dq; accumulated in HBM
+            const float* m = p.m + seq.stat(h);  // (Nq), dense: the forward's row max
+            const float* l = p.l + seq.stat(h);  // (Nq), dense: the forward's row sum, relative to m
             for (int64_t i = visit.begin; i < visit.end; ++i) {
                 const int64_t row0 = i * Br;
                 const int64_t br = min64(Br, Nq - row0);
@@ -123,7 +123,7 @@ __global__ void fa1_backward_kernel(const AttentionParams p) {
                 // A hidden score gets P = 0 by selection and no dP.
                 for (int64_t e = tid; e < br * bc; e += nthreads) {
                     const int64_t r = e / bc, c = e % bc;
-                    if (p.mask.masked(row0 + r, col0 + c)) {
+                    if (seq.mask.masked(row0 + r, col0 + c)) {
                         Pij[r * Bc + c] = 0.0f;
                         dSij[r * Bc + c] = 0.0f;
                         continue;
@@ -139,7 +139,7 @@ __global__ void fa1_backward_kernel(const AttentionParams p) {
                     Di[r] = pyfa_dot(dOi + r * ld, O + (row0 + r) * row_o, d);
                 }
                 __syncthreads();
-                const Band band = p.mask.band(row0, col0);
+                const Band band = seq.mask.band(row0, col0);
 
                 // dS_ij = P_ij o (dP_ij - D_i), in place over dP_ij, for the visible scores
                 // (what the modification's gradient reads of the score, ScoreAt, recomputed here).

@@ -32,19 +32,19 @@
 namespace PYFA_KERNELS {
 
 __global__ void fa1_forward_kernel(const AttentionParams p) {
-    const int64_t d = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
-    const int64_t Br = p.block_r, Bc = p.block_c;
     const int64_t h = blockIdx.y, b = blockIdx.z;
+    const Sequence seq = p.sequence(b);
+    const int64_t d = p.head_dim, Nq = seq.Nq, Nk = seq.Nk;
+    const int64_t Br = p.block_r, Bc = p.block_c;
     const int64_t tid = threadIdx.x, nthreads = blockDim.x;
 
     const int64_t hk = h / (p.heads / p.heads_kv);  // the K/V head of this query head
-    const int64_t bh = b * p.heads + h;
-    const float* Q = p.q + p.q_strides.at(b, h, 0);   // (Nq, d) of this head, HBM row stride row_q
-    const float* K = p.k + p.k_strides.at(b, hk, 0);  // (Nk, d), row stride row_k
-    const float* V = p.v + p.v_strides.at(b, hk, 0);  // (Nk, d), row stride row_v
-    float* O = p.o + p.o_strides.at(b, h, 0);         // (Nq, d), row stride row_o; normalized after every step
-    float* m = p.m + bh * Nq;                         // (Nq)  running row max, dense
-    float* l = p.l + bh * Nq;                         // (Nq)  running row sum, relative to m
+    const float* Q = p.q + p.q_strides.at(seq.batch, h, seq.q0);   // (Nq, d) of this head, HBM row stride row_q
+    const float* K = p.k + p.k_strides.at(seq.batch, hk, seq.k0);  // (Nk, d), row stride row_k
+    const float* V = p.v + p.v_strides.at(seq.batch, hk, seq.k0);  // (Nk, d), row stride row_v
+    float* O = p.o + p.o_strides.at(seq.batch, h, seq.q0);         // (Nq, d), row stride row_o; normalized after every step
+    float* m = p.m + seq.stat(h);                                // (Nq)  running row max, dense
+    float* l = p.l + seq.stat(h);                                // (Nq)  running row sum, relative to m
     const int64_t row_q = p.q_strides.row, row_k = p.k_strides.row;
     const int64_t row_v = p.v_strides.row, row_o = p.o_strides.row;
 
@@ -73,7 +73,7 @@ __global__ void fa1_forward_kernel(const AttentionParams p) {
     for (int64_t j = 0; j < Tc; ++j) {
         const int64_t col0 = j * Bc;
         const int64_t bc = min64(Bc, Nk - col0);
-        const TileRange visit = p.mask.q_tiles(col0, bc, Br, Nq);
+        const TileRange visit = seq.mask.q_tiles(col0, bc, Br, Nq);
         if (visit.begin == visit.end) continue;  // no row sees this tile: not even loaded
         __syncthreads();  // the previous K/V tile's readers are done (first: O, l, m are set)
         for (int64_t e = tid; e < bc * d; e += nthreads) {
@@ -93,10 +93,10 @@ __global__ void fa1_forward_kernel(const AttentionParams p) {
             // S_ij[r, c]: the score pipeline (common/score.h), its sum x = 0 .. d-1 in order.
             for (int64_t e = tid; e < br * bc; e += nthreads) {
                 const int64_t r = e / bc, c = e % bc;
-                Sij[r * lds + c] = attention_score(p, Qi + r * d, Kj + c * ldk, b, h, row0 + r, col0 + c);
+                Sij[r * lds + c] = attention_score(p, seq.mask, Qi + r * d, Kj + c * ldk, b, h, row0 + r, col0 + c);
             }
             __syncthreads();
-            const Band band = p.mask.band(row0, col0);
+            const Band band = seq.mask.band(row0, col0);
 
             // m~_ij = max(-inf, S_ij[r, 0], ..., S_ij[r, bc-1]).
             for (int64_t r = tid; r < br; r += nthreads) {

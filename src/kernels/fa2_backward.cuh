@@ -37,11 +37,11 @@ namespace PYFA_KERNELS {
 // row. S is the forward's (common/score.h), so exp(S - LSE) uses the very S the forward's
 // LSE was computed from. A hidden score gets P = dS = 0 by selection (its dP is not even
 // formed), and a row that sees no key (LSE = -inf) gets P = 0 outright instead of
-// exp(S + inf).
-PYFA_HD void fa2_backward_p_ds(const AttentionParams& p, const float* Q_i, const float* dO_i, const float* K_j,
+// exp(S + inf). mask: the sequence's; i, j its rows.
+PYFA_HD void fa2_backward_p_ds(const AttentionParams& p, const Mask& mask, const float* Q_i, const float* dO_i, const float* K_j,
                                const float* V_j, int64_t b, int64_t h, int64_t i, int64_t j, float lse,
                                float D_i, float* P_ij, float* dS_ij) {
-    if (p.mask.masked(i, j)) {
+    if (mask.masked(i, j)) {
         *P_ij = 0.0f;
         *dS_ij = 0.0f;
         return;
@@ -56,14 +56,16 @@ PYFA_HD void fa2_backward_p_ds(const AttentionParams& p, const float* Q_i, const
 
 // D_i = rowsum(dO_i o O_i): D[r] = pyfa_dot(dO_r, O_r), x = 0 .. d-1 in order.
 __global__ void fa2_backward_preprocess_kernel(const AttentionParams p) {
-    const int64_t d = p.head_dim, Nq = p.seqlen_q;
-    const int64_t Br = p.block_r;
     const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const Sequence seq = p.sequence(b);
+    const int64_t d = p.head_dim, Nq = seq.Nq;
+    const int64_t Br = p.block_r;
     const int64_t tid = threadIdx.x, nthreads = blockDim.x;
+    if (i * Br >= Nq) return;  // past its sequence's rows
 
-    const float* O = p.o + p.o_strides.at(b, h, 0);         // (Nq, d), HBM row stride row_o
-    const float* dO = p.dout + p.dout_strides.at(b, h, 0);  // (Nq, d), row stride row_do
-    float* D = p.drow + (b * p.heads + h) * Nq;             // (Nq), dense
+    const float* O = p.o + p.o_strides.at(seq.batch, h, seq.q0);         // (Nq, d), HBM row stride row_o
+    const float* dO = p.dout + p.dout_strides.at(seq.batch, h, seq.q0);  // (Nq, d), row stride row_do
+    float* D = p.drow + seq.stat(h);                                   // (Nq), dense
     const int64_t row_o = p.o_strides.row, row_do = p.dout_strides.row;
 
     const int64_t row0 = i * Br;
@@ -84,16 +86,18 @@ __global__ void fa2_backward_preprocess_kernel(const AttentionParams p) {
 }
 
 __global__ void fa2_backward_dkdv_kernel(const AttentionParams p) {
-    const int64_t d = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
-    const int64_t Br = p.block_r, Bc = p.block_c;
     const int64_t j = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const Sequence seq = p.sequence(b);
+    const int64_t d = p.head_dim, Nq = seq.Nq, Nk = seq.Nk;
+    const int64_t Br = p.block_r, Bc = p.block_c;
     const int64_t tid = threadIdx.x, nthreads = blockDim.x;
     const int64_t G = p.heads / p.heads_kv;  // query heads per K/V head
+    if (j * Bc >= Nk) return;  // past its sequence's keys
 
-    const float* K = p.k + p.k_strides.at(b, hk, 0);  // (Nk, d), HBM row stride row_k
-    const float* V = p.v + p.v_strides.at(b, hk, 0);  // (Nk, d), row stride row_v
-    float* dK = p.dk + p.dk_strides.at(b, hk, 0);     // (Nk, d), row stride row_dk
-    float* dV = p.dv + p.dv_strides.at(b, hk, 0);     // (Nk, d), row stride row_dv
+    const float* K = p.k + p.k_strides.at(seq.batch, hk, seq.k0);  // (Nk, d), HBM row stride row_k
+    const float* V = p.v + p.v_strides.at(seq.batch, hk, seq.k0);  // (Nk, d), row stride row_v
+    float* dK = p.dk + p.dk_strides.at(seq.batch, hk, seq.k0);     // (Nk, d), row stride row_dk
+    float* dV = p.dv + p.dv_strides.at(seq.batch, hk, seq.k0);     // (Nk, d), row stride row_dv
     const int64_t row_q = p.q_strides.row, row_k = p.k_strides.row, row_v = p.v_strides.row;
     const int64_t row_do = p.dout_strides.row, row_dk = p.dk_strides.row;
     const int64_t row_dv = p.dv_strides.row;
@@ -119,7 +123,7 @@ __global__ void fa2_backward_dkdv_kernel(const AttentionParams p) {
     // Only the Q tiles of the mask's band see a key of this tile; the others contribute
     // nothing and are skipped. The band is the same for every query head of the group;
     // when it is empty, K_j and V_j are not loaded and dK_j = dV_j = 0.
-    const TileRange visit = p.mask.q_tiles(col0, bc, Br, Nq);
+    const TileRange visit = seq.mask.q_tiles(col0, bc, Br, Nq);
     for (int64_t e = tid; e < bc * d; e += nthreads) {
         const int64_t c = e / d, x = e % d;
         if (visit.begin < visit.end) {
@@ -132,11 +136,10 @@ __global__ void fa2_backward_dkdv_kernel(const AttentionParams p) {
 
     for (int64_t g = 0; g < G; ++g) {
         const int64_t h = hk * G + g;
-        const int64_t bh = b * p.heads + h;
-        const float* Q = p.q + p.q_strides.at(b, h, 0);         // (Nq, d), row stride row_q
-        const float* dO = p.dout + p.dout_strides.at(b, h, 0);  // (Nq, d), row stride row_do
-        const float* LSE = p.lse + bh * Nq;                     // (Nq), dense
-        const float* D = p.drow + bh * Nq;                      // (Nq), dense
+        const float* Q = p.q + p.q_strides.at(seq.batch, h, seq.q0);         // (Nq, d), row stride row_q
+        const float* dO = p.dout + p.dout_strides.at(seq.batch, h, seq.q0);  // (Nq, d), row stride row_do
+        const float* LSE = p.lse + seq.stat(h);                            // (Nq), dense
+        const float* D = p.drow + seq.stat(h);                             // (Nq), dense
         for (int64_t i = visit.begin; i < visit.end; ++i) {
             const int64_t row0 = i * Br;
             const int64_t br = min64(Br, Nq - row0);
@@ -155,11 +158,11 @@ __global__ void fa2_backward_dkdv_kernel(const AttentionParams p) {
             // P_ij = exp(S_ij - LSE_i), dS_ij = P_ij o (dO_i V_j^T - D_i), element by element.
             for (int64_t e = tid; e < br * bc; e += nthreads) {
                 const int64_t r = e / bc, c = e % bc;
-                fa2_backward_p_ds(p, Qi + r * d, dOi + r * d, Kj + c * ld, Vj + c * ld, b, h, row0 + r, col0 + c,
+                fa2_backward_p_ds(p, seq.mask, Qi + r * d, dOi + r * d, Kj + c * ld, Vj + c * ld, b, h, row0 + r, col0 + c,
                                   LSEi[r], Di[r], &Pij[r * Bc + c], &dSij[r * Bc + c]);
             }
             __syncthreads();
-            const Band band = p.mask.band(row0, col0);
+            const Band band = seq.mask.band(row0, col0);
 
             // dV_j += P_ij^T dO_i and dK_j += dS_ij^T Q_i, each tile's product summed over
             // the rows r that see key c, in increasing order, before it is added to the
@@ -189,20 +192,21 @@ __global__ void fa2_backward_dkdv_kernel(const AttentionParams p) {
 }
 
 __global__ void fa2_backward_dq_kernel(const AttentionParams p) {
-    const int64_t d = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
-    const int64_t Br = p.block_r, Bc = p.block_c;
     const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const Sequence seq = p.sequence(b);
+    const int64_t d = p.head_dim, Nq = seq.Nq, Nk = seq.Nk;
+    const int64_t Br = p.block_r, Bc = p.block_c;
     const int64_t tid = threadIdx.x, nthreads = blockDim.x;
+    if (i * Br >= Nq) return;  // past its sequence's rows
 
     const int64_t hk = h / (p.heads / p.heads_kv);  // the K/V head of this query head
-    const int64_t bh = b * p.heads + h;
-    const float* Q = p.q + p.q_strides.at(b, h, 0);         // (Nq, d), HBM row stride row_q
-    const float* K = p.k + p.k_strides.at(b, hk, 0);        // (Nk, d), row stride row_k
-    const float* V = p.v + p.v_strides.at(b, hk, 0);        // (Nk, d), row stride row_v
-    const float* dO = p.dout + p.dout_strides.at(b, h, 0);  // (Nq, d), row stride row_do
-    const float* LSE = p.lse + bh * Nq;                     // (Nq), dense
-    const float* D = p.drow + bh * Nq;                      // (Nq), dense
-    float* dQ = p.dq + p.dq_strides.at(b, h, 0);            // (Nq, d), row stride row_dq
+    const float* Q = p.q + p.q_strides.at(seq.batch, h, seq.q0);         // (Nq, d), HBM row stride row_q
+    const float* K = p.k + p.k_strides.at(seq.batch, hk, seq.k0);        // (Nk, d), row stride row_k
+    const float* V = p.v + p.v_strides.at(seq.batch, hk, seq.k0);        // (Nk, d), row stride row_v
+    const float* dO = p.dout + p.dout_strides.at(seq.batch, h, seq.q0);  // (Nq, d), row stride row_do
+    const float* LSE = p.lse + seq.stat(h);                            // (Nq), dense
+    const float* D = p.drow + seq.stat(h);                             // (Nq), dense
+    float* dQ = p.dq + p.dq_strides.at(seq.batch, h, seq.q0);            // (Nq, d), row stride row_dq
     const int64_t row_q = p.q_strides.row, row_k = p.k_strides.row, row_v = p.v_strides.row;
     const int64_t row_do = p.dout_strides.row, row_dq = p.dq_strides.row;
 
@@ -233,7 +237,7 @@ __global__ void fa2_backward_dq_kernel(const AttentionParams p) {
         Di[r] = D[row0 + r];
     }
 
-    const TileRange visit = p.mask.kv_tiles(row0, br, Bc, Nk);
+    const TileRange visit = seq.mask.kv_tiles(row0, br, Bc, Nk);
     for (int64_t j = visit.begin; j < visit.end; ++j) {
         const int64_t col0 = j * Bc;
         const int64_t bc = min64(Bc, Nk - col0);
@@ -249,11 +253,11 @@ __global__ void fa2_backward_dq_kernel(const AttentionParams p) {
         for (int64_t e = tid; e < br * bc; e += nthreads) {
             const int64_t r = e / bc, c = e % bc;
             float P_rc;
-            fa2_backward_p_ds(p, Qi + r * d, dOi + r * d, Kj + c * ld, Vj + c * ld, b, h, row0 + r, col0 + c,
+            fa2_backward_p_ds(p, seq.mask, Qi + r * d, dOi + r * d, Kj + c * ld, Vj + c * ld, b, h, row0 + r, col0 + c,
                               LSEi[r], Di[r], &P_rc, &dSij[r * Bc + c]);
         }
         __syncthreads();
-        const Band band = p.mask.band(row0, col0);
+        const Band band = seq.mask.band(row0, col0);
 
         // dQ_i += dS_ij K_j, the tile's product summed over the row's visible keys c in
         // increasing order; a row that sees no key of the tile takes no step.

@@ -25,17 +25,19 @@
 namespace PYFA_KERNELS {
 
 __global__ void fa2_forward_kernel(const AttentionParams p) {
-    const int64_t d = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
-    const int64_t Br = p.block_r, Bc = p.block_c;
     const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const Sequence seq = p.sequence(b);
+    const int64_t d = p.head_dim, Nq = seq.Nq, Nk = seq.Nk;
+    const int64_t Br = p.block_r, Bc = p.block_c;
+    if (i * Br >= Nq) return;  // past its sequence's rows (a shorter one of a packed batch)
     const int64_t tid = threadIdx.x, nthreads = blockDim.x;
 
     const int64_t hk = h / (p.heads / p.heads_kv);  // the K/V head of this query head
-    const float* Q = p.q + p.q_strides.at(b, h, 0);   // (Nq, d) of this head, HBM row stride row_q
-    const float* K = p.k + p.k_strides.at(b, hk, 0);  // (Nk, d), row stride row_k
-    const float* V = p.v + p.v_strides.at(b, hk, 0);  // (Nk, d), row stride row_v
-    float* O = p.o + p.o_strides.at(b, h, 0);         // (Nq, d), row stride row_o
-    float* LSE = p.lse + (b * p.heads + h) * Nq;      // (Nq), dense
+    const float* Q = p.q + p.q_strides.at(seq.batch, h, seq.q0);   // (Nq, d) of this head, HBM row stride row_q
+    const float* K = p.k + p.k_strides.at(seq.batch, hk, seq.k0);  // (Nk, d), row stride row_k
+    const float* V = p.v + p.v_strides.at(seq.batch, hk, seq.k0);  // (Nk, d), row stride row_v
+    float* O = p.o + p.o_strides.at(seq.batch, h, seq.q0);         // (Nq, d), row stride row_o
+    float* LSE = p.lse + seq.stat(h);                            // (Nq), dense
     const int64_t row_q = p.q_strides.row, row_k = p.k_strides.row;
     const int64_t row_v = p.v_strides.row, row_o = p.o_strides.row;
 
@@ -64,7 +66,7 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
         li[r] = 0.0f;
     }
 
-    const TileRange visit = p.mask.kv_tiles(row0, br, Bc, Nk);
+    const TileRange visit = seq.mask.kv_tiles(row0, br, Bc, Nk);
     for (int64_t j = visit.begin; j < visit.end; ++j) {
         const int64_t col0 = j * Bc;
         const int64_t bc = min64(Bc, Nk - col0);
@@ -79,10 +81,10 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
         // S_ij[r, c]: the score pipeline (common/score.h), its sum x = 0 .. d-1 in order.
         for (int64_t e = tid; e < br * bc; e += nthreads) {
             const int64_t r = e / bc, c = e % bc;
-            Sij[r * lds + c] = attention_score(p, Qi + r * d, Kj + c * ldk, b, h, row0 + r, col0 + c);
+            Sij[r * lds + c] = attention_score(p, seq.mask, Qi + r * d, Kj + c * ldk, b, h, row0 + r, col0 + c);
         }
         __syncthreads();
-        const Band band = p.mask.band(row0, col0);
+        const Band band = seq.mask.band(row0, col0);
 
         // m_new = max(m_old, S_ij[r, 0], ..., S_ij[r, bc-1]); alpha = exp(m_old - m_new).
         // A row that sees no key of the tile takes no step (alpha is not read for it).

@@ -148,28 +148,38 @@ private:
     std::chrono::steady_clock::time_point last_;
 };
 
-// The mask's bands: for each Q tile its K/V tiles, for each K/V tile its Q tiles.
+// The mask's bands: for each Q tile its K/V tiles, for each K/V tile its Q tiles; of
+// each sequence of a packed batch (b * Tr + i), of the one all sequences share otherwise.
+// A tile past its sequence's rows (keys) gets an empty band.
 void kv_bands(const AttentionParams& p, std::vector<int64_t>* begin, std::vector<int64_t>* end) {
-    const size_t Tr = static_cast<size_t>(ceil_div(p.seqlen_q, p.block_r));
-    begin->resize(Tr);
-    end->resize(Tr);
-    for (size_t i = 0; i < Tr; ++i) {
-        const int64_t row0 = static_cast<int64_t>(i) * p.block_r;
-        const TileRange r = p.mask.kv_tiles(row0, min64(p.block_r, p.seqlen_q - row0), p.block_c, p.seqlen_k);
-        (*begin)[i] = r.begin;
-        (*end)[i] = r.end;
+    const int64_t Tr = ceil_div(p.seqlen_q, p.block_r), B = p.cu_seqlens_q ? p.batch : 1;
+    begin->resize(static_cast<size_t>(B * Tr));
+    end->resize(static_cast<size_t>(B * Tr));
+    for (int64_t b = 0; b < B; ++b) {
+        const Sequence s = p.sequence(b);
+        for (int64_t i = 0; i < Tr; ++i) {
+            const int64_t row0 = i * p.block_r;
+            const TileRange r = row0 < s.Nq ? s.mask.kv_tiles(row0, min64(p.block_r, s.Nq - row0), p.block_c, s.Nk)
+                                            : TileRange{0, 0};
+            (*begin)[static_cast<size_t>(b * Tr + i)] = r.begin;
+            (*end)[static_cast<size_t>(b * Tr + i)] = r.end;
+        }
     }
 }
 
 void q_bands(const AttentionParams& p, std::vector<int64_t>* begin, std::vector<int64_t>* end) {
-    const size_t Tc = static_cast<size_t>(ceil_div(p.seqlen_k, p.block_c));
-    begin->resize(Tc);
-    end->resize(Tc);
-    for (size_t j = 0; j < Tc; ++j) {
-        const int64_t col0 = static_cast<int64_t>(j) * p.block_c;
-        const TileRange r = p.mask.q_tiles(col0, min64(p.block_c, p.seqlen_k - col0), p.block_r, p.seqlen_q);
-        (*begin)[j] = r.begin;
-        (*end)[j] = r.end;
+    const int64_t Tc = ceil_div(p.seqlen_k, p.block_c), B = p.cu_seqlens_q ? p.batch : 1;
+    begin->resize(static_cast<size_t>(B * Tc));
+    end->resize(static_cast<size_t>(B * Tc));
+    for (int64_t b = 0; b < B; ++b) {
+        const Sequence s = p.sequence(b);
+        for (int64_t j = 0; j < Tc; ++j) {
+            const int64_t col0 = j * p.block_c;
+            const TileRange r = col0 < s.Nk ? s.mask.q_tiles(col0, min64(p.block_c, s.Nk - col0), p.block_r, s.Nq)
+                                            : TileRange{0, 0};
+            (*begin)[static_cast<size_t>(b * Tc + j)] = r.begin;
+            (*end)[static_cast<size_t>(b * Tc + j)] = r.end;
+        }
     }
 }
 
@@ -187,9 +197,12 @@ struct Plan {
         ctx.kv_end = kv_end.data();
         ctx.q_begin = q_begin.data();
         ctx.q_end = q_end.data();
+        ctx.Tr = ceil_div(p.seqlen_q, p.block_r);
+        ctx.Tc = ceil_div(p.seqlen_k, p.block_c);
+        ctx.per_sequence = p.cu_seqlens_q != nullptr;
     }
-    int64_t Tr() const { return static_cast<int64_t>(kv_end.size()); }
-    int64_t Tc() const { return static_cast<int64_t>(q_begin.size()); }
+    int64_t Tr() const { return ctx.Tr; }
+    int64_t Tc() const { return ctx.Tc; }
 };
 
 // params[n]: the op's kernel n with its tiles, in launch order (count of them).
@@ -229,7 +242,8 @@ pyfa_status cpu_run(int op, const AttentionParams* params, size_t count, const p
         const bool fa1 = op == PYFA_OP_FA1_BACKWARD;
         float* D = p0.drow;
         if (fa1) {
-            fa1_D.resize(static_cast<size_t>(BH * p0.seqlen_q));
+            // Laid out as lse: (B, H, Nq), or (H, total_q) packed.
+            fa1_D.resize(static_cast<size_t>(p0.cu_seqlens_q ? p0.heads * p0.total_q : BH * p0.seqlen_q));
             D = fa1_D.data();
         }
         plans.emplace_back(p0, fa1, D);                            // D = rowsum(dO o O)

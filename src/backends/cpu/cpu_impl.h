@@ -394,14 +394,39 @@ inline int64_t kv_head(const AttentionParams& p, int64_t bh) {
     return (bh / p.heads) * p.heads_kv + (bh % p.heads) / (p.heads / p.heads_kv);
 }
 
+// Where query head bh = b * H + h finds its rows in this backend's tensors, which are
+// dense (the dispatcher gathers strided ones): its sequence b (common/params.h), the
+// element of its row 0 in q, o, dO, dQ (row stride d) and in lse, m, l, D.
+struct QHead {
+    Sequence s;
+    int64_t b, h;
+    int64_t rows;
+    int64_t stat;
+};
+
+inline QHead q_head(const AttentionParams& p, int64_t bh) {
+    const int64_t b = bh / p.heads, h = bh % p.heads;
+    const Sequence s = p.sequence(b);
+    return QHead{s, b, h, p.q_strides.at(s.batch, h, s.q0), s.stat(h)};
+}
+
+// The sequence of K/V head bkv = b * Hkv + hk, and the element of its key 0 in k, v, dK, dV.
+inline Sequence kv_sequence(const AttentionParams& p, int64_t bkv) { return p.sequence(bkv / p.heads_kv); }
+inline int64_t kv_rows(const AttentionParams& p, int64_t bkv) {
+    const Sequence s = kv_sequence(p, bkv);
+    return p.k_strides.at(s.batch, bkv % p.heads_kv, s.k0);
+}
+
 void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
     const AttentionParams& p = ctx.p;
-    const int64_t d = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
+    const QHead qh = q_head(p, bh);
+    const int64_t d = p.head_dim, Nq = qh.s.Nq, Nk = qh.s.Nk;
     const int64_t Br = p.block_r, Bc = p.block_c;
+    const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
+    if (br <= 0) return;  // past its sequence's rows
     const FwdBufs f = fwd_bufs(p, ws);
     const int64_t Rp = f.Rp;
-    const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
-    const float* Q = p.q + (bh * Nq + row0) * d;  // (br, d)
+    const float* Q = p.q + qh.rows + row0 * d;  // (br, d)
     const vf scale = splat(p.scale), ninf = splat(-INFINITY), zero = splat(0.0f);
     const vi lane = iota();
 
@@ -413,17 +438,18 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
         f.l[r] = 0.0f;
     }
 
-    const int64_t bkv = kv_head(p, bh);
-    for (int64_t j = ctx.kv_begin[i]; j < ctx.kv_end[i]; ++j) {
+    const int64_t kv0 = kv_rows(p, kv_head(p, bh));
+    const TileRange visit = ctx.kv_tiles(qh.b, i);
+    for (int64_t j = visit.begin; j < visit.end; ++j) {
         const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0);
-        const float* K = p.k + (bkv * Nk + col0) * d;  // (bc, d)
-        const float* V = p.v + (bkv * Nk + col0) * d;  // (bc, d)
+        const float* K = p.k + kv0 + col0 * d;  // (bc, d)
+        const float* V = p.v + kv0 + col0 * d;  // (bc, d)
         // S^T[c][r] = sum_x Q[r,x] K[c,x].
         gemm_store_kb(f.QT, Rp, Rp, K, d, 1, d, bc, f.S, Rp);
         // The score pipeline (common/score.h) on S^T, lanes along rows. In a tile the mask
         // cuts, a row that sees none of its keys takes no step (g), and hidden scores are
         // left out of P V; a whole tile keeps the plain loops.
-        const Band band = p.mask.band(row0, col0);
+        const Band band = qh.s.mask.band(row0, col0);
         const bool cut = band.cuts(br, bc);
         const VBand vb(band, Rp + Bc + 1);
 
@@ -512,7 +538,7 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
         }
     }
 
-    float* O = p.o + (bh * Nq + row0) * d;  // (br, d)
+    float* O = p.o + qh.rows + row0 * d;  // (br, d)
     if (!ctx.fa1) {
         // O = O / l, LSE = m + log(l); a row that saw no key: O = 0, LSE = -inf.
         for (int64_t iv = 0; iv < Rp; iv += W) {
@@ -523,11 +549,11 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
             }
             st(f.a + iv, l == zero ? ninf : ld(f.m + iv) + vlog(l));
         }
-        float* LSE = p.lse + bh * Nq + row0;  // (br)
+        float* LSE = p.lse + qh.stat + row0;  // (br)
         for (int64_t r = 0; r < br; ++r) LSE[r] = canon(f.a[r]);
     } else {
-        float* m = p.m + bh * Nq + row0;  // (br)
-        float* l = p.l + bh * Nq + row0;  // (br)
+        float* m = p.m + qh.stat + row0;  // (br)
+        float* l = p.l + qh.stat + row0;  // (br)
         for (int64_t r = 0; r < br; ++r) {
             m[r] = canon(f.m[r]);
             l[r] = canon(f.l[r]);
@@ -581,10 +607,10 @@ size_t workspace_floats(const Ctx& ctx) {
 // K_j, V_j of K/V head bkv (b * Hkv + hk).
 void load_kv(const Ctx& ctx, const BwdBufs& b, int64_t bkv, int64_t j, bool with_kp) {
     const AttentionParams& p = ctx.p;
-    const int64_t d = p.head_dim, Nk = p.seqlen_k, Bc = p.block_c;
+    const int64_t d = p.head_dim, Nk = kv_sequence(p, bkv).Nk, Bc = p.block_c;
     const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0);
-    const float* K = p.k + (bkv * Nk + col0) * d;  // (bc, d)
-    const float* V = p.v + (bkv * Nk + col0) * d;  // (bc, d)
+    const float* K = p.k + kv_rows(p, bkv) + col0 * d;  // (bc, d)
+    const float* V = p.v + kv_rows(p, bkv) + col0 * d;  // (bc, d)
     for (int64_t c = 0; c < b.Cp; ++c)
         for (int64_t x = 0; x < d; ++x) {
             b.KT[x * b.Cp + c] = c < bc ? K[c * d + x] : 0.0f;
@@ -598,10 +624,11 @@ void load_kv(const Ctx& ctx, const BwdBufs& b, int64_t bkv, int64_t j, bool with
 // Q_i and dO_i of head bh into b.Qi, b.dOi.
 void load_q(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i) {
     const AttentionParams& p = ctx.p;
-    const int64_t d = p.head_dim, Nq = p.seqlen_q, Br = p.block_r;
+    const QHead qh = q_head(p, bh);
+    const int64_t d = p.head_dim, Nq = qh.s.Nq, Br = p.block_r;
     const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
-    const float* Q = p.q + (bh * Nq + row0) * d;      // (br, d)
-    const float* dO = p.dout + (bh * Nq + row0) * d;  // (br, d)
+    const float* Q = p.q + qh.rows + row0 * d;      // (br, d)
+    const float* dO = p.dout + qh.rows + row0 * d;  // (br, d)
     for (int64_t r = 0; r < br; ++r) {
         std::memcpy(b.Qi + r * b.Ep, Q + r * d, sizeof(float) * static_cast<size_t>(d));
         std::memcpy(b.dOi + r * b.Ep, dO + r * d, sizeof(float) * static_cast<size_t>(d));
@@ -614,19 +641,20 @@ void load_q(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i) {
 // keys some row of the tile sees.
 void tile_pair(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i, int64_t j) {
     const AttentionParams& p = ctx.p;
-    const int64_t d = p.head_dim, Nq = p.seqlen_q;
+    const QHead qh = q_head(p, bh);
+    const int64_t d = p.head_dim, Nq = qh.s.Nq;
     const int64_t Br = p.block_r, Bc = p.block_c, Cp = b.Cp, Ep = b.Ep;
     const int64_t row0 = i * Br, br = min64(Br, Nq - row0), col0 = j * Bc;
-    const int64_t bc = min64(Bc, p.seqlen_k - col0);
+    const int64_t bc = min64(Bc, qh.s.Nk - col0);
     // S[r][c] = sum_x Q[r,x] K[c,x]; dP[r][c] = sum_x dO[r,x] V[c,x].
     gemm_store_kb(b.KT, Cp, Cp, b.Qi, Ep, 1, d, br, b.P, Cp);
     gemm_store_kb(b.VT, Cp, Cp, b.dOi, Ep, 1, d, br, b.dS, Cp);
 
     const vf scale = splat(p.scale), zero = splat(0.0f);
     const vi lane = iota();
-    const int64_t base = bh * Nq + row0;
-    const int64_t bi = bh / p.heads, hi = bh % p.heads;
-    const Band band = p.mask.band(row0, col0);
+    const int64_t base = qh.stat + row0;
+    const int64_t bi = qh.b, hi = qh.h;
+    const Band band = qh.s.mask.band(row0, col0);
     const bool cut = band.cuts(br, bc);
     const VBand vb(band, Cp + Br + 1);
     if (cut)
@@ -663,11 +691,13 @@ void tile_pair(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i, int64_t 
 // h = hk * G + g, g = 0 .. G-1, and their Q tiles, in the kernels' order.
 void backward_kv(const Ctx& ctx, int64_t bkv, int64_t j, bool with_dq, float* ws) {
     const AttentionParams& p = ctx.p;
-    const int64_t d = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
+    const Sequence seq = kv_sequence(p, bkv);
+    const int64_t d = p.head_dim, Nq = seq.Nq, Nk = seq.Nk;
     const int64_t Br = p.block_r, Bc = p.block_c;
+    const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0);
+    if (bc <= 0) return;  // past its sequence's keys
     const BwdBufs b = bwd_bufs(p, ws);
     const int64_t Cp = b.Cp, Dp = b.Dp, Ep = b.Ep;
-    const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0);
     const vf scale = splat(p.scale);
     const vi lane = iota();
     load_kv(ctx, b, bkv, j, with_dq);
@@ -679,13 +709,14 @@ void backward_kv(const Ctx& ctx, int64_t bkv, int64_t j, bool with_dq, float* ws
     const int64_t G = p.heads / p.heads_kv;
     for (int64_t g = 0; g < G; ++g) {
         const int64_t bh = (bkv / p.heads_kv) * p.heads + (bkv % p.heads_kv) * G + g;
-        for (int64_t i = ctx.q_begin[j]; i < ctx.q_end[j]; ++i) {
+        const TileRange visit = ctx.q_tiles(bkv / p.heads_kv, j);
+        for (int64_t i = visit.begin; i < visit.end; ++i) {
             const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
             load_q(ctx, b, bh, i);
             tile_pair(ctx, b, bh, i, j);
             // In a tile the mask cuts, hidden scores are left out of every product and a
             // key (a row) that no row (key) of the tile sees takes no step.
-            const Band band = p.mask.band(row0, col0);
+            const Band band = seq.mask.band(row0, col0);
             const bool cut = band.cuts(br, bc);
             const VBand vb(band, Cp + Br + 1);
             const SelKeysRows by_keys{&vb, lane};
@@ -713,7 +744,7 @@ void backward_kv(const Ctx& ctx, int64_t bkv, int64_t j, bool with_dq, float* ws
                 auto store = [&](int64_t r, int64_t x, vf dq) { st(b.dQi + r * Dp + x, dq); };
                 if (!cut) gemm(b.Kp, Ep, Dp, b.dS, Cp, 1, bc, br, store);
                 else gemm(b.Kp, Ep, Dp, b.dS, Cp, 1, bc, br, store, SelOpsKeys{&band});
-                float* dQ = p.dq + (bh * Nq + row0) * d;  // (br, d)
+                float* dQ = p.dq + q_head(p, bh).rows + row0 * d;  // (br, d)
                 for (int64_t r = 0; r < br; ++r) {
                     if (cut && band.cols(r, bc).begin == band.cols(r, bc).end) continue;
                     const float* dq = b.dQi + r * Dp;
@@ -727,8 +758,8 @@ void backward_kv(const Ctx& ctx, int64_t bkv, int64_t j, bool with_dq, float* ws
         }
     }
 
-    float* dK = p.dk + (bkv * Nk + col0) * d;  // (bc, d)
-    float* dV = p.dv + (bkv * Nk + col0) * d;  // (bc, d)
+    float* dK = p.dk + kv_rows(p, bkv) + col0 * d;  // (bc, d)
+    float* dV = p.dv + kv_rows(p, bkv) + col0 * d;  // (bc, d)
     for (int64_t c = 0; c < bc; ++c)
         for (int64_t x = 0; x < d; ++x) {
             const float dk = b.dKT[x * Cp + c];
@@ -739,22 +770,25 @@ void backward_kv(const Ctx& ctx, int64_t bkv, int64_t j, bool with_dq, float* ws
 
 void backward_dq(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
     const AttentionParams& p = ctx.p;
-    const int64_t d = p.head_dim, Nq = p.seqlen_q, Nk = p.seqlen_k;
+    const QHead qh = q_head(p, bh);
+    const int64_t d = p.head_dim, Nq = qh.s.Nq, Nk = qh.s.Nk;
     const int64_t Br = p.block_r, Bc = p.block_c;
+    const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
+    if (br <= 0) return;  // past its sequence's rows
     const BwdBufs b = bwd_bufs(p, ws);
     const int64_t Dp = b.Dp, Cp = b.Cp;
-    const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
     const vf scale = splat(p.scale);
     for (int64_t e = 0; e < br * Dp; ++e) b.dQi[e] = 0.0f;
     load_q(ctx, b, bh, i);
 
-    for (int64_t j = ctx.kv_begin[i]; j < ctx.kv_end[i]; ++j) {
+    const TileRange visit = ctx.kv_tiles(qh.b, i);
+    for (int64_t j = visit.begin; j < visit.end; ++j) {
         const int64_t bc = min64(Bc, Nk - j * Bc);
         load_kv(ctx, b, kv_head(p, bh), j, true);
         tile_pair(ctx, b, bh, i, j);
         // In a tile the mask cuts, hidden scores are left out of dS K and a row that sees
         // no key of the tile takes no step.
-        const Band band = p.mask.band(row0, j * Bc);
+        const Band band = qh.s.mask.band(row0, j * Bc);
         const bool cut = band.cuts(br, bc);
         auto dq_step = [&](int64_t r, int64_t x, vf dq) {
             if (cut && band.cols(r, bc).begin == band.cols(r, bc).end) return;
@@ -764,7 +798,7 @@ void backward_dq(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
         if (!cut) gemm(b.Kp, b.Ep, Dp, b.dS, Cp, 1, bc, br, dq_step);
         else gemm(b.Kp, b.Ep, Dp, b.dS, Cp, 1, bc, br, dq_step, SelOpsKeys{&band});
     }
-    float* dQ = p.dq + (bh * Nq + row0) * d;  // (br, d)
+    float* dQ = p.dq + qh.rows + row0 * d;  // (br, d)
     for (int64_t r = 0; r < br; ++r)
         for (int64_t x = 0; x < d; ++x) {
             const float dq = b.dQi[r * Dp + x];
@@ -774,25 +808,29 @@ void backward_dq(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
 
 void zero_dq(const Ctx& ctx, int64_t bh) {
     const AttentionParams& p = ctx.p;
-    const int64_t n = p.seqlen_q * p.head_dim;
-    std::memset(p.dq + bh * n, 0, sizeof(float) * static_cast<size_t>(n));
+    const QHead qh = q_head(p, bh);
+    const int64_t n = qh.s.Nq * p.head_dim;
+    std::memset(p.dq + qh.rows, 0, sizeof(float) * static_cast<size_t>(n));
 }
 
 void finish_dq(const Ctx& ctx, int64_t bh) {
     const AttentionParams& p = ctx.p;
-    const int64_t n = p.seqlen_q * p.head_dim;
-    float* dQ = p.dq + bh * n;  // (Nq, d)
+    const QHead qh = q_head(p, bh);
+    const int64_t n = qh.s.Nq * p.head_dim;
+    float* dQ = p.dq + qh.rows;  // (Nq, d)
     for (int64_t e = 0; e < n; ++e) dQ[e] = canon(ctx.fa1 ? dQ[e] : dQ[e] * p.scale);
 }
 
 // D[r] = sum_x dO[r,x] O[r,x], x = 0 .. d-1 in order from +0.
 void rowdot(const Ctx& ctx, int64_t bh, int64_t i) {
     const AttentionParams& p = ctx.p;
-    const int64_t d = p.head_dim, Nq = p.seqlen_q, Br = p.block_r;
+    const QHead qh = q_head(p, bh);
+    const int64_t d = p.head_dim, Nq = qh.s.Nq, Br = p.block_r;
     const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
-    const float* O = p.o + (bh * Nq + row0) * d;      // (br, d)
-    const float* dO = p.dout + (bh * Nq + row0) * d;  // (br, d)
-    float* D = ctx.D + bh * Nq + row0;                // (br)
+    if (br <= 0) return;  // past its sequence's rows
+    const float* O = p.o + qh.rows + row0 * d;      // (br, d)
+    const float* dO = p.dout + qh.rows + row0 * d;  // (br, d)
+    float* D = ctx.D + qh.stat + row0;              // (br)
     // RB rows at a time: RB independent chains instead of one latency-bound chain.
     constexpr int64_t RB = 8;
     int64_t r = 0;

@@ -16,13 +16,25 @@ namespace pyfa_cpu {
 struct Ctx {
     AttentionParams p;
     bool fa1;                // FA1's formulas (docs/numerics.md), else FA2's
-    float* D;                // (B, H, Nq) D = rowsum(dO o O), written by the rowdot phase
-    // The mask's bands for p's tiles: K/V tiles [kv_begin[i], kv_end[i]) of Q tile i,
-    // Q tiles [q_begin[j], q_end[j]) of K/V tile j (common/mask.h).
-    const int64_t* kv_begin;  // (Tr)
-    const int64_t* kv_end;    // (Tr)
-    const int64_t* q_begin;   // (Tc)
-    const int64_t* q_end;     // (Tc)
+    float* D;                // D = rowsum(dO o O), laid out as lse; written by the rowdot phase
+    // The mask's bands for p's tiles: K/V tiles [kv_begin[n], kv_end[n]) of Q tile i,
+    // Q tiles [q_begin[n], q_end[n]) of K/V tile j (common/mask.h), n = i (j) for a dense
+    // batch, whose sequences share them, and b * Tr + i (b * Tc + j) for a packed one.
+    const int64_t* kv_begin;  // (Tr) or (B, Tr)
+    const int64_t* kv_end;
+    const int64_t* q_begin;   // (Tc) or (B, Tc)
+    const int64_t* q_end;
+    int64_t Tr, Tc;           // Q and K/V tiles of the grid: of the longest sequence
+    bool per_sequence;        // bands per sequence (packed)
+
+    TileRange kv_tiles(int64_t b, int64_t i) const {
+        const int64_t n = (per_sequence ? b * Tr : 0) + i;
+        return TileRange{kv_begin[n], kv_end[n]};
+    }
+    TileRange q_tiles(int64_t b, int64_t j) const {
+        const int64_t n = (per_sequence ? b * Tc : 0) + j;
+        return TileRange{q_begin[n], q_end[n]};
+    }
 };
 
 struct Isa {

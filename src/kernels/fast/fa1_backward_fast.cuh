@@ -57,14 +57,15 @@ __global__ void __launch_bounds__(4 * kFastBc) fa1_backward_fast_kernel(const At
     const int wcol = (warp & 3) * 16;   // the warp's first key in the tile
     const int rq = tid >> 4, xq = tid & 15;  // step C: rows rq*4 .. +3, columns xq*4 (+64 hh)
     const int64_t b = blockIdx.z, hk = blockIdx.y;
-    const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
+    const Sequence seq = p.sequence(b);
+    const int Nq = static_cast<int>(seq.Nq), Nk = static_cast<int>(seq.Nk);
     const int G = static_cast<int>(p.heads / p.heads_kv);  // query heads per K/V head
     const float scale = p.scale;
-    const Mask mask = p.mask;
-    const float* K = p.k + p.k_strides.at(b, hk, 0);  // (Nk, d), row stride ldk
-    const float* V = p.v + p.v_strides.at(b, hk, 0);  // (Nk, d), row stride ldv
-    float* dK = p.dk + p.dk_strides.at(b, hk, 0);     // (Nk, d), row stride lddk
-    float* dV = p.dv + p.dv_strides.at(b, hk, 0);     // (Nk, d), row stride lddv
+    const Mask mask = seq.mask;
+    const float* K = p.k + p.k_strides.at(seq.batch, hk, seq.k0);  // (Nk, d), row stride ldk
+    const float* V = p.v + p.v_strides.at(seq.batch, hk, seq.k0);  // (Nk, d), row stride ldv
+    float* dK = p.dk + p.dk_strides.at(seq.batch, hk, seq.k0);     // (Nk, d), row stride lddk
+    float* dV = p.dv + p.dv_strides.at(seq.batch, hk, seq.k0);     // (Nk, d), row stride lddv
     const int ldq = static_cast<int>(p.q_strides.row), lddo = static_cast<int>(p.dout_strides.row);
     const int ldo = static_cast<int>(p.o_strides.row), lddq = static_cast<int>(p.dq_strides.row);
     const int ldk = static_cast<int>(p.k_strides.row), ldv = static_cast<int>(p.v_strides.row);
@@ -94,10 +95,9 @@ __global__ void __launch_bounds__(4 * kFastBc) fa1_backward_fast_kernel(const At
     };
     auto head = [&](int g) {
         const int64_t h = hk * G + g;
-        const int64_t bh = b * p.heads + h;
-        return Head{p.q + p.q_strides.at(b, h, 0), p.o + p.o_strides.at(b, h, 0),
-                    p.dout + p.dout_strides.at(b, h, 0), p.dq + p.dq_strides.at(b, h, 0),
-                    p.m + bh * p.seqlen_q, p.l + bh * p.seqlen_q};
+        return Head{p.q + p.q_strides.at(seq.batch, h, seq.q0), p.o + p.o_strides.at(seq.batch, h, seq.q0),
+                    p.dout + p.dout_strides.at(seq.batch, h, seq.q0), p.dq + p.dq_strides.at(seq.batch, h, seq.q0),
+                    p.m + seq.stat(h), p.l + seq.stat(h)};
     };
 
     // dQ = 0 in HBM for every query head of the group; the barrier ahead of the first K/V

@@ -44,20 +44,20 @@ __global__ void __launch_bounds__(2 * BR) fa1_forward_fast_kernel(const Attentio
     const int rg = lane >> 4, cg = lane & 15;
     const int wrow = warp * 16;      // the warp's first row in the tile
     const int my_row = wrow + lane;  // lanes 0..15: the row whose m, l they keep
-    const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
     const int64_t b = blockIdx.z, h = blockIdx.y;
+    const Sequence seq = p.sequence(b);
+    const int Nq = static_cast<int>(seq.Nq), Nk = static_cast<int>(seq.Nk);
     const int64_t hk = h / (p.heads / p.heads_kv);  // the K/V head of this query head
-    const int64_t bh = b * p.heads + h;
-    const float* Q = p.q + p.q_strides.at(b, h, 0);   // (Nq, d), row stride ldq
-    const float* K = p.k + p.k_strides.at(b, hk, 0);  // (Nk, d), row stride ldk
-    const float* V = p.v + p.v_strides.at(b, hk, 0);  // (Nk, d), row stride ldv
-    float* O = p.o + p.o_strides.at(b, h, 0);         // (Nq, d), row stride ldo; normalized after every step
-    float* m = p.m + bh * p.seqlen_q;                 // (Nq)  running row max, dense
-    float* l = p.l + bh * p.seqlen_q;                 // (Nq)  running row sum, relative to m
+    const float* Q = p.q + p.q_strides.at(seq.batch, h, seq.q0);   // (Nq, d), row stride ldq
+    const float* K = p.k + p.k_strides.at(seq.batch, hk, seq.k0);  // (Nk, d), row stride ldk
+    const float* V = p.v + p.v_strides.at(seq.batch, hk, seq.k0);  // (Nk, d), row stride ldv
+    float* O = p.o + p.o_strides.at(seq.batch, h, seq.q0);         // (Nq, d), row stride ldo; normalized after every step
+    float* m = p.m + seq.stat(h);                                  // (Nq)  running row max, dense
+    float* l = p.l + seq.stat(h);                                  // (Nq)  running row sum, relative to m
     // Row strides fit in int (checked at launch: row stride * seqlen < 2^31).
     const int ldq = static_cast<int>(p.q_strides.row), ldk = static_cast<int>(p.k_strides.row);
     const int ldv = static_cast<int>(p.v_strides.row), ldo = static_cast<int>(p.o_strides.row);
-    const Mask mask = p.mask;
+    const Mask mask = seq.mask;
 
     PYFA_DYNAMIC_SMEM(smem_raw);
     float* smem = reinterpret_cast<float*>(smem_raw);
@@ -148,7 +148,7 @@ PYFA_UNROLL
             float s[8][4];
             fast_s_tile<D, BR, BC>(Qt + wrow + rg * 8, KjT + cg * 4, s);
             q_stage(1);
-            fast_scale_mask(s, p, b, h, row0, br, col0, bc, wrow, rg, cg);
+            fast_scale_mask(s, p, mask, b, h, row0, br, col0, bc, wrow, rg, cg);
             // In a tile the mask cuts, hidden scores are left out of P V and a row that
             // sees none of its keys takes no step: its m, l and O stay (common/score.h).
             const Band band = mask.band(row0, col0);

@@ -51,18 +51,20 @@ __global__ void __launch_bounds__(4 * kFastBc, D == 64 ? 2 : 1) fa2_backward_dkd
     const bool dk_role = warp >= 4;  // warps 4..7: dP, dS, dK; warps 0..3: S, P, dV
     const int wcol = (warp & 3) * 16;
     const int64_t b = blockIdx.z, hk = blockIdx.y;
-    const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
+    const Sequence seq = p.sequence(b);
+    const int Nq = static_cast<int>(seq.Nq), Nk = static_cast<int>(seq.Nk);
+    const int col0 = static_cast<int>(blockIdx.x) * BC;
+    if (col0 >= Nk) return;  // past its sequence's keys
     const int64_t G = p.heads / p.heads_kv;  // query heads per K/V head
-    const float* K = p.k + p.k_strides.at(b, hk, 0);  // (Nk, d), row stride ldk
-    const float* V = p.v + p.v_strides.at(b, hk, 0);  // (Nk, d), row stride ldv
-    float* dK = p.dk + p.dk_strides.at(b, hk, 0);     // (Nk, d), row stride lddk
-    float* dV = p.dv + p.dv_strides.at(b, hk, 0);     // (Nk, d), row stride lddv
+    const float* K = p.k + p.k_strides.at(seq.batch, hk, seq.k0);  // (Nk, d), row stride ldk
+    const float* V = p.v + p.v_strides.at(seq.batch, hk, seq.k0);  // (Nk, d), row stride ldv
+    float* dK = p.dk + p.dk_strides.at(seq.batch, hk, seq.k0);     // (Nk, d), row stride lddk
+    float* dV = p.dv + p.dv_strides.at(seq.batch, hk, seq.k0);     // (Nk, d), row stride lddv
     const int ldq = static_cast<int>(p.q_strides.row), lddo = static_cast<int>(p.dout_strides.row);
     const int ldk = static_cast<int>(p.k_strides.row), ldv = static_cast<int>(p.v_strides.row);
     const int lddk = static_cast<int>(p.dk_strides.row), lddv = static_cast<int>(p.dv_strides.row);
-    const int col0 = static_cast<int>(blockIdx.x) * BC;
     const int bc = imin(BC, Nk - col0);
-    const Mask mask = p.mask;
+    const Mask mask = seq.mask;
     const TileRange visit = mask.q_tiles(col0, bc, BR, Nq);
 
     PYFA_DYNAMIC_SMEM(smem_raw);
@@ -90,10 +92,10 @@ PYFA_UNROLL
 
     for (int64_t g = 0; g < G; ++g) {
         const int64_t h = hk * G + g;
-        const float* Q = p.q + p.q_strides.at(b, h, 0);             // (Nq, d), row stride ldq
-        const float* dO = p.dout + p.dout_strides.at(b, h, 0);      // (Nq, d), row stride lddo
-        const float* LSE = p.lse + (b * p.heads + h) * p.seqlen_q;  // (Nq), dense
-        const float* Drow = p.drow + (b * p.heads + h) * p.seqlen_q;  // (Nq), dense
+        const float* Q = p.q + p.q_strides.at(seq.batch, h, seq.q0);         // (Nq, d), row stride ldq
+        const float* dO = p.dout + p.dout_strides.at(seq.batch, h, seq.q0);  // (Nq, d), row stride lddo
+        const float* LSE = p.lse + seq.stat(h);                              // (Nq), dense
+        const float* Drow = p.drow + seq.stat(h);                            // (Nq), dense
         for (int i = static_cast<int>(visit.begin); i < static_cast<int>(visit.end); ++i) {
             const int row0 = i * BR, br = imin(BR, Nq - row0);
             __syncthreads();  // every warp is done with the previous step's Q_i, dO_i, P^T, dS^T

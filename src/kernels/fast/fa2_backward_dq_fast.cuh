@@ -28,7 +28,8 @@
 namespace PYFA_KERNELS {
 
 // What both dQ paths read of AttentionParams: the block's Q tile (rows row0 .. row0+br-1)
-// of query head blockIdx.y, the K/V head it reads, and the band of K/V tiles it visits.
+// of query head blockIdx.y in sequence blockIdx.z, the K/V head it reads, the band of K/V
+// tiles it visits and the sequence's mask. br <= 0: the tile is past the sequence's rows.
 struct FastDqBlock {
     const float* Q;     // (Nq, d), row stride ldq
     const float* dO;    // (Nq, d), row stride lddo
@@ -40,28 +41,31 @@ struct FastDqBlock {
     int ldq, lddo, ldk, ldv, lddq;
     int Nk, row0, br;
     TileRange tiles;
+    Mask mask;
 };
 
 PYFA_DEV FastDqBlock fast_dq_block(const AttentionParams& p, int Br, int Bc) {
-    const int64_t b = blockIdx.z, h = blockIdx.y;
+    const int64_t h = blockIdx.y;
+    const Sequence seq = p.sequence(blockIdx.z);
     const int64_t hk = h / (p.heads / p.heads_kv);
     FastDqBlock f;
-    f.Q = p.q + p.q_strides.at(b, h, 0);
-    f.dO = p.dout + p.dout_strides.at(b, h, 0);
-    f.K = p.k + p.k_strides.at(b, hk, 0);
-    f.V = p.v + p.v_strides.at(b, hk, 0);
-    f.dQ = p.dq + p.dq_strides.at(b, h, 0);
-    f.LSE = p.lse + (b * p.heads + h) * p.seqlen_q;
-    f.Drow = p.drow + (b * p.heads + h) * p.seqlen_q;
+    f.Q = p.q + p.q_strides.at(seq.batch, h, seq.q0);
+    f.dO = p.dout + p.dout_strides.at(seq.batch, h, seq.q0);
+    f.K = p.k + p.k_strides.at(seq.batch, hk, seq.k0);
+    f.V = p.v + p.v_strides.at(seq.batch, hk, seq.k0);
+    f.dQ = p.dq + p.dq_strides.at(seq.batch, h, seq.q0);
+    f.LSE = p.lse + seq.stat(h);
+    f.Drow = p.drow + seq.stat(h);
     f.ldq = static_cast<int>(p.q_strides.row);
     f.lddo = static_cast<int>(p.dout_strides.row);
     f.ldk = static_cast<int>(p.k_strides.row);
     f.ldv = static_cast<int>(p.v_strides.row);
     f.lddq = static_cast<int>(p.dq_strides.row);
-    f.Nk = static_cast<int>(p.seqlen_k);
+    f.Nk = static_cast<int>(seq.Nk);
     f.row0 = static_cast<int>(blockIdx.x) * Br;
-    f.br = imin(Br, static_cast<int>(p.seqlen_q) - f.row0);
-    f.tiles = p.mask.kv_tiles(f.row0, f.br, Bc, f.Nk);
+    f.br = imin(Br, static_cast<int>(seq.Nq) - f.row0);
+    f.mask = seq.mask;
+    f.tiles = f.mask.kv_tiles(f.row0, f.br, Bc, f.Nk);
     return f;
 }
 
@@ -79,9 +83,9 @@ PYFA_DEV void fa2_backward_dq_fast_rows(const AttentionParams& p) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int rg = lane >> 4, cg = lane & 15;
     const int wrow = warp * 16;
-    const auto [Q, dO, K, V, dQ, LSE, Drow, ldq, lddo, ldk, ldv, lddq, Nk, row0, br, tiles] =
+    const auto [Q, dO, K, V, dQ, LSE, Drow, ldq, lddo, ldk, ldv, lddq, Nk, row0, br, tiles, mask] =
         fast_dq_block(p, BR, BC);
-    const Mask mask = p.mask;
+    if (br <= 0) return;  // past its sequence's rows
 
     PYFA_DYNAMIC_SMEM(smem_raw);
     float* smem = reinterpret_cast<float*>(smem_raw);
@@ -284,9 +288,9 @@ PYFA_DEV void fa2_backward_dq_fast_roles(const AttentionParams& p) {
     const int rg = lane >> 4, cg = lane & 15;
     const int role = warp >> 2;  // 0: S, P and dQ's columns 0..63; 1: dP, dS and columns 64..127
     const int wrow = (warp & 3) * 16;
-    const auto [Q, dO, K, V, dQ, LSE, Drow, ldq, lddo, ldk, ldv, lddq, Nk, row0, br, tiles] =
+    const auto [Q, dO, K, V, dQ, LSE, Drow, ldq, lddo, ldk, ldv, lddq, Nk, row0, br, tiles, mask] =
         fast_dq_block(p, BR, BC);
-    const Mask mask = p.mask;
+    if (br <= 0) return;  // past its sequence's rows
 
     PYFA_DYNAMIC_SMEM(smem_raw);
     float* smem = reinterpret_cast<float*>(smem_raw);

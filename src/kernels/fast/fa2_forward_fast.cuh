@@ -36,15 +36,16 @@ struct FastHead {
     int ldq, ldk, ldv, ldo;
 };
 
-// Query head h reads K/V head h / (H / Hkv); row strides fit in int (checked at launch).
-PYFA_HD FastHead fast_head(const AttentionParams& p, int64_t b, int64_t h) {
+// Query head h of sequence seq reads K/V head h / (H / Hkv); row strides fit in int
+// (checked at launch).
+PYFA_HD FastHead fast_head(const AttentionParams& p, const Sequence& seq, int64_t h) {
     const int64_t hk = h / (p.heads / p.heads_kv);
     FastHead f;
-    f.q = p.q + p.q_strides.at(b, h, 0);
-    f.k = p.k + p.k_strides.at(b, hk, 0);
-    f.v = p.v + p.v_strides.at(b, hk, 0);
-    f.o = p.o + p.o_strides.at(b, h, 0);
-    f.lse = p.lse + (b * p.heads + h) * p.seqlen_q;
+    f.q = p.q + p.q_strides.at(seq.batch, h, seq.q0);
+    f.k = p.k + p.k_strides.at(seq.batch, hk, seq.k0);
+    f.v = p.v + p.v_strides.at(seq.batch, hk, seq.k0);
+    f.o = p.o + p.o_strides.at(seq.batch, h, seq.q0);
+    f.lse = p.lse + seq.stat(h);
     f.ldq = static_cast<int>(p.q_strides.row);
     f.ldk = static_cast<int>(p.k_strides.row);
     f.ldv = static_cast<int>(p.v_strides.row);
@@ -65,11 +66,13 @@ __global__ void __launch_bounds__(2 * BR) fa2_forward_fast_kernel(const Attentio
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int rg = lane >> 4, cg = lane & 15;
     const int wrow = warp * 16;                 // the warp's first row in the tile
-    const int Nq = static_cast<int>(p.seqlen_q), Nk = static_cast<int>(p.seqlen_k);
-    const FastHead g = fast_head(p, blockIdx.z, blockIdx.y);
+    const Sequence seq = p.sequence(blockIdx.z);
+    const int Nq = static_cast<int>(seq.Nq), Nk = static_cast<int>(seq.Nk);
     const int row0 = static_cast<int>(blockIdx.x) * BR;
+    if (row0 >= Nq) return;  // past its sequence's rows
+    const FastHead g = fast_head(p, seq, blockIdx.y);
     const int br = imin(BR, Nq - row0);
-    const Mask mask = p.mask;
+    const Mask mask = seq.mask;
     const TileRange tiles = mask.kv_tiles(row0, br, BC, Nk);
     const int jb = static_cast<int>(tiles.begin), je = static_cast<int>(tiles.end);
 
@@ -168,7 +171,7 @@ PYFA_UNROLL
             if (KPARTS == 2) load_k(j + 1, 1);
         }
 
-        fast_scale_mask(s, p, blockIdx.z, blockIdx.y, row0, br, col0, bc, wrow, rg, cg);
+        fast_scale_mask(s, p, mask, blockIdx.z, blockIdx.y, row0, br, col0, bc, wrow, rg, cg);
         // In a tile the mask cuts, hidden scores are left out of P V and a row that sees
         // none of its keys takes no step (common/score.h).
         const Band band = mask.band(row0, col0);

@@ -81,12 +81,13 @@ PYFA_UNROLL
 
 // S_ij[r, c] of the score pipeline (common/score.h) from the thread's sums s: -inf where
 // the mask hides key c from row r or c >= bc, on the thread's 8 x 4 tile: rows
-// row0 + wrow + rg + 2 ii, keys col0 + cg*4 + kk of batch b, head h. A tile that the mask
+// row0 + wrow + rg + 2 ii, keys col0 + cg*4 + kk of batch b, head h (mask: the
+// sequence's, Sequence::mask). A tile that the mask
 // leaves whole skips the per-element test; keys past bc become -inf, which the row max
 // passes over (pyfa_max(m, -inf) = m) and the row sum and P V never visit.
-PYFA_DEV void fast_scale_mask(float (&s)[8][4], const AttentionParams& p, int64_t b, int64_t h, int row0, int br,
-                              int col0, int bc, int wrow, int rg, int cg) {
-    const Band band = p.mask.band(row0, col0);
+PYFA_DEV void fast_scale_mask(float (&s)[8][4], const AttentionParams& p, const Mask& mask, int64_t b, int64_t h,
+                              int row0, int br, int col0, int bc, int wrow, int rg, int cg) {
+    const Band band = mask.band(row0, col0);
     const bool whole = !band.cuts(br, bc);
 PYFA_UNROLL
     for (int ii = 0; ii < 8; ++ii) {

@@ -1,0 +1,194 @@
+"""Packed sequences (varlen): pyfa's flash_attn_varlen_func.
+
+Documents of different lengths concatenated along the rows, each attending only to
+itself: q (total_q, H, d), k and v (total_k, Hkv, d), and int32 offsets cu_seqlens_q,
+cu_seqlens_k of B + 1 entries (first 0, non-decreasing, last the total), sequence b
+owning rows cu[b] .. cu[b + 1] - 1. These run the same ops as the dense calls (pyfa/api.py
+_run) with the offsets as two more tensors of pyfa_run and the problem marked packed
+(pyfa.h, "Packed sequences"): the kernels find each block's sequence from the offsets,
+so a row's bits equal those of the dense call of its own sequence alone
+(docs/numerics.md, "Packed sequences"). As tensors the packed arrays are one (N, H, d)
+batch in layout "bnhd", which is how the dense machinery takes them, and per-row
+statistics come back as (H, total_q), flash-attn's softmax_lse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from . import _arrays, _lib
+from . import api
+from .checks import (check_max_seqlen, check_offsets, check_offsets_shape, check_varlen_rank)
+from .errors import ArgumentTypeError, InvalidArgumentError
+from .options import Options
+
+__all__ = ["attention_varlen", "attention_varlen_grad"]
+
+
+@dataclass
+class Varlen:
+    """The offsets of one call, checked, as the library takes them."""
+    batch: int
+    max_q: int          # the grid's bound of the query lengths (>= 1 for the library)
+    max_k: int
+    pointers: dict      # {"cu_seqlens_q": address, "cu_seqlens_k": address}
+    keep: tuple         # the arrays behind the addresses, alive for the call
+    offsets_q: Optional[tuple] = None  # host offsets, where they were read
+    offsets_k: Optional[tuple] = None
+
+    def apply(self, problem, total_q, total_k):
+        """problem (a pyfa_problem made for the packed tensors as one batch) marked packed."""
+        ffi, _ = _lib.load()
+        problem.struct_size = ffi.sizeof("pyfa_problem")
+        problem.varlen = 1
+        problem.batch = self.batch
+        problem.seqlen_q, problem.seqlen_k = max(1, self.max_q), max(1, self.max_k)
+        problem.total_q, problem.total_k = total_q, total_k
+
+
+def _shape(name, x):
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        raise ArgumentTypeError(f"{name}: expected {_arrays.ARRAY_HELP}, got {type(x).__name__}")
+    return tuple(int(n) for n in shape)
+
+
+def _device_offsets(name, x, batch):
+    """CUDA offsets through __cuda_array_interface__: (address, B). Their values stay on the
+    device (the library cannot check them there: pyfa.h)."""
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if cai is None:
+        raise ArgumentTypeError(f"{name}: a CUDA array without __cuda_array_interface__; pass a "
+                                f"PyTorch or CuPy int32 tensor")
+    shape = tuple(cai["shape"])
+    b = check_offsets_shape(name, shape, cai["typestr"], batch)
+    if cai.get("strides") not in (None, (4,)):
+        raise InvalidArgumentError(f"{name}: must be contiguous, got byte strides {cai['strides']}")
+    return int(cai["data"][0]), b
+
+
+def _host_copy(name, x):
+    """CUDA offsets copied to the host, to compute a max_seqlen not given."""
+    for method in ("cpu", "get"):
+        if hasattr(x, method):
+            a = getattr(x, method)()
+            return np.asarray(a.numpy() if hasattr(a, "numpy") else a)
+    raise InvalidArgumentError(f"{name}: on a CUDA device pyfa cannot copy from; give max_seqlen_q "
+                               f"and max_seqlen_k")
+
+
+def resolve_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """The offsets checked against q (total_q, H, d) and k (total_k, Hkv, d): a Varlen."""
+    check_varlen_rank("q", _shape("q", q))
+    check_varlen_rank("k", _shape("k", k))
+    total_q, total_k = _shape("q", q)[0], _shape("k", k)[0]
+    place = _arrays.common_place({"q": q, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k})
+    if place.kind == "cpu":
+        cu_q = _arrays.host_array("cu_seqlens_q", cu_seqlens_q)
+        cu_k = _arrays.host_array("cu_seqlens_k", cu_seqlens_k)
+        offsets_q = check_offsets("cu_seqlens_q", cu_q, total_q)
+        offsets_k = check_offsets("cu_seqlens_k", cu_k, total_k, len(offsets_q) - 1)
+        cu_q, cu_k = np.ascontiguousarray(cu_q), np.ascontiguousarray(cu_k)
+        pointers = {"cu_seqlens_q": cu_q.__array_interface__["data"][0],
+                    "cu_seqlens_k": cu_k.__array_interface__["data"][0]}
+        return Varlen(len(offsets_q) - 1, check_max_seqlen("max_seqlen_q", max_seqlen_q, offsets_q),
+                      check_max_seqlen("max_seqlen_k", max_seqlen_k, offsets_k), pointers, (cu_q, cu_k),
+                      offsets_q, offsets_k)
+    ptr_q, batch = _device_offsets("cu_seqlens_q", cu_seqlens_q, None)
+    ptr_k, _ = _device_offsets("cu_seqlens_k", cu_seqlens_k, batch)
+    maxima = []
+    for name, cu, value in (("max_seqlen_q", cu_seqlens_q, max_seqlen_q),
+                            ("max_seqlen_k", cu_seqlens_k, max_seqlen_k)):
+        if value is None:
+            host = _host_copy(name.replace("max_seqlen", "cu_seqlens"), cu)
+            value = int(np.max(np.diff(host.astype(np.int64))))
+        maxima.append(check_max_seqlen(name, value, (0, 0)))
+    return Varlen(batch, *maxima, {"cu_seqlens_q": ptr_q, "cu_seqlens_k": ptr_k},
+                  (cu_seqlens_q, cu_seqlens_k))
+
+
+def run(op_name, args, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
+        causal=False, window=None, causal_align="bottom_right", scale=None, options=None, out=None,
+        stream=None, mods=None, function=None):
+    """Runs op `op_name` ("fa2_forward", ...) on packed tensors args ({name: array}: q, k,
+    v (total, heads, d), o and do like q, lse, m, l (H, total_q)); returns its outputs,
+    gradients shaped like their inputs, statistics (H, total_q)."""
+    for name in ("q", "k", "v", "o", "do"):
+        if name in args:
+            check_varlen_rank(name, _shape(name, args[name]))
+    varlen = resolve_varlen(args["q"], args["k"], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return api._run(op_name, args, causal=causal, window=window, causal_align=causal_align, scale=scale,
+                    layout="bnhd", options=options, out=out, stream=stream, mods=mods or {},
+                    varlen=varlen, function=function)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: Optional[int] = None,
+                     max_seqlen_k: Optional[int] = None, causal: bool = False, window=None,
+                     causal_align: str = "bottom_right", scale: Optional[float] = None,
+                     algo: str = "fa2", return_lse: bool = False, options: Optional[Options] = None,
+                     out=None, stream: Any = None, **mods):
+    """Attention over packed sequences (flash-attn's flash_attn_varlen_func): each of the B
+    sequences attends only to itself.
+
+    q: (total_q, H, d) float32; k, v: (total_k, Hkv, d), H % Hkv == 0; cu_seqlens_q,
+    cu_seqlens_k: int32 (B + 1,) offsets, first 0, non-decreasing, last total_q (total_k):
+    sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q and keys
+    cu_seqlens_k[b] .. cu_seqlens_k[b + 1] - 1 of k and v. max_seqlen_q, max_seqlen_k: the
+    longest lengths (None: computed from the offsets, which on CUDA copies them to the
+    host; given: checked to be at least the longest on the CPU, trusted on CUDA). The
+    mask applies per sequence: with bottom-right alignment sequence b's diagonal is
+    off = Nk_b - Nq_b. A sequence may be empty; one with queries and no keys gets O = 0
+    (LSE = -inf). Returns o (total_q, H, d), or (o, lse) with return_lse (lse (H, total_q),
+    flash-attn's softmax_lse; algo "fa2" only). Row r's bits equal those of the dense
+    call (pyfa.attention) of its own sequence alone. Other arguments as in
+    pyfa.attention; out: an array like q to write O into."""
+    options, mods = api._keywords("pyfa.attention_varlen", options, mods)
+    api._algo(algo)
+    if not isinstance(return_lse, bool):
+        raise ArgumentTypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
+    if return_lse and algo != "fa2":
+        raise InvalidArgumentError("return_lse: only algo='fa2' keeps the LSE (FA1 keeps m and l)")
+    kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, window=window,
+              causal_align=causal_align, scale=scale, options=options, stream=stream, mods=mods,
+              function="pyfa.attention_varlen")
+    extra = 2 if algo == "fa1" else 1
+    outs = run(f"{algo}_forward", dict(q=q, k=k, v=v), cu_seqlens_q, cu_seqlens_k,
+               out=None if out is None else (out,) + (None,) * extra, **kw)
+    return (outs[0], outs[1]) if return_lse else outs[0]
+
+
+def attention_varlen_grad(q, k, v, do, cu_seqlens_q, cu_seqlens_k, *,
+                          max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+                          causal: bool = False, window=None, causal_align: str = "bottom_right",
+                          scale: Optional[float] = None, algo: str = "fa2",
+                          options: Optional[Options] = None, out=None, stream: Any = None,
+                          **mods) -> Tuple[Any, Any, Any, Any]:
+    """The forward and backward of attention_varlen for the incoming gradient do (like q):
+    returns (o, dq, dk, dv), shaped like q, q, k, v. Arguments as in attention_varlen; out:
+    (o, dq, dk, dv), each None to allocate it. Deterministic, and row for row the bits of
+    pyfa.attention_grad on each sequence alone."""
+    options, mods = api._keywords("pyfa.attention_varlen_grad", options, mods)
+    api._algo(algo)
+    outs = api._out_dict("attention_varlen_grad", ("o", "dq", "dk", "dv"), out)
+    check_varlen_rank("do", _shape("do", do))
+    for name, x in (("q", q), ("k", k)):
+        check_varlen_rank(name, _shape(name, x))
+    # do, and the out= arrays, checked before any kernel runs.
+    api._refuse_given_overlaps(api._intake(dict(q=q, k=k, v=v, do=do), stream, options.backend, "bnhd",
+                                           outs), outs)
+    kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, window=window,
+              causal_align=causal_align, scale=scale, options=options, stream=stream, mods=mods,
+              function="pyfa.attention_varlen_grad")
+    grads = (outs["dq"], outs["dk"], outs["dv"])
+    if algo == "fa1":
+        o, m, l = run("fa1_forward", dict(q=q, k=k, v=v), cu_seqlens_q, cu_seqlens_k,
+                      out=(outs["o"], None, None), **kw)
+        return (o, *run("fa1_backward", dict(q=q, k=k, v=v, o=o, m=m, l=l, do=do), cu_seqlens_q,
+                        cu_seqlens_k, out=grads, **kw))
+    o, lse = run("fa2_forward", dict(q=q, k=k, v=v), cu_seqlens_q, cu_seqlens_k,
+                 out=(outs["o"], None), **kw)
+    return (o, *run("fa2_backward", dict(q=q, k=k, v=v, o=o, lse=lse, do=do), cu_seqlens_q,
+                    cu_seqlens_k, out=grads, **kw))
