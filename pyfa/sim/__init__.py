@@ -13,7 +13,7 @@ bytes of the call's IO record, and returning True cancels (pyfa.CancelledError).
 raise pyfa's exceptions (pyfa/errors.py), as the library's API does.
 """
 
-from .count import count_io
+from .count import count_io, count_io_varlen
 from .fa1_backward import Fa1BackwardResult, fa1_backward
 from .fa1_forward import Fa1ForwardResult, fa1_forward
 from .fa2_backward import Fa2BackwardResult, fa2_backward
@@ -22,11 +22,15 @@ from .io import IORecord, format_bytes
 from .mask import Mask
 from .standard import count_standard_io, standard_backward, standard_forward
 from .tiles import EMU_PROFILE, DeviceProfile, TileTooLargeError, default_tiles, smem_bytes, smem_terms
+from .varlen import (attention_varlen, fa1_backward_varlen, fa1_forward_varlen, fa2_backward_varlen,
+                     fa2_forward_varlen)
 
 __all__ = [
     "count_standard_io", "standard_backward", "standard_forward",
     "DeviceProfile", "EMU_PROFILE", "Mask", "TileTooLargeError", "Fa2ForwardResult", "IORecord",
-    "count_io",
+    "count_io", "count_io_varlen",
+    "attention_varlen", "fa1_backward_varlen", "fa1_forward_varlen", "fa2_backward_varlen",
+    "fa2_forward_varlen",
     "default_tiles", "fa2_forward", "format_bytes", "smem_bytes", "smem_terms",
     "Fa2BackwardResult", "fa2_backward",
     "Fa1BackwardResult", "Fa1ForwardResult", "fa1_backward", "fa1_forward",

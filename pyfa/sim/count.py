@@ -22,8 +22,10 @@ whatever the tensors' type. With dtype_bytes=4 the counts equal the simulator's.
 import numbers
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..errors import ArgumentTypeError, InvalidArgumentError
-from ..checks import check_count_args, check_tile
+from ..checks import check_count_args, check_offsets, check_tile
 from .io import IORecord
 from .mask import Mask
 from .tiles import EMU_PROFILE, DeviceProfile, resolve_tiles
@@ -253,3 +255,41 @@ from .standard import standard_backward_io, standard_forward_io  # noqa: E402
 
 WALKERS[("standard", "forward")] = [(None, standard_forward_io)]
 WALKERS[("standard", "backward")] = [(None, standard_backward_io)]
+
+
+def count_io_varlen(algo, *, passes="forward", cu_seqlens_q, cu_seqlens_k, heads, head_dim,
+                    heads_kv=None, block_r=None, block_c=None, causal=False, window=None,
+                    causal_align="bottom_right", dtype_bytes=4, profile=EMU_PROFILE):
+    """count_io of packed sequences (pyfa.attention_varlen): the sum over the sequences of
+    each one's walk, as the varlen kernels read them. A block past its sequence's rows
+    (keys) returns at once and moves nothing, so a sequence costs what its own dense call
+    would, empty ones included: with Nq_b = 0 FA2's dK/dV kernel still writes dK = dV = 0,
+    with Nk_b = 0 the forward still reads Q and writes O = 0, LSE = -inf. algo "fa1" or
+    "fa2"; the offsets are int32 arrays (or sequences of ints) of B + 1 entries."""
+    if algo not in ("fa1", "fa2"):
+        raise InvalidArgumentError(f"algo: expected 'fa1' or 'fa2' for packed sequences, got {algo!r}")
+    offsets = []
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        cu = np.asarray(cu)
+        if cu.dtype.kind != "i":
+            raise ArgumentTypeError(f"{name}: expected integer offsets, got dtype {cu.dtype}")
+        cu = cu.astype(np.int32)
+        offsets.append(check_offsets(name, cu, int(cu[-1]) if cu.ndim == 1 and cu.size else 0,
+                                     None if not offsets else len(offsets[0]) - 1))
+    check_count_args(passes, heads=heads, head_dim=head_dim, dtype_bytes=dtype_bytes)
+    Hkv = check_heads_kv(heads_kv, heads)
+    Mask.resolve(causal, window, causal_align, 1, 1)  # the mask arguments, checked once
+    if not isinstance(profile, DeviceProfile):
+        raise ArgumentTypeError(f"profile: expected a sim.DeviceProfile, got {type(profile).__name__}")
+    wanted = ["forward", "backward"] if passes == "both" else [passes]
+    record = IORecord()
+    for p in wanted:
+        for kernel, walker in WALKERS[(algo, p)]:
+            Br, Bc = resolve_tiles(kernel, head_dim, block_r, block_c, profile)
+            for (qa, qz), (ka, kz) in zip(zip(offsets[0], offsets[0][1:]), zip(offsets[1], offsets[1][1:])):
+                mask = Mask.resolve(causal, window, causal_align, qz - qa, kz - ka)
+                record = record + walker(Walk(qz - qa, kz - ka, head_dim, heads // Hkv, Br, Bc, mask,
+                                              dtype_bytes))
+    out = record.scaled(Hkv)
+    out.label = f"{algo} {passes} (packed, {len(offsets[0]) - 1} sequences)"
+    return out

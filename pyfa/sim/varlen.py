@@ -1,0 +1,123 @@
+"""Packed sequences (varlen), simulated: the twin of the kernels run with cu_seqlens.
+
+A packed call's grid is the dense one over B sequences, each block finding its sequence's
+rows, lengths and mask (off = Nk_b - Nq_b bottom-right) from the offsets, and a block
+past its sequence's rows returning at once (src/common/params.h, Sequence). Every other
+block walks exactly the tiles, and does exactly the fp32 operations, of the dense call of
+its sequence alone; so the faithful mirror is that dense simulated kernel run on each
+sequence in turn, its outputs written to the sequence's rows. The IO record is the sum of
+the sequences' records; an empty sequence (no queries or no keys), which the dense
+simulator answers without a kernel, is counted as the varlen kernels move its bytes
+(count.count_io_varlen).
+"""
+
+import numpy as np
+
+from ..checks import (VARLEN_SHAPES, check_max_seqlen, check_offsets, check_qkv, check_varlen_rank)
+from ..errors import InvalidArgumentError
+from ..options import resolve
+from .count import count_io_varlen
+from .fa1_backward import fa1_backward
+from .fa1_forward import fa1_forward
+from .fa2_backward import fa2_backward
+from .fa2_forward import fa2_forward
+from .io import IORecord
+
+__all__ = ["attention_varlen", "fa1_backward_varlen", "fa1_forward_varlen", "fa2_backward_varlen",
+           "fa2_forward_varlen"]
+
+# The dense simulated kernels by (algo, pass), their tensor arguments in order.
+_KERNELS = {
+    ("fa2", "forward"): (fa2_forward, ("q", "k", "v")),
+    ("fa2", "backward"): (fa2_backward, ("q", "k", "v", "o", "lse", "do")),
+    ("fa1", "forward"): (fa1_forward, ("q", "k", "v")),
+    ("fa1", "backward"): (fa1_backward, ("q", "k", "v", "o", "m", "l", "do")),
+}
+_KEY_ROWS = ("k", "v", "dk", "dv")
+_STATS = ("lse", "m", "l")
+
+
+def _run(algo, passes, function, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+         options, kwargs):
+    kernel, names = _KERNELS[(algo, passes)]
+    for name in names:
+        if name not in _STATS:
+            check_varlen_rank(name, np.shape(tensors[name]))
+    q4, k4, _, _, heads_kv = check_qkv(tensors["q"], tensors["k"], tensors["v"], "bnhd")
+    H, d = q4.shape[1], q4.shape[3]
+    offsets_q = check_offsets("cu_seqlens_q", cu_seqlens_q, q4.shape[2])
+    offsets_k = check_offsets("cu_seqlens_k", cu_seqlens_k, k4.shape[2], len(offsets_q) - 1)
+    check_max_seqlen("max_seqlen_q", max_seqlen_q, offsets_q)
+    check_max_seqlen("max_seqlen_k", max_seqlen_k, offsets_k)
+    for name in names:
+        x = tensors[name]
+        want = (H, q4.shape[2]) if name in _STATS else None
+        if want is not None and np.shape(x) != want:
+            raise InvalidArgumentError(f"{name}: expected one value per query row, shape {want} "
+                                       f"(H, total_q), got {np.shape(x)}")
+        if name in ("o", "do") and np.shape(x) != np.shape(tensors["q"]):
+            raise InvalidArgumentError(f"{name}: expected shape {VARLEN_SHAPES[name]} = "
+                                       f"{np.shape(tensors['q'])}, got {np.shape(x)}")
+    options = resolve(function, options, {}, allowed=("block_r", "block_c"))
+    if options.progress is not None:
+        raise InvalidArgumentError(f"options.progress: {function} does not report progress")
+
+    parts, io = [], IORecord(label=f"{function} (simulated, {len(offsets_q) - 1} sequences)")
+    for (qa, qz), (ka, kz) in zip(zip(offsets_q, offsets_q[1:]), zip(offsets_k, offsets_k[1:])):
+        args = [tensors[n][:, qa:qz] if n in _STATS else
+                tensors[n][ka:kz] if n in _KEY_ROWS else tensors[n][qa:qz] for n in names]
+        r = kernel(*args, layout="bnhd", options=options, **kwargs)
+        if qz == qa or kz == ka:  # answered without a kernel: count what the varlen kernels move
+            r.io = count_io_varlen(algo, passes=passes, cu_seqlens_q=[0, qz - qa], cu_seqlens_k=[0, kz - ka],
+                                   heads=H, head_dim=d, heads_kv=heads_kv, block_r=options.block_r,
+                                   block_c=options.block_c,
+                                   **{n: kwargs[n] for n in ("causal", "window", "causal_align") if n in kwargs})
+        parts.append(r)
+        io = io + r.io
+    fields = {}
+    for f in type(parts[0]).__dataclass_fields__:
+        if f == "io":
+            continue
+        axis = 1 if f in _STATS else 0
+        fields[f] = np.concatenate([getattr(r, f) for r in parts], axis=axis)
+    return type(parts[0])(**fields, io=io)
+
+
+def fa2_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
+                       options=None, **kwargs):
+    """FA2 forward over packed sequences (pyfa.attention_varlen's kernel): q (total_q, H, d),
+    k, v (total_k, Hkv, d), int32 offsets; returns Fa2ForwardResult with o (total_q, H, d),
+    lse (H, total_q) and the IO record. Keywords as pyfa.sim.fa2_forward's (no layout)."""
+    return _run("fa2", "forward", "pyfa.sim.fa2_forward_varlen", dict(q=q, k=k, v=v), cu_seqlens_q,
+                cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, kwargs)
+
+
+def fa2_backward_varlen(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
+                        max_seqlen_k=None, options=None, **kwargs):
+    """FA2 backward over packed sequences: Fa2BackwardResult with dq, dk, dv like q, k, v."""
+    return _run("fa2", "backward", "pyfa.sim.fa2_backward_varlen", dict(q=q, k=k, v=v, o=o, lse=lse, do=do),
+                cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, kwargs)
+
+
+def fa1_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
+                       options=None, **kwargs):
+    """FA1 forward over packed sequences: Fa1ForwardResult with o, m and l (H, total_q)."""
+    return _run("fa1", "forward", "pyfa.sim.fa1_forward_varlen", dict(q=q, k=k, v=v), cu_seqlens_q,
+                cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, kwargs)
+
+
+def fa1_backward_varlen(q, k, v, o, m, l, do, cu_seqlens_q, cu_seqlens_k, *,  # noqa: E741 (the paper's l)
+                        max_seqlen_q=None, max_seqlen_k=None, options=None, **kwargs):
+    """FA1 backward over packed sequences: Fa1BackwardResult with dq, dk, dv."""
+    return _run("fa1", "backward", "pyfa.sim.fa1_backward_varlen",
+                dict(q=q, k=k, v=v, o=o, m=m, l=l, do=do), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                max_seqlen_k, options, kwargs)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, algo="fa2", **kwargs):
+    """The simulated forward of pyfa.attention_varlen for algo "fa1" or "fa2": its result
+    (o, and lse or m, l, and the IO record)."""
+    forward = {"fa2": fa2_forward_varlen, "fa1": fa1_forward_varlen}
+    if algo not in forward:
+        raise InvalidArgumentError(f"algo: expected one of ['fa1', 'fa2'], got {algo!r}")
+    return forward[algo](q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs)
