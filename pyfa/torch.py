@@ -36,11 +36,11 @@ if not all(hasattr(torch.library, f) for f in ("custom_op", "register_vmap", "re
                       f"register_autocast), found {torch.__version__}")
 from torch import Tensor
 
-from . import api
+from . import api, varlen
 from .checks import check_window
 from .options import Options
 
-__all__ = ["attention", "scaled_dot_product_attention", "flash_attn_func",
+__all__ = ["attention", "attention_varlen", "scaled_dot_product_attention", "flash_attn_func",
            "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
 _LAYOUTS = ("bhnd", "bnhd")
@@ -435,23 +435,149 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
     return (o, _flash_lse(lse), None) if return_attn_probs else o
 
 
-def _cu_seqlens(name, cu, total, max_seqlen, max_name):
-    """The sequence boundaries cu_seqlens (an int tensor (batch + 1,)) as Python ints,
-    checked against the packed length and max_seqlen."""
+def _varlen_keywords(causal, window_left, window_right, causal_align, scale, block_r, block_c,
+                     backend):
+    kw = _keywords(causal, window_left, window_right, causal_align, scale, "bnhd", block_r,
+                   block_c, backend)
+    del kw["layout"]
+    return kw
+
+
+@torch.library.custom_op("pyfa::fa2_varlen_forward", mutates_args=())
+def _fa2_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                        max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                        window_left: Optional[int], window_right: Optional[int], causal_align: str,
+                        scale: Optional[float], block_r: Optional[int], block_c: Optional[int],
+                        backend: str) -> Tuple[Tensor, Tensor]:
+    """Packed sequences (pyfa.attention_varlen): q (total_q, H, d), k, v (total_k, Hkv, d),
+    int32 offsets; returns o like q and lse (H, total_q)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_dtype(name, t)
+    kw = _varlen_keywords(causal, window_left, window_right, causal_align, scale, block_r, block_c,
+                          backend)
+    with _on_device_of(q):
+        if q.is_cuda and (q.numel() == 0 or k.numel() == 0):
+            _check_options(q, {**kw, "layout": "bnhd"})
+            return q.new_zeros(q.shape), q.new_full((q.shape[1], q.shape[0]), -math.inf)
+        return varlen.run("fa2_forward", dict(q=q.detach(), k=k.detach(), v=v.detach()), cu_seqlens_q,
+                          cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                          function="pyfa.torch.attention_varlen", **kw)
+
+
+@_fa2_varlen_forward.register_fake
+def _fa2_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, *options):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_dtype(name, t)
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]))
+
+
+@torch.library.custom_op("pyfa::fa2_varlen_backward", mutates_args=())
+def _fa2_varlen_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+                         cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                         max_seqlen_k: int, causal: bool, window_left: Optional[int],
+                         window_right: Optional[int], causal_align: str, scale: Optional[float],
+                         block_r: Optional[int], block_c: Optional[int],
+                         backend: str) -> Tuple[Tensor, Tensor, Tensor]:
+    """FA2's backward of fa2_varlen_forward: dq, dk, dv like q, k, v."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("do", do)):
+        _check_dtype(name, t)
+    kw = _varlen_keywords(causal, window_left, window_right, causal_align, scale, block_r, block_c,
+                          backend)
+    with _on_device_of(q):
+        if q.is_cuda and (q.numel() == 0 or k.numel() == 0):
+            _check_options(q, {**kw, "layout": "bnhd"})
+            return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+        return varlen.run("fa2_backward", dict(q=q.detach(), k=k.detach(), v=v.detach(), o=o.detach(),
+                                               lse=lse.detach(), do=do.detach().contiguous()),
+                          cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                          function="pyfa.torch.attention_varlen", **kw)
+
+
+@_fa2_varlen_backward.register_fake
+def _fa2_varlen_backward_fake(q, k, v, o, lse, do, *options):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _varlen_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, *options = inputs
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, *output)
+    ctx.options = options
+    ctx.set_materialize_grads(False)
+
+
+def _varlen_backward(ctx, do, dlse):
+    q, k, v, cu_q, cu_k, o, lse = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(o)
+    dq, dk, dv = torch.ops.pyfa.fa2_varlen_backward(q, k, v, o, lse, do, cu_q, cu_k, *ctx.options)
+    if dlse is not None:
+        # As _lse_gradient, per sequence: dLSE/dq = scale * attention(q, k, k), dLSE/dk =
+        # scale * the dV of that attention's backward for the incoming gradient dlse q.
+        opts = ctx.options
+        scale = opts[6] if opts[6] is not None else 1.0 / math.sqrt(q.shape[-1])
+        dlse = torch.where(torch.isinf(lse), torch.zeros_like(dlse), dlse)
+        g = dlse.transpose(0, 1).unsqueeze(-1)
+        ok, lk = torch.ops.pyfa.fa2_varlen_forward(q, k, k, cu_q, cu_k, *opts)
+        _, _, gk = torch.ops.pyfa.fa2_varlen_backward(q, k, k, ok, lk, g * q, cu_q, cu_k, *opts)
+        dq, dk = dq + scale * g * ok, dk + scale * gk
+    return (dq, dk, dv) + (None,) * (2 + len(ctx.options))
+
+
+torch.library.register_autograd("pyfa::fa2_varlen_forward", _varlen_backward, setup_context=_varlen_setup)
+torch.library.register_autograd("pyfa::fa2_varlen_backward", _no_double_backward,
+                                setup_context=_backward_setup)
+for _device in ("cpu", "cuda"):
+    torch.library.register_autocast("pyfa::fa2_varlen_forward", _device, torch.float32)
+    torch.library.register_autocast("pyfa::fa2_varlen_backward", _device, torch.float32)
+del _device
+
+
+def _check_offsets(name, cu):
     _check_tensor(name, cu)
-    if cu.dim() != 1 or cu.numel() < 1 or cu.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name}: expected a 1-D int32 tensor (batch + 1,), got "
-                         f"{cu.dtype} of shape {tuple(cu.shape)}")
-    bounds = cu.tolist()
-    if bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"{name}: expected non-decreasing offsets from 0 to {total} (the "
-                         f"packed length), got {bounds}")
-    longest = max((b - a for a, b in zip(bounds, bounds[1:])), default=0)
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral):
-        raise TypeError(f"{max_name}: expected an int, got {type(max_seqlen).__name__}")
-    if longest > max_seqlen:
-        raise ValueError(f"{max_name}: {max_seqlen} is less than the longest sequence, {longest}")
-    return bounds
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name}: expected dtype torch.int32 (flash-attn's cu_seqlens), got {cu.dtype}")
+
+
+def _longest(name, cu, given):
+    """max_seqlen: given, or the longest length of the offsets cu (read on the host)."""
+    if given is not None:
+        if isinstance(given, bool) or not isinstance(given, numbers.Integral):
+            raise TypeError(f"{name}: expected an int or None, got {type(given).__name__}")
+        return int(given)
+    return int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
+
+
+def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
+                     max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+                     causal: bool = False, window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+                     causal_align: str = "bottom_right", scale: Optional[float] = None,
+                     return_lse: bool = False, block_r: Optional[int] = None,
+                     block_c: Optional[int] = None, backend: str = "auto"):
+    """Attention over packed sequences by FA2's varlen kernels (pyfa.attention_varlen),
+    differentiable: q (total_q, H, d), k, v (total_k, Hkv, d) float32, cu_seqlens_q,
+    cu_seqlens_k int32 (B + 1,) offsets on q's device. max_seqlen_q, max_seqlen_k: the
+    longest lengths (None: computed, which reads the offsets on the host). Masks apply
+    per sequence (bottom-right: off = Nk_b - Nq_b). Returns o (total_q, H, d), or (o, lse)
+    with return_lse, lse (H, total_q) and differentiable; row r's bits are those of
+    pyfa.torch.attention on its own sequence alone, gradients included."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t)
+        if t.dim() != 3:
+            raise ValueError(f"{name}: expected a packed tensor (total, heads, d), got shape {tuple(t.shape)}")
+    _check_offsets("cu_seqlens_q", cu_seqlens_q)
+    _check_offsets("cu_seqlens_k", cu_seqlens_k)
+    _check_bool("causal", causal)
+    _check_bool("return_lse", return_lse)
+    left, right = check_window(window)
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+        scale = float(scale)
+    max_q = _longest("max_seqlen_q", cu_seqlens_q, max_seqlen_q)
+    max_k = _longest("max_seqlen_k", cu_seqlens_k, max_seqlen_k)
+    o, lse = torch.ops.pyfa.fa2_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal,
+                                               left, right, causal_align, scale, block_r, block_c, backend)
+    return (o, lse) if return_lse else o
 
 
 def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
@@ -461,14 +587,14 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
                            deterministic: bool = False, return_attn_probs: bool = False,
                            block_table: Optional[Tensor] = None):
-    """flash-attn 2's flash_attn_varlen_func by pyfa: q (total_q, H, d), k, v (total_k,
-    Hkv, d), sequence b being rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and
-    cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k and v; masks as in flash_attn_func, per
-    sequence. Each sequence runs as its own dense problem (one pyfa call each: exact,
-    differentiable, slower than a varlen kernel, which pyfa lacks yet); the offsets are
-    read on the host. Returns out (total_q, H, d); with return_attn_probs=True,
-    (out, softmax_lse, None), softmax_lse (H, total_q) as in flash_attn_func. Refused:
-    as flash_attn_func, and block_table (paged K/V)."""
+    """flash-attn 2's flash_attn_varlen_func by pyfa's varlen kernels (attention_varlen): q
+    (total_q, H, d), k, v (total_k, Hkv, d), sequence b being rows
+    cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k
+    and v (int32 offsets); masks as in flash_attn_func, per sequence; max_seqlen_q,
+    max_seqlen_k at least the longest lengths (checked where the offsets are on the CPU).
+    Returns out (total_q, H, d); with return_attn_probs=True, (out, softmax_lse, None),
+    softmax_lse (H, total_q) as in flash_attn_func. Refused: as flash_attn_func, and
+    block_table (paged K/V)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
         if t.dim() != 3:
@@ -478,22 +604,12 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     _check_bool("return_attn_probs", return_attn_probs)
     if block_table is not None:
         raise ValueError("block_table: pyfa has no paged K/V yet; only None is honoured")
-    window = _flash_window(window_size)
-    bq = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
-    bk = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
-    if len(bq) != len(bk):
-        raise ValueError(f"cu_seqlens_k: {len(bk) - 1} sequences, but cu_seqlens_q has "
-                         f"{len(bq) - 1}")
-    outs, lses = [], []
-    for (q0, q1), (k0, k1) in zip(zip(bq, bq[1:]), zip(bk, bk[1:])):
-        o, lse = attention(q[q0:q1], k[k0:k1], v[k0:k1], causal=causal, window=window,
-                           scale=softmax_scale, layout="bnhd", return_lse=True)
-        outs.append(o)
-        lses.append(lse)
-    if not outs:
-        o, lse = q.new_zeros(q.shape), q.new_zeros((q.shape[1], 0))
-    else:
-        o, lse = torch.cat(outs, 0), torch.cat(lses, 1)
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(m, bool) or not isinstance(m, numbers.Integral):
+            raise TypeError(f"{name}: expected an int, got {type(m).__name__}")
+    o, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                              max_seqlen_k=max_seqlen_k, causal=causal, window=_flash_window(window_size),
+                              scale=softmax_scale, return_lse=True)
     return (o, _flash_lse(lse), None) if return_attn_probs else o
 
 

@@ -155,10 +155,12 @@ def test_flash_attn_varlen_func_checks_the_offsets():
     q = torch.zeros(6, 2, 8)
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
     varlen = pyfa.torch.flash_attn_varlen_func
-    with pytest.raises(ValueError, match="max_seqlen_q: 3 is less than the longest sequence, 4"):
+    with pytest.raises(ValueError, match=r"max_seqlen_q: 3 is below the longest sequence \(4 rows\)"):
         varlen(q, q, q, cu, cu, 3, 4)
-    with pytest.raises(ValueError, match="cu_seqlens_k: expected non-decreasing offsets from 0 to 6"):
+    with pytest.raises(ValueError, match=r"cu_seqlens_k\[2\]: 2 is below the offset before it \(4\)"):
         varlen(q, q, q, cu, torch.tensor([0, 4, 2], dtype=torch.int32), 4, 4)
+    with pytest.raises(TypeError, match="cu_seqlens_q: expected dtype torch.int32"):
+        varlen(q, q, q, cu.long(), cu, 4, 4)
     with pytest.raises(ValueError, match="block_table: pyfa has no paged K/V"):
         varlen(q, q, q, cu, cu, 4, 4, block_table=torch.zeros(2, 1, dtype=torch.int32))
 
