@@ -268,3 +268,39 @@ def test_library_checks_offsets_on_the_host(backend):
                      scale=None, layout="bnhd", options=pyfa.Options(backend=backend), out=(out, None),
                      stream=None, mods={}, varlen=varlen)
         assert np.all(out == 7.0)
+
+
+def test_c_abi_offsets_need_the_varlen_layout():
+    """Through pyfa_run directly: offsets without problem->varlen are refused, as is
+    problem->varlen with a problem of ABI 5's layout (which ends before it: the library
+    reads it as 0); a tensor of offsets with strides is refused naming it."""
+    from pyfa import _lib
+    ffi, lib = _lib.load()
+    q = np.random.default_rng(5).standard_normal((8, 2, 16)).astype(np.float32)
+    o = np.zeros_like(q)
+    lse = np.zeros((2, 8), np.float32)
+    cu = offsets([3, 5])
+
+    def call(struct_size, strides=0):
+        pr = ffi.new("pyfa_problem *")
+        pr.struct_size = struct_size
+        pr.batch, pr.heads, pr.seqlen_q, pr.seqlen_k, pr.head_dim = 2, 2, 5, 5, 16
+        pr.varlen, pr.total_q, pr.total_k = 1, 8, 8
+        t = api._tensors("PYFA_MEMORY_HOST", {n: x.ctypes.data for n, x in
+                                              (("q", q), ("k", q), ("v", q), ("o", o), ("lse", lse))})
+        t.cu_seqlens_q.data = t.cu_seqlens_k.data = ffi.cast("void *", cu.ctypes.data)
+        t.cu_seqlens_k.strides.row = strides
+        cfg = ffi.new("pyfa_config *")
+        cfg.backend = api.BACKENDS["cpu"]
+        status = lib.pyfa_run(lib.PYFA_OP_FA2_FORWARD, pr, cfg, t, ffi.NULL)
+        return status, ffi.string(lib.pyfa_last_error()).decode()
+
+    abi5 = ffi.offsetof("pyfa_problem", "varlen")
+    status, message = call(abi5)
+    assert status == lib.PYFA_ERROR_INVALID_ARGUMENT
+    assert "tensors->cu_seqlens_q: given, but problem->varlen is 0" in message
+    status, message = call(ffi.sizeof("pyfa_problem"), strides=1)
+    assert "tensors->cu_seqlens_k.strides: must be 0" in message
+    assert call(ffi.sizeof("pyfa_problem")) == (lib.PYFA_OK, "")
+    want = pyfa.attention_varlen(q, q, q, cu, cu, options=pyfa.Options(backend="cpu"))
+    assert same_bits(o, want)
