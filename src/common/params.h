@@ -25,15 +25,10 @@ struct TensorStrides {
 // rows start in the tensors, its lengths and its own mask. Every kernel and the cpu
 // backend find a block's rows through it, never through seqlen_q, seqlen_k or mask.
 struct Sequence {
-    int64_t batch;      // batch index of the 4-D tensors' strides: b dense, 0 packed
-    int64_t q0, k0;     // row of its first query and of its first key in those tensors
-    int64_t Nq, Nk;     // its lengths (0 allowed when packed)
-    int64_t stat0;      // element of its row 0, head 0 in the per-row tensors (lse, m, l, D)
-    int64_t stat_head;  // elements from head h to h + 1 there
-    Mask mask;          // its mask: off from its own lengths
-
-    // Element of its row 0, query head h, in the per-row tensors.
-    PYFA_HD int64_t stat(int64_t h) const { return stat0 + h * stat_head; }
+    int64_t batch;   // batch index of the 4-D tensors' strides: b dense, 0 packed
+    int64_t q0, k0;  // row of its first query and of its first key in those tensors
+    int64_t Nq, Nk;  // its lengths (0 allowed when packed)
+    Mask mask;       // its mask: off from its own lengths
 };
 
 struct AttentionParams {
@@ -78,9 +73,15 @@ struct AttentionParams {
     int causal_align;             // a pyfa_causal_align: each sequence's off (mask.h)
 
     PYFA_HD Sequence sequence(int64_t b) const {
-        if (!cu_seqlens_q) return Sequence{b, 0, 0, seqlen_q, seqlen_k, b * heads * seqlen_q, seqlen_q, mask};
+        if (!cu_seqlens_q) return Sequence{b, 0, 0, seqlen_q, seqlen_k, mask};
         const int64_t q0 = cu_seqlens_q[b], k0 = cu_seqlens_k[b];
         const int64_t nq = cu_seqlens_q[b + 1] - q0, nk = cu_seqlens_k[b + 1] - k0;
-        return Sequence{0, q0, k0, nq, nk, q0, total_q, mask.for_lengths(causal_align, nq, nk)};
+        return Sequence{0, q0, k0, nq, nk, mask.for_lengths(causal_align, nq, nk)};
+    }
+
+    // Element of sequence s's row 0, query head h, in the per-row tensors (lse, m, l, D):
+    // (B, H, Nq) dense, (H, total_q) packed.
+    PYFA_HD int64_t stat_at(const Sequence& s, int64_t h) const {
+        return cu_seqlens_q ? h * total_q + s.q0 : (s.batch * heads + h) * seqlen_q;
     }
 };

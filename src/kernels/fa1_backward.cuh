@@ -100,8 +100,8 @@ __global__ void fa1_backward_kernel(const AttentionParams p) {
             const float* O = p.o + p.o_strides.at(seq.batch, h, seq.q0);         // (Nq, d), row stride row_o; the forward's output
             const float* dO = p.dout + p.dout_strides.at(seq.batch, h, seq.q0);  // (Nq, d), row stride row_do
             float* dQ = p.dq + p.dq_strides.at(seq.batch, h, seq.q0);            // (Nq, d), row stride row_dq; accumulated in HBM
-            const float* m = p.m + seq.stat(h);  // (Nq), dense: the forward's row max
-            const float* l = p.l + seq.stat(h);  // (Nq), dense: the forward's row sum, relative to m
+            const float* m = p.m + p.stat_at(seq, h);  // (Nq), dense: the forward's row max
+            const float* l = p.l + p.stat_at(seq, h);  // (Nq), dense: the forward's row sum, relative to m
             for (int64_t i = visit.begin; i < visit.end; ++i) {
                 const int64_t row0 = i * Br;
                 const int64_t br = min64(Br, Nq - row0);

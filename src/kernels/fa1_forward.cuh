@@ -43,8 +43,8 @@ __global__ void fa1_forward_kernel(const AttentionParams p) {
     const float* K = p.k + p.k_strides.at(seq.batch, hk, seq.k0);  // (Nk, d), row stride row_k
     const float* V = p.v + p.v_strides.at(seq.batch, hk, seq.k0);  // (Nk, d), row stride row_v
     float* O = p.o + p.o_strides.at(seq.batch, h, seq.q0);         // (Nq, d), row stride row_o; normalized after every step
-    float* m = p.m + seq.stat(h);                                // (Nq)  running row max, dense
-    float* l = p.l + seq.stat(h);                                // (Nq)  running row sum, relative to m
+    float* m = p.m + p.stat_at(seq, h);                                // (Nq)  running row max, dense
+    float* l = p.l + p.stat_at(seq, h);                                // (Nq)  running row sum, relative to m
     const int64_t row_q = p.q_strides.row, row_k = p.k_strides.row;
     const int64_t row_v = p.v_strides.row, row_o = p.o_strides.row;
 

@@ -65,7 +65,7 @@ __global__ void fa2_backward_preprocess_kernel(const AttentionParams p) {
 
     const float* O = p.o + p.o_strides.at(seq.batch, h, seq.q0);         // (Nq, d), HBM row stride row_o
     const float* dO = p.dout + p.dout_strides.at(seq.batch, h, seq.q0);  // (Nq, d), row stride row_do
-    float* D = p.drow + seq.stat(h);                                   // (Nq), dense
+    float* D = p.drow + p.stat_at(seq, h);                                   // (Nq), dense
     const int64_t row_o = p.o_strides.row, row_do = p.dout_strides.row;
 
     const int64_t row0 = i * Br;
@@ -138,8 +138,8 @@ __global__ void fa2_backward_dkdv_kernel(const AttentionParams p) {
         const int64_t h = hk * G + g;
         const float* Q = p.q + p.q_strides.at(seq.batch, h, seq.q0);         // (Nq, d), row stride row_q
         const float* dO = p.dout + p.dout_strides.at(seq.batch, h, seq.q0);  // (Nq, d), row stride row_do
-        const float* LSE = p.lse + seq.stat(h);                            // (Nq), dense
-        const float* D = p.drow + seq.stat(h);                             // (Nq), dense
+        const float* LSE = p.lse + p.stat_at(seq, h);                            // (Nq), dense
+        const float* D = p.drow + p.stat_at(seq, h);                             // (Nq), dense
         for (int64_t i = visit.begin; i < visit.end; ++i) {
             const int64_t row0 = i * Br;
             const int64_t br = min64(Br, Nq - row0);
@@ -204,8 +204,8 @@ __global__ void fa2_backward_dq_kernel(const AttentionParams p) {
     const float* K = p.k + p.k_strides.at(seq.batch, hk, seq.k0);        // (Nk, d), row stride row_k
     const float* V = p.v + p.v_strides.at(seq.batch, hk, seq.k0);        // (Nk, d), row stride row_v
     const float* dO = p.dout + p.dout_strides.at(seq.batch, h, seq.q0);  // (Nq, d), row stride row_do
-    const float* LSE = p.lse + seq.stat(h);                            // (Nq), dense
-    const float* D = p.drow + seq.stat(h);                             // (Nq), dense
+    const float* LSE = p.lse + p.stat_at(seq, h);                            // (Nq), dense
+    const float* D = p.drow + p.stat_at(seq, h);                             // (Nq), dense
     float* dQ = p.dq + p.dq_strides.at(seq.batch, h, seq.q0);            // (Nq, d), row stride row_dq
     const int64_t row_q = p.q_strides.row, row_k = p.k_strides.row, row_v = p.v_strides.row;
     const int64_t row_do = p.dout_strides.row, row_dq = p.dq_strides.row;

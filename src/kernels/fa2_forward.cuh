@@ -37,7 +37,7 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
     const float* K = p.k + p.k_strides.at(seq.batch, hk, seq.k0);  // (Nk, d), row stride row_k
     const float* V = p.v + p.v_strides.at(seq.batch, hk, seq.k0);  // (Nk, d), row stride row_v
     float* O = p.o + p.o_strides.at(seq.batch, h, seq.q0);         // (Nq, d), row stride row_o
-    float* LSE = p.lse + seq.stat(h);                            // (Nq), dense
+    float* LSE = p.lse + p.stat_at(seq, h);                            // (Nq), dense
     const int64_t row_q = p.q_strides.row, row_k = p.k_strides.row;
     const int64_t row_v = p.v_strides.row, row_o = p.o_strides.row;
 

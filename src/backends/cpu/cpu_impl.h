@@ -407,7 +407,7 @@ struct QHead {
 inline QHead q_head(const AttentionParams& p, int64_t bh) {
     const int64_t b = bh / p.heads, h = bh % p.heads;
     const Sequence s = p.sequence(b);
-    return QHead{s, b, h, p.q_strides.at(s.batch, h, s.q0), s.stat(h)};
+    return QHead{s, b, h, p.q_strides.at(s.batch, h, s.q0), p.stat_at(s, h)};
 }
 
 // The sequence of K/V head bkv = b * Hkv + hk, and the element of its key 0 in k, v, dK, dV.

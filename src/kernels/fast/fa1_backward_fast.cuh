@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(4 * kFastBc) fa1_backward_fast_kernel(const At
         const int64_t h = hk * G + g;
         return Head{p.q + p.q_strides.at(seq.batch, h, seq.q0), p.o + p.o_strides.at(seq.batch, h, seq.q0),
                     p.dout + p.dout_strides.at(seq.batch, h, seq.q0), p.dq + p.dq_strides.at(seq.batch, h, seq.q0),
-                    p.m + seq.stat(h), p.l + seq.stat(h)};
+                    p.m + p.stat_at(seq, h), p.l + p.stat_at(seq, h)};
     };
 
     // dQ = 0 in HBM for every query head of the group; the barrier ahead of the first K/V

@@ -52,8 +52,8 @@ __global__ void __launch_bounds__(2 * BR) fa1_forward_fast_kernel(const Attentio
     const float* K = p.k + p.k_strides.at(seq.batch, hk, seq.k0);  // (Nk, d), row stride ldk
     const float* V = p.v + p.v_strides.at(seq.batch, hk, seq.k0);  // (Nk, d), row stride ldv
     float* O = p.o + p.o_strides.at(seq.batch, h, seq.q0);         // (Nq, d), row stride ldo; normalized after every step
-    float* m = p.m + seq.stat(h);                                  // (Nq)  running row max, dense
-    float* l = p.l + seq.stat(h);                                  // (Nq)  running row sum, relative to m
+    float* m = p.m + p.stat_at(seq, h);                                  // (Nq)  running row max, dense
+    float* l = p.l + p.stat_at(seq, h);                                  // (Nq)  running row sum, relative to m
     // Row strides fit in int (checked at launch: row stride * seqlen < 2^31).
     const int ldq = static_cast<int>(p.q_strides.row), ldk = static_cast<int>(p.k_strides.row);
     const int ldv = static_cast<int>(p.v_strides.row), ldo = static_cast<int>(p.o_strides.row);

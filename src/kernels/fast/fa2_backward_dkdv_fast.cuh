@@ -94,8 +94,8 @@ PYFA_UNROLL
         const int64_t h = hk * G + g;
         const float* Q = p.q + p.q_strides.at(seq.batch, h, seq.q0);         // (Nq, d), row stride ldq
         const float* dO = p.dout + p.dout_strides.at(seq.batch, h, seq.q0);  // (Nq, d), row stride lddo
-        const float* LSE = p.lse + seq.stat(h);                              // (Nq), dense
-        const float* Drow = p.drow + seq.stat(h);                            // (Nq), dense
+        const float* LSE = p.lse + p.stat_at(seq, h);                              // (Nq), dense
+        const float* Drow = p.drow + p.stat_at(seq, h);                            // (Nq), dense
         for (int i = static_cast<int>(visit.begin); i < static_cast<int>(visit.end); ++i) {
             const int row0 = i * BR, br = imin(BR, Nq - row0);
             __syncthreads();  // every warp is done with the previous step's Q_i, dO_i, P^T, dS^T

@@ -54,8 +54,8 @@ PYFA_DEV FastDqBlock fast_dq_block(const AttentionParams& p, int Br, int Bc) {
     f.K = p.k + p.k_strides.at(seq.batch, hk, seq.k0);
     f.V = p.v + p.v_strides.at(seq.batch, hk, seq.k0);
     f.dQ = p.dq + p.dq_strides.at(seq.batch, h, seq.q0);
-    f.LSE = p.lse + seq.stat(h);
-    f.Drow = p.drow + seq.stat(h);
+    f.LSE = p.lse + p.stat_at(seq, h);
+    f.Drow = p.drow + p.stat_at(seq, h);
     f.ldq = static_cast<int>(p.q_strides.row);
     f.lddo = static_cast<int>(p.dout_strides.row);
     f.ldk = static_cast<int>(p.k_strides.row);

@@ -45,7 +45,7 @@ PYFA_HD FastHead fast_head(const AttentionParams& p, const Sequence& seq, int64_
     f.k = p.k + p.k_strides.at(seq.batch, hk, seq.k0);
     f.v = p.v + p.v_strides.at(seq.batch, hk, seq.k0);
     f.o = p.o + p.o_strides.at(seq.batch, h, seq.q0);
-    f.lse = p.lse + seq.stat(h);
+    f.lse = p.lse + p.stat_at(seq, h);
     f.ldq = static_cast<int>(p.q_strides.row);
     f.ldk = static_cast<int>(p.k_strides.row);
     f.ldv = static_cast<int>(p.v_strides.row);
