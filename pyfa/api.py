@@ -187,7 +187,8 @@ def _config(options):
 
 
 def _problem(dims, scale, causal, window, causal_align, mods):
-    """The pyfa_problem (struct_size 0: ABI 3's layout, which is all of it) of sizes
+    """The pyfa_problem (struct_size 0: ABI 3's layout, all of it but the packed
+    sequences' fields, which pyfa.varlen.Varlen.apply sets with the size) of sizes
     dims = (B, H, Nq, Nk, d, Hkv), the mask arguments, checked as the simulator checks
     them, and the score modifications (a checks.ScoreMods: each scalar field copied to
     the pyfa_problem field of its name); the strides are set by the caller. A window side wider than Nq + Nk is passed

@@ -32,7 +32,8 @@
  *   q, o, dq, do       (B, H, Nq, d)
  *   k, v, dk, dv       (B, Hkv, Nk, d)
  *   lse, m, l          (B, H, Nq), always dense (row-major)
- * with B = batch, H = heads, Hkv = heads_kv, Nq = seqlen_q, Nk = seqlen_k, d = head_dim.
+ * with B = batch, H = heads, Hkv = heads_kv, Nq = seqlen_q, Nk = seqlen_k, d = head_dim
+ * (packed sequences, pyfa_problem.varlen: (total, heads, d) and (H, total_q) instead).
  * The 4-D tensors are addressed through the element strides in pyfa_problem (dense
  * row-major when left zero): element (b, h, n, x) of q is at q[b * problem->q.batch +
  * h * problem->q.head + n * problem->q.row + x]. The last dimension is always contiguous.
