@@ -138,6 +138,8 @@ def test_varlen_gqa_and_empty_sequences_values():
     assert np.all(dk[9:] == 0) and np.all(dv[9:] == 0)
     od, lsed = pyfa.fa2_forward(q[:6], k[:9], v[:9], layout="bnhd", options=opts)
     assert same_bits(o[:6], od) and same_bits(lse[:, :6], lsed)
+    r = pyfa.sim.attention_varlen(q, k, v, cu_q, cu_k, options=opts)
+    assert same_bits(r.o, o) and same_bits(r.lse, lse)
     ref = np.einsum("qhd,khd->hqk", q[:6].astype(np.float64), np.repeat(k[:9], 2, axis=1)) / 4.0
     p = np.exp(ref - ref.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
