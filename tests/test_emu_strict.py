@@ -26,7 +26,7 @@ STRICT_FLAGS = ["-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0"
 # Mutation tests: each fault must be reported as exactly its hazard.
 # ---------------------------------------------------------------------------------------
 FAULTS = ["none", "race", "init", "bounds", "barrier",
-          "fast-none", "async_count", "async_drop", "align", "warp_race"]
+          "fast-none", "async_count", "async_drop", "align", "warp_race", "warp_mask"]
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +90,9 @@ EXPECTED = {
     "warp_race": ["check race " + re.escape(FAST), r"shared m_i\[\d+, 0\]",
                   f"{THREAD} (reads|writes) it at code \\S+ and {THREAD} (wrote|read) it",
                   "with no barrier between them"],
+    # A shuffle whose mask leaves out half of the lanes that call it.
+    "warp_mask": ["check barrier " + re.escape(FAST), r"thread 16 calls a shuffle at \S*fa2_forward_fast\.cuh:\d+ "
+                  r"with mask 0x0000ffff, which does not include its own lane 16"],
 }
 
 

@@ -4,7 +4,8 @@
 // per fault given on the command line:
 //
 //   strict_faults FAULT...   FAULT: none, race, init, bounds, barrier (readable kernel);
-//                            fast-none, async_count, async_drop, align, warp_race (fast)
+//                            fast-none, async_count, async_drop, align, warp_race,
+//                            warp_mask (fast)
 //
 // Each run prints one line, "FAULT: ok" or "FAULT: hazard: <the report>"; the test holds
 // each report to the hazard its fault plants.
@@ -71,7 +72,7 @@ struct Problem {
 void run(const char* fault) {
     const bool fast = std::strncmp(fault, "fast", 4) == 0 || !std::strcmp(fault, "async_count") ||
                       !std::strcmp(fault, "async_drop") || !std::strcmp(fault, "align") ||
-                      !std::strcmp(fault, "warp_race");
+                      !std::strcmp(fault, "warp_race") || !std::strcmp(fault, "warp_mask");
     g_fault = fault;
     const int Br = fast ? 64 : 16, Bc = fast ? 64 : 16;
     Problem prob(fast ? 96 : 40);

@@ -186,6 +186,7 @@ PYFA_UNROLL
             if (cg == 0) mi[wrow + rg + 2 * ii] = m[ii];
         }
         if (!PYFA_FAULT(warp_race)) pyfa_syncwarp();
+        if (PYFA_FAULT(warp_mask)) (void)__shfl_sync(0x0000ffffu, 0.0f, 0);
 
         // One lane per row: alpha = exp(m_old - safe_max(m_new)), the row sum over
         // c = 0 .. bc-1 in order, l = fma(alpha, l, rowsum).
