@@ -4,7 +4,9 @@
 // without the overlap), and the warp-level sync the fast kernels use between a warp's own
 // shared-memory writes and reads. Under the emulator a copy is a plain memcpy done at
 // once (so commit and wait have nothing to do) and a warp sync is a shuffle, which every
-// lane must reach before any goes on: the same ordering the GPU gives.
+// lane must reach before any goes on: the same ordering the GPU gives. The emulator's
+// strict mode (src/backends/emu/strict.h) records each copy with its group instead, and
+// reports a destination read before its wait and barrier, as the GPU would punish it.
 #pragma once
 
 #include <cstring>
