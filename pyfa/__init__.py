@@ -27,8 +27,8 @@ from .api import (
 )
 from .errors import (
     ArgumentTypeError, BackendUnavailableError, CancelledError, CudaError, EmulationError, Error,
-    InternalError, InvalidArgumentError, LibraryNotFoundError, OutOfMemoryError, PyfaError,
-    TileTooLargeError,
+    InternalError, InvalidArgumentError, KernelHazardError, LibraryNotFoundError, OutOfMemoryError,
+    PyfaError, TileTooLargeError,
 )
 from .options import Options
 from .varlen import attention_varlen, attention_varlen_grad
@@ -43,7 +43,7 @@ def __getattr__(name):
 
 __all__ = [
     "ArgumentTypeError", "BackendUnavailableError", "CancelledError", "CudaError",
-    "EmulationError", "Error", "InternalError", "InvalidArgumentError",
+    "EmulationError", "Error", "InternalError", "InvalidArgumentError", "KernelHazardError",
     "LibraryNotFoundError", "Options", "OutOfMemoryError", "PyfaError", "TileTooLargeError",
     "attention", "attention_grad", "attention_varlen", "attention_varlen_grad", "backends", "default_tiles", "device_profile",
     "fa1_backward", "fa1_forward", "fa2_backward", "fa2_forward", "get_include",

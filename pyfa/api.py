@@ -183,6 +183,8 @@ def _config(options):
     cfg.emu_seed = options.emu_seed
     cfg.emu_workers = options.emu_workers
     cfg.threads = options.threads
+    if options.emu_check == "strict":
+        cfg.flags |= lib.PYFA_FLAG_EMU_STRICT
     return cfg
 
 

@@ -10,6 +10,9 @@ into the header's values.
 """
 
 
+import re
+
+
 class Error(Exception):
     """Any error pyfa raises on purpose; .status is the pyfa_status value the library
     returned, or None when the error was found in Python (before or without the library).
@@ -53,6 +56,18 @@ class EmulationError(Error, RuntimeError):
     """The emulator found a barrier divergence or a deadlock in a kernel."""
 
 
+class KernelHazardError(EmulationError):
+    """The emulator's strict mode (Options(emu_check="strict"), PYFA_EMU_CHECK=strict) found
+    a hazard in a kernel: a race, async, init, bounds, align or barrier check failed. The
+    message names the kernel and variant, the check, the buffer and element, the threads
+    and the site; .check is the check's name (None if the message names none)."""
+
+    def __init__(self, message="", status=None):
+        super().__init__(message, status)
+        found = re.search(r"check (race|async|init|bounds|align|barrier) in ", message)
+        self.check = found.group(1) if found else None
+
+
 class OutOfMemoryError(Error, MemoryError):
     """The library could not allocate host or device memory."""
 
@@ -76,11 +91,12 @@ STATUS_CLASSES = {
     "OUT_OF_MEMORY": OutOfMemoryError,
     "INTERNAL": InternalError,
     "CANCELLED": CancelledError,
+    "KERNEL_HAZARD": KernelHazardError,
 }
 
 __all__ = [
     "ArgumentTypeError", "BackendUnavailableError", "CancelledError", "CudaError",
-    "EmulationError", "Error", "InternalError", "InvalidArgumentError",
+    "EmulationError", "Error", "InternalError", "InvalidArgumentError", "KernelHazardError",
     "LibraryNotFoundError", "OutOfMemoryError", "PyfaError", "STATUS_CLASSES",
     "TileTooLargeError",
 ]

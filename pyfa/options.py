@@ -21,12 +21,13 @@ import warnings
 from typing import Callable, Optional
 
 from .checks import check_int, check_tile
-from .errors import ArgumentTypeError
+from .errors import ArgumentTypeError, InvalidArgumentError
 
 # progress(done, total): True cancels the call.
 Progress = Callable[[int, int], Optional[bool]]
 
 INT_MAX = 2**31 - 1
+EMU_CHECKS = ("off", "strict")  # Options.emu_check: "strict" sets PYFA_FLAG_EMU_STRICT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +42,9 @@ class Options:
     emu_order ("forward", "reverse", "shuffled"), emu_seed, emu_workers: the emulator's
     thread order after each barrier, the seed of "shuffled", its OS threads (0: one per
     core). progress: None, or a callable(done, total) called now and then while a call
-    runs; returning True cancels it (pyfa.CancelledError).
+    runs; returning True cancels it (pyfa.CancelledError). emu_check: "off", or "strict":
+    the emulator checks every shared and global access of its kernels and raises
+    pyfa.KernelHazardError at the first hazard (docs/emulator.md; many times slower).
 
     The simulator (pyfa.sim) uses block_r, block_c and progress; the others choose how
     the library computes bits that the simulator reproduces whatever they are.
@@ -55,14 +58,18 @@ class Options:
     emu_seed: int = 0
     emu_workers: int = 0
     progress: Optional[Progress] = None
+    emu_check: str = "off"
 
     def __post_init__(self):
         # The names of backends, variants and orders are pyfa.h's, checked by the call
         # that uses them (the simulator never reads them, and needs no header).
-        for name in ("backend", "variant", "emu_order"):
+        for name in ("backend", "variant", "emu_order", "emu_check"):
             value = getattr(self, name)
             if not isinstance(value, str):
                 raise ArgumentTypeError(f"{name}: expected a str, got {type(value).__name__} {value!r}")
+        if self.emu_check not in EMU_CHECKS:
+            raise InvalidArgumentError(f"emu_check: expected one of {', '.join(map(repr, EMU_CHECKS))}, "
+                                       f"got {self.emu_check!r}")
         check_tile("block_r", self.block_r)
         check_tile("block_c", self.block_c)
         check_int("threads", self.threads, 0, INT_MAX)

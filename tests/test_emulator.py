@@ -15,7 +15,8 @@ import pyfa
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EMU_SOURCES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "src" / "backends" / "emu").glob("*.cpp")
-                     if p.name != "emu_backend.cpp")  # the runtime alone, without the library's adapter
+                     # the runtime alone, without the library's adapter and its strict kernels
+                     if p.name not in ("emu_backend.cpp", "emu_strict_kernels.cpp"))
 MAX_WORKERS = 256  # pyfa_emu::kMaxWorkers
 FIBER_STACK_BYTES = 64 * 1024  # pyfa_emu::kFiberStackBytes
 

@@ -74,6 +74,9 @@ def test_device_check_dry_run_lists_every_step_within_its_budget(tmp_path):
     for op in pyfa.api.OPS:  # each op under each tool, and in the bench plan
         assert re.search(rf"compute-sanitizer --tool memcheck .*drive --ops \S*{op}", p.stdout)
         assert re.search(rf"compute-sanitizer --tool racecheck .*drive --ops \S*{op}", p.stdout)
+        assert re.search(rf"compute-sanitizer --tool initcheck .*drive --ops \S*{op}", p.stdout)
+        assert re.search(rf"compute-sanitizer --tool synccheck .*drive --ops \S*{op}", p.stdout)
+        assert re.search(rf"would run: .*drive --ops \S*{op}\S* --size race --backend emu --emu-check strict", p.stdout)
         assert re.search(rf"ncu --metrics dram__bytes_read.sum,dram__bytes_write.sum .*--ops {op} ", p.stdout)
         assert re.search(rf"would time B=4 H=8 N=8192 d=128 tiles=32x32: .*{op}", p.stdout)
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -144,10 +147,15 @@ def test_gpu_steps_run_on_the_emulator_with_stand_in_tools(tmp_path):
     env = tool_env(extra_path=bin_dir)
     script = str(TOOLS / "gpu_bench.py")
 
-    p = run([sys.executable, script, "sanitize", "--backend", "emu", "--out", str(tmp_path / "sanitize.json")], env=env)
+    # One small case set for all four tools and the strict emulator beside them.
+    p = run([sys.executable, script, "sanitize", "--backend", "emu", "--cases", "race",
+             "--out", str(tmp_path / "sanitize.json")], env=env)
     assert p.returncode == 0, p.stdout + p.stderr
-    runs = json.loads((tmp_path / "sanitize.json").read_text())["runs"]
-    assert [(r["tool"], r["status"]) for r in runs] == [("memcheck", "clean"), ("racecheck", "clean")]
+    result = json.loads((tmp_path / "sanitize.json").read_text())
+    assert [(r["tool"], r["status"]) for r in result["runs"]] == [
+        ("memcheck", "clean"), ("racecheck", "clean"), ("initcheck", "clean"), ("synccheck", "clean")]
+    assert {size: r["status"] for size, r in result["strict"].items()} == {"race": "clean"}
+    assert re.search(r"initcheck +race +clean +clean \(init\)", p.stdout), p.stdout
 
     shape = dict(batch=1, heads=2, seqlen_q=48, seqlen_k=48, head_dim=16)
     p = run([sys.executable, script, "ncu", "--backend", "emu", "--shape", "1", "2", "48", "16",

@@ -12,7 +12,8 @@
 # that run on the cuda backend (each kernel bit for bit against the simulator; PyTorch and
 # CuPy CUDA arrays in and out through DLPack without a host copy, and pyfa.torch's
 # gradients, when those libraries import: tests/test_interop.py, tests/test_torch.py);
-# compute-sanitizer memcheck and racecheck on small problems; every op's device entry
+# compute-sanitizer memcheck, racecheck, initcheck and synccheck on small problems, with
+# the emulator's strict mode over the same problems beside them; every op's device entry
 # point timed with CUDA events beside PyTorch's SDPA; DRAM bytes per kernel with ncu
 # beside pyfa.sim.count_io. OUTDIR gets summary.md (printed last, its tables first),
 # summary.json, device_check.log (every step's full output) and pytest.xml: four files.
@@ -58,7 +59,7 @@ BUDGET=${PYFA_CHECK_BUDGET_S:-420}
 SUMMARY_RESERVE=15   # seconds kept back so the summary is always written
 # Each step's timeout; together with the reserve they must fit the budget (the dry run
 # checks), so that no step is cut short by an earlier one overrunning.
-declare -A LIMIT=([wheels]=15 [info]=15 [build]=110 [tests]=90 [sanitizer]=55 [bench]=80 [ncu]=40)
+declare -A LIMIT=([wheels]=15 [info]=15 [build]=110 [tests]=90 [sanitizer]=85 [bench]=50 [ncu]=40)
 STEPS="wheels info build tests sanitizer bench ncu"
 START=$(date +%s)
 FAILED=0

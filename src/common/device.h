@@ -16,7 +16,13 @@
 #define PYFA_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #else
 #include "backends/emu/emu.h"
+#if defined(PYFA_EMU_STRICT)
+// The emulator's strict mode runs its own, instrumented compilation of the kernels
+// (src/backends/emu/emu_strict_kernels.cpp).
+#define PYFA_KERNELS pyfa_emu_strict_kernels
+#else
 #define PYFA_KERNELS pyfa_emu_kernels
+#endif
 #define PYFA_HD inline
 #define PYFA_DYNAMIC_SMEM(name) unsigned char* name = ::pyfa_emu::dynamic_smem()
 #endif

@@ -38,6 +38,7 @@ struct SmemLayout {
     const char* name[kMaxTerms];
     int64_t offset[kMaxTerms];  // in floats from the start of dynamic shared memory
     int64_t floats[kMaxTerms];  // -1 for a term whose size overflows int64_t
+    int64_t width[kMaxTerms];   // floats per row of the term, to name an element (r, c)
     int count = 0;
     int64_t total_floats = 0;   // -1 once any term or the running total overflows
 
@@ -47,6 +48,7 @@ struct SmemLayout {
         name[count] = term;
         offset[count] = total_floats;
         floats[count] = n;
+        width[count] = cols;
         ++count;
         total_floats = (total_floats < 0 || n < 0) ? -1 : checked_add(total_floats, n);
     }

@@ -542,9 +542,10 @@ pyfa_status check_config(const pyfa_config* in, pyfa_config* cfg) {
     if (st != PYFA_OK) return st;
     if (cfg->variant < PYFA_VARIANT_AUTO || cfg->variant > PYFA_VARIANT_FAST)
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->variant: unknown variant %d", cfg->variant);
-    if (cfg->flags & ~static_cast<uint64_t>(PYFA_FLAG_IN_PLACE))
+    constexpr uint64_t known_flags = PYFA_FLAG_IN_PLACE | PYFA_FLAG_EMU_STRICT;
+    if (cfg->flags & ~known_flags)
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "config->flags: unknown bits 0x%llx",
-                    static_cast<unsigned long long>(cfg->flags & ~static_cast<uint64_t>(PYFA_FLAG_IN_PLACE)));
+                    static_cast<unsigned long long>(cfg->flags & ~known_flags));
     return PYFA_OK;
 }
 

@@ -48,6 +48,7 @@ PYFA_API const char* pyfa_status_string(pyfa_status status) {
         case PYFA_ERROR_OUT_OF_MEMORY: return "out of memory";
         case PYFA_ERROR_INTERNAL: return "internal error";
         case PYFA_ERROR_CANCELLED: return "cancelled";
+        case PYFA_ERROR_KERNEL_HAZARD: return "kernel hazard";
     }
     return "unknown status";
 }

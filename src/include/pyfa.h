@@ -101,7 +101,12 @@ typedef enum pyfa_status {
     PYFA_ERROR_EMULATION = 5,           /* the emulator found a barrier divergence or deadlock */
     PYFA_ERROR_OUT_OF_MEMORY = 6,
     PYFA_ERROR_INTERNAL = 7,
-    PYFA_ERROR_CANCELLED = 8            /* config->progress asked to stop; nothing was written */
+    PYFA_ERROR_CANCELLED = 8,           /* config->progress asked to stop; nothing was written */
+    /* ---- strict emulator (PYFA_FLAG_EMU_STRICT) */
+    PYFA_ERROR_KERNEL_HAZARD = 9        /* strict mode found a race, async, init, bounds, align or
+                                           barrier hazard in a kernel; the message names the kernel,
+                                           the check, the buffer and element, the threads and the
+                                           site; nothing was written */
 } pyfa_status;
 
 typedef enum pyfa_backend {
@@ -198,7 +203,12 @@ typedef struct pyfa_problem {
 } pyfa_problem;
 
 typedef enum pyfa_flags {
-    PYFA_FLAG_IN_PLACE = 1
+    PYFA_FLAG_IN_PLACE = 1,
+    /* ---- strict emulator: the emulator checks every shared and global access of its
+       kernels (docs/emulator.md, "Strict mode") and fails the call with
+       PYFA_ERROR_KERNEL_HAZARD at the first hazard; the environment variable
+       PYFA_EMU_CHECK=strict sets it for every call. Used by the emulator only. */
+    PYFA_FLAG_EMU_STRICT = 2
 } pyfa_flags;
 
 typedef struct pyfa_config {

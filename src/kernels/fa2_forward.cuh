@@ -16,6 +16,7 @@
 #include <cmath>
 
 #include "common/device.h"
+#include "common/fault.h"
 #include "common/numerics.h"
 #include "common/params.h"
 #include "common/score.h"
@@ -58,11 +59,11 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
     float* alpha = smem + L.offset[FA2F_alpha];  // (br)
 
     for (int64_t e = tid; e < br * d; e += nthreads) {
-        Qi[e] = Q[(row0 + e / d) * row_q + e % d];
+        Qi[e] = Q[(row0 + e / d) * row_q + e % d + (PYFA_FAULT(bounds) ? 1 : 0)];
         Oi[e] = 0.0f;
     }
     for (int64_t r = tid; r < br; r += nthreads) {
-        mi[r] = -INFINITY;
+        if (!PYFA_FAULT(init)) mi[r] = -INFINITY;
         li[r] = 0.0f;
     }
 
@@ -70,13 +71,13 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
     for (int64_t j = visit.begin; j < visit.end; ++j) {
         const int64_t col0 = j * Bc;
         const int64_t bc = min64(Bc, Nk - col0);
-        __syncthreads();  // the previous step's readers of K_j, V_j and S_ij are done
+        if (!(PYFA_FAULT(barrier) && tid < 32)) __syncthreads();  // the previous step's readers of K_j, V_j and S_ij are done
         for (int64_t e = tid; e < bc * d; e += nthreads) {
             const int64_t c = e / d, x = e % d;
             Kj[c * ldk + x] = K[(col0 + c) * row_k + x];
             Vj[e] = V[(col0 + c) * row_v + x];
         }
-        __syncthreads();
+        if (!PYFA_FAULT(race)) __syncthreads();
 
         // S_ij[r, c]: the score pipeline (common/score.h), its sum x = 0 .. d-1 in order.
         for (int64_t e = tid; e < br * bc; e += nthreads) {

@@ -16,7 +16,7 @@ DRIVE_SIZES = {
 }
 
 
-def drive_op(op, case, backend):
+def drive_op(op, case, backend, emu_check="off"):
     """One call of `op` (an OPS entry) through its Python function; a backward op first
     runs its forward for the tensors it reads. Inputs are passed in op.inputs order, the
     order of both the C function and the Python one."""
@@ -27,7 +27,7 @@ def drive_op(op, case, backend):
     tensors = {t: rng.standard_normal(pyfa.api.tensor_shape(t, b, h, nq, nk, d), dtype=np.float32)
                for t in ("q", "k", "v", "do")}
     tiles = dict(zip(("block_r", "block_c"), case["tiles"])) if case["tiles"] else {}
-    kw = dict(causal=case["causal"], options=pyfa.Options(backend=backend, **tiles))
+    kw = dict(causal=case["causal"], options=pyfa.Options(backend=backend, emu_check=emu_check, **tiles))
     if op.pass_ == "backward":
         fwd = forward_of(op)
         outs = getattr(pyfa, fwd.name)(*[tensors[t] for t in fwd.inputs], **kw)
@@ -47,7 +47,7 @@ def cmd_drive(args):
     for name in names:
         for case in cases:
             try:
-                drive_op(pyfa.api.OPS[name], case, args.backend)
+                drive_op(pyfa.api.OPS[name], case, args.backend, args.emu_check)
                 launches += 1
             except ValueError as e:  # the library's own argument checks (e.g. tiles it rejects)
                 print(f"drive: {name} {case}: rejected: {e}")
@@ -58,10 +58,11 @@ def cmd_drive(args):
     return 1 if errors else 0
 
 
-def drive_cmd(names, size, backend="cuda"):
+def drive_cmd(names, size, backend="cuda", emu_check="off"):
     """The driven program: `size` is a DRIVE_SIZES name or a shape (B, H, N, d)."""
     how = ["--size", size] if isinstance(size, str) else ["--shape", *size]
-    return entry_cmd("drive", "--ops", ",".join(names), *how, "--backend", backend)
+    strict = ["--emu-check", emu_check] if emu_check != "off" else []
+    return entry_cmd("drive", "--ops", ",".join(names), *how, "--backend", backend, *strict)
 
 
 def add_parser(sub):
@@ -71,4 +72,6 @@ def add_parser(sub):
     p.add_argument("--shape", type=int, nargs=4, metavar=("B", "H", "N", "D"),
                    help="instead of --size: one call at this shape, default tiles, no mask")
     p.add_argument("--backend", choices=["cuda", "emu"], default="cuda")
+    p.add_argument("--emu-check", choices=["off", "strict"], default="off",
+                   help="the emulator's strict mode (with --backend emu)")
     p.set_defaults(run=cmd_drive)

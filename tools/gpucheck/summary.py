@@ -124,9 +124,10 @@ def markdown(s):
                   f"{(info.get('torch') or {}).get('version')}", ""]
     san = s.get("sanitizer")
     if san:
-        lines += ["## compute-sanitizer", ""]
+        lines += ["## compute-sanitizer, and the strict emulator over the same cases", ""]
         lines += [f"- {r['tool']}: {r['status']}" + (f" ({r['errors']} errors)" if r.get("errors") else "")
                   for r in san.get("runs", [])]
+        lines += [f"- strict emulator, {size} cases: {r['status']}" for size, r in (san.get("strict") or {}).items()]
         lines.append("")
     n = s.get("ncu")
     if n:

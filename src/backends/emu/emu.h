@@ -63,6 +63,8 @@ constexpr int kMaxWorkers = 256;
 // that costs address space, not memory, since untouched pages are never backed.
 constexpr size_t kFiberStackBytes = 64 * 1024;
 
+class StrictSession;  // strict.h
+
 struct LaunchOptions {
     int order = 0;          // 0 forward, 1 reverse, 2 shuffled (see pyfa_emu_order)
     uint64_t seed = 0;      // for the shuffled order
@@ -72,6 +74,10 @@ struct LaunchOptions {
     // with done == total when the grid is complete. A nonzero return stops the launch.
     int (*progress)(void* user, int64_t done, int64_t total) = nullptr;
     void* progress_user = nullptr;
+    // Strict mode (strict.h): every shared and global access of the kernel is checked
+    // against this session's record; nullptr runs the launch unchecked. The body must
+    // then be a kernel of the instrumented compilation (emu_strict_kernels.cpp).
+    StrictSession* strict = nullptr;
 };
 
 // Why a launch failed.
@@ -82,6 +88,7 @@ enum class Error : int {
     KernelException,  // a kernel thread threw a C++ exception
     OutOfMemory,      // no worker could get its fiber stacks and shared memory
     Cancelled,        // the progress callback returned nonzero
+    Hazard,           // strict mode: a race, async, init, bounds, align or barrier hazard
 };
 
 struct LaunchResult {
@@ -111,6 +118,17 @@ size_t stack_high_water() noexcept;
 }  // namespace pyfa_emu
 
 #define __syncthreads() ::pyfa_emu::syncthreads(__FILE__, __LINE__)
+
+// Strict mode's hooks for the accesses the compiler's instrumentation cannot see as what
+// they are (strict.cpp): 8- and 16-byte vector loads and stores, and cp.async with its
+// commit and wait. Outside a strict launch each is the plain operation.
+namespace pyfa_emu {
+void strict_load(void* out, const void* p, int bytes, const char* file, int line);
+void strict_store(void* p, const void* in, int bytes, const char* file, int line);
+void strict_cp_async(void* dst, const void* src, bool valid, const char* file, int line);
+void strict_cp_commit();
+void strict_cp_wait(int n, const char* file, int line);
+}  // namespace pyfa_emu
 
 namespace pyfa_emu_detail {
 template <class T>

@@ -11,6 +11,7 @@
 #include <new>
 #include <thread>
 
+#include "backends/emu/strict.h"
 #include "backends/emu/worker.h"
 
 thread_local dim3 threadIdx;
@@ -60,9 +61,12 @@ Worker::~Worker() { std::free(smem_raw); }
 
 Msg Worker::fail(Error kind) {
     if (failed()) return Msg(nullptr, 0);
-    error = kind;
+    // In strict mode a divergence is the barrier check's hazard.
+    const bool barrier = strict && kind == Error::Divergence;
+    error = barrier ? Error::Hazard : kind;
     Msg m(message, sizeof message);
     m << "pyfa emu: block " << Dim{bidx} << ": ";
+    if (barrier) m << "check barrier in " << strict->kernel() << ": ";
     return m;
 }
 
@@ -289,6 +293,7 @@ void release_or_fail(Worker& w) {
         put_waiters(m, w);
         return;
     }
+    if (w.strict && !strict_barrier(w, first->file, first->line)) return;
     for (unsigned i = 0; i < w.nthreads; ++i) {
         Fiber& f = w.fibers[i];
         if (f.state == State::Barrier) {
@@ -300,7 +305,7 @@ void release_or_fail(Worker& w) {
 
 // Everything a block of this launch needs, before the worker takes any block: a worker
 // that cannot have it stays out, and the others run the grid.
-bool ensure_capacity(Worker& w, unsigned nthreads, size_t smem_bytes) noexcept {
+bool ensure_capacity(Worker& w, unsigned nthreads, size_t smem_bytes, size_t pad) noexcept {
     if (!w.stacks.reserve(nthreads)) return false;
     if (w.fiber_capacity < nthreads) {
         w.fibers.reset();
@@ -311,7 +316,7 @@ bool ensure_capacity(Worker& w, unsigned nthreads, size_t smem_bytes) noexcept {
         if (!w.fibers || !w.order) return false;
         w.fiber_capacity = nthreads;
     }
-    const size_t want = std::max<size_t>(smem_bytes, 16);
+    const size_t want = std::max<size_t>(smem_bytes, 16) + 2 * pad;
     if (w.smem_capacity < want) {
         std::free(w.smem_raw);
         w.smem_capacity = 0;
@@ -320,7 +325,9 @@ bool ensure_capacity(Worker& w, unsigned nthreads, size_t smem_bytes) noexcept {
         w.smem_capacity = want;
     }
     uintptr_t p = reinterpret_cast<uintptr_t>(w.smem_raw);
-    w.smem = reinterpret_cast<unsigned char*>((p + 15) & ~uintptr_t(15));
+    w.smem = reinterpret_cast<unsigned char*>((p + 15) & ~uintptr_t(15)) + pad;
+    w.smem_pad = pad;
+    w.smem_bytes = smem_bytes;
     return true;
 }
 
@@ -362,7 +369,8 @@ bool run_block(Worker& w, LaunchShared& L, uint64_t linear) {
     w.error = Error::None;
     w.message[0] = '\0';
     w.body = L.body;
-    std::memset(w.smem, 0xFF, std::max<size_t>(L.smem_bytes, 16));
+    std::memset(w.smem - w.smem_pad, 0xFF, std::max<size_t>(L.smem_bytes, 16) + 2 * w.smem_pad);
+    if (w.strict) strict_block_begin(w);
 
     for (unsigned i = 0; i < n; ++i) {
         Fiber& f = w.fibers[i];
@@ -425,7 +433,7 @@ bool run_block(Worker& w, LaunchShared& L, uint64_t linear) {
             }
         }
     }
-    return true;
+    return !w.strict || strict_block_end(w);
 }
 
 void worker_loop(LaunchShared& L) noexcept {
@@ -434,7 +442,9 @@ void worker_loop(LaunchShared& L) noexcept {
     FpEnvScope fp_env;
     Worker* const wp = take_worker();
     if (!wp) return;
-    if (!ensure_capacity(*wp, L.nthreads, L.smem_bytes)) {
+    const size_t pad = L.options.strict ? kStrictRedZoneBytes : 0;
+    if (!ensure_capacity(*wp, L.nthreads, L.smem_bytes, pad) ||
+        (L.options.strict && !strict_attach(*wp, L.nthreads, L.smem_bytes))) {
         put_back(wp);
         return;
     }
@@ -446,6 +456,7 @@ void worker_loop(LaunchShared& L) noexcept {
     w.tls_gdim = &gridDim;
     Worker* saved = t_worker;
     t_worker = &w;
+    w.strict = L.options.strict;
     w.in_block = true;
     const bool progress = L.options.progress != nullptr;
     while (!L.stop.load(std::memory_order_relaxed)) {
@@ -459,6 +470,7 @@ void worker_loop(LaunchShared& L) noexcept {
         if (progress) poll_progress(L);
     }
     w.in_block = false;
+    w.strict = nullptr;
     w.current = nullptr;
     t_worker = saved;
     put_back(wp);

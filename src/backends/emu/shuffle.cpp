@@ -110,6 +110,7 @@ void shfl_arrived(Worker& w, unsigned id) {
         w.fibers[base + j].state = State::Runnable;
         ++w.runnable;
     }
+    if (w.strict) strict_warp_sync(w, warp, group);
 }
 
 void shfl_check_returned(Worker& w, unsigned id) {

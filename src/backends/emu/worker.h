@@ -71,6 +71,10 @@ struct Site {
 enum class State : uint8_t { Runnable, Barrier, Shfl, Done };
 
 struct Worker;
+struct StrictBlock;  // strict.cpp: the access record of the block a strict worker runs
+struct StrictBlockDeleter {
+    void operator()(StrictBlock* b) const noexcept;
+};
 
 struct Fiber {
     Context ctx;
@@ -128,6 +132,14 @@ struct Worker {
     // them (a __tls_get_addr call each) after every context switch instead of keeping them.
     dim3 *tls_tid = nullptr, *tls_bid = nullptr, *tls_bdim = nullptr, *tls_gdim = nullptr;
 
+    // Strict mode (strict.h): the launch's session, nullptr in a plain launch, and this
+    // worker's record of the block it runs. Shared memory then has red zones of
+    // kStrictRedZoneBytes on both sides, smem_pad bytes each.
+    StrictSession* strict = nullptr;
+    std::unique_ptr<StrictBlock, StrictBlockDeleter> strict_block;
+    size_t smem_pad = 0;
+    size_t smem_bytes = 0;  // of the launch
+
     Context sched;
     AsanStack sched_stack;
     const std::function<void()>* body = nullptr;
@@ -170,6 +182,20 @@ Msg& operator<<(Msg& m, Site s);
 // A thread by its linear id: "7", or "(1,2,0)" in a 2-D or 3-D block.
 void put_thread(Msg& m, const Worker& w, unsigned id);
 bool same_site(const Fiber& a, const Fiber& b);
+
+// Strict mode (strict.cpp), called by the scheduler of a strict launch.
+// Before the worker's first block: false when the record's memory cannot be had.
+bool strict_attach(Worker& w, unsigned nthreads, size_t smem_bytes) noexcept;
+// Before each block: a fresh record.
+void strict_block_begin(Worker& w) noexcept;
+// After each block: false, with the block failed, when a shared word was read that no
+// thread ever wrote.
+bool strict_block_end(Worker& w) noexcept;
+// Every live thread waits at one __syncthreads: false, with the block failed, when some
+// thread has returned instead; otherwise the barrier is recorded.
+bool strict_barrier(Worker& w, const char* file, int line) noexcept;
+// The lanes `group` of `warp` passed a warp sync (a shuffle or __syncwarp) together.
+void strict_warp_sync(Worker& w, unsigned warp, uint32_t group) noexcept;
 
 // The shuffle emulation (shuffle.cpp), called by the scheduler.
 // After fiber `id` parked at a shuffle: releases its group once every lane has arrived.

@@ -17,6 +17,7 @@
 #pragma once
 
 #include "common/device.h"
+#include "common/fault.h"
 #include "common/mask.h"
 #include "common/numerics.h"
 #include "common/params.h"
@@ -91,7 +92,8 @@ PYFA_UNROLL
     for (int t = 0; t < BR * DC / NT; ++t) {
         const int e = tid + t * NT, r = e & (BR - 1), x4 = e / BR;
         const bool ok = r < br;
-        const pyfa_f4 q = ok ? ld4(g.q + (row0 + r) * g.ldq + 4 * x4) : pyfa_f4{0.f, 0.f, 0.f, 0.f};
+        const pyfa_f4 q = ok ? ld4(g.q + (row0 + r) * g.ldq + 4 * x4 + (PYFA_FAULT(align) ? 1 : 0))
+                             : pyfa_f4{0.f, 0.f, 0.f, 0.f};
         const int pos = fast_q_pos(r);
         QiT[(4 * x4 + 0) * BR + pos] = q.x;
         QiT[(4 * x4 + 1) * BR + pos] = q.y;
@@ -146,7 +148,10 @@ PYFA_UNROLL
         const bool has_next = j + 1 < je;
         const float* Kt = KjT + buf * (D * BC);
         const float* Vt = Vj + buf * (BC * D);
-        pyfa_cp_async_wait<0>();
+        if (PYFA_FAULT(async_count))
+            pyfa_cp_async_wait<1>();
+        else if (!PYFA_FAULT(async_drop))
+            pyfa_cp_async_wait<0>();
         // K_j, V_j (and Q_i) are visible; every warp is done with tile j-1, whose buffers
         // now take tile j+1.
         __syncthreads();
@@ -183,7 +188,8 @@ PYFA_UNROLL
             m[ii] = fast_row_max_exp(s[ii], m[ii], cg, Pij + (wrow + rg + 2 * ii) * LDP + cg * 4);
             if (cg == 0) mi[wrow + rg + 2 * ii] = m[ii];
         }
-        pyfa_syncwarp();
+        if (!PYFA_FAULT(warp_race)) pyfa_syncwarp();
+        if (PYFA_FAULT(warp_mask)) (void)__shfl_sync(0x0000ffffu, 0.0f, 0);
 
         // One lane per row: alpha = exp(m_old - safe_max(m_new)), the row sum over
         // c = 0 .. bc-1 in order, l = fma(alpha, l, rowsum).

@@ -31,6 +31,18 @@ struct alignas(16) pyfa_f4 {
 #endif
 
 // 16-byte loads and stores of shared or global memory at a 16-byte aligned address.
+#if defined(PYFA_EMU_STRICT)
+// Strict mode checks each as one 16-byte access, with its call site.
+PYFA_DEV pyfa_f4 ld4(const float* p, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+    pyfa_f4 v;
+    ::pyfa_emu::strict_load(&v, p, sizeof(v), file, line);
+    return v;
+}
+
+PYFA_DEV void st4(float* p, pyfa_f4 v, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+    ::pyfa_emu::strict_store(p, &v, sizeof(v), file, line);
+}
+#else
 PYFA_DEV pyfa_f4 ld4(const float* p) {
 #if defined(__CUDACC__)
     return *reinterpret_cast<const float4*>(p);
@@ -48,6 +60,7 @@ PYFA_DEV void st4(float* p, pyfa_f4 v) {
     std::memcpy(p, &v, sizeof(v));
 #endif
 }
+#endif
 
 // Position of tile row r in a transposed tile (Q_i^T; K_j^T, V_j^T in the backwards): a
 // thread's 8 rows (w*16 + rg + 2 ii) become 8 consecutive floats (w*16 + rg*8 + ii), two

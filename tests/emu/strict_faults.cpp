@@ -1,0 +1,116 @@
+// strict_faults.cpp: the strict emulator's mutation tests (tests/test_emu_strict.py). Two
+// real kernels, the readable FA2 forward and the fast one (d = 64, 64 x 64), built with
+// their fault hooks (src/common/fault.h) and the strict instrumentation, each run once
+// per fault given on the command line:
+//
+//   strict_faults FAULT...   FAULT: none, race, init, bounds, barrier (readable kernel);
+//                            fast-none, async_count, async_drop, align, warp_race,
+//                            warp_mask (fast)
+//
+// Each run prints one line, "FAULT: ok" or "FAULT: hazard: <the report>"; the test holds
+// each report to the hazard its fault plants.
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backends/emu/strict_params.h"
+#include "common/smem.h"
+#include "kernels/fa2_forward.cuh"
+#include "kernels/fast/fa2_forward_fast.cuh"
+
+namespace {
+
+const char* g_fault = "";
+
+}  // namespace
+
+bool pyfa_fault(const char* name) { return std::strcmp(name, g_fault) == 0; }
+
+namespace {
+
+// Non-causal self-attention, B = 1, H = 2, d = 64; N has a tail tile for both kernels.
+struct Problem {
+    int64_t B = 1, H = 2, N, d = 64;
+    std::vector<float> q, k, v, o, lse;
+
+    explicit Problem(int64_t N_) : N(N_) {
+        std::mt19937 gen(7);
+        std::normal_distribution<float> normal(0.0f, 1.0f);
+        for (auto* t : {&q, &k, &v, &o}) {
+            t->resize(size_t(B * H * N * d));
+            for (float& x : *t) x = normal(gen);
+        }
+        lse.assign(size_t(B * H * N), 0.0f);
+    }
+
+    AttentionParams params(int Br, int Bc) {
+        AttentionParams p{};
+        p.q = q.data();
+        p.k = k.data();
+        p.v = v.data();
+        p.o = o.data();
+        p.lse = lse.data();
+        p.batch = B;
+        p.heads = H;
+        p.heads_kv = H;
+        p.seqlen_q = N;
+        p.seqlen_k = N;
+        p.head_dim = d;
+        p.scale = 0.125f;
+        p.mask = make_mask(/*causal=*/0, /*window=*/0, 0, 0, /*align=*/0, N, N);
+        const TensorStrides dense{H * N * d, N * d, d};
+        p.q_strides = p.k_strides = p.v_strides = p.o_strides = dense;
+        p.dout_strides = p.dq_strides = p.dk_strides = p.dv_strides = dense;
+        p.block_r = Br;
+        p.block_c = Bc;
+        return p;
+    }
+};
+
+void run(const char* fault) {
+    const bool fast = std::strncmp(fault, "fast", 4) == 0 || !std::strcmp(fault, "async_count") ||
+                      !std::strcmp(fault, "async_drop") || !std::strcmp(fault, "align") ||
+                      !std::strcmp(fault, "warp_race") || !std::strcmp(fault, "warp_mask");
+    g_fault = fault;
+    const int Br = fast ? 64 : 16, Bc = fast ? 64 : 16;
+    Problem prob(fast ? 96 : 40);
+    const AttentionParams p = prob.params(Br, Bc);
+    pyfa_emu::StrictSession session(fast ? "fa2_forward/fast d=64 64x64 (fast variant)"
+                                         : "fa2_forward (reference variant)");
+    AttentionParams run = p;
+    if (!pyfa_emu::strict_tensors(session, PYFA_KERNEL_FA2_FORWARD, p, run)) {
+        std::printf("%s: FAIL: out of memory\n", fault);
+        return;
+    }
+    const SmemLayout L = fast ? fa2_forward_fast_smem(Br, Bc, p.head_dim) : fa2_forward_smem(Br, Bc, p.head_dim);
+    for (int t = 0; t < L.count; ++t) session.add_term(L.name[t], L.offset[t], L.floats[t], L.width[t]);
+    pyfa_emu::LaunchOptions options;
+    options.strict = &session;
+    options.workers = 1;
+    const std::function<void()> body = [&run, fast] {
+        if (fast)
+            pyfa_emu_strict_kernels::fa2_forward_fast_kernel<64, 64>(run);
+        else
+            pyfa_emu_strict_kernels::fa2_forward_kernel(run);
+    };
+    const unsigned threads = fast ? unsigned(fa2_forward_fast_threads(Br)) : unsigned(kFa2ForwardThreads);
+    const dim3 grid(unsigned((p.seqlen_q + Br - 1) / Br), unsigned(p.heads), unsigned(p.batch));
+    pyfa_emu::LaunchResult result;
+    pyfa_emu::launch(grid, dim3(threads), size_t(L.bytes()), options, body, &result);
+    if (result.error == pyfa_emu::Error::None)
+        std::printf("%s: ok\n", fault);
+    else if (result.error == pyfa_emu::Error::Hazard)
+        std::printf("%s: hazard: %s\n", fault, result.message);
+    else
+        std::printf("%s: error %d: %s\n", fault, int(result.error), result.message);
+    std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    for (int i = 1; i < argc; ++i) run(argv[i]);
+    return 0;
+}

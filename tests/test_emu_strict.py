@@ -1,0 +1,208 @@
+"""The emulator's strict mode (src/backends/emu/strict.h, docs/emulator.md "Strict mode"):
+each of its six checks reports the hazard a deliberately broken copy of a real kernel
+plants (tests/emu/strict_faults.cpp, through the fault hooks of src/common/fault.h), and
+the library's kernels run clean and bit for bit as in plain emulation over a
+representative set: every kernel and variant, tails, masks, GQA, strided tensors.
+tools/strict_sweep.py runs the whole grid of tests/grid.py."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import pyfa
+from test_emulator import EMU_SOURCES, compiler
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+STRICT_FLAGS = ["-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0",
+                "-fno-tree-vectorize", "-fno-tree-slp-vectorize"]
+
+
+# ---------------------------------------------------------------------------------------
+# Mutation tests: each fault must be reported as exactly its hazard.
+# ---------------------------------------------------------------------------------------
+FAULTS = ["none", "race", "init", "bounds", "barrier",
+          "fast-none", "async_count", "async_drop", "align", "warp_race", "warp_mask"]
+
+
+@pytest.fixture(scope="module")
+def fault_reports(tmp_path_factory):
+    """{fault: its line of output} from one build and one run of strict_faults."""
+    cxx = compiler("g++")
+    tmp = tmp_path_factory.mktemp("strict_faults")
+    common = ["-std=c++17", "-ffp-contract=off", "-pthread", "-I", "src", "-I", pyfa.get_include()]
+    obj, exe = tmp / "strict_faults.o", tmp / "strict_faults"
+    # The kernels instrumented as the library's strict compilation is (at -O1: the faults
+    # need no speed), the runtime plain.
+    build = subprocess.run([cxx, *common, "-O1", *STRICT_FLAGS, "-DPYFA_EMU_STRICT", "-DPYFA_FAULT_HOOKS",
+                            "-c", "tests/emu/strict_faults.cpp", "-o", str(obj)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if build.returncode != 0 and "sanitize" in build.stderr:
+        pytest.skip(f"{cxx} has no -fsanitize=thread instrumentation: {build.stderr[-300:]}")
+    assert build.returncode == 0, build.stderr
+    link = subprocess.run([cxx, *common, "-O1", str(obj), *EMU_SOURCES, "-o", str(exe), "-ldl"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert link.returncode == 0, link.stderr
+    run = subprocess.run([str(exe), *FAULTS], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    reports = dict(line.split(": ", 1) for line in run.stdout.splitlines() if ": " in line)
+    assert sorted(reports) == sorted(FAULTS), run.stdout
+    return reports
+
+
+REF = "in fa2_forward (reference variant): "
+FAST = "in fa2_forward/fast d=64 64x64 (fast variant): "
+THREAD = r"thread \d+ \(warp \d+\)"
+
+# fault -> what its report must say, as regular expressions (all must match).
+EXPECTED = {
+    # The barrier between the stores of K_j, V_j and the score loop removed: a thread reads
+    # a K_j word another thread wrote, with no __syncthreads between.
+    "race": ["^hazard: pyfa emu: block \\(\\d+,\\d+,\\d+\\): check race " + re.escape(REF),
+             r"shared (K_j|V_j)\[\d+, \d+\]",
+             f"{THREAD} (reads|writes) it at code \\S+\\+0x[0-9a-f]+ and {THREAD} (wrote|read) it",
+             r"with no barrier between them \(both since the __syncthreads at kernels/fa2_forward\.cuh:\d+\)"],
+    # m_i = -inf skipped: the row max reads m_i before any thread wrote it.
+    "init": ["check init " + re.escape(REF), THREAD + r" reads shared m_i\[\d+, 0\]",
+             "before any thread of the block has written it"],
+    # The Q_i load one element off: the last row of the last head reads past q's end.
+    "bounds": ["check bounds " + re.escape(REF), "read of q at element offset 5120, past its last element "
+               r"\(offset 5119\) \(shape \(1, 2, 40, 64\), strides \(5120, 2560, 64, 1\)\)"],
+    # Warp 0 skips the barrier at the top of the K/V loop: the block's threads wait at two
+    # different __syncthreads.
+    "barrier": ["check barrier " + re.escape(REF), "threads 0-31 wait at __syncthreads at \\S*fa2_forward\\.cuh:\\d+",
+                "threads 32-127 wait at __syncthreads at \\S*fa2_forward\\.cuh:\\d+"],
+    # wait_group 1 instead of 0: the group of the first V_j is still in flight when it is read.
+    "async_count": ["check async " + re.escape(FAST), THREAD + r" reads shared V_j\[\d+, \d+\]",
+                    r"the cp\.async of " + THREAD + r" at kernels/fast/forward_tiles\.h:\d+ \(group 1\) is in flight",
+                    r"its issuer has waited for groups up to 0 only \(committed \d+\)"],
+    # No wait at all: the same, and so for the first read of the first tile.
+    "async_drop": ["check async " + re.escape(FAST), r"shared V_j\[\d+, \d+\]", r"\(group 1\) is in flight",
+                   r"waited for groups up to 0 only"],
+    # Q's 128-bit load one float off its alignment.
+    "align": ["check align " + re.escape(FAST), THREAD + r": 16-byte read of q\[0, 0, \d+, \d+\]",
+              r"at kernels/fast/fa2_forward_fast\.cuh:\d+", "is not a multiple of 16"],
+    # The __syncwarp between the lanes' m_i stores and their reads by lanes 0..15 removed.
+    "warp_race": ["check race " + re.escape(FAST), r"shared m_i\[\d+, 0\]",
+                  f"{THREAD} (reads|writes) it at code \\S+ and {THREAD} (wrote|read) it",
+                  "with no barrier between them"],
+    # A shuffle whose mask leaves out half of the lanes that call it.
+    "warp_mask": ["check barrier " + re.escape(FAST), r"thread 16 calls a shuffle at \S*fa2_forward_fast\.cuh:\d+ "
+                  r"with mask 0x0000ffff, which does not include its own lane 16"],
+}
+
+
+@pytest.mark.parametrize("fault", ["none", "fast-none"])
+def test_the_unbroken_kernels_run_clean(fault_reports, fault):
+    assert fault_reports[fault] == "ok", fault_reports[fault]
+
+
+@pytest.mark.parametrize("fault", sorted(EXPECTED))
+def test_each_planted_fault_is_reported_as_its_hazard(fault_reports, fault):
+    report = fault_reports[fault]
+    assert report.startswith("hazard: "), report
+    for pattern in EXPECTED[fault]:
+        assert re.search(pattern, report), f"{fault}: no /{pattern}/ in:\n{report}"
+
+
+def test_race_and_warp_race_name_two_different_threads(fault_reports):
+    for fault in ("race", "warp_race"):
+        threads = re.findall(r"thread (\d+) \(warp (\d+)\)", fault_reports[fault])
+        assert len(threads) == 2 and threads[0][0] != threads[1][0], fault_reports[fault]
+    # Lanes of one warp: the missing sync is the warp's own.
+    (_, w1), (_, w2) = re.findall(r"thread (\d+) \(warp (\d+)\)", fault_reports["warp_race"])
+    assert w1 == w2, fault_reports["warp_race"]
+
+
+# ---------------------------------------------------------------------------------------
+# The library's kernels: clean, and the same bits as plain emulation.
+# ---------------------------------------------------------------------------------------
+STRICT = dict(backend="emu", emu_check="strict")
+PLAIN = dict(backend="emu")
+
+# (B, H, Hkv, Nq, Nk, d, Br, Bc, variant, (causal, window, align), strided)
+# Reference kernels on tails, GQA, masks and strided tensors; the fast kernels of d = 64
+# (every fast kernel the FA1 and FA2 passes run there) on a tail, causal, with GQA.
+CASES = [
+    (1, 2, 1, 11, 7, 8, 4, 4, "reference", (False, None, "bottom_right"), False),
+    (1, 2, 2, 7, 13, 5, 4, 8, "reference", (True, None, "top_left"), True),
+    (2, 2, 1, 9, 9, 4, 8, 4, "reference", (False, (1, 2), "bottom_right"), False),
+    (1, 2, 1, 70, 70, 64, 64, 64, "auto", (True, None, "bottom_right"), False),
+]
+
+
+def case_id(c):
+    B, H, Hkv, Nq, Nk, d, Br, Bc, variant, (causal, window, align), strided = c
+    mask = f"{'causal' if causal else 'full'}-w{window}-{align}".replace(" ", "")
+    return f"B{B}H{H}Hkv{Hkv}-Nq{Nq}Nk{Nk}-d{d}-{Br}x{Bc}-{variant}-{mask}{'-strided' if strided else ''}"
+
+
+def tensor(rng, shape, strided):
+    """A float32 array of `shape`; strided: a view whose rows are padded (row stride d + 4)
+    and whose heads are interleaved with another tensor's (head stride 2 (N) (d + 4))."""
+    if not strided:
+        return rng.standard_normal(shape, dtype=np.float32)
+    B, H, N, d = shape
+    base = rng.standard_normal((B, H, 2, N, d + 4), dtype=np.float32)
+    return base[:, :, 0, :, :d]
+
+
+def run_ops(case, how):
+    B, H, Hkv, Nq, Nk, d, Br, Bc, variant, (causal, window, align), strided = case
+    rng = np.random.default_rng(Nq * 1000 + Nk * 10 + d)
+    q = tensor(rng, (B, H, Nq, d), strided)
+    k, v = (tensor(rng, (B, Hkv, Nk, d), strided) for _ in range(2))
+    do = tensor(rng, (B, H, Nq, d), strided)
+    options = pyfa.Options(block_r=Br, block_c=Bc, variant=variant, **how)
+    kw = dict(causal=causal, window=window, causal_align=align, options=options)
+    o2, lse = pyfa.fa2_forward(q, k, v, **kw)
+    grads2 = pyfa.fa2_backward(q, k, v, o2, lse, do, **kw)
+    o1, m1, l1 = pyfa.fa1_forward(q, k, v, **kw)
+    grads1 = pyfa.fa1_backward(q, k, v, o1, m1, l1, do, **kw)
+    return [o2, lse, *grads2, o1, m1, l1, *grads1]
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_library_kernels_run_clean_in_strict_mode_with_the_same_bits(case):
+    strict = run_ops(case, STRICT)
+    plain = run_ops(case, PLAIN)
+    for i, (s, p) in enumerate(zip(strict, plain)):
+        assert np.array_equal(np.asarray(s).view(np.uint32), np.asarray(p).view(np.uint32)), f"output {i}"
+
+
+# ---------------------------------------------------------------------------------------
+# The switches.
+# ---------------------------------------------------------------------------------------
+def test_emu_check_takes_off_and_strict_only():
+    assert pyfa.Options(emu_check="strict").emu_check == "strict"
+    with pytest.raises(pyfa.InvalidArgumentError, match="emu_check: expected one of 'off', 'strict', got 'on'"):
+        pyfa.Options(emu_check="on")
+    with pytest.raises(pyfa.ArgumentTypeError, match="emu_check"):
+        pyfa.Options(emu_check=True)
+
+
+def test_kernel_hazard_error_is_an_emulation_error_carrying_its_check():
+    err = pyfa.KernelHazardError("pyfa emu: block (0,0,0): check async in fa2_forward (fast variant): ...", 9)
+    assert isinstance(err, pyfa.EmulationError) and err.check == "async" and err.status == 9
+    assert pyfa.errors.STATUS_CLASSES["KERNEL_HAZARD"] is pyfa.KernelHazardError
+
+
+SCRIPT = """
+import numpy as np, pyfa
+q = np.ones((1, 1, 5, 4), np.float32)
+o, lse = pyfa.fa2_forward(q, q, q, options=pyfa.Options(backend="emu", block_r=4, block_c=4))
+print("ran", float(o.sum()))
+"""
+
+
+@pytest.mark.parametrize("value, expect", [("strict", "ran 20.0"),
+                                           ("everything", "PYFA_EMU_CHECK: expected \"strict\" or \"off\"")])
+def test_the_environment_switches_strict_mode_for_a_whole_run(value, expect):
+    env = dict(os.environ, PYFA_EMU_CHECK=value)
+    run = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert expect in run.stdout + run.stderr, run.stdout + run.stderr
