@@ -96,11 +96,14 @@ EXPECTED = {
 }
 
 
+# One worker builds and runs the faulty kernels once for every test that reads them.
+@pytest.mark.xdist_group("strict_faults")
 @pytest.mark.parametrize("fault", ["none", "fast-none"])
 def test_the_unbroken_kernels_run_clean(fault_reports, fault):
     assert fault_reports[fault] == "ok", fault_reports[fault]
 
 
+@pytest.mark.xdist_group("strict_faults")
 @pytest.mark.parametrize("fault", sorted(EXPECTED))
 def test_each_planted_fault_is_reported_as_its_hazard(fault_reports, fault):
     report = fault_reports[fault]
@@ -109,6 +112,7 @@ def test_each_planted_fault_is_reported_as_its_hazard(fault_reports, fault):
         assert re.search(pattern, report), f"{fault}: no /{pattern}/ in:\n{report}"
 
 
+@pytest.mark.xdist_group("strict_faults")
 def test_race_and_warp_race_name_two_different_threads(fault_reports):
     for fault in ("race", "warp_race"):
         threads = re.findall(r"thread (\d+) \(warp (\d+)\)", fault_reports[fault])
