@@ -14,6 +14,7 @@ raise pyfa's exceptions (pyfa/errors.py), as the library's API does.
 """
 
 from .count import count_io
+from .dropout import dropout_mask
 from .fa1_backward import Fa1BackwardResult, fa1_backward
 from .fa1_forward import Fa1ForwardResult, fa1_forward
 from .fa2_backward import Fa2BackwardResult, fa2_backward
@@ -26,7 +27,7 @@ from .tiles import EMU_PROFILE, DeviceProfile, TileTooLargeError, default_tiles,
 __all__ = [
     "count_standard_io", "standard_backward", "standard_forward",
     "DeviceProfile", "EMU_PROFILE", "Mask", "TileTooLargeError", "Fa2ForwardResult", "IORecord",
-    "count_io",
+    "count_io", "dropout_mask",
     "default_tiles", "fa2_forward", "format_bytes", "smem_bytes", "smem_terms",
     "Fa2BackwardResult", "fa2_backward",
     "Fa1BackwardResult", "Fa1ForwardResult", "fa1_backward", "fa1_forward",

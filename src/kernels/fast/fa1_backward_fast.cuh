@@ -210,6 +210,14 @@ PYFA_UNROLL
                                              row0 + r, col0 + c,
                                              [&](float S) { return pyfa_exp(S - safe_max(mr[kk])) / lr[kk]; });
                     }
+                    // Dropout (common/dropout.h): dV takes P o Z / (1 - p) from P_ij^T, and
+                    // dS the undropped P, which waits in dS_ij^T where its dS will go.
+                    if (p.dropout.on()) {
+                        st4(dST + c * LDP + cg * 4, pyfa_f4{P[0], P[1], P[2], P[3]});
+PYFA_UNROLL
+                        for (int kk = 0; kk < 4; ++kk)
+                            P[kk] = p.dropout.apply(P[kk], b, hk * G + g, row0 + cg * 4 + kk, col0 + c);
+                    }
                     st4(PT + c * LDP + cg * 4, pyfa_f4{P[0], P[1], P[2], P[3]});
                 }
             } else if (warp < 6) {
@@ -241,7 +249,7 @@ PYFA_UNROLL
 PYFA_UNROLL
                 for (int ii = 0; ii < 8; ++ii) {
                     const int c = wcol + rg + 2 * ii;
-                    const pyfa_f4 pv = ld4(PT + c * LDP + cg * 4);
+                    const pyfa_f4 pv = ld4((p.dropout.on() ? dST : PT) + c * LDP + cg * 4);
                     const float P[4] = {pv.x, pv.y, pv.z, pv.w};
                     float ds[4];
 PYFA_UNROLL

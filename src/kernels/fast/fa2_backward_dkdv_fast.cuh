@@ -143,6 +143,13 @@ PYFA_UNROLL
                         P[kk] = fast_score_p(p, s[ii][kk], cut && !seen(c, r), rowv[kk] == -INFINITY, b, h, row0 + r,
                                              col0 + c, [&](float S) { return pyfa_exp(S - rowv[kk]); });
                     }
+                    // Dropout (common/dropout.h): dV takes P o Z / (1 - p) from P_ij^T, and
+                    // dS the undropped P, which waits in dS_ij^T where its dS will go.
+                    if (p.dropout.on()) {
+                        st4(dST + (wcol + rg + 2 * ii) * LDP + cg * 4, pyfa_f4{P[0], P[1], P[2], P[3]});
+PYFA_UNROLL
+                        for (int kk = 0; kk < 4; ++kk) P[kk] = p.dropout.apply(P[kk], b, h, row0 + cg * 4 + kk, col0 + c);
+                    }
                     st4(prow + 2 * ii * LDP + cg * 4, pyfa_f4{P[0], P[1], P[2], P[3]});
                 }
             }
@@ -155,7 +162,7 @@ PYFA_UNROLL
 PYFA_UNROLL
                 for (int ii = 0; ii < 8; ++ii) {
                     const int c = wcol + rg + 2 * ii;
-                    const pyfa_f4 P4 = ld4(prow + 2 * ii * LDP + cg * 4);
+                    const pyfa_f4 P4 = ld4((p.dropout.on() ? prod_at : prow) + 2 * ii * LDP + cg * 4);
                     const float P[4] = {P4.x, P4.y, P4.z, P4.w};
                     float ds[4];
 PYFA_UNROLL
