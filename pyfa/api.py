@@ -653,8 +653,11 @@ _COMMON_DOC = """
     its group's query heads.
 
     **mods: the score modifications (pyfa.checks.ScoreMods, docs/numerics.md §2), the
-    same keywords as the simulator's; none is defined yet, so any other keyword is a
-    TypeError naming it. (An Options field given as a keyword, e.g. block_r=, is the
+    same keywords as the simulator's; any other keyword is a TypeError naming it.
+    dropout_p (in [0, 1), 0 off), seed (an int in [0, 2^64), required when dropout_p > 0
+    so that the mask is reproducible) and offset (an int in [0, 2^64), 0 by default):
+    dropout of P in P V, its mask a pure function of (seed, offset, b, h, i, j) that the
+    backward regenerates; pyfa.dropout_mask returns it (docs/numerics.md, "Dropout"). (An Options field given as a keyword, e.g. block_r=, is the
     deprecated form of options=.)
 
     Arrays: NumPy, or any array with __dlpack__ (PyTorch, CuPy, JAX, ...) or
