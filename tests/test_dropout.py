@@ -178,33 +178,44 @@ def test_results_equal_the_simulator(case, algo, tiles, backend, extra):
         assert same_bits(got, want)
 
 
-FAST_RUNS = [
-    ("emu", "fast"),
-    pytest.param("cuda", "fast", marks=pytest.mark.skipif(not HAS_CUDA, reason="no usable CUDA GPU here")),
-]
+FAST_BACKENDS = ["emu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="no usable CUDA GPU here"))]
 
 
 @functools.lru_cache(maxsize=None)
-def fast_inputs():
-    return make_inputs((1, 2, 70, 64), (1, 1, 50, 64), 5, 1)
+def fast_inputs(d):
+    return make_inputs((1, 2, 70, d), (1, 1, 50, d), 5, 1)
 
 
-@pytest.mark.parametrize("backend, variant", FAST_RUNS)
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("algo", ["fa2", "fa1"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_fast_kernels_equal_the_reference(causal, algo, backend, variant):
-    """The register-tiled kernels (d = 64, GQA) give the readable kernels' bits."""
-    q, k, v, do = fast_inputs()
+def test_fast_kernels_equal_the_reference(causal, algo, d, backend):
+    """variant auto (the register-tiled kernels that draw dropout at this head dim, the
+    readable ones for the rest: src/common/dropout.h fast_kernel_drops) gives the readable
+    kernels' bits, GQA included."""
+    q, k, v, do = fast_inputs(d)
     fwd_fn, bwd_fn = (pyfa.fa2_forward, pyfa.fa2_backward) if algo == "fa2" else (pyfa.fa1_forward,
                                                                                   pyfa.fa1_backward)
     ref = pyfa.Options(backend="emu", variant="reference")
     fwd = fwd_fn(q, k, v, causal=causal, options=ref, **DROP)
     grad = bwd_fn(q, k, v, *fwd, do, causal=causal, options=ref, **DROP)
-    opt = pyfa.Options(backend=backend, variant=variant)
+    opt = pyfa.Options(backend=backend, variant="auto")
     fwd_f = fwd_fn(q, k, v, causal=causal, options=opt, **DROP)
     grad_f = bwd_fn(q, k, v, *fwd, do, causal=causal, options=opt, **DROP)
     for got, want in zip(fwd_f + grad_f, fwd + grad):
         assert same_bits(got, want)
+
+
+def test_fast_variant_runs_dropout_where_its_kernel_draws_it():
+    q, k, v, _ = fast_inputs(64)
+    fast = pyfa.Options(backend="emu", variant="fast")
+    o, _ = pyfa.fa2_forward(q, k, v, options=fast, **DROP)
+    assert same_bits(o, pyfa.fa2_forward(q, k, v, options=pyfa.Options(backend="emu", variant="reference"),
+                                         **DROP)[0])
+    q, k, v, _ = fast_inputs(128)
+    with pytest.raises(pyfa.InvalidArgumentError, match="the fast fa2_forward has no dropout at head_dim 128"):
+        pyfa.fa2_forward(q, k, v, options=fast, **DROP)
 
 
 # ---- semantics: the float64 reference with the mask applied explicitly ----

@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "common/device.h"
+#include "pyfa.h"
 
 // One Philox4x32-10 block (Salmon et al., SC'11): ctr, four 32-bit words, is replaced by
 // the generator's output under the key (k0, k1).
@@ -40,6 +41,16 @@ PYFA_HD void philox4x32_10(uint32_t k0, uint32_t k1, uint32_t ctr[4]) {
         ctr[2] = hi0 ^ c3 ^ k1;
         ctr[3] = lo0;
     }
+}
+
+// Whether the fast kernel of `kernel` (a pyfa_kernel) at head dim d draws dropout: where
+// the generator fits the kernel's registers without a spill (ptxas, sm_90). Elsewhere its
+// dropout code is compiled out and a call with dropout runs the readable kernel
+// (select_kernel in src/core/tiles.cpp).
+PYFA_HD constexpr bool fast_kernel_drops(int kernel, int64_t d) {
+    return kernel == PYFA_KERNEL_FA1_FORWARD || kernel == PYFA_KERNEL_FA2_FORWARD ? d == 64
+           : kernel == PYFA_KERNEL_FA2_BACKWARD_DKDV                            ? d == 128
+                                                                                : true;
 }
 
 // The dropout of one call, resolved once on the host (make). Off when threshold is 0.
@@ -72,20 +83,36 @@ struct Dropout {
         philox4x32_10(k0, k1, w);
     }
 
+    // Word j % 4 of a block, selected without indexing (an indexed register array would
+    // live in local memory on a GPU).
+    PYFA_HD static uint32_t word(const uint32_t w[4], int64_t j) {
+        const int n = static_cast<int>(j & 3);
+        return n == 0 ? w[0] : n == 1 ? w[1] : n == 2 ? w[2] : w[3];
+    }
+
     // Z[b, h, i, j]: whether the element is kept.
     PYFA_HD bool keep(int64_t b, int64_t h, int64_t i, int64_t j) const {
         uint32_t w[4];
         words(b, h, i, j >> 2, w);
-        const int n = static_cast<int>(j & 3);
-        const uint32_t word = n == 0 ? w[0] : n == 1 ? w[1] : n == 2 ? w[2] : w[3];
-        return word >= threshold;
+        return word(w, j) >= threshold;
     }
 
-    // x * Z / (1 - p): 0 where dropped, x * rescale where kept, x itself when off.
-    PYFA_HD float apply(float x, int64_t b, int64_t h, int64_t i, int64_t j) const {
+    // x * Z / (1 - p) of a decision Z already drawn: 0 where dropped, x * rescale where
+    // kept, x itself when off.
+    PYFA_HD float apply_kept(float x, bool kept) const {
         if (!on()) return x;
-        return keep(b, h, i, j) ? x * rescale : 0.0f;
+        return kept ? x * rescale : 0.0f;
     }
+
+    PYFA_HD float apply(float x, int64_t b, int64_t h, int64_t i, int64_t j) const {
+        return on() ? apply_kept(x, keep(b, h, i, j)) : x;
+    }
+
+    // The fast backward kernels whose warps split into roles pass a drawn decision from
+    // the thread that draws it to the one that forms dS in the sign of P (>= +0 or NaN):
+    // -P for a dropped element.
+    PYFA_HD static float flag(float P, bool kept) { return kept ? P : -P; }
+    PYFA_HD static bool flagged_kept(float v) { return !std::signbit(v); }
 
     // apply() in place on keys j0 .. j0+n-1 of row i, key j0 + c at x[c * stride]: one
     // Philox block per four keys (the words keep() reads, so the same bits).
@@ -96,7 +123,7 @@ struct Dropout {
         for (int64_t c = 0; c < n; ++c) {
             const int64_t j = j0 + c;
             if (c == 0 || (j & 3) == 0) words(b, h, i, j >> 2, w);
-            x[c * stride] = w[j & 3] >= threshold ? x[c * stride] * rescale : 0.0f;
+            x[c * stride] = apply_kept(x[c * stride], word(w, j) >= threshold);
         }
     }
 };

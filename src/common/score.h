@@ -107,3 +107,9 @@ PYFA_HD float score_grad(const AttentionParams& p, float P, float dp, float D, S
     dp = p.dropout.apply(dp, b, h, i, j);
     return score_mod_grad(p, P * (dp - D), at, b, h, i, j);
 }
+
+// score_grad with the dropout decision Z of (i, j) already drawn (by another thread).
+PYFA_HD float score_grad_kept(const AttentionParams& p, float P, float dp, float D, bool kept, ScoreAt<float> at,
+                              int64_t b, int64_t h, int64_t i, int64_t j) {
+    return score_mod_grad(p, P * (p.dropout.apply_kept(dp, kept) - D), at, b, h, i, j);
+}

@@ -194,7 +194,8 @@ PYFA_UNROLL
                 for (int c = 0; c < bc; ++c) rowsum = rowsum + prow[c];
                 l_row = pyfa_fma(a, l_row, rowsum);
                 // P V takes P~ o Z / (1 - p) (common/dropout.h); l above took P~ undropped.
-                p.dropout.apply_row(prow, bc, blockIdx.z, blockIdx.y, row0 + my_row, col0);
+                if (fast_kernel_drops(PYFA_KERNEL_FA2_FORWARD, D))
+                    p.dropout.apply_row(prow, bc, blockIdx.z, blockIdx.y, row0 + my_row, col0);
             }
             alpha_s[my_row] = a;
         }
