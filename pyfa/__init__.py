@@ -22,7 +22,7 @@ import importlib
 from ._version import __version__  # (the loader compares it with the library's)
 from ._config import get_include, get_library
 from .api import (
-    attention, attention_grad, backends, default_tiles, device_profile, fa1_backward,
+    attention, attention_grad, backends, default_tiles, device_profile, dropout_mask, fa1_backward,
     fa1_forward, fa2_backward, fa2_forward, library_version, smem_bytes, unavailable_backends,
 )
 from .errors import (
@@ -45,7 +45,8 @@ __all__ = [
     "ArgumentTypeError", "BackendUnavailableError", "CancelledError", "CudaError",
     "EmulationError", "Error", "InternalError", "InvalidArgumentError", "KernelHazardError",
     "LibraryNotFoundError", "Options", "OutOfMemoryError", "PyfaError", "TileTooLargeError",
-    "attention", "attention_grad", "attention_varlen", "attention_varlen_grad", "backends", "default_tiles", "device_profile",
+    "attention", "attention_grad", "attention_varlen", "attention_varlen_grad", "backends", "default_tiles",
+    "device_profile", "dropout_mask",
     "fa1_backward", "fa1_forward", "fa2_backward", "fa2_forward", "get_include",
     "get_library", "library_version", "sim", "smem_bytes", "unavailable_backends",
 ]

@@ -22,7 +22,7 @@ import numpy as np
 from . import _arrays, _lib
 from ._arrays import Array, ArrayLike
 from .checks import (
-    EMPTY_VALUES, MAX_HEAD_DIM, ScoreMods, caller_shape, check_int, check_layout, check_like, check_qkv,
+    EMPTY_VALUES, MAX_HEAD_DIM, ScoreMods, caller_shape, check_dropout_mask, check_int, check_layout, check_like, check_qkv,
     check_rows, check_sizes, element_strides, is_empty, mask_bounds, resolve_scale,
 )
 from .errors import ArgumentTypeError, BackendUnavailableError, InvalidArgumentError
@@ -189,8 +189,8 @@ def _config(options):
 
 
 def _problem(dims, scale, causal, window, causal_align, mods):
-    """The pyfa_problem (struct_size 0: ABI 3's layout, all of it but the packed
-    sequences' fields, which pyfa.varlen.Varlen.apply sets with the size) of sizes
+    """The pyfa_problem (struct_size: this header's layout; the packed sequences' fields
+    are set by pyfa.varlen.Varlen.apply) of sizes
     dims = (B, H, Nq, Nk, d, Hkv), the mask arguments, checked as the simulator checks
     them, and the score modifications (a checks.ScoreMods: each scalar field copied to
     the pyfa_problem field of its name); the strides are set by the caller. A window side wider than Nq + Nk is passed
@@ -207,10 +207,11 @@ def _problem(dims, scale, causal, window, causal_align, mods):
         pr.window_left = -1 if left is None else bounds.left
         pr.window_right = -1 if right is None else bounds.right
     pr.causal_align = CAUSAL_ALIGNS[causal_align]
+    pr.struct_size = ffi.sizeof("pyfa_problem")
     for field in dataclasses.fields(mods):
         value = getattr(mods, field.name)
         if isinstance(value, (int, float)):
-            setattr(pr, field.name, value)
+            setattr(pr, field.metadata.get("problem", field.name), value)
     return pr
 
 
@@ -662,8 +663,11 @@ _COMMON_DOC = """
     its group's query heads.
 
     **mods: the score modifications (pyfa.checks.ScoreMods, docs/numerics.md §2), the
-    same keywords as the simulator's; none is defined yet, so any other keyword is a
-    TypeError naming it. (An Options field given as a keyword, e.g. block_r=, is the
+    same keywords as the simulator's; any other keyword is a TypeError naming it.
+    dropout_p (in [0, 1), 0 off), seed (an int in [0, 2^64), required when dropout_p > 0
+    so that the mask is reproducible) and offset (an int in [0, 2^64), 0 by default):
+    dropout of P in P V, its mask a pure function of (seed, offset, b, h, i, j) that the
+    backward regenerates; pyfa.dropout_mask returns it (docs/numerics.md, "Dropout"). (An Options field given as a keyword, e.g. block_r=, is the
     deprecated form of options=.)
 
     Arrays: NumPy, or any array with __dlpack__ (PyTorch, CuPy, JAX, ...) or
@@ -873,6 +877,23 @@ def smem_bytes(kernel: str, block_r: int, block_c: int, head_dim: int,
                                        check_int("block_r", block_r, -INT_MAX - 1, INT_MAX),
                                        check_int("block_c", block_c, -INT_MAX - 1, INT_MAX),
                                        check_int("head_dim", head_dim, -INT64_MAX - 1, INT64_MAX))
+
+
+def dropout_mask(batch: int, heads: int, seqlen_q: int, seqlen_k: int, *, dropout_p: float,
+                 seed: Optional[int], offset: int = 0) -> np.ndarray:
+    """The keep decisions of dropout (docs/numerics.md, "Dropout") as a bool array
+    (B, H, Nq, Nk), True where element (b, h, i, j) of P is kept: what the kernels apply
+    for these dropout_p, seed and offset (the role of flash-attn's return_attn_probs),
+    computed by the library with the function the kernels call. pyfa.sim.dropout_mask
+    gives the same bits in NumPy. dropout_p 0: all True."""
+    dims, mods = check_dropout_mask("pyfa.dropout_mask", batch, heads, seqlen_q, seqlen_k, dropout_p, seed,
+                                    offset)
+    keep = np.zeros(dims, np.uint8)
+    if keep.size:
+        ffi, lib = _lib.load()
+        problem = _problem(dims + (1, dims[1]), None, False, None, "bottom_right", mods)
+        _lib.check(lib.pyfa_dropout_mask(problem, ffi.cast("uint8_t *", keep.ctypes.data)))
+    return keep.view(np.bool_)
 
 
 def library_version() -> str:

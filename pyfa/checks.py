@@ -318,7 +318,13 @@ class ScoreMods:
     formulas read the fields (pyfa/sim/score.py). There are none yet.
 
     A modification adds its field here, its check to resolve(), and its formula to
-    pyfa/sim/score.py and src/common/score.h."""
+    pyfa/sim/score.py and src/common/score.h. A field whose pyfa_problem field has
+    another name says it in its metadata ("problem")."""
+
+    # ---- dropout of P in P V (docs/numerics.md, "Dropout"): off at dropout_p = 0
+    dropout_p: float = 0.0
+    seed: "int | None" = dataclasses.field(default=None, metadata={"problem": "dropout_seed"})
+    offset: int = dataclasses.field(default=0, metadata={"problem": "dropout_offset"})
 
     @classmethod
     def resolve(cls, function, dims, **mods):
@@ -329,6 +335,7 @@ class ScoreMods:
         for name in mods:
             if name not in known:
                 raise ArgumentTypeError(f"{function}() got an unexpected keyword argument {name!r}")
+        mods.update(_check_dropout(mods.get("dropout_p", 0.0), mods.get("seed"), mods.get("offset", 0)))
         return cls(**mods)
 
     def is_identity(self):
@@ -336,10 +343,44 @@ class ScoreMods:
         return self == type(self)()
 
 
+_UINT64 = (1 << 64) - 1
+
+
+def _check_dropout(dropout_p, seed, offset):
+    """dropout_p a real in [0, 1) (as float32: the library's rounding), seed an int in
+    [0, 2^64) required when dropout_p > 0, offset an int in [0, 2^64). Off (dropout_p 0)
+    normalises seed and offset away, so that every call without dropout is the same."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise ArgumentTypeError(f"dropout_p: expected a real number in [0, 1), got {type(dropout_p).__name__}")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0 or not float(np.float32(p)) < 1.0:
+        raise InvalidArgumentError(f"dropout_p: must be in [0, 1) (as a float32), got {dropout_p}")
+    p = float(np.float32(p))
+    if seed is not None:
+        seed = check_int("seed", seed, 0, _UINT64)
+    offset = check_int("offset", offset, 0, _UINT64)
+    if p == 0.0:
+        return {"dropout_p": 0.0, "seed": None, "offset": 0}
+    if seed is None:
+        raise InvalidArgumentError(
+            "seed: dropout_p > 0 needs an explicit seed (an int in [0, 2^64)), so that the dropout mask is "
+            "reproducible; pyfa.torch.attention draws one from torch's generator when seed is None")
+    return {"dropout_p": p, "seed": seed, "offset": offset}
+
+
+def check_dropout_mask(function, batch, heads, seqlen_q, seqlen_k, dropout_p, seed, offset):
+    """The arguments of dropout_mask (pyfa's and the simulator's): (B, H, Nq, Nk) and the
+    resolved ScoreMods."""
+    dims = (check_int("batch", batch, 1, 65535), check_int("heads", heads, 1, 65535),
+            check_int("seqlen_q", seqlen_q, 0, 1 << 32), check_int("seqlen_k", seqlen_k, 0, 1 << 34))
+    mods = ScoreMods.resolve(function, dims + (1, dims[1]), dropout_p=dropout_p, seed=seed, offset=offset)
+    return dims, mods
+
+
 __all__ = [
     "ALIGNMENTS", "EMPTY_VALUES", "FLOAT32_MAX", "LAYOUTS", "MAX_HEAD_DIM", "MAX_TILE", "MaskBounds", "QKV", "ScoreMods",
     "as_4d", "as_tensor", "caller_shape", "check_causal", "check_causal_align",
-    "check_count_args", "check_int", "check_layout", "check_like", "check_qkv",
+    "check_count_args", "check_dropout_mask", "check_int", "check_layout", "check_like", "check_qkv",
     "check_rows", "check_sizes", "check_tile", "check_window", "element_strides", "empty_output", "is_empty",
     "mask_bounds", "resolve_scale", "restore_rank", "restore_rows",
 ]

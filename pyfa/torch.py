@@ -37,7 +37,7 @@ if not all(hasattr(torch.library, f) for f in ("custom_op", "register_vmap", "re
 from torch import Tensor
 
 from . import api, varlen
-from .checks import check_window
+from .checks import check_int, check_window
 from .options import Options
 
 __all__ = ["attention", "attention_varlen", "scaled_dot_product_attention", "flash_attn_func",
@@ -83,12 +83,13 @@ def _dims(q, k, v, layout):
 
 
 def _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r, block_c,
-              backend):
+              backend, dropout_p, seed, offset):
     """pyfa's keywords from the operators' flat arguments (a window with both sides
-    unbounded is no window)."""
+    unbounded is no window; seed and offset travel as int64, their two's complement)."""
     window = None if window_left is None and window_right is None else (window_left, window_right)
+    drop = dict(dropout_p=dropout_p, seed=seed % 2 ** 64, offset=offset % 2 ** 64) if dropout_p else {}
     return dict(causal=causal, window=window, causal_align=causal_align, scale=scale,
-                layout=layout, options=_options(backend, block_r, block_c))
+                layout=layout, options=_options(backend, block_r, block_c), **drop)
 
 
 def _options(backend, block_r, block_c):
@@ -111,21 +112,22 @@ def _check_options(q, kw):
 
 # The operators' non-tensor arguments, in schema order after the tensors.
 _OPTION_NAMES = ("causal", "window_left", "window_right", "causal_align", "scale", "layout",
-                 "block_r", "block_c", "backend")
+                 "block_r", "block_c", "backend", "dropout_p", "seed", "offset")
 
 
 @torch.library.custom_op("pyfa::fa2_forward", mutates_args=())
 def _fa2_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, window_left: Optional[int],
                  window_right: Optional[int], causal_align: str, scale: Optional[float],
                  layout: str, block_r: Optional[int], block_c: Optional[int],
-                 backend: str) -> Tuple[Tensor, Tensor]:
+                 backend: str, dropout_p: float = 0.0, seed: int = 0,
+                 offset: int = 0) -> Tuple[Tensor, Tensor]:
     """q: (B, H, Nq, d) in `layout`; k, v: (B, Hkv, Nk, d) in `layout`, float32. Returns
     o (like q, C-contiguous) and lse (B, H, Nq)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_dtype(name, t)
     B, H, Nq, Nk, _, _ = _dims(q, k, v, layout)
     kw = _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r,
-                   block_c, backend)
+                   block_c, backend, dropout_p, seed, offset)
     if q.numel() == 0 or k.numel() == 0:
         # No query rows, or no keys: every row sees nothing (O = 0, LSE = -inf).
         _check_options(q, kw)
@@ -137,7 +139,7 @@ def _fa2_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, window_left: Opt
 
 @_fa2_forward.register_fake
 def _fa2_forward_fake(q, k, v, causal, window_left, window_right, causal_align, scale, layout,
-                      block_r, block_c, backend):
+                      block_r, block_c, backend, dropout_p=0.0, seed=0, offset=0):
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_dtype(name, t)
     B, H, Nq, _, _, _ = _dims(q, k, v, layout)
@@ -149,14 +151,15 @@ def _fa2_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: T
                   causal: bool, window_left: Optional[int], window_right: Optional[int],
                   causal_align: str, scale: Optional[float], layout: str,
                   block_r: Optional[int], block_c: Optional[int],
-                  backend: str) -> Tuple[Tensor, Tensor, Tensor]:
+                  backend: str, dropout_p: float = 0.0, seed: int = 0,
+                  offset: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
     """FA2's backward from fa2_forward's o and lse and the gradient do (like o); returns
     dq, dk, dv like q, k, v (C-contiguous)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("do", do)):
         _check_dtype(name, t)
     _dims(q, k, v, layout)
     kw = _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r,
-                   block_c, backend)
+                   block_c, backend, dropout_p, seed, offset)
     if q.numel() == 0 or k.numel() == 0:
         _check_options(q, kw)
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
@@ -185,7 +188,9 @@ def _lse_gradient(q, k, lse, dlse, options):
     """The gradients of sum(dlse * lse) for q and k. With P = softmax(S), S = scale Q K^T:
     dLSE_i/dq_i = scale sum_j P_ij k_j, row i of attention(q, k, k); dLSE_i/dk_j =
     scale P_ij q_i, so dK = scale P^T (dlse q), the dV of that attention's backward for
-    the incoming gradient dlse q. Two more FA2 calls, no N x N matrix."""
+    the incoming gradient dlse q. Two more FA2 calls, no N x N matrix. LSE takes P
+    undropped, so these calls run without dropout."""
+    options = [0.0 if name == "dropout_p" else x for name, x in zip(_OPTION_NAMES, options)]
     opts = dict(zip(_OPTION_NAMES, options))
     scale = opts["scale"] if opts["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
     # dlse is (B, H, Nq); q's rows are (B, H, Nq, :) or, in "bnhd", (B, Nq, H, :).
@@ -269,6 +274,23 @@ def _check_bool(name, x):
     return x
 
 
+def _dropout_args(dropout_p, seed, offset):
+    """(dropout_p, seed, offset) as the operators take them: seed and offset as int64 (their
+    two's complement), seed drawn from torch's default generator when None and dropout_p > 0.
+    Plain Python, which torch.compile traces; the operators check the rest as pyfa does
+    (pyfa.checks.ScoreMods). Drawing a seed reads a tensor: a graph break under
+    torch.compile, where a seed of one's own avoids it."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p: expected a float in [0, 1), got {type(dropout_p).__name__}")
+    if dropout_p == 0:
+        return 0.0, 0, 0
+    if seed is None:
+        seed = int(torch.randint(-2 ** 63, 2 ** 63 - 1, (), dtype=torch.int64)) % 2 ** 64
+    seed, offset = check_int("seed", seed, 0, 2 ** 64 - 1), check_int("offset", offset, 0, 2 ** 64 - 1)
+    signed = lambda x: x - 2 ** 64 if x >= 2 ** 63 else x
+    return float(dropout_p), signed(seed), signed(offset)
+
+
 def _to_4d(t, rank, layout):
     """The 4-D view of a rank-2 or -3 tensor in `layout` (leading unit axes added)."""
     if rank == 4:
@@ -282,7 +304,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
               window: Optional[Tuple[Optional[int], Optional[int]]] = None,
               causal_align: str = "bottom_right", scale: Optional[float] = None,
               layout: str = "bhnd", return_lse: bool = False, block_r: Optional[int] = None,
-              block_c: Optional[int] = None, backend: str = "auto"):
+              block_c: Optional[int] = None, backend: str = "auto", dropout_p: float = 0.0,
+              seed: Optional[int] = None, offset: int = 0):
     """O = softmax(scale * Q K^T [mask]) V by FlashAttention-2, differentiable.
 
     q: (B, H, Nq, d), (H, Nq, d) or (Nq, d) float32 in layout "bhnd"; (B, Nq, H, d),
@@ -292,7 +315,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     in `layout`, C-contiguous. return_lse: also return LSE, (B, H, Nq) (q's shape without
     d, in that order in both layouts), -inf for a row that sees no key; it is
     differentiable too. Nq = 0 gives an empty O; Nk = 0 gives O = 0 and LSE = -inf, and
-    zero gradients. Gradients flow to whichever of q, k, v require them."""
+    zero gradients. Gradients flow to whichever of q, k, v require them.
+
+    dropout_p in [0, 1): dropout of the attention probabilities in P V (docs/numerics.md,
+    "Dropout"; LSE is that of P undropped), applied whenever dropout_p > 0, as SDPA does;
+    the backward regenerates the forward's mask. seed, offset: ints in [0, 2^64) that
+    decide the mask (pyfa.dropout_mask(B, H, Nq, Nk, dropout_p=, seed=, offset=) returns
+    it); seed=None draws a fresh 64-bit seed from torch's default (CPU) generator on every
+    call, so that torch.manual_seed makes a run reproducible and successive calls drop
+    differently (offset is then 0)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
     if not isinstance(layout, str) or layout not in _LAYOUTS:
@@ -311,9 +342,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
             raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
         scale = float(scale)
+    dropout_p, seed, offset = _dropout_args(dropout_p, seed, offset)
     o, lse = torch.ops.pyfa.fa2_forward(
         _to_4d(q, rank, layout), _to_4d(k, rank, layout), _to_4d(v, rank, layout), causal,
-        left, right, causal_align, scale, layout, block_r, block_c, backend)
+        left, right, causal_align, scale, layout, block_r, block_c, backend, dropout_p, seed, offset)
     if rank < 4:
         o = o.reshape(q.shape)
         lse = lse.reshape(lse.shape[4 - rank:])
@@ -328,7 +360,8 @@ def _check_dropout(name, p):
     if isinstance(p, bool) or not isinstance(p, numbers.Real):
         raise TypeError(f"{name}: expected a float, got {type(p).__name__}")
     if p != 0:
-        _refuse(name, p, "pyfa has no dropout (only 0.0 is honoured)")
+        _refuse(name, p, "pyfa has no dropout here yet (only 0.0 is honoured; pyfa.torch.attention, "
+                "scaled_dot_product_attention and flash_attn_func take it)")
 
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
@@ -341,15 +374,17 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     (or (L, E) and (S, E)); is_causal is top-left aligned (query i sees keys j <= i), as
     in PyTorch; Hkv != H only with enable_gqa=True (H % Hkv == 0). Refused, naming the
     argument: attn_mask not None (an explicit mask needs pyfa's bias support, not landed
-    yet), dropout_p != 0, value's head dim differing from key's, and leading axes that
-    would need broadcasting. float32 only (under torch.autocast: cast to float32)."""
+    yet), value's head dim differing from key's, and leading axes that would need
+    broadcasting. float32 only (under torch.autocast: cast to float32). dropout_p > 0
+    applies dropout whenever given, as SDPA does (callers pass 0 outside training), its
+    seed drawn from torch's default generator (pyfa.torch.attention, seed=None)."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         _check_tensor(name, t)
     if attn_mask is not None:
         raise ValueError("attn_mask: pyfa takes no explicit mask yet (it needs pyfa's bias "
                          "support, not landed yet); use is_causal, or pyfa.torch.attention's "
                          f"causal= and window=; got a {type(attn_mask).__name__}")
-    _check_dropout("dropout_p", dropout_p)
+    drop = dict(dropout_p=dropout_p)
     _check_bool("is_causal", is_causal)
     _check_bool("enable_gqa", enable_gqa)
     if query.dim() < 2 or key.dim() != query.dim() or value.dim() != query.dim():
@@ -375,9 +410,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                              f"(enable_gqa=True)")
     if query.dim() > 4:
         flat = [t.reshape(-1, *t.shape[-3:]) for t in (query, key, value)]
-        o = attention(*flat, causal=is_causal, causal_align="top_left", scale=scale)
+        o = attention(*flat, causal=is_causal, causal_align="top_left", scale=scale, **drop)
         return o.reshape(*lead, *o.shape[1:])
-    return attention(query, key, value, causal=is_causal, causal_align="top_left", scale=scale)
+    return attention(query, key, value, causal=is_causal, causal_align="top_left", scale=scale, **drop)
 
 
 def _flash_window(window_size):
@@ -422,16 +457,17 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
     (out, softmax_lse, None): softmax_lse (B, H, Nq) float32 (+inf for a row that sees no
     key, flash-attn's convention), and None where flash-attn returns its testing-only
     attention probabilities, which pyfa does not compute. Refused, naming the argument:
-    dropout_p != 0, softcap != 0, alibi_slopes. deterministic: pyfa always is."""
+    softcap != 0, alibi_slopes. deterministic: pyfa always is. dropout_p > 0: dropout, its
+    seed drawn from torch's default generator as in pyfa.torch.attention (seed=None);
+    pyfa.dropout_mask gives a mask for a seed of one's own."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
         if t.dim() != 4:
             raise ValueError(f"{name}: expected shape (B, N, H, d), got {tuple(t.shape)}")
-    _check_dropout("dropout_p", dropout_p)
     _check_flash_extras(softcap, alibi_slopes, deterministic)
     _check_bool("return_attn_probs", return_attn_probs)
     o, lse = attention(q, k, v, causal=causal, window=_flash_window(window_size),
-                       scale=softmax_scale, layout="bnhd", return_lse=True)
+                       scale=softmax_scale, layout="bnhd", return_lse=True, dropout_p=dropout_p)
     return (o, _flash_lse(lse), None) if return_attn_probs else o
 
 

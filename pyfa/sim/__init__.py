@@ -14,6 +14,7 @@ raise pyfa's exceptions (pyfa/errors.py), as the library's API does.
 """
 
 from .count import count_io, count_io_varlen
+from .dropout import dropout_mask
 from .fa1_backward import Fa1BackwardResult, fa1_backward
 from .fa1_forward import Fa1ForwardResult, fa1_forward
 from .fa2_backward import Fa2BackwardResult, fa2_backward
@@ -28,7 +29,7 @@ from .varlen import (attention_varlen, fa1_backward_varlen, fa1_forward_varlen, 
 __all__ = [
     "count_standard_io", "standard_backward", "standard_forward",
     "DeviceProfile", "EMU_PROFILE", "Mask", "TileTooLargeError", "Fa2ForwardResult", "IORecord",
-    "count_io", "count_io_varlen",
+    "count_io", "count_io_varlen", "dropout_mask",
     "attention_varlen", "fa1_backward_varlen", "fa1_forward_varlen", "fa2_backward_varlen",
     "fa2_forward_varlen",
     "default_tiles", "fa2_forward", "format_bytes", "smem_bytes", "smem_terms",

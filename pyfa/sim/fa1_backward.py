@@ -137,7 +137,9 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, window=None, causal_alig
             col_steps = keep_t.any(axis=-1)[0, 0]        # (z-a, Wc)
 
             # dV~_j = dV~_j + P_ij^T dO_i: the product per tile (r in order), then the
-            # tiles added in the kernel's order: query heads g, then Q tiles i.
+            # tiles added in the kernel's order: query heads g, then Q tiles i. dV takes
+            # P o Z / (1 - p) (dropout), dS above P undropped.
+            P = score.dropped(mods, P, bh // H, bh % H, r_a, c_a)
             t = nx.dot_rows(np.swapaxes(P, -1, -2), np.swapaxes(dO_a, -1, -2), keep_t)
             for g in range(G):
                 for n in range(z - a):

@@ -118,7 +118,9 @@ def fa1_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_righ
         o_scale = l_old * alpha
         l_new = nx.fma32(beta, lt, o_scale)
 
-        # pv[r, x] = sum_c P~_ij[r, c] V_j[c, x], c in order, one fma per step.
+        # pv[r, x] = sum_c P~_ij[r, c] V_j[c, x], c in order, one fma per step; P V takes
+        # P~ o Z / (1 - p) (dropout), l~ above P~ undropped.
+        P = score.dropped(mods, P, bh // H, bh % H, rows[a:z, :, None], cols[None, None])
         pv = nx.dot_rows(P, np.swapaxes(Vj, -1, -2)[:, None], keep)
         num = nx.fma32(o_scale[..., None], O[:, a:z], beta[..., None] * pv)
         with np.errstate(divide="ignore", invalid="ignore"):

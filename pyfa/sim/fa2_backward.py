@@ -66,6 +66,8 @@ def _p_ds(Qi, dOi, LSEi, Di, Kj, Vj, masked, pad, scale, mods, bh, H, rows, cols
     P = np.where(no_key, F32(0), nx.exp(S - lse))
     dS = score.score_grad(mods, P, nx.dot_rows(dOi, Vj), Di[..., None], s, S, bh // H, bh % H, rows, cols)
     keep = ~(hidden | pad[None])
+    # dV takes P o Z / (1 - p) (dropout), dS above P undropped.
+    P = score.dropped(mods, P, bh // H, bh % H, rows, cols)
     return np.where(keep, P, F32(0)), np.where(keep, dS, F32(0)), keep
 
 

@@ -98,7 +98,9 @@ def fa2_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_righ
         for c in range(Bc):
             rowsum = rowsum + P[..., c]
         l_new = nx.fma32(alpha, li[:, a:z], rowsum)
-        # pv[r, x] = sum_c P[r, c] V_j[c, x], c in order, one fma per step.
+        # pv[r, x] = sum_c P[r, c] V_j[c, x], c in order, one fma per step; P V takes
+        # P o Z / (1 - p) (dropout), l above P undropped.
+        P = score.dropped(mods, P, bh // H, bh % H, rows[a:z, :, None], cols[None, None, :])
         pv = nx.dot_rows(P, np.swapaxes(Vj, -1, -2)[:, None], keep)
         O_new = nx.fma32(alpha[..., None], Oi[:, a:z], pv)
 

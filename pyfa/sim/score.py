@@ -14,9 +14,12 @@ head), i, j (query row and key) are integer arrays that broadcast against the sc
 a modification reads what it needs of them and of mods.
 """
 
+import functools
+
 import numpy as np
 
 from . import numerics as nx
+from .dropout import Dropout
 
 _NEG_INF = np.float32(-np.inf)
 
@@ -51,4 +54,22 @@ def scores(mods, Q, K, scale, hidden, b, h, i, j):
 def score_grad(mods, P, dp, D, s, S, b, h, i, j):
     """dS with respect to the scaled scores s, S = score_mod(s) (score.h score_grad); D
     broadcasts against P."""
+    # Dropout: dP = (dO_i V_j^T) o Z / (1 - p), the forward's decisions.
+    dp = dropped(mods, dp, b, h, i, j)
     return score_mod_grad(mods, P * (dp - D), s, S, b, h, i, j)
+
+
+@functools.lru_cache(maxsize=64)
+def _dropout(p, seed, offset):
+    return Dropout.make(p, seed, offset)
+
+
+def dropout(mods):
+    """The call's resolved dropout (dropout.py Dropout; off when mods.dropout_p is 0)."""
+    return _dropout(mods.dropout_p, mods.seed or 0, mods.offset)
+
+
+def dropped(mods, P, b, h, i, j):
+    """P o Z / (1 - p) of dropout.h's Dropout::apply: what P V (and the backward's dV and
+    dP) take in place of P."""
+    return dropout(mods).apply(P, b, h, i, j)

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "common/dropout.h"
 #include "common/mask.h"
 
 // Element strides of a (B, heads, N, d) tensor, resolved at launch set-up: the caller's
@@ -59,6 +60,8 @@ struct AttentionParams {
     int64_t head_dim;   // d
     float scale;        // multiplies Q K^T; already resolved (never 0 here)
     Mask mask;          // which keys each query row sees (common/mask.h)
+    // ---- dropout of P in P V (common/dropout.h); off when dropout.threshold is 0
+    Dropout dropout;
     // ---- tiling
     int block_r;        // Br: rows of Q (and O, dO, dQ) per tile
     int block_c;        // Bc: rows of K and V (and dK, dV) per tile

@@ -104,5 +104,13 @@ PYFA_HD float attention_score(const AttentionParams& p, const Mask& mask, const 
 // readable and fast, is formed here.
 PYFA_HD float score_grad(const AttentionParams& p, float P, float dp, float D, ScoreAt<float> at, int64_t b,
                          int64_t h, int64_t i, int64_t j) {
+    // Dropout: dP = (dO_i V_j^T) o Z / (1 - p) (common/dropout.h), the forward's decisions.
+    dp = p.dropout.apply(dp, b, h, i, j);
     return score_mod_grad(p, P * (dp - D), at, b, h, i, j);
+}
+
+// score_grad with the dropout decision Z of (i, j) already drawn (by another thread).
+PYFA_HD float score_grad_kept(const AttentionParams& p, float P, float dp, float D, bool kept, ScoreAt<float> at,
+                              int64_t b, int64_t h, int64_t i, int64_t j) {
+    return score_mod_grad(p, P * (p.dropout.apply_kept(dp, kept) - D), at, b, h, i, j);
 }

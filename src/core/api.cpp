@@ -303,11 +303,11 @@ struct Layouts;
 template <>
 struct Layouts<pyfa_problem> {
     static constexpr size_t sizes[] = {offsetof(pyfa_problem, varlen),  // ABI 3 to 5
-                                       sizeof(pyfa_problem)};           // varlen: varlen, total_q, total_k
+                                       sizeof(pyfa_problem)};           // ABI 6: packed sequences, score modifications
     static constexpr int first_abi = 3;
 };
 static_assert(offsetof(pyfa_problem, varlen) == offsetof(pyfa_problem, dv) + sizeof(pyfa_strides),
-              "pyfa_problem.varlen must start where ABI 5's pyfa_problem ended");
+              "pyfa_problem.varlen, ABI 6's first field, must start where ABI 5's pyfa_problem ended");
 template <>
 struct Layouts<pyfa_config> {
     static constexpr size_t sizes[] = {offsetof(pyfa_config, flags),  // ABI 3: up to variant
@@ -317,7 +317,7 @@ struct Layouts<pyfa_config> {
 template <>
 struct Layouts<pyfa_tensors> {
     static constexpr size_t sizes[] = {offsetof(pyfa_tensors, cu_seqlens_q),  // ABI 5
-                                       sizeof(pyfa_tensors)};                 // varlen: cu_seqlens_q, _k
+                                       sizeof(pyfa_tensors)};                 // ABI 6: cu_seqlens_q, _k, ...
     static constexpr int first_abi = 5;
 };
 static_assert(offsetof(pyfa_tensors, cu_seqlens_q) == offsetof(pyfa_tensors, dv) + sizeof(pyfa_tensor),
@@ -376,6 +376,20 @@ pyfa_status check_overlaps(const Op& op, const pyfa_problem& pr, const float* co
                             "(PYFA_FLAG_IN_PLACE, device pointers) must not",
                             kTensors[op.outputs[x]].name, kTensors[op.inputs[y]].name);
     }
+    return PYFA_OK;
+}
+
+// Dropout's fields (common/dropout.h): p in [0, 1), and rows and keys the 32-bit counter
+// words of the keep decision address (i, and j / 4) without wrapping.
+pyfa_status check_dropout(const pyfa_problem& pr) {
+    if (!(pr.dropout_p >= 0.0f && pr.dropout_p < 1.0f))
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->dropout_p: must be in [0, 1) (0: no dropout), got %g",
+                    static_cast<double>(pr.dropout_p));
+    if (pr.dropout_p > 0.0f && (pr.seqlen_q > (int64_t{1} << 32) || pr.seqlen_k > (int64_t{1} << 34)))
+        return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                    "problem->dropout_p: dropout addresses at most 2^32 query rows and 2^34 keys, got seqlen_q "
+                    "%lld, seqlen_k %lld",
+                    static_cast<long long>(pr.seqlen_q), static_cast<long long>(pr.seqlen_k));
     return PYFA_OK;
 }
 
@@ -469,7 +483,7 @@ pyfa_status check_problem(const pyfa_problem* in, const TensorId* tensors, int n
     }
     if (!std::isfinite(pr->scale))
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->scale: must be finite (0 means 1/sqrt(d))");
-    return PYFA_OK;
+    return check_dropout(*pr);
 }
 
 // ---- Packed sequences (varlen): the offsets' place in the call, and their checks.
@@ -761,6 +775,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     }
     for (int t = 0; t < n_in + n_out; ++t)
         if (TensorStrides* slot = strides_slot(base, taken[t])) *slot = resolved_strides(taken[t], pr);
+    base.dropout = Dropout::make(pr.dropout_p, pr.dropout_seed, pr.dropout_offset);
 
     // Every kernel's tiles and launch are checked before anything is allocated or
     // launched, so that a configuration error never follows a kernel that has written.
@@ -985,6 +1000,38 @@ pyfa_status device_profile_get(int backend, pyfa_device_profile* profile) {
     return resolved->profile(profile);
 }
 
+// The keep decisions Z[b, h, i, j] of the problem's dropout, by the function the kernels
+// call (common/dropout.h).
+pyfa_status dropout_mask(const pyfa_problem* problem, uint8_t* keep) {
+    if (!problem) return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem: null pointer");
+    pyfa_problem pr;
+    pyfa_status st = copy_struct(problem, "problem->struct_size", &pr);
+    if (st != PYFA_OK) return st;
+    const struct { const char* name; int64_t value; } dims[] = {
+        {"problem->batch", pr.batch}, {"problem->heads", pr.heads},
+        {"problem->seqlen_q", pr.seqlen_q}, {"problem->seqlen_k", pr.seqlen_k}};
+    for (const auto& dim : dims)
+        if (dim.value < 1)
+            return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: must be >= 1, got %lld", dim.name,
+                        static_cast<long long>(dim.value));
+    if (pr.batch > kMaxGridYZ || pr.heads > kMaxGridYZ) {
+        const bool b = pr.batch > kMaxGridYZ;
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: at most 65535 (a grid dimension), got %lld",
+                    b ? "problem->batch" : "problem->heads", static_cast<long long>(b ? pr.batch : pr.heads));
+    }
+    if ((st = check_dropout(pr)) != PYFA_OK) return st;
+    if (pr.seqlen_q > INT64_MAX / pr.seqlen_k / (pr.batch * pr.heads))
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem: B*H*Nq*Nk elements of keep exceed 2^63 - 1");
+    if (!keep) return fail(PYFA_ERROR_INVALID_ARGUMENT, "keep: null pointer");
+    const Dropout d = Dropout::make(pr.dropout_p, pr.dropout_seed, pr.dropout_offset);
+    uint8_t* out = keep;
+    for (int64_t b = 0; b < pr.batch; ++b)
+        for (int64_t h = 0; h < pr.heads; ++h)
+            for (int64_t i = 0; i < pr.seqlen_q; ++i)
+                for (int64_t j = 0; j < pr.seqlen_k; ++j) *out++ = d.keep(b, h, i, j) ? 1 : 0;
+    return PYFA_OK;
+}
+
 }  // namespace
 
 }  // namespace pyfa
@@ -1147,6 +1194,11 @@ PYFA_API pyfa_status pyfa_fa1_backward_device(const pyfa_problem* problem, const
     const float* in[] = {q, k, v, o, m, l, dout};
     float* out[] = {dq, dk, dv};
     return run_op(PYFA_OP_FA1_BACKWARD, problem, config, in, out, true, stream);
+}
+
+PYFA_API pyfa_status pyfa_dropout_mask(const pyfa_problem* problem, uint8_t* keep) {
+    clear_error();
+    return guarded("pyfa_dropout_mask", [&] { return dropout_mask(problem, keep); });
 }
 
 }  // extern "C"

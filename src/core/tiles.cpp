@@ -276,12 +276,15 @@ pyfa_status select_kernel(int kernel, int variant, const AttentionParams& p, int
     bool small = true;
     for (const TensorStrides* t : st)
         small = small && t->row <= INT32_MAX / (max64(p.seqlen_q, p.seqlen_k) + 1);
-    if (r && !aligned)
+    if (r && p.dropout.on() && !fast_kernel_drops(kernel, p.head_dim))
+        std::snprintf(why, sizeof(why), "the fast %s has no dropout at head_dim %lld", kernel_name(kernel),
+                      static_cast<long long>(p.head_dim));
+    else if (r && !aligned)
         std::snprintf(why, sizeof(why), "the fast %s needs 16-byte aligned tensors", kernel_name(kernel));
     else if (r && !small)
         std::snprintf(why, sizeof(why), "the fast %s needs row stride * seqlen < 2^31 in every tensor",
                       kernel_name(kernel));
-    if (r && aligned && small) {
+    if (r && aligned && small && !(p.dropout.on() && !fast_kernel_drops(kernel, p.head_dim))) {
         *id = r->id;
         *Br = r->br;
         *Bc = r->bc;

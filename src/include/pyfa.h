@@ -200,6 +200,14 @@ typedef struct pyfa_problem {
     int varlen;            /* nonzero: packed sequences, as above */
     int64_t total_q;       /* rows of q, o, dout, dq: cu_seqlens_q[batch], >= 1 */
     int64_t total_k;       /* rows of k, v, dk, dv: cu_seqlens_k[batch], >= 1 */
+    /* Dropout of the attention probabilities in P V (docs/numerics.md, "Dropout"): each
+       element kept with probability 1 - dropout_p and then scaled by 1 / (1 - dropout_p),
+       by a Philox4x32-10 decision that is a pure function of (dropout_seed,
+       dropout_offset, b, h, i, j); LSE (FA1: m, l) is that of the undropped P, and the
+       backward regenerates the same decisions. dropout_p in [0, 1); 0 is off. */
+    float dropout_p;
+    uint64_t dropout_seed;
+    uint64_t dropout_offset;
 } pyfa_problem;
 
 typedef enum pyfa_flags {
@@ -407,6 +415,13 @@ PYFA_API pyfa_status pyfa_fa1_backward_device(const pyfa_problem* problem, const
                                               const float* o, const float* m, const float* l,
                                               const float* dout, float* dq, float* dk, float* dv,
                                               void* stream);
+
+/* ---- Dropout's keep decisions, for tests and users (flash-attn's return_attn_probs role):
+   keep[((b * H + h) * Nq + i) * Nk + j] = 1 where the kernels keep element (b, h, i, j)
+   of P under problem's dropout_p, dropout_seed and dropout_offset, 0 where they drop it,
+   computed on the host by the function the kernels call. Reads batch, heads, seqlen_q,
+   seqlen_k and the dropout fields (dropout_p 0: all 1); keep is dense (B, H, Nq, Nk). ---- */
+PYFA_API pyfa_status pyfa_dropout_mask(const pyfa_problem* problem, uint8_t* keep);  /* (B, H, Nq, Nk) */
 
 /* PYFA_CDEF_END */
 

@@ -153,6 +153,13 @@ __global__ void fa1_backward_kernel(const AttentionParams p) {
                     dSij[r * Bc + c] = score_grad(p, Pij[r * Bc + c], dSij[r * Bc + c], Di[r], at, b, h, row0 + r,
                                                   col0 + c);
                 }
+                // dV~_j reads P o Z / (1 - p) (common/dropout.h), dS above the undropped P.
+                if (p.dropout.on()) {
+                    __syncthreads();
+                    for (int64_t r = tid; r < br; r += nthreads)
+                        p.dropout.apply_row(Pij + r * Bc, bc, b, h, row0 + r, col0);
+                    __syncthreads();
+                }
                 // dV~_j = dV~_j + P_ij^T dO_i, the product summed over the rows r that see
                 // key c, in increasing order; a key no row of the tile sees takes no step.
                 for (int64_t e = tid; e < bc * d; e += nthreads) {

@@ -132,6 +132,8 @@ __global__ void fa1_forward_kernel(const AttentionParams p) {
                 lnew[r] = l_new;
                 m[row0 + r] = pyfa_canonical_nan(m_new);
                 l[row0 + r] = pyfa_canonical_nan(l_new);
+                // P V takes P~ o Z / (1 - p) (common/dropout.h); l~ above took P~ undropped.
+                p.dropout.apply_row(Sij + r * lds, bc, b, h, row0 + r, col0);
             }
             __syncthreads();
 

@@ -50,7 +50,7 @@ PYFA_HD void fa2_backward_p_ds(const AttentionParams& p, const Mask& mask, const
     const float S = score_finish(p, s, false, b, h, i, j);
     const float P = lse == -INFINITY ? 0.0f : pyfa_exp(S - lse);
     const float dp = pyfa_dot(dO_i, V_j, p.head_dim);
-    *P_ij = P;
+    *P_ij = p.dropout.apply(P, b, h, i, j);  // dV = (P o Z / (1 - p))^T dO; dS reads P undropped
     *dS_ij = score_grad(p, P, dp, D_i, ScoreAt<float>{s, S}, b, h, i, j);
 }
 

@@ -112,7 +112,10 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
             float rowsum = 0.0f;
             for (int64_t c = 0; c < bc; ++c) rowsum = rowsum + Sij[r * lds + c];
             li[r] = pyfa_fma(alpha[r], li[r], rowsum);
+            // P V takes P~ o Z / (1 - p) (common/dropout.h); l above took P~ undropped.
+            p.dropout.apply_row(Sij + r * lds, bc, b, h, row0 + r, col0);
         }
+        if (p.dropout.on()) __syncthreads();  // every row's P~ is dropped before P V reads it
         // O_i = fma(alpha, O_i, P~_ij V_j), the product summed over the row's visible keys
         // c in increasing order (hidden ones are left out, not multiplied by 0).
         for (int64_t e = tid; e < br * d; e += nthreads) {

@@ -513,6 +513,9 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
             st(f.g + iv, reinterpret_cast<vf>(sees));
         }
 
+        // P V takes P~ o Z / (1 - p) (common/dropout.h); l above took P~ undropped.
+        for (int64_t r = 0; p.dropout.on() && r < br; ++r)
+            p.dropout.apply_row(f.S + r, bc, bh / p.heads, bh % p.heads, row0 + r, col0, Rp);
         // pv^T[x][r] = sum_c P~[r,c] V[c,x], then the row update.
         for (int64_t c = 0; c < bc; ++c)
             std::memcpy(f.Vj + c * f.Ep, V + c * d, sizeof(float) * static_cast<size_t>(d));
@@ -666,6 +669,8 @@ void tile_pair(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i, int64_t 
         const float lse = ctx.fa1 ? 0.0f : p.lse[base + r];
         const float lr = ctx.fa1 ? p.l[base + r] : 0.0f;
         const vf vlse = splat(lse), ms = splat(ctx.fa1 ? ssafe(p.m[base + r]) : 0.0f), vl = splat(lr);
+        // Dropout (common/dropout.h): dS takes dP o Z / (1 - p), as score_grad does.
+        p.dropout.apply_row(dSr, bc, bi, hi, row0 + r, col0);
         for (int64_t cv = 0; cv < Cp; cv += W) {
             const vi cl = lane + static_cast<int32_t>(cv);
             const vf s = ld(Pr + cv) * scale;
@@ -684,6 +689,7 @@ void tile_pair(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i, int64_t 
             st(Pr + cv, P);
             st(dSr + cv, dS);
         }
+        p.dropout.apply_row(Pr, bc, bi, hi, row0 + r, col0);  // dV takes P o Z / (1 - p), dS P undropped
     }
 }
 

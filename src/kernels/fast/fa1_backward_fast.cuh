@@ -212,6 +212,20 @@ PYFA_UNROLL
                     }
                     st4(PT + c * LDP + cg * 4, pyfa_f4{P[0], P[1], P[2], P[3]});
                 }
+                // Dropout (common/dropout.h), on the thread's own elements in a loop of its own,
+                // so that the generator's registers never meet the scores': dV takes P o Z /
+                // (1 - p) in P_ij^T, and dS the undropped P with Z in its sign, in dS_ij^T
+                // where its dS will go.
+                if (p.dropout.on()) {
+PYFA_UNROLL_BY(1)
+                    for (int e = 0; e < 32; ++e) {
+                        const int ii = e >> 2, kk = e & 3, c = wcol + rg + 2 * ii, at = c * LDP + cg * 4 + kk;
+                        const bool kept = p.dropout.keep(b, hk * G + g, row0 + cg * 4 + kk, col0 + c);
+                        const float P = PT[at];
+                        dST[at] = Dropout::flag(P, kept);
+                        PT[at] = p.dropout.apply_kept(P, kept);
+                    }
+                }
             } else if (warp < 6) {
                 // D_i[r] = sum_x dO_i[r, x] O_i[r, x], x in order: one row per thread.
                 const int r = tid - 4 * 32;
@@ -241,13 +255,14 @@ PYFA_UNROLL
 PYFA_UNROLL
                 for (int ii = 0; ii < 8; ++ii) {
                     const int c = wcol + rg + 2 * ii;
-                    const pyfa_f4 pv = ld4(PT + c * LDP + cg * 4);
+                    // With dropout P waits in dS_ij^T, Z in its sign; without, P_ij^T holds it.
+                    const pyfa_f4 pv = ld4((p.dropout.on() ? dST : PT) + c * LDP + cg * 4);
                     const float P[4] = {pv.x, pv.y, pv.z, pv.w};
                     float ds[4];
 PYFA_UNROLL
                     for (int kk = 0; kk < 4; ++kk)
-                        ds[kk] = score_grad(p, P[kk], s[ii][kk], dr[kk], sa[ii][kk], b, hk * G + g, row0 + cg * 4 + kk,
-                                            col0 + c);
+                        ds[kk] = score_grad_kept(p, std::fabs(P[kk]), s[ii][kk], dr[kk], Dropout::flagged_kept(P[kk]),
+                                                 sa[ii][kk], b, hk * G + g, row0 + cg * 4 + kk, col0 + c);
                     st4(dST + c * LDP + cg * 4, pyfa_f4{ds[0], ds[1], ds[2], ds[3]});
                 }
                 pyfa_syncwarp();  // the warp reads back only its own rows of dS_ij^T

@@ -177,6 +177,8 @@ PYFA_UNROLL
                 const float os = l_old * alpha;
                 const float l_new = pyfa_fma(beta, lt, os);
                 st4(prow + BC, pyfa_f4{os, beta, l_new, mt});
+                // P V takes P~ o Z / (1 - p) (common/dropout.h); l~ above took P~ undropped.
+                if (fast_kernel_drops(PYFA_KERNEL_FA1_FORWARD, D)) p.dropout.apply_row(prow, bc, b, h, row0 + my_row, col0);
                 if (my_row < br && (!cut || band.cols(my_row, bc).begin != band.cols(my_row, bc).end)) {
                     m[row0 + my_row] = pyfa_canonical_nan(m_new);
                     l[row0 + my_row] = pyfa_canonical_nan(l_new);

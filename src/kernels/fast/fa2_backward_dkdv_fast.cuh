@@ -45,6 +45,7 @@ __global__ void __launch_bounds__(4 * kFastBc, D == 64 ? 2 : 1) fa2_backward_dkd
     constexpr int XC = D / 64;
     constexpr int LDP = BR + 4;  // fast_p_stride(BR)
     static_assert(D == 64 || D == 128, "head dims 64 and 128");
+    constexpr bool kDrops = fast_kernel_drops(PYFA_KERNEL_FA2_BACKWARD_DKDV, D);  // else never called with dropout
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int rg = lane >> 4, cg = lane & 15;
@@ -147,6 +148,20 @@ PYFA_UNROLL
                     }
                     st4(prow + 2 * ii * LDP + cg * 4, pyfa_f4{P[0], P[1], P[2], P[3]});
                 }
+                // Dropout (common/dropout.h), on the thread's own elements in a loop of its own,
+                // so that the generator's registers never meet the scores': dV takes P o Z /
+                // (1 - p) in P_ij^T, and dS the undropped P with Z in its sign, in dS_ij^T
+                // where its dS will go.
+                if (kDrops && p.dropout.on()) {
+PYFA_UNROLL_BY(1)
+                    for (int e = 0; e < 32; ++e) {
+                        const int ii = e >> 2, kk = e & 3, at = 2 * ii * LDP + cg * 4 + kk;
+                        const bool kept = p.dropout.keep(b, h, row0 + cg * 4 + kk, col0 + wcol + rg + 2 * ii);
+                        const float P = prow[at];
+                        dST[(wcol + rg) * LDP + at] = Dropout::flag(P, kept);
+                        prow[at] = p.dropout.apply_kept(P, kept);
+                    }
+                }
             }
             __syncthreads();  // P_ij^T is whole
             if (dk_role) {
@@ -157,13 +172,15 @@ PYFA_UNROLL
 PYFA_UNROLL
                 for (int ii = 0; ii < 8; ++ii) {
                     const int c = wcol + rg + 2 * ii;
-                    const pyfa_f4 P4 = ld4(prow + 2 * ii * LDP + cg * 4);
+                    // With dropout P waits in dS_ij^T, Z in its sign; without, P_ij^T holds it.
+                    const pyfa_f4 P4 = ld4((kDrops && p.dropout.on() ? prod_at : prow) + 2 * ii * LDP + cg * 4);
                     const float P[4] = {P4.x, P4.y, P4.z, P4.w};
                     float ds[4];
 PYFA_UNROLL
                     for (int kk = 0; kk < 4; ++kk)
-                        ds[kk] = score_grad(p, P[kk], s[ii][kk], rowv[kk], sa[ii][kk], b, h, row0 + cg * 4 + kk,
-                                            col0 + c);
+                        ds[kk] = score_grad_kept(p, kDrops ? std::fabs(P[kk]) : P[kk], s[ii][kk], rowv[kk],
+                                                 !kDrops || Dropout::flagged_kept(P[kk]), sa[ii][kk], b, h,
+                                                 row0 + cg * 4 + kk, col0 + c);
                     st4(prod_at + 2 * ii * LDP + cg * 4, pyfa_f4{ds[0], ds[1], ds[2], ds[3]});
                 }
                 pyfa_syncwarp();

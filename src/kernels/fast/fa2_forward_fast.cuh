@@ -198,10 +198,13 @@ PYFA_UNROLL
             const float a = pyfa_exp(m_row - safe_max(m_new));
             if (!cut || band.cols(my_row, bc).begin != band.cols(my_row, bc).end) {
                 m_row = m_new;
-                const float* prow = Pij + my_row * LDP;
+                float* prow = Pij + my_row * LDP;
                 float rowsum = 0.0f;
                 for (int c = 0; c < bc; ++c) rowsum = rowsum + prow[c];
                 l_row = pyfa_fma(a, l_row, rowsum);
+                // P V takes P~ o Z / (1 - p) (common/dropout.h); l above took P~ undropped.
+                if (fast_kernel_drops(PYFA_KERNEL_FA2_FORWARD, D))
+                    p.dropout.apply_row(prow, bc, blockIdx.z, blockIdx.y, row0 + my_row, col0);
             }
             alpha_s[my_row] = a;
         }
