@@ -14,7 +14,7 @@ import inspect
 
 import numpy as np
 
-from ..checks import (EMPTY_VALUES, caller_shape, check_like, check_qkv, check_rows, is_empty,
+from ..checks import (EMPTY_VALUES, caller_shape, check_bias, check_like, check_qkv, check_rows, is_empty,
                       mask_bounds, resolve_scale)
 from ..errors import CancelledError
 from ..options import resolve
@@ -70,6 +70,11 @@ def _empty(result_class, tensors, kwargs):
     for f in dataclasses.fields(result_class):
         if f.name == "io":
             fields["io"] = io.IORecord(label=f"{result_class.__name__}: empty problem")
+            continue
+        if f.name == "dbias":  # with bias=: zeros of its shape
+            if kwargs.get("bias") is not None:
+                bias = check_bias("bias", kwargs["bias"], (*q4.shape[:3], k4.shape[2]))
+                fields["dbias"] = np.zeros(bias.shape, np.float32)
             continue
         shape = (q4.shape[:3][4 - rank:] if f.name in ROWS else
                  caller_shape((k4 if f.name in ("dk", "dv") else q4).shape, rank, layout))

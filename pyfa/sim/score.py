@@ -22,7 +22,10 @@ _NEG_INF = np.float32(-np.inf)
 
 
 def score_mod(mods, s, b, h, i, j):
-    """The modification of the scaled scores s (score.h score_mod): the identity today."""
+    """The modification of the scaled scores s (score.h score_mod)."""
+    # The additive bias, last (after scaling, softcap and ALiBi): its gradient is dS itself.
+    if mods.bias is not None:
+        s = s + mods.bias.at(b, h, i, j)
     return s
 
 
@@ -52,3 +55,43 @@ def score_grad(mods, P, dp, D, s, S, b, h, i, j):
     """dS with respect to the scaled scores s, S = score_mod(s) (score.h score_grad); D
     broadcasts against P."""
     return score_mod_grad(mods, P * (dp - D), s, S, b, h, i, j)
+
+
+# ---- dBias (issue 27): the twin of score.h's dbias_clear and dbias_tile.
+
+def dbias_start(mods, BH, Nq_pad, Nk_pad):
+    """The (BH, Nq_pad or 1, Nk_pad) dS sums of a backward that writes dBias (+0 where no tile
+    visits), or None without a bias."""
+    if mods.bias is None:
+        return None
+    return np.zeros((BH, 1 if mods.bias.sums_rows() else Nq_pad, Nk_pad), np.float32)
+
+
+def dbias_tiles(mods, dB, dS, keep, bh, rows, cols):
+    """Adds visited tiles to dB (dbias_start): dS and keep (..., T, Br, Bc), T tiles of rows
+    rows (T, Br) in increasing order, whose keys are cols (..., T, 1, Bc) or broadcast; bh
+    the query head b * H + h of each, broadcasting. Rows of Nq: dS where kept, else +0.
+    One row: per tile, the sum over its kept rows r in order, added to the running one."""
+    shape = np.broadcast_shapes(dS.shape, np.shape(cols), np.shape(bh))
+    dS = np.broadcast_to(dS, shape)
+    keep = np.broadcast_to(keep, shape)
+    bh = np.broadcast_to(bh, shape)
+    cols = np.broadcast_to(cols, shape)
+    if not mods.bias.sums_rows():
+        r = np.broadcast_to(rows[..., None], shape)
+        dB[bh, r, cols] = np.where(keep, nx.canonical_nan(dS), np.float32(0))
+        return
+    bh0, c0 = bh[..., 0, :], cols[..., 0, :]
+    for t in range(shape[-3]):
+        acc = dB[bh0[..., t, :], 0, c0[..., t, :]]
+        for r in range(shape[-2]):
+            acc = np.where(keep[..., t, r, :], acc + dS[..., t, r, :], acc)
+        dB[bh0[..., t, :], 0, c0[..., t, :]] = nx.canonical_nan(acc)
+
+
+def dbias_result(mods, dB, B, H, Nq, Nk):
+    """dBias of the bias's shape from dB: cut to (B, H, Nq or 1, Nk), then the fold over
+    the B and H the bias lacks (checks.Bias.fold)."""
+    rows = 1 if mods.bias.sums_rows() else Nq
+    part = dB[:, :rows, :Nk].reshape(B, H, rows, Nk)
+    return mods.bias.fold(part, lambda shape: np.zeros(shape, np.float32))

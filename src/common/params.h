@@ -52,4 +52,9 @@ struct AttentionParams {
     // ---- tiling
     int block_r;        // Br: rows of Q (and O, dO, dQ) per tile
     int block_c;        // Bc: rows of K and V (and dK, dV) per tile
+    // ---- additive bias (issue 27): S = score_mod(s) + bias[b, h, i, j] (common/score.h)
+    const float* bias;           // (B, H, Nq, Nk) through bias_strides, keys contiguous; nullptr: none
+    TensorStrides bias_strides;  // of bias; 0 along an axis it broadcasts over (never "dense")
+    float* dbias;                // (B, H, Nq or 1, Nk) dense, dS of each (b, h): rows 1 (the sum over
+                                 // i = 0 .. Nq-1 in order) when bias_strides.row == 0; nullptr: not asked
 };

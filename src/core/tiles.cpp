@@ -276,7 +276,12 @@ pyfa_status select_kernel(int kernel, int variant, const AttentionParams& p, int
     bool small = true;
     for (const TensorStrides* t : st)
         small = small && t->row <= INT32_MAX / (max64(p.seqlen_q, p.seqlen_k) + 1);
-    if (r && !aligned)
+    // dBias (issue 27) is written by the readable kernels that visit every (i, j) once.
+    const bool writes_dbias = kernel == PYFA_KERNEL_FA2_BACKWARD_DKDV || kernel == PYFA_KERNEL_FA1_BACKWARD;
+    if (r && p.dbias && writes_dbias) {
+        std::snprintf(why, sizeof(why), "the fast %s does not write dbias", kernel_name(kernel));
+        r = nullptr;
+    } else if (r && !aligned)
         std::snprintf(why, sizeof(why), "the fast %s needs 16-byte aligned tensors", kernel_name(kernel));
     else if (r && !small)
         std::snprintf(why, sizeof(why), "the fast %s needs row stride * seqlen < 2^31 in every tensor",

@@ -175,6 +175,12 @@ typedef struct pyfa_problem {
     /* Element strides of each 4-D tensor; all zero: dense. Those of tensors an entry
        point does not take are ignored. */
     pyfa_strides q, k, v, o, dout, dq, dk, dv;
+    /* Additive bias (issue 27), read only when tensors->bias is given: element strides of
+       the (B, H, Nq, Nk) float32 bias, whose keys (the last axis) are contiguous. Taken as
+       they are: a stride of 0 broadcasts the bias along its axis (all three 0: one row of
+       Nk values for every b, h, i), so a dense bias spells out (H * Nq * Nk, Nq * Nk, Nk).
+       Each must be >= 0. */
+    pyfa_strides bias_strides;
 } pyfa_problem;
 
 typedef enum pyfa_flags {
@@ -242,6 +248,17 @@ typedef struct pyfa_tensors {
     pyfa_tensor m, l;      /* FA1: outputs of the forward, inputs of the backward */
     pyfa_tensor dout;      /* dO, input of the backwards (errors call it "do" in the entry points below) */
     pyfa_tensor dq, dk, dv; /* outputs of the backwards */
+    /* Additive bias (issue 27): S = scale * q . k + bias[b, h, i, j] before the mask.
+       -inf is allowed: exp gives that score P = 0 exactly, so a row whose keys are all -inf
+       gets O = 0 and LSE = -inf (FA1: m = -inf, l = 0) like a row with no visible key; a
+       NaN is a NaN score. Its strides are problem->bias_strides (these must be 0). */
+    pyfa_tensor bias;   /* optional input of every op; the backwards need the forward's */
+    /* Optional output of the backwards (needs bias): dBias as dS per query head, dense
+       (B, H, Nq, Nk), or (B, H, 1, Nk) holding the sum over i = 0 .. Nq-1 in increasing
+       order when problem->bias_strides.row is 0. Summing over a bias broadcast along B or
+       H is left to the caller (docs/numerics.md). Strides must be 0. Not with
+       PYFA_VARIANT_FAST (the fast dK/dV and FA1 backward kernels do not write it). */
+    pyfa_tensor dbias;
 } pyfa_tensors;
 
 /* What the kernels are sized against: the GPU's limits, or the emulated device's. */
