@@ -42,6 +42,8 @@ def _total(algo, passes, args, kwargs, options):
     q4, k4, _, _, heads_kv = check_qkv(*args[:3], layout)
     B, H, Nq, d = q4.shape
     mask = {n: kwargs[n] for n in ("causal", "window", "causal_align") if n in kwargs}
+    if kwargs.get("bias") is not None:  # checked by the kernel's own ScoreMods.resolve first
+        mask["bias"] = tuple(np.shape(kwargs["bias"]))
     return count_io(algo, passes=passes, batch=B, heads=H, seqlen_q=Nq, seqlen_k=k4.shape[2],
                     head_dim=d, heads_kv=heads_kv, block_r=options.block_r,
                     block_c=options.block_c, **mask).total

@@ -111,6 +111,8 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, window=None, causal_alig
             io.read("m", BH * n_rows * 4)
             io.read("l", BH * n_rows * 4)
             io.write("dQ", BH * nbytes(n_rows))
+            score.bias_io(mods, io, BH * n_rows * bc)
+            score.dbias_io(mods, io, 0, BH * (z - a) * bc, 0)
 
             Q_a, dO_a, O_a = Qi[:, :, a:z], dOi[:, :, a:z], Oi[:, :, a:z]
             m_a, l_a = mi[:, :, a:z], li[:, :, a:z]
@@ -162,6 +164,8 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, window=None, causal_alig
         dV[:, col0:col0 + bc] = nx.canonical_nan(dVj[:, :bc])
         io.write("dK", BHkv * nbytes(bc))
         io.write("dV", BHkv * nbytes(bc))
+        score.dbias_io(mods, io, BH * bc, 0, 0)
+    score.dbias_io(mods, io, 0, 0, BH * Nq * Nk)
 
     dQ = dQ.reshape(BH, Tr * Wr, d)[:, :Nq].reshape(B, H, Nq, d)
     return Fa1BackwardResult(restore_rank(dQ, rank, layout),

@@ -119,6 +119,10 @@ def _dkdv(Q, K, V, dO, LSE, D, Br, Bc, scale, mods, mask, io, Hkv, dB=None):
             io.read("dO", BHkv * active.size * br * d * 4)
             io.read("LSE", BHkv * active.size * br * 4)
             io.read("D", BHkv * active.size * br * 4)
+            keys = int(sum(min(Bc, Nk - j * Bc) for j in active))
+            score.bias_io(mods, io, BHkv * br * keys)
+            if dB is not None:
+                score.dbias_io(mods, io, 0, BHkv * keys, 0)
 
             rows = row0 + np.arange(Br)
             c = cols[active][:, None, :]
@@ -138,6 +142,8 @@ def _dkdv(Q, K, V, dO, LSE, D, Br, Bc, scale, mods, mask, io, Hkv, dB=None):
             dVj[:, active] = np.where(steps, dVj[:, active] + dv, dVj[:, active])
             dKj[:, active] = np.where(steps, dKj[:, active] + dk, dKj[:, active])
 
+    if dB is not None:  # the one-row sums' starts, or every element of the rows of Nq
+        score.dbias_io(mods, io, BHkv * G * Nk, 0, BHkv * G * Nq * Nk)
     dK = nx.canonical_nan((dKj * scale).reshape(BHkv, Tc * Bc, d)[:, :Nk])
     dV = nx.canonical_nan(dVj.reshape(BHkv, Tc * Bc, d)[:, :Nk])
     io.write("dK", BHkv * Nk * d * 4)
@@ -176,6 +182,7 @@ def _dq(Q, K, V, dO, LSE, D, Br, Bc, scale, mods, mask, io, H):
         Kj, Vj = Kp[:, None, col0:col0 + Bc], Vp[:, None, col0:col0 + Bc]
         io.read("K", BH * (z - a) * bc * d * 4)
         io.read("V", BH * (z - a) * bc * d * 4)
+        score.bias_io(mods, io, BH * (min(Nq, z * Br) - a * Br) * bc)
 
         r, c = rows[a:z, :, None], (col0 + np.arange(Bc))[None, None, :]
         pad = (c >= Nk) | (r >= Nq)

@@ -89,6 +89,26 @@ def dbias_tiles(mods, dB, dS, keep, bh, rows, cols):
         dB[bh0[..., t, :], 0, c0[..., t, :]] = nx.canonical_nan(acc)
 
 
+def bias_io(mods, io, scores):
+    """The bias read for `scores` scores of visited tiles (4 bytes each): the IO model
+    counts a visited tile's whole bias, as a tile load moves it."""
+    if mods.bias is not None and scores:
+        io.read("Bias", scores * 4)
+
+
+def dbias_io(mods, io, cleared, tiled, rows_full):
+    """dBias through HBM: `cleared` keys whose running sum starts at +0 and `tiled` keys
+    of visited tiles whose sum is read and written back (one row), or `rows_full` floats
+    each written once (rows of Nq)."""
+    if mods.bias is None:
+        return
+    written, read = (cleared + tiled, tiled) if mods.bias.sums_rows() else (rows_full, 0)
+    if written:
+        io.write("dBias", written * 4)
+    if read:
+        io.read("dBias", read * 4)
+
+
 def dbias_result(mods, dB, B, H, Nq, Nk):
     """dBias of the bias's shape from dB: cut to (B, H, Nq or 1, Nk), then the fold over
     the B and H the bias lacks (checks.Bias.fold)."""
