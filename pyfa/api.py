@@ -540,19 +540,14 @@ def _run_host(op, intake, outs, problem, config, progress, mods=None, dbias=None
                        {**{n: _address(ffi, intake.tensors[n]) for n in op.inputs},
                         **{n: _address(ffi, w) for n, (_, _, w) in targets.items()}})
     keep = [] if mods is None else _set_mod_tensors(tensors, problem, mods, dbias is not None)
-    part = None
-    if dbias is not None:
-        B, H, Nq, Nk = intake.dims[:4]
-        part = np.empty((B, H, 1 if mods.bias.sums_rows() else Nq, Nk), np.float32)
-        tensors.dbias.data = ffi.cast("void *", _address(ffi, part))
+    if dbias is not None:  # our own array, written by the library in the bias's shape
+        tensors.dbias.data = ffi.cast("void *", _address(ffi, dbias[0]))
     if all(view is not written for _, view, written in targets.values()):
         # Every array the library writes is ours until the call returns: a cancelled call
         # may leave them partly written, and no staging copy is needed.
         config.flags |= lib.PYFA_FLAG_IN_PLACE
     _lib.call(lib.pyfa_run, config, op.c_op, problem, config, tensors, ffi.NULL, progress=progress)
     del keep
-    if dbias is not None:
-        np.copyto(dbias[0], mods.bias.fold(part, lambda shape: np.zeros(shape, np.float32)))
     results = []
     for given, view, written in targets.values():
         if given is None:
@@ -740,8 +735,8 @@ _COMMON_DOC = """
     a broadcast view; Nk whole), added to the scaled score before the mask; -inf gives
     the score P = 0 exactly (a row all -inf: O = 0, LSE = -inf), NaN is a NaN score. The
     backwards then also return dbias, of the bias's shape, last: dS summed over the
-    bias's broadcast axes in one fixed order (Nq in the kernel, then B and H), the same
-    bits on every backend, thread count and tile size. (An Options field given as a keyword, e.g. block_r=, is the
+    bias's broadcast axes in one fixed order (docs/numerics.md §2), the same bits on every
+    backend, thread count and, given the forward's outputs, backward tiles. (An Options field given as a keyword, e.g. block_r=, is the
     deprecated form of options=.)
 
     Arrays: NumPy, or any array with __dlpack__ (PyTorch, CuPy, JAX, ...) or

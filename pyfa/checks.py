@@ -328,7 +328,7 @@ class Bias:
         stride 0 (the library sums dbias over rows by that stride), so a broadcast view is
         copied."""
         st = self.strides()
-        if st is not None and all(s != 0 or not f for s, f in zip(st, self.full)):
+        if st is not None and all(s != 0 or n == 1 for s, n in zip(st, self.view.shape[:3])):
             return self.view
         return np.ascontiguousarray(self.view)
 
@@ -343,22 +343,6 @@ class Bias:
         """Whether dS is summed over the query rows (the bias has one row): the library's
         bias_strides.row == 0."""
         return self.view.shape[2] == 1
-
-    def fold(self, part, zeros):
-        """dbias of the bias's shape from the library's (B, H, Nq or 1, Nk) dS sums `part`
-        (an array of any library): over each axis B, H the bias lacks, the sum from +0 of
-        part's (b, h) in increasing order, b outer, one fp32 addition each; zeros(shape)
-        makes the start. Without such an axis, part itself."""
-        B, H = part.shape[:2]
-        if all(self.full[:2]):
-            return part.reshape(self.shape)
-        out_b, out_h = (B if self.full[0] else 1), (H if self.full[1] else 1)
-        acc = zeros((out_b, out_h) + tuple(part.shape[2:]))
-        for b in range(B):
-            for h in range(H):
-                tb, th = (b if self.full[0] else 0), (h if self.full[1] else 0)
-                acc[tb, th] = acc[tb, th] + part[b, h]
-        return acc.reshape(self.shape)
 
 
 def check_bias(function, bias, dims):

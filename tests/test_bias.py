@@ -265,7 +265,7 @@ def test_broadcast_view_equals_its_array():
 
 # ---- the C ABI: pyfa_run's tensors->bias, tensors->dbias and problem->bias_strides
 
-def _abi_call(op, bias_strides=(0, 0, 0), nq_rows=True, **override):
+def _abi_call(op, bias_strides=(0, 0, 0), dbias_shape=(B, H, NQ, NK), **override):
     """pyfa_run of `op` on the cpu backend with a (B, H, Nq, Nk) bias: (status, message,
     dbias, the arrays)."""
     from pyfa import _lib
@@ -273,7 +273,7 @@ def _abi_call(op, bias_strides=(0, 0, 0), nq_rows=True, **override):
     q, k, v, do = problem(H)
     o, lse = pyfa.fa2_forward(q, k, v)
     bias = make_bias((B, H, NQ, NK), 1)
-    dbias = np.full((B, H, NQ if nq_rows else 1, NK), 5, np.float32)
+    dbias = np.full(dbias_shape, 5, np.float32)
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     arrays = dict(q=q, k=k, v=v, o=o, lse=lse, dout=do, dq=dq, dk=dk, dv=dv, bias=bias, dbias=dbias)
     if op == "fa2_forward":
@@ -306,10 +306,16 @@ def test_c_abi_bias():
     want = pyfa.sim.fa2_backward(a["q"], a["k"], a["v"], a["o"], a["lse"], a["dout"], bias=a["bias"]).dbias
     assert same_bits(dbias, want)
     # Row stride 0: the bias's first row for every i, and dbias the sum over i.
-    st, msg, dbias, a = _abi_call("fa2_backward", (H * NQ * NK, NQ * NK, 0), nq_rows=False)
+    st, msg, dbias, a = _abi_call("fa2_backward", (H * NQ * NK, NQ * NK, 0), (B, H, 1, NK))
     assert st == 0, msg
     row = np.ascontiguousarray(a["bias"][:, :, :1])
     want = pyfa.sim.fa2_backward(a["q"], a["k"], a["v"], a["o"], a["lse"], a["dout"], bias=row).dbias
+    assert same_bits(dbias, want)
+    # Batch and head strides 0: dbias is (1, 1, Nq, Nk), folded over B and H in the library.
+    st, msg, dbias, a = _abi_call("fa2_backward", (0, 0, NK), (1, 1, NQ, NK))
+    assert st == 0, msg
+    shared = np.ascontiguousarray(a["bias"][:1, :1])
+    want = pyfa.sim.fa2_backward(a["q"], a["k"], a["v"], a["o"], a["lse"], a["dout"], bias=shared).dbias
     assert same_bits(dbias, want)
 
 

@@ -110,8 +110,17 @@ def dbias_io(mods, io, cleared, tiled, rows_full):
 
 
 def dbias_result(mods, dB, B, H, Nq, Nk):
-    """dBias of the bias's shape from dB: cut to (B, H, Nq or 1, Nk), then the fold over
-    the B and H the bias lacks (checks.Bias.fold)."""
+    """dBias of the bias's shape from dB: cut to (B, H, Nq or 1, Nk), then, over each of B,
+    H (of more than one) that the bias lacks, the fold of score.h dbias_fold_at: from +0,
+    part's (b, h) in increasing order, b outer, one fp32 addition each."""
     rows = 1 if mods.bias.sums_rows() else Nq
     part = dB[:, :rows, :Nk].reshape(B, H, rows, Nk)
-    return mods.bias.fold(part, lambda shape: np.zeros(shape, np.float32))
+    sum_b, sum_h = not mods.bias.full[0], not mods.bias.full[1]
+    if not (sum_b or sum_h):
+        return part.reshape(mods.bias.shape)
+    out = np.zeros((1 if sum_b else B, 1 if sum_h else H, rows, Nk), np.float32)
+    for b in range(B):
+        for h in range(H):
+            t = (0 if sum_b else b, 0 if sum_h else h)
+            out[t] = out[t] + part[b, h]
+    return nx.canonical_nan(out).reshape(mods.bias.shape)

@@ -163,6 +163,18 @@ PYFA_HD void dbias_clear(const AttentionParams& p, int64_t b, int64_t h, int64_t
     }
 }
 
+// Element e of the folded dBias: from +0, part's (b, h) over the broadcast axes in
+// increasing order, b outer, one fp32 addition each (twin: pyfa/sim/score.py dbias_fold).
+PYFA_HD float dbias_fold_at(const DbiasFold& f, int64_t e) {
+    const int64_t per = f.rows * f.keys, x = e % per, bh = e / per;
+    const int64_t out_h = f.sum_h ? 1 : f.heads, h0 = bh % out_h, b0 = bh / out_h;
+    float sum = 0.0f;
+    for (int64_t b = f.sum_b ? 0 : b0; b < (f.sum_b ? f.batch : b0 + 1); ++b)
+        for (int64_t h = f.sum_h ? 0 : h0; h < (f.sum_h ? f.heads : h0 + 1); ++h)
+            sum = sum + f.part[(b * f.heads + h) * per + x];
+    return pyfa_canonical_nan(sum);
+}
+
 // One visited tile: dS_ij (br, bc) of rows row0.., row stride ld, +0 where hidden.
 PYFA_HD void dbias_tile(const AttentionParams& p, const float* dS_ij, int64_t ld, const Band& band, int64_t b,
                         int64_t h, int64_t row0, int64_t br, int64_t col0, int64_t bc, int64_t tid,

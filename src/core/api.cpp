@@ -240,7 +240,7 @@ float*& param_slot(AttentionParams& p, TensorId t) {
 // Fixed-size lists, ended by T_NONE (the zero the aggregate fills in), so that the
 // operation table needs no allocation, not even when the library is loaded.
 constexpr int kMaxInputs = 8, kMaxOutputs = 4, kMaxScratch = 2, kMaxKernels = 4;
-constexpr int kMaxOwned = kMaxInputs + kMaxOutputs + kMaxScratch;
+constexpr int kMaxOwned = kMaxInputs + kMaxOutputs + kMaxScratch + 3;  // + bias, dbias and its fold's scratch
 
 template <int N>
 int count(const TensorId (&list)[N]) {
@@ -341,7 +341,9 @@ pyfa_status copy_struct(const T* in, const char* field, T* out) {
 
 // ---- additive bias (issue 27): tensors->bias, an input of every op, and tensors->dbias,
 // an optional output of the backwards. Not TensorIds: bias is (B, H, Nq, Nk) through
-// problem->bias_strides as given (0 broadcasts), dbias dense (B, H, Nq or 1, Nk).
+// problem->bias_strides as given (0 broadcasts), dbias dense in the bias's shape. The
+// kernels write dS per query head, (B, H, Nq or 1, Nk): into dbias itself, or into
+// scratch folded over the broadcast B and H afterwards (Backend::fold_dbias).
 struct BiasTensors {
     const float* bias = nullptr;
     float* dbias = nullptr;
@@ -349,7 +351,21 @@ struct BiasTensors {
 
 int64_t dbias_rows(const pyfa_problem& pr) { return pr.bias_strides.row ? pr.seqlen_q : 1; }
 
-// Elements of dbias; check_bias has made sure they fit.
+// The fold of the kernels' dS (part) into dbias (out), its sizes; sum_b or sum_h when the
+// bias broadcasts along B (H) and there is more than one.
+DbiasFold dbias_fold(const pyfa_problem& pr) {
+    DbiasFold f{};
+    f.batch = pr.batch;
+    f.heads = pr.heads;
+    f.rows = dbias_rows(pr);
+    f.keys = pr.seqlen_k;
+    f.sum_b = pr.bias_strides.batch == 0 && pr.batch > 1;
+    f.sum_h = pr.bias_strides.head == 0 && pr.heads > 1;
+    return f;
+}
+
+// Elements of dS per query head, as the kernels write them, or -1 past int64_t; dbias
+// holds as many or fewer.
 int64_t dbias_elems(const pyfa_problem& pr) {
     return checked_mul(checked_mul(checked_mul(pr.batch, pr.heads), dbias_rows(pr)), pr.seqlen_k);
 }
@@ -365,8 +381,9 @@ int64_t bias_extent(const pyfa_problem& pr) {
 ByteLayout bias_layout(const pyfa_problem& pr, bool grad) {
     const int64_t f = static_cast<int64_t>(sizeof(float)), w = pr.seqlen_k * f;
     if (grad) {
-        const int64_t rows = dbias_rows(pr);
-        return ByteLayout{{pr.heads * rows * w, rows * w, w}, {pr.batch, pr.heads, rows}, w};
+        const DbiasFold f = dbias_fold(pr);
+        const int64_t b = f.sum_b ? 1 : pr.batch, h = f.sum_h ? 1 : pr.heads;
+        return ByteLayout{{h * f.rows * w, f.rows * w, w}, {b, h, f.rows}, w};
     }
     const pyfa_strides& s = pr.bias_strides;
     return ByteLayout{{s.batch * f, s.head * f, s.row * f}, {pr.batch, pr.heads, pr.seqlen_q}, w};
@@ -843,8 +860,11 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     for (int t = 0; t < n_scratch; ++t)
         if ((st = owned.alloc(tensor_bytes(op.scratch[t], pr), &param_slot(bound, op.scratch[t]))) != PYFA_OK)
             return st;
-    // The bias travels as the inputs do (its span), dbias is staged as the outputs are.
-    const size_t dbias_bytes = bt.dbias ? sizeof(float) * static_cast<size_t>(dbias_elems(pr)) : 0;
+    // The bias travels as the inputs do (its span), dbias is staged as the outputs are;
+    // the kernels write into it, or into scratch of the backend's that is then folded.
+    DbiasFold fold = dbias_fold(pr);
+    const bool folds = bt.dbias && (fold.sum_b || fold.sum_h);
+    const size_t dbias_bytes = bt.dbias ? sizeof(float) * static_cast<size_t>(fold.elems()) : 0;
     const bool dbias_staged = bt.dbias && (device_backend ? !device_pointers : !host_in_place);
     if (bt.bias && stage_inputs) {
         const size_t bytes = sizeof(float) * static_cast<size_t>(bias_extent(pr));
@@ -855,6 +875,13 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     }
     if (dbias_staged && (st = owned.alloc(dbias_bytes, &bound.dbias)) != PYFA_OK) return st;
     any_staged = any_staged || dbias_staged;
+    float* const dbias_written = bound.dbias;  // the caller's dbias, or its staging buffer
+    if (folds) {
+        fold.out = dbias_written;
+        float* part = nullptr;
+        if ((st = owned.alloc(sizeof(float) * static_cast<size_t>(dbias_elems(pr)), &part)) != PYFA_OK) return st;
+        fold.part = bound.dbias = part;
+    }
 
     // A backend polled per kernel is asked before each launch. On the library's stream
     // (host entry points) the dispatcher first waits for the kernels already launched, so
@@ -882,6 +909,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
             if ((st = backend.launch(ids[n], p, shapes[n], cfg, stream)) != PYFA_OK) return st;
         }
     }
+    if (folds && (st = backend.fold_dbias(fold, stream)) != PYFA_OK) return st;
 
     if (!any_staged) return owned.release();
     if (device_backend) {
@@ -913,9 +941,9 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     }
     if (dbias_staged) {
         if (device_backend) {
-            if ((st = backend.copy_to_host(bt.dbias, bound.dbias, dbias_bytes, stream)) != PYFA_OK) return st;
+            if ((st = backend.copy_to_host(bt.dbias, dbias_written, dbias_bytes, stream)) != PYFA_OK) return st;
         } else {
-            std::memcpy(bt.dbias, bound.dbias, dbias_bytes);
+            std::memcpy(bt.dbias, dbias_written, dbias_bytes);
         }
     }
     if (device_backend && (st = backend.synchronize(stream)) != PYFA_OK) return st;

@@ -253,11 +253,11 @@ typedef struct pyfa_tensors {
        gets O = 0 and LSE = -inf (FA1: m = -inf, l = 0) like a row with no visible key; a
        NaN is a NaN score. Its strides are problem->bias_strides (these must be 0). */
     pyfa_tensor bias;   /* optional input of every op; the backwards need the forward's */
-    /* Optional output of the backwards (needs bias): dBias as dS per query head, dense
-       (B, H, Nq, Nk), or (B, H, 1, Nk) holding the sum over i = 0 .. Nq-1 in increasing
-       order when problem->bias_strides.row is 0. Summing over a bias broadcast along B or
-       H is left to the caller (docs/numerics.md). Strides must be 0. Not with
-       PYFA_VARIANT_FAST (the fast dK/dV and FA1 backward kernels do not write it). */
+    /* Optional output of the backwards (needs bias): dBias, dense in the bias's shape
+       (B or 1, H or 1, Nq or 1, Nk), 1 along each axis whose problem->bias_strides is 0:
+       dS summed over the axes the bias broadcasts in one fixed order (docs/numerics.md
+       §2). Strides must be 0. Not with PYFA_VARIANT_FAST (the fast dK/dV and FA1 backward
+       kernels do not write it). */
     pyfa_tensor dbias;
 } pyfa_tensors;
 
