@@ -350,6 +350,9 @@ def check_bias(function, bias, dims):
     if bias is None:
         return None
     B, H, Nq, Nk = dims[:4]
+    if hasattr(bias, "shape") and _arrays.place_of("bias", bias).kind != "cpu":
+        raise InvalidArgumentError(f"bias: on {_arrays.place_of('bias', bias)}; pyfa's Python API reads a bias "
+                                   f"on the CPU only (the C ABI takes device pointers)")
     x = _arrays.host_array("bias", bias)
     shape = tuple(int(n) for n in getattr(x, "shape", ()))
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):

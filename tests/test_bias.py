@@ -218,6 +218,8 @@ def test_fast_variants():
     o, lse = pyfa.fa2_forward(q, k, v, bias=bias, options=ref)
     o_f, lse_f = pyfa.fa2_forward(q, k, v, bias=bias, options=fast)
     assert same_bits(o, o_f) and same_bits(lse, lse_f)
+    fa1 = [pyfa.fa1_forward(q, k, v, bias=bias, options=opts) for opts in (ref, fast)]
+    assert all(same_bits(a, b) for a, b in zip(*fa1))
     with pytest.raises(ValueError, match="does not write dbias"):
         pyfa.fa2_backward(q, k, v, o, lse, do, bias=bias, options=fast)
     auto = pyfa.Options(backend="emu", variant="auto", block_r=64, block_c=64)
