@@ -220,6 +220,9 @@ def test_fast_variants():
     assert same_bits(o, o_f) and same_bits(lse, lse_f)
     fa1 = [pyfa.fa1_forward(q, k, v, bias=bias, options=opts) for opts in (ref, fast)]
     assert all(same_bits(a, b) for a, b in zip(*fa1))
+    wide = np.zeros((1, 1, 8, 128), np.float32)
+    with pytest.raises(ValueError, match="fast fa1_forward at head_dim 128 takes no bias"):
+        pyfa.fa1_forward(wide, wide, wide, bias=np.zeros((8, 8), np.float32), options=fast)
     with pytest.raises(ValueError, match="does not write dbias"):
         pyfa.fa2_backward(q, k, v, o, lse, do, bias=bias, options=fast)
     auto = pyfa.Options(backend="emu", variant="auto", block_r=64, block_c=64)

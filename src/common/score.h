@@ -51,9 +51,9 @@ struct BiasAt {  // T a GCC vector of floats: one lane at a time
     }
 };
 template <>
-struct BiasAt<float> {
+struct BiasAt<float> {  // the fast kernels form scores of tile padding too (rows past Nq): those read 0
     PYFA_HD static float get(const AttentionParams& p, int64_t b, int64_t h, int64_t i, int64_t j) {
-        return p.bias[p.bias_strides.at(b, h, i) + j];
+        return i < p.seqlen_q && j < p.seqlen_k ? p.bias[p.bias_strides.at(b, h, i) + j] : 0.0f;
     }
 };
 
