@@ -22,7 +22,8 @@ import numpy as np
 from . import _arrays, _lib
 from ._arrays import Array, ArrayLike
 from .checks import (
-    EMPTY_VALUES, MAX_HEAD_DIM, ScoreMods, caller_shape, check_dropout_mask, check_int, check_layout, check_like, check_qkv,
+    EMPTY_VALUES, MAX_HEAD_DIM, Bias, ScoreMods, caller_shape, check_dropout_mask, check_int, check_layout, check_like,
+    check_qkv,
     check_rows, check_sizes, element_strides, is_empty, mask_bounds, resolve_scale,
 )
 from .errors import ArgumentTypeError, BackendUnavailableError, InvalidArgumentError
@@ -213,6 +214,39 @@ def _problem(dims, scale, causal, window, causal_align, mods):
         if isinstance(value, (int, float)):
             setattr(pr, field.metadata.get("problem", field.name), value)
     return pr
+
+
+def _set_mod_tensors(tensors, problem, mods, grad):
+    """The score modifications' arrays (ScoreMods fields holding a checks.Bias) into the
+    pyfa_tensors field of their name, their element strides into pyfa_problem's
+    <name>_strides; `grad`: the call writes their gradient (checks.Bias.for_grad). Returns
+    the NumPy views given, to be kept alive until the call returns."""
+    ffi, _ = _lib.load()
+    views = []
+    for field in dataclasses.fields(mods):
+        value = getattr(mods, field.name)
+        if not isinstance(value, Bias):
+            continue
+        view = value.for_grad() if grad else value.view
+        getattr(tensors, field.name).data = ffi.cast("void *", _address(ffi, view))
+        problem.struct_size = ffi.sizeof("pyfa_problem")  # this layout: the strides are a later field
+        st = getattr(problem, field.name + "_strides")
+        st.batch, st.head, st.row = element_strides(view)
+        views.append(view)
+    return views
+
+
+def _check_mods_place(mods, intake):
+    """A modification's array lives where q does: pyfa reads it on the CPU only, for now."""
+    for field in dataclasses.fields(mods):
+        value = getattr(mods, field.name)
+        if not isinstance(value, Bias):
+            continue
+        if intake.place.kind != "cpu":
+            raise InvalidArgumentError(f"{field.name}: pyfa's Python API takes a bias with CPU arrays "
+                                       f"only (q is on {intake.place}); the C ABI takes device pointers")
+        if value.view is None:
+            raise InvalidArgumentError(f"{field.name}: on another device than q (the CPU)")
 
 
 def _set_strides(problem, strides):
@@ -500,20 +534,28 @@ def _host_outputs(op, intake, outs):
     return result
 
 
-def _run_host(op, intake, outs, problem, config, progress, varlen=None):
+def _run_host(op, intake, outs, problem, config, progress, varlen=None, mods=None, dbias=None):
     ffi, lib = _lib.load()
     targets = _host_outputs(op, intake, outs)
+    if dbias is not None:
+        refuse_overlaps([("out (dbias)", dbias[1][1])] if dbias[1] else [],
+                        [(f"out ({n})", view) for n, (_, view, _) in targets.items() if view is not None],
+                        np.shares_memory)
     _set_strides(problem, {n: intake.strides[n] for n in op.inputs})
     _set_strides(problem, {n: _layout_strides(intake.shape4(n), intake.rank, intake.layout)
                            for n in op.outputs if TENSOR_KINDS[n] != "row"})
     tensors = _tensors("PYFA_MEMORY_HOST",
                        {**{n: _address(ffi, intake.tensors[n]) for n in op.inputs},
                         **{n: _address(ffi, w) for n, (_, _, w) in targets.items()}}, varlen)
+    keep = [] if mods is None else _set_mod_tensors(tensors, problem, mods, dbias is not None)
+    if dbias is not None:  # our own array, written by the library in the bias's shape
+        tensors.dbias.data = ffi.cast("void *", _address(ffi, dbias[0]))
     if all(view is not written for _, view, written in targets.values()):
         # Every array the library writes is ours until the call returns: a cancelled call
         # may leave them partly written, and no staging copy is needed.
         config.flags |= lib.PYFA_FLAG_IN_PLACE
     _lib.call(lib.pyfa_run, config, op.c_op, problem, config, tensors, ffi.NULL, progress=progress)
+    del keep
     results = []
     for given, view, written in targets.values():
         if given is None:
@@ -633,21 +675,58 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
     pyfa.varlen.Varlen), the tensors then one (total, heads, d) batch in layout "bnhd";
     function: the public name errors use (default pyfa.<op_name>)."""
     op = OPS[op_name]
-    outs = _out_dict(op_name, op.outputs, out)
+    # A backward given a bias also returns dbias, last (docs/numerics.md §2).
+    with_dbias = op.pass_ == "backward" and mods.get("bias") is not None
+    outs = _out_dict(op_name, op.outputs + (("dbias",) if with_dbias else ()), out)
+    dbias_out = outs.pop("dbias", None)
     intake = _intake(args, stream, options.backend, layout, outs)
     mods = ScoreMods.resolve(function or f"pyfa.{op_name}", intake.dims, **mods)
+    _check_mods_place(mods, intake)
+    dbias = _dbias_target(mods.bias, dbias_out, intake) if with_dbias else None
     if is_empty(*intake.dims[2:4]):
         mask_bounds(causal, window, causal_align, *intake.dims[2:4])
         resolve_scale(scale, intake.dims[4])
-        return _run_empty(op, intake, outs)
+        results = _run_empty(op, intake, outs)
+        if dbias is not None:
+            dbias[0][...] = 0
+        return results + _dbias_results(dbias, intake)
     problem = _problem(intake.dims, scale, causal, window, causal_align, mods)
     if varlen is not None:
         varlen.apply(problem, intake.dims[2], intake.dims[3])
     config = _config(options)
     with _lib.interrupts_after():
         if intake.place.kind == "cpu":
-            return _run_host(op, intake, outs, problem, config, options.progress, varlen)
+            results = _run_host(op, intake, outs, problem, config, options.progress, varlen, mods, dbias)
+            return results + _dbias_results(dbias, intake)
         return _run_device(op, intake, outs, problem, config, options.progress, varlen)
+
+
+def _dbias_target(bias, given, intake):
+    """(the array dbias is folded into, the caller's out= or None): dbias has the bias's
+    shape; an out= array is checked as the others are and written only after success."""
+    if given is None:
+        return np.empty(bias.shape, np.float32), None
+    a = _arrays.host_array("out (dbias)", given)
+    if not isinstance(a, np.ndarray):
+        raise ArgumentTypeError(f"out (dbias): expected {_arrays.ARRAY_HELP}, got {type(given).__name__}")
+    if a.dtype != np.float32:
+        raise ArgumentTypeError(f"out (dbias): expected dtype float32, got {a.dtype}")
+    if a.shape != bias.shape:
+        raise InvalidArgumentError(f"out (dbias): expected shape {bias.shape} (the bias's), got {a.shape}")
+    if not a.flags.writeable:
+        raise InvalidArgumentError("out (dbias): is read-only")
+    refuse_overlaps([("out (dbias)", a)], list(intake.memory.items()) + [("bias", bias.view)], np.shares_memory)
+    return np.empty(bias.shape, np.float32), (given, a)
+
+
+def _dbias_results(dbias, intake):
+    if dbias is None:
+        return ()
+    written, given = dbias
+    if given is None:
+        return (_arrays.as_kind(intake.kind, written),)
+    np.copyto(given[1], written)
+    return (given[0],)
 
 
 _COMMON_DOC = """
@@ -667,8 +746,15 @@ _COMMON_DOC = """
     dropout_p (in [0, 1), 0 off), seed (an int in [0, 2^64), required when dropout_p > 0
     so that the mask is reproducible) and offset (an int in [0, 2^64), 0 by default):
     dropout of P in P V, its mask a pure function of (seed, offset, b, h, i, j) that the
-    backward regenerates; pyfa.dropout_mask returns it (docs/numerics.md, "Dropout"). (An Options field given as a keyword, e.g. block_r=, is the
-    deprecated form of options=.)
+    backward regenerates; pyfa.dropout_mask returns it (docs/numerics.md, "Dropout").
+    bias=: a float32 CPU array broadcastable to (B, H, Nq, Nk) (any of B, H, Nq of 1 or
+    a broadcast view; Nk whole), added to the scaled score before the mask; -inf gives
+    the score P = 0 exactly (a row all -inf: O = 0, LSE = -inf), NaN is a NaN score. The
+    backwards then also return dbias, of the bias's shape, last: dS summed over the
+    bias's broadcast axes in one fixed order (docs/numerics.md §2), the same bits on every
+    backend, thread count and, given the forward's outputs, backward tiles.
+    (An Options field given as a keyword, e.g. block_r=, is the deprecated form of
+    options=.)
 
     Arrays: NumPy, or any array with __dlpack__ (PyTorch, CuPy, JAX, ...) or
     __cuda_array_interface__, all on one device. CPU arrays run as NumPy arrays (any
@@ -804,15 +890,17 @@ def attention_grad(q: ArrayLike, k: ArrayLike, v: ArrayLike, do: ArrayLike, *,
     """The forward and backward of attention(q, k, v, ...) for the incoming gradient do
     (like the output): returns (o, dq, dk, dv), o like q and the gradients like q, k, v.
     Arguments as in attention(); do is checked before any kernel runs; options.progress
-    sees each of the two calls in turn. out: (o, dq, dk, dv), each None to allocate it."""
+    sees each of the two calls in turn. out: (o, dq, dk, dv), each None to allocate it.
+    With bias=: (o, dq, dk, dv, dbias), dbias of the bias's shape (out= then takes five)."""
     options, mods = _keywords("pyfa.attention_grad", options, mods)
     _algo(algo)
-    outs = _out_dict("attention_grad", ("o", "dq", "dk", "dv"), out)
+    with_dbias = mods.get("bias") is not None
+    outs = _out_dict("attention_grad", ("o", "dq", "dk", "dv") + (("dbias",) if with_dbias else ()), out)
     _refuse_given_overlaps(_intake(dict(q=q, k=k, v=v, do=do), stream, options.backend,
                                    layout, outs), outs)
     kw = dict(causal=causal, window=window, causal_align=causal_align, scale=scale,
               layout=layout, options=options, stream=stream, **mods)
-    grads = (outs["dq"], outs["dk"], outs["dv"])
+    grads = (outs["dq"], outs["dk"], outs["dv"]) + ((outs["dbias"],) if with_dbias else ())
     if algo == "fa1":
         o, m, l = fa1_forward(q, k, v, out=(outs["o"], None, None), **kw)
         return (o, *fa1_backward(q, k, v, o, m, l, do, out=grads, **kw))

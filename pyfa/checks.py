@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import _arrays
 from .errors import ArgumentTypeError, InvalidArgumentError
 
 MAX_HEAD_DIM = 256
@@ -308,6 +309,71 @@ def mask_bounds(causal, window, causal_align, Nq, Nk):
     return MaskBounds(left, right, off)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Bias:
+    """An additive bias (issue 27), checked by ScoreMods.resolve: the caller's array
+    broadcastable to (B, H, Nq, Nk), keys not broadcast. docs/numerics.md §2."""
+    given: object     # the caller's array (a CPU one as a NumPy array)
+    shape: tuple      # its shape, which dbias gets
+    full: tuple       # (B, H, Nq) axes: True where the bias has the whole axis, False where it is 1
+    view: object      # CPU: a float32 (B|1, H|1, Nq|1, Nk) NumPy view, keys contiguous; else None
+
+    def strides(self):
+        """The pyfa_problem bias_strides of view (0 along an axis of 1, or of a broadcast
+        view), or None when the library cannot address it in place."""
+        return element_strides(self.view)
+
+    def for_grad(self):
+        """The view as a backward that writes dbias takes it: a whole axis must not have
+        stride 0 (the library sums dbias over rows by that stride), so a broadcast view is
+        copied."""
+        st = self.strides()
+        if st is not None and all(s != 0 or n == 1 for s, n in zip(st, self.view.shape[:3])):
+            return self.view
+        return np.ascontiguousarray(self.view)
+
+    def at(self, b, h, i, j):
+        """bias[b, h, i, j] for integer index arrays broadcasting against each other; an
+        index past the bias (the simulators' tile padding) reads its last row or key."""
+        v = self.view
+        idx = [np.minimum(x, n - 1) for x, n in zip((b, h, i, j), v.shape)]
+        return v[idx[0], idx[1], idx[2], idx[3]]
+
+    def sums_rows(self):
+        """Whether dS is summed over the query rows (the bias has one row): the library's
+        bias_strides.row == 0."""
+        return self.view.shape[2] == 1
+
+
+def check_bias(function, bias, dims):
+    """ScoreMods.bias: a float32 array broadcastable to (B, H, Nq, Nk), the keys whole."""
+    if bias is None:
+        return None
+    B, H, Nq, Nk = dims[:4]
+    if hasattr(bias, "shape") and _arrays.place_of("bias", bias).kind != "cpu":
+        raise InvalidArgumentError(f"bias: on {_arrays.place_of('bias', bias)}; pyfa's Python API reads a bias "
+                                   f"on the CPU only (the C ABI takes device pointers)")
+    x = _arrays.host_array("bias", bias)
+    shape = tuple(int(n) for n in getattr(x, "shape", ()))
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ArgumentTypeError(f"bias: expected an array, got {type(bias).__name__}")
+    if str(x.dtype) not in ("float32", "torch.float32"):
+        hint = " (a boolean mask is the bias where(mask, 0, -inf))" if "bool" in str(x.dtype) else ""
+        raise ArgumentTypeError(f"bias: expected dtype float32, got {x.dtype}{hint}")
+    full4 = (B, H, Nq, Nk)
+    padded = (1,) * (4 - len(shape)) + shape
+    if not 1 <= len(shape) <= 4 or padded[3] != Nk or any(n not in (1, m) for n, m in zip(padded[:3], full4)):
+        raise InvalidArgumentError(f"bias: shape {shape} does not broadcast to (B, H, Nq, Nk) = {full4} "
+                                   f"with its last axis the Nk keys")
+    full = tuple(n == m for n, m in zip(padded[:3], full4[:3]))
+    view = None
+    if isinstance(x, np.ndarray):
+        view = x.reshape(padded)
+        if element_strides(view) is None:
+            view = np.ascontiguousarray(view)
+    return Bias(x, shape, full, view)
+
+
 @dataclasses.dataclass(frozen=True)
 class ScoreMods:
     """The score modifications of one call, checked (docs/numerics.md, "The score
@@ -326,6 +392,9 @@ class ScoreMods:
     seed: "int | None" = dataclasses.field(default=None, metadata={"problem": "dropout_seed"})
     offset: int = dataclasses.field(default=0, metadata={"problem": "dropout_offset"})
 
+    # Additive bias (issue 27): a Bias, or None. Not compared: an array has no one truth.
+    bias: object = dataclasses.field(default=None, compare=False)
+
     @classmethod
     def resolve(cls, function, dims, **mods):
         """The modifications of the keyword arguments `mods` of `function` (its name, for
@@ -336,11 +405,13 @@ class ScoreMods:
             if name not in known:
                 raise ArgumentTypeError(f"{function}() got an unexpected keyword argument {name!r}")
         mods.update(_check_dropout(mods.get("dropout_p", 0.0), mods.get("seed"), mods.get("offset", 0)))
+        if "bias" in mods:
+            mods["bias"] = check_bias(function, mods["bias"], dims)
         return cls(**mods)
 
     def is_identity(self):
         """True when no modification is on: the score pipeline is the identity."""
-        return self == type(self)()
+        return self == type(self)() and self.bias is None
 
 
 _UINT64 = (1 << 64) - 1
@@ -378,7 +449,8 @@ def check_dropout_mask(function, batch, heads, seqlen_q, seqlen_k, dropout_p, se
 
 
 __all__ = [
-    "ALIGNMENTS", "EMPTY_VALUES", "FLOAT32_MAX", "LAYOUTS", "MAX_HEAD_DIM", "MAX_TILE", "MaskBounds", "QKV", "ScoreMods",
+    "ALIGNMENTS", "Bias", "EMPTY_VALUES", "FLOAT32_MAX", "LAYOUTS", "MAX_HEAD_DIM", "MAX_TILE", "MaskBounds", "QKV",
+    "ScoreMods", "check_bias",
     "as_4d", "as_tensor", "caller_shape", "check_causal", "check_causal_align",
     "check_count_args", "check_dropout_mask", "check_int", "check_layout", "check_like", "check_qkv",
     "check_rows", "check_sizes", "check_tile", "check_window", "element_strides", "empty_output", "is_empty",

@@ -257,7 +257,116 @@ def _backward_vmap(info, in_dims, q, k, v, o, lse, do, *options):
 torch.library.register_vmap("pyfa::fa2_forward", _forward_vmap)
 torch.library.register_vmap("pyfa::fa2_backward", _backward_vmap)
 
-for _op in ("pyfa::fa2_forward", "pyfa::fa2_backward"):
+
+# ---- additive bias (issue 27): a pair of operators of its own, the unbiased ones' schema
+# with the bias after v (pyfa::fa2_backward_bias also returns dbias, the bias's shape).
+
+@torch.library.custom_op("pyfa::fa2_forward_bias", mutates_args=())
+def _fa2_forward_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, causal: bool,
+                      window_left: Optional[int], window_right: Optional[int], causal_align: str,
+                      scale: Optional[float], layout: str, block_r: Optional[int],
+                      block_c: Optional[int], backend: str) -> Tuple[Tensor, Tensor]:
+    """pyfa::fa2_forward with an additive float32 bias broadcastable to (B, H, Nq, Nk)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("bias", bias)):
+        _check_dtype(name, t)
+    B, H, Nq, Nk, _, _ = _dims(q, k, v, layout)
+    kw = _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r,
+                   block_c, backend)
+    if q.numel() == 0 or k.numel() == 0:
+        _check_options(q, kw)
+        return q.new_zeros(q.shape), q.new_full((B, H, Nq), -math.inf)
+    with _on_device_of(q):
+        return api.fa2_forward(q.detach(), k.detach(), v.detach(), bias=bias.detach(), **kw)
+
+
+@_fa2_forward_bias.register_fake
+def _fa2_forward_bias_fake(q, k, v, bias, *options):
+    for name, t in (("q", q), ("k", k), ("v", v), ("bias", bias)):
+        _check_dtype(name, t)
+    B, H, Nq, _, _, _ = _dims(q, k, v, options[5])
+    return q.new_empty(q.shape), q.new_empty((B, H, Nq))
+
+
+@torch.library.custom_op("pyfa::fa2_backward_bias", mutates_args=())
+def _fa2_backward_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, o: Tensor, lse: Tensor,
+                       do: Tensor, causal: bool, window_left: Optional[int],
+                       window_right: Optional[int], causal_align: str, scale: Optional[float],
+                       layout: str, block_r: Optional[int], block_c: Optional[int],
+                       backend: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """pyfa::fa2_backward with the forward's bias; returns dq, dk, dv and dbias (the
+    bias's shape: dS summed over its broadcast axes, docs/numerics.md §2)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("bias", bias), ("o", o), ("lse", lse), ("do", do)):
+        _check_dtype(name, t)
+    _dims(q, k, v, layout)
+    kw = _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r,
+                   block_c, backend)
+    if q.numel() == 0 or k.numel() == 0:
+        _check_options(q, kw)
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), bias.new_zeros(bias.shape)
+    with _on_device_of(q):
+        return api.fa2_backward(q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(),
+                                do.detach().contiguous(), bias=bias.detach(), **kw)
+
+
+@_fa2_backward_bias.register_fake
+def _fa2_backward_bias_fake(q, k, v, bias, o, lse, do, *options):
+    for name, t in (("q", q), ("k", k), ("v", v), ("bias", bias), ("o", o), ("lse", lse), ("do", do)):
+        _check_dtype(name, t)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), bias.new_empty(bias.shape)
+
+
+def _forward_bias_setup(ctx, inputs, output):
+    q, k, v, bias, *options = inputs
+    ctx.save_for_backward(q, k, v, bias, *output)
+    ctx.options = options
+    ctx.set_materialize_grads(False)
+
+
+def _forward_bias_backward(ctx, do, dlse):
+    q, k, v, bias, o, lse = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(o)
+    dq, dk, dv, dbias = torch.ops.pyfa.fa2_backward_bias(q, k, v, bias, o, lse, do, *ctx.options)
+    if dlse is not None:
+        # dLSE_i / dS_ij = P_ij: the backward's dS = P (dP - D) is P * dlse when V = 0
+        # (dP = 0) and O, dO are -1 and dlse in one column (D = -dlse); its dq, dk, dbias
+        # are then the LSE's gradients. Rows that see no key: zero.
+        dlse = torch.where(torch.isinf(lse), torch.zeros_like(dlse), dlse)
+        layout = dict(zip(_OPTION_NAMES, ctx.options))["layout"]
+        g = dlse.transpose(1, 2) if layout == "bnhd" else dlse
+        o1, do1 = torch.zeros_like(q), torch.zeros_like(q)
+        o1[..., 0] = -1.0
+        do1[..., 0] = g
+        lq, lk, _, lb = torch.ops.pyfa.fa2_backward_bias(q, k, torch.zeros_like(v), bias, o1, lse, do1,
+                                                         *ctx.options)
+        dq, dk, dbias = dq + lq, dk + lk, dbias + lb
+    return (dq, dk, dv, dbias if ctx.needs_input_grad[3] else None) + (None,) * len(ctx.options)
+
+
+def _no_double_backward_bias(ctx, ddq, ddk, ddv, ddbias):
+    _no_double_backward(ctx, ddq, ddk, ddv)
+
+
+torch.library.register_autograd("pyfa::fa2_forward_bias", _forward_bias_backward,
+                                setup_context=_forward_bias_setup)
+torch.library.register_autograd("pyfa::fa2_backward_bias", _no_double_backward_bias,
+                                setup_context=_backward_setup)
+
+
+def _bias_operand(bias):
+    """The bias as pyfa's operator takes it: an axis broadcast by stride 0 (an expanded
+    tensor) taken at size 1, so that its gradient is the sum over that axis (autograd's
+    expand rule then gives the tensor it was expanded from the same sum); a leaf that
+    requires grad is read as it is, copied where it has stride 0 (its .grad is per element)."""
+    _check_tensor("bias", bias)
+    if bias.requires_grad and bias.is_leaf:
+        return bias if all(s != 0 or n == 1 for n, s in zip(bias.shape, bias.stride())) else bias.contiguous()
+    for axis, (n, s) in enumerate(zip(bias.shape[:-1], bias.stride()[:-1])):
+        if n > 1 and s == 0:
+            bias = bias.narrow(axis, 0, 1)
+    return bias
+
+for _op in ("pyfa::fa2_forward", "pyfa::fa2_backward", "pyfa::fa2_forward_bias", "pyfa::fa2_backward_bias"):
     for _device in ("cpu", "cuda"):
         torch.library.register_autocast(_op, _device, torch.float32)
 del _op, _device
@@ -305,7 +414,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
               causal_align: str = "bottom_right", scale: Optional[float] = None,
               layout: str = "bhnd", return_lse: bool = False, block_r: Optional[int] = None,
               block_c: Optional[int] = None, backend: str = "auto", dropout_p: float = 0.0,
-              seed: Optional[int] = None, offset: int = 0):
+              seed: Optional[int] = None, offset: int = 0, bias: Optional[Tensor] = None):
     """O = softmax(scale * Q K^T [mask]) V by FlashAttention-2, differentiable.
 
     q: (B, H, Nq, d), (H, Nq, d) or (Nq, d) float32 in layout "bhnd"; (B, Nq, H, d),
@@ -323,7 +432,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     decide the mask (pyfa.dropout_mask(B, H, Nq, Nk, dropout_p=, seed=, offset=) returns
     it); seed=None draws a fresh 64-bit seed from torch's default (CPU) generator on every
     call, so that torch.manual_seed makes a run reproducible and successive calls drop
-    differently (offset is then 0)."""
+    differently (offset is then 0).
+
+    bias: a float32 tensor broadcastable to (B, H, Nq, Nk) (in both layouts), added to
+    the scaled scores before the mask (pyfa.attention's bias=); it gets a gradient when
+    it requires one, summed over the axes it broadcasts in one fixed order. Not together
+    with dropout_p > 0 here yet (ValueError)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
     if not isinstance(layout, str) or layout not in _LAYOUTS:
@@ -343,9 +457,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
         scale = float(scale)
     dropout_p, seed, offset = _dropout_args(dropout_p, seed, offset)
-    o, lse = torch.ops.pyfa.fa2_forward(
-        _to_4d(q, rank, layout), _to_4d(k, rank, layout), _to_4d(v, rank, layout), causal,
-        left, right, causal_align, scale, layout, block_r, block_c, backend, dropout_p, seed, offset)
+    tensors = (_to_4d(q, rank, layout), _to_4d(k, rank, layout), _to_4d(v, rank, layout))
+    options = (causal, left, right, causal_align, scale, layout, block_r, block_c, backend)
+    if bias is not None:
+        if dropout_p > 0:
+            raise ValueError("bias: pyfa.torch takes a bias or dropout_p > 0, not both yet "
+                             "(pyfa.attention_grad takes both)")
+        o, lse = torch.ops.pyfa.fa2_forward_bias(*tensors, _bias_operand(bias), *options)
+    else:
+        o, lse = torch.ops.pyfa.fa2_forward(*tensors, *options, dropout_p, seed, offset)
     if rank < 4:
         o = o.reshape(q.shape)
         lse = lse.reshape(lse.shape[4 - rank:])
@@ -373,17 +493,29 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     query (..., H, L, E), key and value (..., Hkv, S, E) with the same leading axes
     (or (L, E) and (S, E)); is_causal is top-left aligned (query i sees keys j <= i), as
     in PyTorch; Hkv != H only with enable_gqa=True (H % Hkv == 0). Refused, naming the
-    argument: attn_mask not None (an explicit mask needs pyfa's bias support, not landed
-    yet), value's head dim differing from key's, and leading axes that would need
+    argument: value's head dim differing from key's, and leading axes that would need
     broadcasting. float32 only (under torch.autocast: cast to float32). dropout_p > 0
     applies dropout whenever given, as SDPA does (callers pass 0 outside training), its
-    seed drawn from torch's default generator (pyfa.torch.attention, seed=None)."""
+    seed drawn from torch's default generator (pyfa.torch.attention, seed=None).
+    attn_mask, broadcastable to (..., H, L, S) as in PyTorch: bool (True: attend) is the
+    bias 0 / -inf, float32 is added to the scores (pyfa.torch.attention's bias=, with its
+    gradient); a query row that attends to no key gets 0. Not with is_causal (PyTorch
+    refuses the pair too), nor with dropout_p > 0 yet."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         _check_tensor(name, t)
+    bias = None
     if attn_mask is not None:
-        raise ValueError("attn_mask: pyfa takes no explicit mask yet (it needs pyfa's bias "
-                         "support, not landed yet); use is_causal, or pyfa.torch.attention's "
-                         f"causal= and window=; got a {type(attn_mask).__name__}")
+        _check_tensor("attn_mask", attn_mask)
+        if is_causal:
+            raise ValueError("attn_mask: given with is_causal=True; PyTorch refuses the pair too "
+                             "(fold the causal mask into attn_mask)")
+        if attn_mask.dtype == torch.bool:
+            bias = torch.zeros(attn_mask.shape, dtype=torch.float32, device=attn_mask.device)
+            bias = bias.masked_fill(~attn_mask, -math.inf)
+        elif attn_mask.dtype == torch.float32:
+            bias = attn_mask
+        else:
+            raise TypeError(f"attn_mask: expected dtype torch.bool or torch.float32, got {attn_mask.dtype}")
     drop = dict(dropout_p=dropout_p)
     _check_bool("is_causal", is_causal)
     _check_bool("enable_gqa", enable_gqa)
@@ -410,9 +542,17 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                              f"(enable_gqa=True)")
     if query.dim() > 4:
         flat = [t.reshape(-1, *t.shape[-3:]) for t in (query, key, value)]
-        o = attention(*flat, causal=is_causal, causal_align="top_left", scale=scale, **drop)
+        if bias is not None:
+            if bias.dim() > query.dim():
+                raise ValueError(f"attn_mask: shape {tuple(attn_mask.shape)} has more dimensions than query")
+            bias = bias.reshape((1,) * (query.dim() - bias.dim()) + tuple(bias.shape))
+            tail = tuple(bias.shape[-3:])
+            bias = (bias.reshape(1, *tail) if all(n == 1 for n in bias.shape[:-3])
+                    else bias.expand(*lead, *tail).reshape(-1, *tail))
+        o = attention(*flat, causal=is_causal, causal_align="top_left", scale=scale, bias=bias, **drop)
         return o.reshape(*lead, *o.shape[1:])
-    return attention(query, key, value, causal=is_causal, causal_align="top_left", scale=scale, **drop)
+    return attention(query, key, value, causal=is_causal, causal_align="top_left", scale=scale, bias=bias,
+                     **drop)
 
 
 def _flash_window(window_size):

@@ -199,6 +199,7 @@ def test_gpu_steps_run_on_the_emulator_with_stand_in_tools(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(common.find_tool("nvcc", ["/usr/local/cuda/bin/nvcc"]) is None, reason="nvcc not found")
 def test_ptxas_report_has_a_row_per_kernel_and_no_spills(tmp_path):
+    import ptxas_report
     p = run([sys.executable, str(TOOLS / "ptxas_report.py"), "--json", str(tmp_path / "ptxas.json")])
     assert p.returncode == 0, p.stdout + p.stderr
     report = json.loads((tmp_path / "ptxas.json").read_text())
@@ -208,7 +209,8 @@ def test_ptxas_report_has_a_row_per_kernel_and_no_spills(tmp_path):
         assert re.search(rf"^\| {kernel} \| \d+ \|", p.stdout, re.M)
     for r in rows.values():
         assert (r["spill_stores"], r["spill_loads"]) == (0, 0), r
-        assert r["fma_rn_f32"] > 0, f"{r['kernel']}: inner products not fused"
+        assert r["fma_rn_f32"] > 0 or r["kernel"] in ptxas_report.NO_PRODUCTS, \
+            f"{r['kernel']}: inner products not fused"
     assert report["fma_rn_f32_total"] == sum(r["fma_rn_f32"] for r in rows.values())
 
 

@@ -60,8 +60,8 @@ def test_sdpa_takes_torch_sdpa_ranks(shape):
 def test_sdpa_refuses_what_it_cannot_honour():
     q = torch.zeros(1, 4, 5, 8)
     sdpa = pyfa.torch.scaled_dot_product_attention
-    with pytest.raises(ValueError, match="attn_mask: pyfa takes no explicit mask yet"):
-        sdpa(q, q, q, attn_mask=torch.ones(5, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attn_mask: given with is_causal=True"):
+        sdpa(q, q, q, attn_mask=torch.ones(5, 5, dtype=torch.bool), is_causal=True)
     with pytest.raises(ValueError, match=r"dropout_p: must be in \[0, 1\)"):
         sdpa(q, q, q, dropout_p=1.5)
     kv = torch.zeros(1, 2, 5, 8)

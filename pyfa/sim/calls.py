@@ -14,7 +14,7 @@ import inspect
 
 import numpy as np
 
-from ..checks import (EMPTY_VALUES, caller_shape, check_like, check_qkv, check_rows, is_empty,
+from ..checks import (EMPTY_VALUES, caller_shape, check_bias, check_like, check_qkv, check_rows, is_empty,
                       mask_bounds, resolve_scale)
 from ..errors import CancelledError
 from ..options import resolve
@@ -42,6 +42,8 @@ def _total(algo, passes, args, kwargs, options):
     q4, k4, _, _, heads_kv = check_qkv(*args[:3], layout)
     B, H, Nq, d = q4.shape
     mask = {n: kwargs[n] for n in ("causal", "window", "causal_align") if n in kwargs}
+    if kwargs.get("bias") is not None:  # checked by the kernel's own ScoreMods.resolve first
+        mask["bias"] = tuple(np.shape(kwargs["bias"]))
     return count_io(algo, passes=passes, batch=B, heads=H, seqlen_q=Nq, seqlen_k=k4.shape[2],
                     head_dim=d, heads_kv=heads_kv, block_r=options.block_r,
                     block_c=options.block_c, **mask).total
@@ -70,6 +72,11 @@ def _empty(result_class, tensors, kwargs):
     for f in dataclasses.fields(result_class):
         if f.name == "io":
             fields["io"] = io.IORecord(label=f"{result_class.__name__}: empty problem")
+            continue
+        if f.name == "dbias":  # with bias=: zeros of its shape
+            if kwargs.get("bias") is not None:
+                bias = check_bias("bias", kwargs["bias"], (*q4.shape[:3], k4.shape[2]))
+                fields["dbias"] = np.zeros(bias.shape, np.float32)
             continue
         shape = (q4.shape[:3][4 - rank:] if f.name in ROWS else
                  caller_shape((k4 if f.name in ("dk", "dv") else q4).shape, rank, layout))

@@ -45,6 +45,34 @@ class Walk:
     Bc: object
     mask: Mask
     e: int          # bytes per tensor element
+    bias_rows: object = None  # an additive bias (issue 27): its rows, Nq or 1; None: none
+
+    def bias_io(self, io, scores, backward=False, tiles=0):
+        """A bias's traffic (pyfa/sim/score.py bias_io, dbias_io): `scores` scores of visited
+        tiles read; in a backward, dBias too: each of Nq x Nk written once, or (one row)
+        each key's running sum started once and read and written back for `tiles` visited
+        tile pairs of keys (the keys of each counted once per pair)."""
+        if self.bias_rows is None:
+            return
+        if scores:
+            io.read("Bias", scores * self.e)
+        if not backward:
+            return
+        if self.bias_rows != 1:
+            io.write("dBias", self.Nq * self.Nk * self.e)
+            return
+        io.write("dBias", (self.Nk + tiles) * self.e)
+        if tiles:
+            io.read("dBias", tiles * self.e)
+
+    def tile_keys(self):
+        """Sum over K/V tiles j of (Q tiles visiting j) * bc_j: the keys of every visited
+        tile pair."""
+        total = 0
+        for j in range(self.Tc):
+            begin, end = self.mask.q_tiles(*self.col_tile(j), self.Br, self.Nq)
+            total += max(0, end - begin) * self.col_tile(j)[1]
+        return total
 
     def row_tile(self, i):
         """(row0, br) of Q tile i."""
@@ -88,6 +116,7 @@ def fa2_forward_io(w):
         io.read("V", keys * w.d * w.e)
     io.write("O", w.Nq * w.d * w.e)
     io.write("LSE", w.Nq * STAT_BYTES)
+    w.bias_io(io, sum(w.row_tile(i)[1] * w.keys_visited(i) for i in range(w.Tr)))
     return io.scaled(w.G)
 
 
@@ -115,6 +144,8 @@ def fa2_backward_dkdv_io(w):
         io.read("D", rows * STAT_BYTES)
     io.write("dK", w.Nk * w.d * w.e)
     io.write("dV", w.Nk * w.d * w.e)
+    for _ in range(w.G):
+        w.bias_io(io, sum(w.rows_visited(j) * w.col_tile(j)[1] for j in range(w.Tc)), True, w.tile_keys())
     return io
 
 
@@ -131,6 +162,7 @@ def fa2_backward_dq_io(w):
         io.read("K", keys * w.d * w.e)
         io.read("V", keys * w.d * w.e)
     io.write("dQ", w.Nq * w.d * w.e)
+    w.bias_io(io, sum(w.row_tile(i)[1] * w.keys_visited(i) for i in range(w.Tr)))
     return io.scaled(w.G)
 
 
@@ -153,6 +185,7 @@ def fa1_forward_io(w):
         io.write("O", rows * w.d * w.e)
         io.write("m", rows * STAT_BYTES)
         io.write("l", rows * STAT_BYTES)
+    w.bias_io(io, sum(w.rows_visited(j) * w.col_tile(j)[1] for j in range(w.Tc)))
     return io.scaled(w.G)
 
 
@@ -174,6 +207,8 @@ def fa1_backward_io(w):
         io.write("dQ", rows * w.d * w.e)
     io.write("dK", w.Nk * w.d * w.e)
     io.write("dV", w.Nk * w.d * w.e)
+    for _ in range(w.G):
+        w.bias_io(io, sum(w.rows_visited(j) * w.col_tile(j)[1] for j in range(w.Tc)), True, w.tile_keys())
     return io
 
 
@@ -207,7 +242,7 @@ def check_heads_kv(heads_kv, heads):
 
 def count_kernels(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, head_dim,
                   heads_kv=None, block_r=None, block_c=None, causal=False, window=None,
-                  causal_align="bottom_right", dtype_bytes=4, profile=EMU_PROFILE):
+                  causal_align="bottom_right", dtype_bytes=4, profile=EMU_PROFILE, bias=None):
     """count_io's record, and the tiles each kernel was counted with:
     [{"pass", "kernel", "block_r", "block_c"}] in launch order (empty for the unfused
     standard model)."""
@@ -219,6 +254,7 @@ def count_kernels(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, h
     mask = Mask.resolve(causal, window, causal_align, seqlen_q, seqlen_k)
     if not isinstance(profile, DeviceProfile):
         raise ArgumentTypeError(f"profile: expected a sim.DeviceProfile, got {type(profile).__name__}")
+    bias_rows = _bias_rows(bias, algo, batch, heads, seqlen_q, seqlen_k)
     wanted = ["forward", "backward"] if passes == "both" else [passes]
     record, tiles = IORecord(), []
     for p in wanted:
@@ -230,7 +266,7 @@ def count_kernels(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, h
             else:
                 Br, Bc = resolve_tiles(kernel, head_dim, block_r, block_c, profile)
                 tiles.append({"pass": p, "kernel": kernel, "block_r": Br, "block_c": Bc})
-            w = Walk(seqlen_q, seqlen_k, head_dim, heads // Hkv, Br, Bc, mask, dtype_bytes)
+            w = Walk(seqlen_q, seqlen_k, head_dim, heads // Hkv, Br, Bc, mask, dtype_bytes, bias_rows)
             record = record + walker(w)
     out = record.scaled(batch * Hkv)
     out.label = f"{algo} {passes}"
@@ -239,15 +275,35 @@ def count_kernels(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, h
 
 def count_io(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, head_dim,
              heads_kv=None, block_r=None, block_c=None, causal=False, window=None,
-             causal_align="bottom_right", dtype_bytes=4, profile=EMU_PROFILE):
+             causal_align="bottom_right", dtype_bytes=4, profile=EMU_PROFILE, bias=None):
     """The IO record of `algo` ("fa1", "fa2", "standard") for `passes` ("forward",
     "backward", "both"), counted without arithmetic. heads_kv: K/V heads (None: heads);
     window, causal, causal_align: the mask, as the kernels take it (pyfa/sim/mask.py). None
-    tiles are each kernel's defaults on `profile` (sim.tiles.default_tiles)."""
+    tiles are each kernel's defaults on `profile` (sim.tiles.default_tiles). bias: the
+    shape of an additive bias (issue 27; broadcastable to (B, H, Nq, Nk)) or None: its
+    reads per visited tile and, in a backward, dBias's traffic (docs/io_closed_forms.md)."""
     return count_kernels(algo, passes=passes, batch=batch, heads=heads, seqlen_q=seqlen_q,
                          seqlen_k=seqlen_k, head_dim=head_dim, heads_kv=heads_kv,
                          block_r=block_r, block_c=block_c, causal=causal, window=window,
-                         causal_align=causal_align, dtype_bytes=dtype_bytes, profile=profile)[0]
+                         causal_align=causal_align, dtype_bytes=dtype_bytes, profile=profile,
+                         bias=bias)[0]
+
+
+def _bias_rows(bias, algo, B, H, Nq, Nk):
+    """The rows (Nq or 1) of a bias of shape `bias` (checked as pyfa.checks checks one),
+    or None for none."""
+    if bias is None:
+        return None
+    shape = tuple(bias) if isinstance(bias, (tuple, list)) else None
+    if shape is None or not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in shape):
+        raise ArgumentTypeError(f"bias: expected the bias's shape, a tuple of ints, got {bias!r}")
+    if algo == "standard":
+        raise InvalidArgumentError("bias: the standard model counts no bias")
+    padded = (1,) * (4 - len(shape)) + shape
+    if not 1 <= len(shape) <= 4 or padded[3] != Nk or any(n not in (1, m) for n, m in zip(padded[:3], (B, H, Nq))):
+        raise InvalidArgumentError(f"bias: shape {shape} does not broadcast to (B, H, Nq, Nk) = {(B, H, Nq, Nk)} "
+                                   f"with its last axis the Nk keys")
+    return padded[2]
 
 
 # The unfused standard-attention model (pyfa/sim/standard.py): no kernel, hence no tiles.

@@ -35,6 +35,7 @@ class Fa1BackwardResult:
     dk: np.ndarray  # like k (Hkv heads)
     dv: np.ndarray  # like v
     io: IORecord
+    dbias: object = None  # with bias=: dBias, the bias's shape (docs/numerics.md §2)
 
 
 @simulated("fa1", "backward", Fa1BackwardResult)
@@ -85,6 +86,7 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, window=None, causal_alig
     io.write("dQ", BH * nbytes(Nq))
     dK = np.zeros((BHkv, Nk, d), F32)
     dV = np.zeros((BHkv, Nk, d), F32)
+    dB = score.dbias_start(mods, BH, Tr * Wr, Tc * Bc)
 
     for j in range(Tc):
         col0 = j * Bc
@@ -109,6 +111,8 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, window=None, causal_alig
             io.read("m", BH * n_rows * 4)
             io.read("l", BH * n_rows * 4)
             io.write("dQ", BH * nbytes(n_rows))
+            score.bias_io(mods, io, BH * n_rows * bc)
+            score.dbias_io(mods, io, 0, BH * (z - a) * bc, 0)
 
             Q_a, dO_a, O_a = Qi[:, :, a:z], dOi[:, :, a:z], Oi[:, :, a:z]
             m_a, l_a = mi[:, :, a:z], li[:, :, a:z]
@@ -131,6 +135,8 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, window=None, causal_alig
             dP = nx.dot_rows(dO_a, Vg)
             D = nx.dot(dO_a, O_a)
             dS = np.where(keep, score.score_grad(mods, P, dP, D[..., None], s, S, bh // H, bh % H, r_a, c_a), F32(0))
+            if dB is not None:
+                score.dbias_tiles(mods, dB, dS, keep, bh, rows[a:z], c_a)
             keep_t = np.swapaxes(keep, -1, -2)
             # A row that sees no key of the tile, or a key that no row of it sees, takes no step.
             row_steps = keep.any(axis=-1)                # (1, 1, z-a, Wr)
@@ -160,8 +166,11 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, window=None, causal_alig
         dV[:, col0:col0 + bc] = nx.canonical_nan(dVj[:, :bc])
         io.write("dK", BHkv * nbytes(bc))
         io.write("dV", BHkv * nbytes(bc))
+        score.dbias_io(mods, io, BH * bc, 0, 0)
+    score.dbias_io(mods, io, 0, 0, BH * Nq * Nk)
 
     dQ = dQ.reshape(BH, Tr * Wr, d)[:, :Nq].reshape(B, H, Nq, d)
     return Fa1BackwardResult(restore_rank(dQ, rank, layout),
                              restore_rank(dK.reshape(B, Hkv, Nk, d), rank, layout),
-                             restore_rank(dV.reshape(B, Hkv, Nk, d), rank, layout), io)
+                             restore_rank(dV.reshape(B, Hkv, Nk, d), rank, layout), io,
+                             None if dB is None else score.dbias_result(mods, dB, B, H, Nq, Nk))

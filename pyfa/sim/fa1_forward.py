@@ -86,6 +86,7 @@ def fa1_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_righ
         io.read("K", BH * nbytes(bc))
         io.read("V", BH * nbytes(bc))
         n_rows = min(Nq, z * Br) - a * Br
+        score.bias_io(mods, io, BH * n_rows * bc)
         io.read("Q", BH * nbytes(n_rows))
         io.read("O", BH * nbytes(n_rows))
         io.read("m", BH * n_rows * 4)

@@ -37,6 +37,7 @@ class Fa2BackwardResult:
     dk: np.ndarray  # like k (Hkv heads)
     dv: np.ndarray  # like v
     io: IORecord
+    dbias: object = None  # with bias=: dBias, the bias's shape (docs/numerics.md §2)
 
 
 def _pad_rows(x, rows):
@@ -81,7 +82,7 @@ def _preprocess(O, dO, io):
     return D
 
 
-def _dkdv(Q, K, V, dO, LSE, D, Br, Bc, scale, mods, mask, io, Hkv):
+def _dkdv(Q, K, V, dO, LSE, D, Br, Bc, scale, mods, mask, io, Hkv, dB=None):
     """The dK/dV kernel: blocks (j, K/V head) (vectorized) walk, for each query head g of
     their group in increasing order, the Q row blocks i of their band mask.q_tiles(j) in
     increasing order. Q, dO: (BHkv, G, Nq, d); LSE, D: (BHkv, G, Nq); K, V: (BHkv, Nk, d)."""
@@ -120,6 +121,10 @@ def _dkdv(Q, K, V, dO, LSE, D, Br, Bc, scale, mods, mask, io, Hkv):
             io.read("dO", BHkv * active.size * br * d * 4)
             io.read("LSE", BHkv * active.size * br * 4)
             io.read("D", BHkv * active.size * br * 4)
+            keys = int(sum(min(Bc, Nk - j * Bc) for j in active))
+            score.bias_io(mods, io, BHkv * br * keys)
+            if dB is not None:
+                score.dbias_io(mods, io, 0, BHkv * keys, 0)
 
             rows = row0 + np.arange(Br)
             c = cols[active][:, None, :]
@@ -127,6 +132,8 @@ def _dkdv(Q, K, V, dO, LSE, D, Br, Bc, scale, mods, mask, io, Hkv):
             masked = mask.masked(rows[None, :, None], c)
             P, dS, keep = _p_ds(Qi, dOi, LSEi, Di, Kj[:, active], Vj[:, active], masked, pad, scale,
                                 mods, bh, Hkv * G, rows[None, :, None], c)
+            if dB is not None:
+                score.dbias_tiles(mods, dB, dS, keep, bh, rows[None, :], c)
 
             # dV_j += P^T dO_i, dK_j += dS^T Q_i, each summed over the rows that see the
             # key, r in order; a key that no row of the tile sees takes no step.
@@ -137,6 +144,8 @@ def _dkdv(Q, K, V, dO, LSE, D, Br, Bc, scale, mods, mask, io, Hkv):
             dVj[:, active] = np.where(steps, dVj[:, active] + dv, dVj[:, active])
             dKj[:, active] = np.where(steps, dKj[:, active] + dk, dKj[:, active])
 
+    if dB is not None:  # the one-row sums' starts, or every element of the rows of Nq
+        score.dbias_io(mods, io, BHkv * G * Nk, 0, BHkv * G * Nq * Nk)
     dK = nx.canonical_nan((dKj * scale).reshape(BHkv, Tc * Bc, d)[:, :Nk])
     dV = nx.canonical_nan(dVj.reshape(BHkv, Tc * Bc, d)[:, :Nk])
     io.write("dK", BHkv * Nk * d * 4)
@@ -175,6 +184,7 @@ def _dq(Q, K, V, dO, LSE, D, Br, Bc, scale, mods, mask, io, H):
         Kj, Vj = Kp[:, None, col0:col0 + Bc], Vp[:, None, col0:col0 + Bc]
         io.read("K", BH * (z - a) * bc * d * 4)
         io.read("V", BH * (z - a) * bc * d * 4)
+        score.bias_io(mods, io, BH * (min(Nq, z * Br) - a * Br) * bc)
 
         r, c = rows[a:z, :, None], (col0 + np.arange(Bc))[None, None, :]
         pad = (c >= Nk) | (r >= Nq)
@@ -224,10 +234,13 @@ def fa2_backward(q, k, v, o, lse, do, *, causal=False, window=None, causal_align
     D = _preprocess(O, dO, io)
     # Query head h = hk * G + g: (B*H, ...) is (B*Hkv, G, ...) without a copy.
     group = lambda x: x.reshape((BHkv, G) + x.shape[1:])
-    dK, dV = _dkdv(group(Q), K, V, group(dO), group(LSE), group(D), Br_kv, Bc_kv, scale, mods, mask, io, Hkv)
+    dB = score.dbias_start(mods, BH, ceil_div(Nq, Br_kv) * Br_kv, ceil_div(Nk, Bc_kv) * Bc_kv)
+    dK, dV = _dkdv(group(Q), K, V, group(dO), group(LSE), group(D), Br_kv, Bc_kv, scale, mods, mask, io, Hkv,
+                   dB)
     K_h = kv_heads(k4, H).reshape(BH, Nk, d)
     V_h = kv_heads(v4, H).reshape(BH, Nk, d)
     dQ = _dq(Q, K_h, V_h, dO, LSE, D, Br_q, Bc_q, scale, mods, mask, io, H)
     return Fa2BackwardResult(restore_rank(dQ.reshape(B, H, Nq, d), rank, layout),
                              restore_rank(dK.reshape(B, Hkv, Nk, d), rank, layout),
-                             restore_rank(dV.reshape(B, Hkv, Nk, d), rank, layout), io)
+                             restore_rank(dV.reshape(B, Hkv, Nk, d), rank, layout), io,
+                             None if dB is None else score.dbias_result(mods, dB, B, H, Nq, Nk))

@@ -76,6 +76,7 @@ def fa2_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_righ
         Vj[:, :bc] = V[:, col0:col0 + bc]
         io.read("K", BH * (z - a) * nbytes(bc))
         io.read("V", BH * (z - a) * nbytes(bc))
+        score.bias_io(mods, io, BH * (min(Nq, z * Br) - a * Br) * bc)
 
         # S_ij: the score pipeline (pyfa/sim/score.py), its sums x in order.
         Q_a = Qi[:, a:z]

@@ -25,7 +25,10 @@ _NEG_INF = np.float32(-np.inf)
 
 
 def score_mod(mods, s, b, h, i, j):
-    """The modification of the scaled scores s (score.h score_mod): the identity today."""
+    """The modification of the scaled scores s (score.h score_mod)."""
+    # The additive bias, last (after scaling, softcap and ALiBi): its gradient is dS itself.
+    if mods.bias is not None:
+        s = s + mods.bias.at(b, h, i, j)
     return s
 
 
@@ -73,3 +76,72 @@ def dropped(mods, P, b, h, i, j):
     """P o Z / (1 - p) of dropout.h's Dropout::apply: what P V (and the backward's dV and
     dP) take in place of P."""
     return dropout(mods).apply(P, b, h, i, j)
+
+
+# ---- dBias (issue 27): the twin of score.h's dbias_clear and dbias_tile.
+
+def dbias_start(mods, BH, Nq_pad, Nk_pad):
+    """The (BH, Nq_pad or 1, Nk_pad) dS sums of a backward that writes dBias (+0 where no tile
+    visits), or None without a bias."""
+    if mods.bias is None:
+        return None
+    return np.zeros((BH, 1 if mods.bias.sums_rows() else Nq_pad, Nk_pad), np.float32)
+
+
+def dbias_tiles(mods, dB, dS, keep, bh, rows, cols):
+    """Adds visited tiles to dB (dbias_start): dS and keep (..., T, Br, Bc), T tiles of rows
+    rows (T, Br) in increasing order, whose keys are cols (..., T, 1, Bc) or broadcast; bh
+    the query head b * H + h of each, broadcasting. Rows of Nq: dS where kept, else +0.
+    One row: per tile, the sum over its kept rows r in order, added to the running one."""
+    shape = np.broadcast_shapes(dS.shape, np.shape(cols), np.shape(bh))
+    dS = np.broadcast_to(dS, shape)
+    keep = np.broadcast_to(keep, shape)
+    bh = np.broadcast_to(bh, shape)
+    cols = np.broadcast_to(cols, shape)
+    if not mods.bias.sums_rows():
+        r = np.broadcast_to(rows[..., None], shape)
+        dB[bh, r, cols] = np.where(keep, nx.canonical_nan(dS), np.float32(0))
+        return
+    bh0, c0 = bh[..., 0, :], cols[..., 0, :]
+    for t in range(shape[-3]):
+        acc = dB[bh0[..., t, :], 0, c0[..., t, :]]
+        for r in range(shape[-2]):
+            acc = np.where(keep[..., t, r, :], acc + dS[..., t, r, :], acc)
+        dB[bh0[..., t, :], 0, c0[..., t, :]] = nx.canonical_nan(acc)
+
+
+def bias_io(mods, io, scores):
+    """The bias read for `scores` scores of visited tiles (4 bytes each): the IO model
+    counts a visited tile's whole bias, as a tile load moves it."""
+    if mods.bias is not None and scores:
+        io.read("Bias", scores * 4)
+
+
+def dbias_io(mods, io, cleared, tiled, rows_full):
+    """dBias through HBM: `cleared` keys whose running sum starts at +0 and `tiled` keys
+    of visited tiles whose sum is read and written back (one row), or `rows_full` floats
+    each written once (rows of Nq)."""
+    if mods.bias is None:
+        return
+    written, read = (cleared + tiled, tiled) if mods.bias.sums_rows() else (rows_full, 0)
+    if written:
+        io.write("dBias", written * 4)
+    if read:
+        io.read("dBias", read * 4)
+
+
+def dbias_result(mods, dB, B, H, Nq, Nk):
+    """dBias of the bias's shape from dB: cut to (B, H, Nq or 1, Nk), then, over each of B,
+    H (of more than one) that the bias lacks, the fold of score.h dbias_fold_at: from +0,
+    part's (b, h) in increasing order, b outer, one fp32 addition each."""
+    rows = 1 if mods.bias.sums_rows() else Nq
+    part = dB[:, :rows, :Nk].reshape(B, H, rows, Nk)
+    sum_b, sum_h = not mods.bias.full[0], not mods.bias.full[1]
+    if not (sum_b or sum_h):
+        return part.reshape(mods.bias.shape)
+    out = np.zeros((1 if sum_b else B, 1 if sum_h else H, rows, Nk), np.float32)
+    for b in range(B):
+        for h in range(H):
+            t = (0 if sum_b else b, 0 if sum_h else h)
+            out[t] = out[t] + part[b, h]
+    return nx.canonical_nan(out).reshape(mods.bias.shape)

@@ -87,4 +87,19 @@ struct AttentionParams {
     PYFA_HD int64_t stat_at(const Sequence& s, int64_t h) const {
         return cu_seqlens_q ? h * total_q + s.q0 : (s.batch * heads + h) * seqlen_q;
     }
+    // ---- additive bias (issue 27): S = score_mod(s) + bias[b, h, i, j] (common/score.h)
+    const float* bias;           // (B, H, Nq, Nk) through bias_strides, keys contiguous; nullptr: none
+    TensorStrides bias_strides;  // of bias; 0 along an axis it broadcasts over (never "dense")
+    float* dbias;                // (B, H, Nq or 1, Nk) dense, dS of each (b, h): rows 1 (the sum over
+                                 // i = 0 .. Nq-1 in order) when bias_strides.row == 0; nullptr: not asked
+};
+
+// The fold of dBias over a bias's broadcast B and H (issue 27; common/score.h
+// dbias_fold_at), run after the kernel that writes `part`.
+struct DbiasFold {
+    const float* part;  // (B, H, rows, Nk) dense: AttentionParams::dbias as the kernels wrote it
+    float* out;         // (sum_b ? 1 : B, sum_h ? 1 : H, rows, Nk) dense: the caller's dbias
+    int64_t batch, heads, rows, keys;  // B, H, rows (Nq or 1), Nk
+    bool sum_b, sum_h;  // the bias broadcasts along B, along H
+    PYFA_HD int64_t elems() const { return (sum_b ? 1 : batch) * (sum_h ? 1 : heads) * rows * keys; }
 };

@@ -32,9 +32,36 @@
 // and the same two in pyfa/sim/score.py. T is float in the kernels; the cpu backend calls the
 // same function on its vectors (T a GCC vector of floats, I and J of lane indices), so
 // a formula made of the operations both support is written once.
+// ---- additive bias (issue 27): bias[b, h, i, j], broadcast along any axis of stride 0.
+// The cpu backend's vectors carry lanes past Nq or Nk (tile padding), which read 0.
+inline int64_t score_lane(int64_t x, int) { return x; }
+template <class V>
+inline int64_t score_lane(const V& x, int k) { return x[k]; }
+
+template <class T>
+struct BiasAt {  // T a GCC vector of floats: one lane at a time
+    template <class I, class J>
+    static T get(const AttentionParams& p, int64_t b, int64_t h, I i, J j) {
+        T out = T{};
+        for (int k = 0; k < static_cast<int>(sizeof(T) / sizeof(float)); ++k) {
+            const int64_t ik = score_lane(i, k), jk = score_lane(j, k);
+            out[k] = ik < p.seqlen_q && jk < p.seqlen_k ? p.bias[p.bias_strides.at(b, h, ik) + jk] : 0.0f;
+        }
+        return out;
+    }
+};
+template <>
+struct BiasAt<float> {  // the fast kernels form scores of tile padding too (rows past Nq): those read 0
+    PYFA_HD static float get(const AttentionParams& p, int64_t b, int64_t h, int64_t i, int64_t j) {
+        return i < p.seqlen_q && j < p.seqlen_k ? p.bias[p.bias_strides.at(b, h, i) + j] : 0.0f;
+    }
+};
+
 template <class T, class I, class J>
 PYFA_HD T score_mod(const AttentionParams& p, T s, int64_t b, int64_t h, I i, J j) {
     (void)p, (void)b, (void)h, (void)i, (void)j;
+    // The additive bias, last (after scaling, softcap and ALiBi): its gradient is dS itself.
+    if (p.bias) s = s + BiasAt<T>::get(p, b, h, i, j);
     return s;
 }
 
@@ -113,4 +140,66 @@ PYFA_HD float score_grad(const AttentionParams& p, float P, float dp, float D, S
 PYFA_HD float score_grad_kept(const AttentionParams& p, float P, float dp, float D, bool kept, ScoreAt<float> at,
                               int64_t b, int64_t h, int64_t i, int64_t j) {
     return score_mod_grad(p, P * (p.dropout.apply_kept(dp, kept) - D), at, b, h, i, j);
+}
+
+// ---- dBias (issue 27): dS of every (b, h, i, j), into p.dbias (params.h), written by the
+// kernel that visits each (i, j) of a (b, h) exactly once (FA2: dK/dV, FA1: its one
+// kernel), by the threads of one block. Rows of Nq (bias_strides.row != 0): dS as is, +0
+// where hidden or never visited. One row (bias_strides.row == 0): the sum over the visible
+// i = 0 .. Nq-1 in increasing order, one fp32 addition each, from +0, whatever the tiles.
+// The sums over a bias broadcast along B or H are the caller's (docs/numerics.md).
+PYFA_HD bool dbias_sums_rows(const AttentionParams& p) { return p.bias_strides.row == 0; }
+
+// Row i of dBias for query head h of batch b: Nk floats.
+PYFA_HD float* dbias_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i) {
+    const int64_t rows = dbias_sums_rows(p) ? 1 : p.seqlen_q;
+    return p.dbias + ((b * p.heads + h) * rows + (dbias_sums_rows(p) ? 0 : i)) * p.seqlen_k;
+}
+
+// Before the first visited tile of keys col0 .. col0+bc-1 of (b, h): +0 in the rows no
+// tile visits (all but [r0, r1)), or the row sum's start. A column's sum is kept by the
+// thread c % nthreads here and in dbias_tile.
+PYFA_HD void dbias_clear(const AttentionParams& p, int64_t b, int64_t h, int64_t r0, int64_t r1, int64_t col0,
+                         int64_t bc, int64_t tid, int64_t nthreads) {
+    if (dbias_sums_rows(p)) {
+        for (int64_t c = tid; c < bc; c += nthreads) dbias_row(p, b, h, 0)[col0 + c] = 0.0f;
+        return;
+    }
+    const int64_t rest = p.seqlen_q - (r1 - r0);
+    for (int64_t e = tid; e < rest * bc; e += nthreads) {
+        const int64_t n = e / bc, i = n < r0 ? n : n + (r1 - r0);
+        dbias_row(p, b, h, i)[col0 + e % bc] = 0.0f;
+    }
+}
+
+// Element e of the folded dBias: from +0, part's (b, h) over the broadcast axes in
+// increasing order, b outer, one fp32 addition each (twin: pyfa/sim/score.py dbias_fold).
+PYFA_HD float dbias_fold_at(const DbiasFold& f, int64_t e) {
+    const int64_t per = f.rows * f.keys, x = e % per, bh = e / per;
+    const int64_t out_h = f.sum_h ? 1 : f.heads, h0 = bh % out_h, b0 = bh / out_h;
+    float sum = 0.0f;
+    for (int64_t b = f.sum_b ? 0 : b0; b < (f.sum_b ? f.batch : b0 + 1); ++b)
+        for (int64_t h = f.sum_h ? 0 : h0; h < (f.sum_h ? f.heads : h0 + 1); ++h)
+            sum = sum + f.part[(b * f.heads + h) * per + x];
+    return pyfa_canonical_nan(sum);
+}
+
+// One visited tile: dS_ij (br, bc) of rows row0.., row stride ld, +0 where hidden.
+PYFA_HD void dbias_tile(const AttentionParams& p, const float* dS_ij, int64_t ld, const Band& band, int64_t b,
+                        int64_t h, int64_t row0, int64_t br, int64_t col0, int64_t bc, int64_t tid,
+                        int64_t nthreads) {
+    if (dbias_sums_rows(p)) {
+        for (int64_t c = tid; c < bc; c += nthreads) {
+            const TileRange vis = band.rows(c, br);
+            float* at = dbias_row(p, b, h, 0) + col0 + c;
+            float sum = *at;
+            for (int64_t r = vis.begin; r < vis.end; ++r) sum = sum + dS_ij[r * ld + c];
+            *at = pyfa_canonical_nan(sum);
+        }
+        return;
+    }
+    for (int64_t e = tid; e < br * bc; e += nthreads) {
+        const int64_t r = e / bc, c = e % bc;
+        dbias_row(p, b, h, row0 + r)[col0 + c] = band.visible(r, c) ? pyfa_canonical_nan(dS_ij[r * ld + c]) : 0.0f;
+    }
 }

@@ -253,7 +253,8 @@ float*& param_slot(AttentionParams& p, TensorId t) {
 // Fixed-size lists, ended by T_NONE (the zero the aggregate fills in), so that the
 // operation table needs no allocation, not even when the library is loaded.
 constexpr int kMaxInputs = 8, kMaxOutputs = 4, kMaxScratch = 2, kMaxKernels = 4;
-constexpr int kMaxOwned = kMaxInputs + kMaxOutputs + kMaxScratch + 2;  // + the offsets of packed sequences
+constexpr int kMaxOwned = kMaxInputs + kMaxOutputs + kMaxScratch + 5;  // + the offsets of packed sequences,
+                                                                      // bias, dbias and its fold's scratch
 
 template <int N>
 int count(const TensorId (&list)[N]) {
@@ -353,6 +354,103 @@ pyfa_status copy_struct(const T* in, const char* field, T* out) {
     }
     std::memcpy(out, in, size);
     out->struct_size = static_cast<uint32_t>(sizeof(T));
+    return PYFA_OK;
+}
+
+// ---- additive bias (issue 27): tensors->bias, an input of every op, and tensors->dbias,
+// an optional output of the backwards. Not TensorIds: bias is (B, H, Nq, Nk) through
+// problem->bias_strides as given (0 broadcasts), dbias dense in the bias's shape. The
+// kernels write dS per query head, (B, H, Nq or 1, Nk): into dbias itself, or into
+// scratch folded over the broadcast B and H afterwards (Backend::fold_dbias).
+struct BiasTensors {
+    const float* bias = nullptr;
+    float* dbias = nullptr;
+};
+
+int64_t dbias_rows(const pyfa_problem& pr) { return pr.bias_strides.row ? pr.seqlen_q : 1; }
+
+// The fold of the kernels' dS (part) into dbias (out), its sizes; sum_b or sum_h when the
+// bias broadcasts along B (H) and there is more than one.
+DbiasFold dbias_fold(const pyfa_problem& pr) {
+    DbiasFold f{};
+    f.batch = pr.batch;
+    f.heads = pr.heads;
+    f.rows = dbias_rows(pr);
+    f.keys = pr.seqlen_k;
+    f.sum_b = pr.bias_strides.batch == 0 && pr.batch > 1;
+    f.sum_h = pr.bias_strides.head == 0 && pr.heads > 1;
+    return f;
+}
+
+// Elements of dS per query head, as the kernels write them, or -1 past int64_t; dbias
+// holds as many or fewer.
+int64_t dbias_elems(const pyfa_problem& pr) {
+    return checked_mul(checked_mul(checked_mul(pr.batch, pr.heads), dbias_rows(pr)), pr.seqlen_k);
+}
+
+// Elements from bias's first to one past its last, or -1 past int64_t.
+int64_t bias_extent(const pyfa_problem& pr) {
+    const pyfa_strides& s = pr.bias_strides;
+    int64_t n = checked_add(checked_mul(pr.batch - 1, s.batch), checked_mul(pr.heads - 1, s.head));
+    n = n < 0 ? -1 : checked_add(n, checked_mul(pr.seqlen_q - 1, s.row));
+    return n < 0 ? -1 : checked_add(n, pr.seqlen_k);
+}
+
+ByteLayout bias_layout(const pyfa_problem& pr, bool grad) {
+    const int64_t f = static_cast<int64_t>(sizeof(float)), w = pr.seqlen_k * f;
+    if (grad) {
+        const DbiasFold f = dbias_fold(pr);
+        const int64_t b = f.sum_b ? 1 : pr.batch, h = f.sum_h ? 1 : pr.heads;
+        return ByteLayout{{h * f.rows * w, f.rows * w, w}, {b, h, f.rows}, w};
+    }
+    const pyfa_strides& s = pr.bias_strides;
+    return ByteLayout{{s.batch * f, s.head * f, s.row * f}, {pr.batch, pr.heads, pr.seqlen_q}, w};
+}
+
+pyfa_status check_bias(const Op& op, const pyfa_tensors& named, const pyfa_problem& pr, BiasTensors* out) {
+    const struct { const char* name; const pyfa_tensor& t; } given[] = {{"bias", named.bias}, {"dbias", named.dbias}};
+    for (const auto& g : given)
+        if (!all_zero(g.t.strides))
+            return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                        "tensors->%s.strides: must be 0 (the bias's strides are problem->bias_strides)", g.name);
+    out->bias = static_cast<const float*>(named.bias.data);
+    out->dbias = static_cast<float*>(named.dbias.data);
+    if (out->dbias && op.op != PYFA_OP_FA2_BACKWARD && op.op != PYFA_OP_FA1_BACKWARD)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "tensors->dbias: given, but %s does not take it (leave it zero)",
+                    op.name);
+    if (out->dbias && !out->bias)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "tensors->dbias: given without tensors->bias");
+    if (!out->bias) return PYFA_OK;
+    const pyfa_strides& s = pr.bias_strides;
+    const struct { const char* name; int64_t value; } fields[] = {{"batch", s.batch}, {"head", s.head}, {"row", s.row}};
+    for (const auto& f : fields)
+        if (f.value < 0)
+            return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->bias_strides.%s: must be >= 0 (0 broadcasts), got %lld",
+                        f.name, static_cast<long long>(f.value));
+    const int64_t extent = bias_extent(pr), grad = dbias_elems(pr);
+    if (extent < 0 || extent > kMaxTensorElems || grad < 0 || grad > kMaxTensorElems)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                    "problem->bias_strides: bias or dbias spans more than 2^61 - 1 elements");
+    return PYFA_OK;
+}
+
+// dbias shares no byte with any other tensor of the call, input or output: the kernels read
+// the inputs while they write it.
+pyfa_status check_bias_overlaps(const Op& op, const pyfa_problem& pr, const float* const* inputs,
+                                float* const* outputs, const BiasTensors& bt) {
+    if (!bt.dbias) return PYFA_OK;
+    const ByteLayout lg = bias_layout(pr, true);
+    const uintptr_t pg = reinterpret_cast<uintptr_t>(bt.dbias);
+    if (rows_meet(lg, pg, bias_layout(pr, false), reinterpret_cast<uintptr_t>(bt.bias)))
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "dbias and bias: dbias overlaps another tensor in memory");
+    const int n_in = count(op.inputs), n_out = count(op.outputs);
+    for (int t = 0; t < n_in + n_out; ++t) {
+        const TensorId id = t < n_in ? op.inputs[t] : op.outputs[t - n_in];
+        const void* ptr = t < n_in ? static_cast<const void*>(inputs[t]) : outputs[t - n_in];
+        if (rows_meet(lg, pg, byte_layout(id, pr), reinterpret_cast<uintptr_t>(ptr)))
+            return fail(PYFA_ERROR_INVALID_ARGUMENT, "dbias and %s: dbias overlaps another tensor in memory",
+                        kTensors[id].name);
+    }
     return PYFA_OK;
 }
 
@@ -710,8 +808,13 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     pyfa_problem pr;
     if ((st = check_problem(problem, taken, n_in + n_out, named, &pr)) != PYFA_OK) return st;
     if ((st = check_varlen(pr, named)) != PYFA_OK) return st;
+    if (pr.varlen && (named.bias.data || named.dbias.data))
+        return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                    "tensors->bias: not with packed sequences (problem->varlen) in this version");
     pyfa_config cfg;
     if ((st = check_config(config, &cfg)) != PYFA_OK) return st;
+    BiasTensors bt;
+    if ((st = check_bias(op, named, pr, &bt)) != PYFA_OK) return st;
     const float* inputs[kMaxInputs] = {};
     float* outputs[kMaxOutputs] = {};
     for (int t = 0; t < n_in + n_out; ++t) {
@@ -740,14 +843,16 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     // and launches below all follow it) and put back when the call returns.
     DeviceScope device_scope;
     if (device_pointers) {
-        const char* names[kMaxInputs + kMaxOutputs];
-        const void* pointers[kMaxInputs + kMaxOutputs];
-        for (int t = 0; t < n_in + n_out; ++t) {
+        const char* names[kMaxInputs + kMaxOutputs + 2];
+        const void* pointers[kMaxInputs + kMaxOutputs + 2];
+        int n = 0;
+        for (int t = 0; t < n_in + n_out; ++t, ++n) {
             names[t] = kTensors[taken[t]].name;
             pointers[t] = t < n_in ? static_cast<const void*>(inputs[t]) : outputs[t - n_in];
         }
-        if ((st = backend.enter_device(names, pointers, n_in + n_out, stream, &device_scope)) != PYFA_OK)
-            return st;
+        if (bt.bias) names[n] = "bias", pointers[n++] = bt.bias;
+        if (bt.dbias) names[n] = "dbias", pointers[n++] = bt.dbias;
+        if ((st = backend.enter_device(names, pointers, n, stream, &device_scope)) != PYFA_OK) return st;
     }
     pyfa_device_profile profile;
     if ((st = backend.profile(&profile)) != PYFA_OK) return st;
@@ -776,6 +881,9 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     for (int t = 0; t < n_in + n_out; ++t)
         if (TensorStrides* slot = strides_slot(base, taken[t])) *slot = resolved_strides(taken[t], pr);
     base.dropout = Dropout::make(pr.dropout_p, pr.dropout_seed, pr.dropout_offset);
+    base.bias = bt.bias;
+    base.dbias = bt.dbias;
+    if (bt.bias) base.bias_strides = TensorStrides{pr.bias_strides.batch, pr.bias_strides.head, pr.bias_strides.row};
 
     // Every kernel's tiles and launch are checked before anything is allocated or
     // launched, so that a configuration error never follows a kernel that has written.
@@ -826,6 +934,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
                             "(PYFA_FLAG_IN_PLACE, device pointers) must not",
                             kTensors[op.outputs[x]].name, o.name);
         }
+    if ((st = check_bias_overlaps(op, pr, inputs, outputs, bt)) != PYFA_OK) return st;
 
     // On a device-memory backend the host entry points work on the library's own stream.
     const bool device_backend = backend.memory() == Memory::Device;
@@ -888,6 +997,28 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     for (int t = 0; t < n_scratch; ++t)
         if ((st = owned.alloc(tensor_bytes(op.scratch[t], pr), &param_slot(bound, op.scratch[t]))) != PYFA_OK)
             return st;
+    // The bias travels as the inputs do (its span), dbias is staged as the outputs are;
+    // the kernels write into it, or into scratch of the backend's that is then folded.
+    DbiasFold fold = dbias_fold(pr);
+    const bool folds = bt.dbias && (fold.sum_b || fold.sum_h);
+    const size_t dbias_bytes = bt.dbias ? sizeof(float) * static_cast<size_t>(fold.elems()) : 0;
+    const bool dbias_staged = bt.dbias && (device_backend ? !device_pointers : !host_in_place);
+    if (bt.bias && stage_inputs) {
+        const size_t bytes = sizeof(float) * static_cast<size_t>(bias_extent(pr));
+        float* slot = nullptr;
+        if ((st = owned.alloc(bytes, &slot)) != PYFA_OK) return st;
+        if ((st = backend.copy_to_device(slot, bt.bias, bytes, stream)) != PYFA_OK) return st;
+        bound.bias = slot;
+    }
+    if (dbias_staged && (st = owned.alloc(dbias_bytes, &bound.dbias)) != PYFA_OK) return st;
+    any_staged = any_staged || dbias_staged;
+    float* const dbias_written = bound.dbias;  // the caller's dbias, or its staging buffer
+    if (folds) {
+        fold.out = dbias_written;
+        float* part = nullptr;
+        if ((st = owned.alloc(sizeof(float) * static_cast<size_t>(dbias_elems(pr)), &part)) != PYFA_OK) return st;
+        fold.part = bound.dbias = part;
+    }
 
     // A backend polled per kernel is asked before each launch. On the library's stream
     // (host entry points) the dispatcher first waits for the kernels already launched, so
@@ -915,6 +1046,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
             if ((st = backend.launch(ids[n], p, shapes[n], cfg, stream)) != PYFA_OK) return st;
         }
     }
+    if (folds && (st = backend.fold_dbias(fold, stream)) != PYFA_OK) return st;
 
     if (!any_staged) return owned.release();
     if (device_backend) {
@@ -942,6 +1074,13 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
                 return st;
         } else {
             scatter_rows(id, pr, dense_out[t], outputs[t]);
+        }
+    }
+    if (dbias_staged) {
+        if (device_backend) {
+            if ((st = backend.copy_to_host(bt.dbias, dbias_written, dbias_bytes, stream)) != PYFA_OK) return st;
+        } else {
+            std::memcpy(bt.dbias, dbias_written, dbias_bytes);
         }
     }
     if (device_backend && (st = backend.synchronize(stream)) != PYFA_OK) return st;

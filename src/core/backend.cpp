@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "common/score.h"
 #include "core/internal.h"
 
 namespace pyfa {
@@ -73,6 +74,11 @@ pyfa_status Backend::launch(int kernel, const AttentionParams&, const LaunchShap
 
 pyfa_status Backend::run_op(int op, const AttentionParams*, size_t, const pyfa_config&) const {
     return fail(PYFA_ERROR_INTERNAL, "%s runs no whole op (%d)", label(), op);
+}
+
+pyfa_status Backend::fold_dbias(const DbiasFold& fold, void*) const {
+    for (int64_t e = 0; e < fold.elems(); ++e) fold.out[e] = dbias_fold_at(fold, e);
+    return PYFA_OK;
 }
 
 pyfa_status Backend::library_stream(void** stream) const {

@@ -145,6 +145,9 @@ public:
     virtual pyfa_status copy_to_host(void* dst, const void* src, size_t bytes, void* stream) const;
     // Waits for `stream` alone and reports the first error of the work on it.
     virtual pyfa_status synchronize(void* stream) const;
+    // dBias's fold over a bias's broadcast B and H (issue 27), in its memory, on `stream`
+    // after the kernels; the default loops on the host (common/score.h dbias_fold_at).
+    virtual pyfa_status fold_dbias(const DbiasFold& fold, void* stream) const;
 
 protected:
     ~Backend() = default;

@@ -276,15 +276,25 @@ pyfa_status select_kernel(int kernel, int variant, const AttentionParams& p, int
     bool small = true;
     for (const TensorStrides* t : st)
         small = small && t->row <= INT32_MAX / (max64(p.seqlen_q, p.seqlen_k) + 1);
-    if (r && p.dropout.on() && !fast_kernel_drops(kernel, p.head_dim))
+    // dBias (issue 27) is written by the readable kernels that visit every (i, j) once.
+    const bool writes_dbias = kernel == PYFA_KERNEL_FA2_BACKWARD_DKDV || kernel == PYFA_KERNEL_FA1_BACKWARD;
+    if (r && p.dropout.on() && !fast_kernel_drops(kernel, p.head_dim)) {
         std::snprintf(why, sizeof(why), "the fast %s has no dropout at head_dim %lld", kernel_name(kernel),
                       static_cast<long long>(p.head_dim));
-    else if (r && !aligned)
+        r = nullptr;
+    } else if (r && p.dbias && writes_dbias) {
+        std::snprintf(why, sizeof(why), "the fast %s does not write dbias", kernel_name(kernel));
+        r = nullptr;
+    } else if (r && p.bias && kernel == PYFA_KERNEL_FA1_FORWARD && p.head_dim == 128) {
+        std::snprintf(why, sizeof(why), "the fast %s at head_dim 128 takes no bias (no registers left for it)",
+                      kernel_name(kernel));
+        r = nullptr;
+    } else if (r && !aligned)
         std::snprintf(why, sizeof(why), "the fast %s needs 16-byte aligned tensors", kernel_name(kernel));
     else if (r && !small)
         std::snprintf(why, sizeof(why), "the fast %s needs row stride * seqlen < 2^31 in every tensor",
                       kernel_name(kernel));
-    if (r && aligned && small && !(p.dropout.on() && !fast_kernel_drops(kernel, p.head_dim))) {
+    if (r && aligned && small) {
         *id = r->id;
         *Br = r->br;
         *Bc = r->bc;

@@ -208,6 +208,12 @@ typedef struct pyfa_problem {
     float dropout_p;
     uint64_t dropout_seed;
     uint64_t dropout_offset;
+    /* Additive bias (issue 27), read only when tensors->bias is given: element strides of
+       the (B, H, Nq, Nk) float32 bias, whose keys (the last axis) are contiguous. Taken as
+       they are: a stride of 0 broadcasts the bias along its axis (all three 0: one row of
+       Nk values for every b, h, i), so a dense bias spells out (H * Nq * Nk, Nq * Nk, Nk).
+       Each must be >= 0. */
+    pyfa_strides bias_strides;
 } pyfa_problem;
 
 typedef enum pyfa_flags {
@@ -291,6 +297,17 @@ typedef struct pyfa_tensors {
        or absent with it: PYFA_ERROR_INVALID_ARGUMENT. */
     pyfa_tensor cu_seqlens_q;
     pyfa_tensor cu_seqlens_k;
+    /* Additive bias (issue 27): S = scale * q . k + bias[b, h, i, j] before the mask.
+       -inf is allowed: exp gives that score P = 0 exactly, so a row whose keys are all -inf
+       gets O = 0 and LSE = -inf (FA1: m = -inf, l = 0) like a row with no visible key; a
+       NaN is a NaN score. Its strides are problem->bias_strides (these must be 0). */
+    pyfa_tensor bias;   /* optional input of every op; the backwards need the forward's */
+    /* Optional output of the backwards (needs bias): dBias, dense in the bias's shape
+       (B or 1, H or 1, Nq or 1, Nk), 1 along each axis whose problem->bias_strides is 0:
+       dS summed over the axes the bias broadcasts in one fixed order (docs/numerics.md
+       §2). Strides must be 0. Not with PYFA_VARIANT_FAST (the fast dK/dV and FA1 backward
+       kernels do not write it). */
+    pyfa_tensor dbias;
 } pyfa_tensors;
 
 /* What the kernels are sized against: the GPU's limits, or the emulated device's. */

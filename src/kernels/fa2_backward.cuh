@@ -140,6 +140,8 @@ __global__ void fa2_backward_dkdv_kernel(const AttentionParams p) {
         const float* dO = p.dout + p.dout_strides.at(seq.batch, h, seq.q0);  // (Nq, d), row stride row_do
         const float* LSE = p.lse + p.stat_at(seq, h);                            // (Nq), dense
         const float* D = p.drow + p.stat_at(seq, h);                             // (Nq), dense
+        if (p.dbias) dbias_clear(p, seq.batch, h, min64(visit.begin * Br, Nq), min64(visit.end * Br, Nq), col0, bc,
+                                 tid, nthreads);
         for (int64_t i = visit.begin; i < visit.end; ++i) {
             const int64_t row0 = i * Br;
             const int64_t br = min64(Br, Nq - row0);
@@ -163,6 +165,7 @@ __global__ void fa2_backward_dkdv_kernel(const AttentionParams p) {
             }
             __syncthreads();
             const Band band = seq.mask.band(row0, col0);
+            if (p.dbias) dbias_tile(p, dSij, Bc, band, seq.batch, h, row0, br, col0, bc, tid, nthreads);
 
             // dV_j += P_ij^T dO_i and dK_j += dS_ij^T Q_i, each tile's product summed over
             // the rows r that see key c, in increasing order, before it is added to the

@@ -29,6 +29,7 @@
 #include <string>
 
 #include "backends/cuda/cuda_functions.h"
+#include "common/score.h"
 #include "backends/cuda/device_rules.h"
 
 namespace {
@@ -240,6 +241,13 @@ pyfa_status cuda_launch(int kernel, const AttentionParams& p, const LaunchShape&
 
 pyfa_status cuda_synchronize(void* stream) {
     log_event("sync %s", stream_name(stream));
+    return PYFA_OK;
+}
+
+// dBias's fold (issue 27) runs on host memory here, as the host backends run it.
+pyfa_status cuda_fold_dbias(const DbiasFold& fold, void* stream) {
+    for (int64_t e = 0; e < fold.elems(); ++e) fold.out[e] = dbias_fold_at(fold, e);
+    log_event("fold %s", stream_name(stream));
     return PYFA_OK;
 }
 

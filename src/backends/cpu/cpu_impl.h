@@ -716,10 +716,15 @@ void backward_kv(const Ctx& ctx, int64_t bkv, int64_t j, bool with_dq, float* ws
     for (int64_t g = 0; g < G; ++g) {
         const int64_t bh = (bkv / p.heads_kv) * p.heads + (bkv % p.heads_kv) * G + g;
         const TileRange visit = ctx.q_tiles(bkv / p.heads_kv, j);
+        if (p.dbias)
+            dbias_clear(p, bh / p.heads, bh % p.heads, min64(visit.begin * Br, Nq), min64(visit.end * Br, Nq), col0,
+                        bc, 0, 1);
         for (int64_t i = visit.begin; i < visit.end; ++i) {
             const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
             load_q(ctx, b, bh, i);
             tile_pair(ctx, b, bh, i, j);
+            if (p.dbias)
+                dbias_tile(p, b.dS, Cp, seq.mask.band(row0, col0), bh / p.heads, bh % p.heads, row0, br, col0, bc, 0, 1);
             // In a tile the mask cuts, hidden scores are left out of every product and a
             // key (a row) that no row (key) of the tile sees takes no step.
             const Band band = seq.mask.band(row0, col0);

@@ -44,6 +44,9 @@ public:
         return cuda_copy_to_host(dst, src, bytes, stream);
     }
     pyfa_status synchronize(void* stream) const override { return cuda_synchronize(stream); }
+    pyfa_status fold_dbias(const DbiasFold& fold, void* stream) const override {
+        return cuda_fold_dbias(fold, stream);
+    }
 };
 
 }  // namespace

@@ -377,6 +377,20 @@ void cuda_restore_device(int previous) {
     if (previous >= 0) (void)cudaSetDevice(previous);
 }
 
+__global__ void dbias_fold_kernel(const DbiasFold fold) {
+    const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (e < fold.elems()) fold.out[e] = dbias_fold_at(fold, e);
+}
+
+pyfa_status cuda_fold_dbias(const DbiasFold& fold, void* stream) {
+    constexpr int kThreads = 256;
+    const int64_t blocks = (fold.elems() + kThreads - 1) / kThreads;
+    if (blocks > 0x7fffffff) return fail(PYFA_ERROR_INVALID_ARGUMENT, "dbias: more than 2^31-1 blocks to fold");
+    dbias_fold_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(fold);
+    PYFA_CUDA_CHECK(cudaGetLastError());
+    return PYFA_OK;
+}
+
 pyfa_status cuda_launch(int kernel, const AttentionParams& p, const LaunchShape& shape, void* stream) {
     const PYFA_KERNELS::KernelFn fn = PYFA_KERNELS::kernel_fn(kernel);
     if (!fn) return fail(PYFA_ERROR_INTERNAL, "cuda: no kernel %s (%d)", kernel_name(kernel), kernel);

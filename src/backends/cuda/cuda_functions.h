@@ -35,6 +35,8 @@ pyfa_status cuda_copy_to_host(void* dst, const void* src, size_t bytes, void* st
 pyfa_status cuda_launch(int kernel, const AttentionParams& p, const LaunchShape& shape, void* stream);
 // Waits for `stream` alone and reports the first error of the work on it.
 pyfa_status cuda_synchronize(void* stream);
+// Enqueues dBias's fold (issue 27) on `stream`: one thread per element of fold.out.
+pyfa_status cuda_fold_dbias(const DbiasFold& fold, void* stream);
 // For a *_device call: finds the device that owns pointers[0] (q) with
 // cudaPointerGetAttributes, refuses host memory, another device's memory or a stream of
 // another device (PYFA_ERROR_INVALID_ARGUMENT naming the tensor; device_rules.h), and

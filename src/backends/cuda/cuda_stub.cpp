@@ -23,6 +23,7 @@ pyfa_status cuda_copy_to_device(void*, const void*, size_t, void*) { return not_
 pyfa_status cuda_copy_to_host(void*, const void*, size_t, void*) { return not_built(); }
 pyfa_status cuda_launch(int, const AttentionParams&, const LaunchShape&, void*) { return not_built(); }
 pyfa_status cuda_synchronize(void*) { return not_built(); }
+pyfa_status cuda_fold_dbias(const DbiasFold&, void*) { return not_built(); }
 pyfa_status cuda_enter_device(const char* const*, const void* const*, int, void*, DeviceScope*) {
     return not_built();
 }

@@ -148,7 +148,7 @@ PYFA_UNROLL
             float s[8][4];
             fast_s_tile<D, BR, BC>(Qt + wrow + rg * 8, KjT + cg * 4, s);
             q_stage(1);
-            fast_scale_mask(s, p, mask, b, h, row0, br, col0, bc, wrow, rg, cg);
+            fast_scale_mask<D != 128>(s, p, mask, b, h, row0, br, col0, bc, wrow, rg, cg);
             // In a tile the mask cuts, hidden scores are left out of P V and a row that
             // sees none of its keys takes no step: its m, l and O stay (common/score.h).
             const Band band = mask.band(row0, col0);

@@ -84,9 +84,14 @@ PYFA_UNROLL
 // row0 + wrow + rg + 2 ii, keys col0 + cg*4 + kk of batch b, head h (mask: the
 // sequence's, Sequence::mask). A tile that the mask
 // leaves whole skips the per-element test; keys past bc become -inf, which the row max
-// passes over (pyfa_max(m, -inf) = m) and the row sum and P V never visit.
-PYFA_DEV void fast_scale_mask(float (&s)[8][4], const AttentionParams& p, const Mask& mask, int64_t b, int64_t h,
-                              int row0, int br, int col0, int bc, int wrow, int rg, int cg) {
+// passes over (pyfa_max(m, -inf) = m) and the row sum and P V never visit. kBias false: a
+// kernel built without the additive bias (no registers left for it; core/tiles.cpp sends a
+// call with a bias to the readable kernel).
+template <bool kBias = true>
+PYFA_DEV void fast_scale_mask(float (&s)[8][4], const AttentionParams& params, const Mask& mask, int64_t b,
+                              int64_t h, int row0, int br, int col0, int bc, int wrow, int rg, int cg) {
+    AttentionParams p = params;
+    if (!kBias) p.bias = nullptr;
     const Band band = mask.band(row0, col0);
     const bool whole = !band.cuts(br, bc);
 PYFA_UNROLL

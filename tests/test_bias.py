@@ -1,0 +1,347 @@
+"""The additive bias and its gradient dBias (issue 27; docs/numerics.md §2): emu, cpu and
+the simulator give the same bits, FA1 and FA2, forward and backward, over broadcast
+shapes, masks, alignments and GQA; -inf entries (whole rows too) behave as a row with no
+visible key; the gradients match a float64 NumPy reference, and dBias matches finite
+differences of it."""
+
+import functools
+
+import numpy as np
+import pytest
+
+import pyfa
+from pyfa.sim.mask import Mask
+
+B, H, NQ, NK, D = 2, 2, 21, 19, 16
+TILES = dict(block_r=8, block_c=8)
+# The bias's shape, as the caller gives it: (Nq, Nk) is (1, 1, Nq, Nk).
+BIAS_SHAPES = [(NQ, NK), (B, 1, NQ, NK), (1, H, 1, NK), (B, H, NQ, NK), (H, NQ, NK)]
+# (causal, window, causal_align, Hkv)
+CASES = [
+    (False, None, "bottom_right", H),
+    (True, None, "bottom_right", 1),
+    (True, None, "top_left", H),
+    (False, (5, 3), "top_left", 1),
+]
+pytestmark = pytest.mark.xdist_group("bias")
+
+
+def same_bits(a, b):
+    a, b = np.ascontiguousarray(a, np.float32), np.ascontiguousarray(b, np.float32)
+    na, nb = np.isnan(a), np.isnan(b)
+    return a.shape == b.shape and bool(np.array_equal(na, nb) and
+                                       np.array_equal(a.view(np.uint32)[~na], b.view(np.uint32)[~nb]))
+
+
+def make_bias(shape, seed, neg_inf_rows=True):
+    """A bias with -inf entries: scattered ones, and (where it has rows) one whole row."""
+    rng = np.random.default_rng(seed)
+    bias = rng.standard_normal(shape).astype(np.float32)
+    bias[rng.random(shape) < 0.15] = -np.inf
+    if neg_inf_rows and shape[-2] > 1:
+        bias[..., 3, :] = -np.inf
+    return bias
+
+
+@functools.lru_cache(maxsize=None)
+def problem(hkv, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, H, NQ, D)).astype(np.float32)
+    k = rng.standard_normal((B, hkv, NK, D)).astype(np.float32)
+    v = rng.standard_normal((B, hkv, NK, D)).astype(np.float32)
+    do = rng.standard_normal((B, H, NQ, D)).astype(np.float32)
+    return q, k, v, do
+
+
+def mask_kw(case):
+    causal, window, align, _ = case
+    return dict(causal=causal, window=window, causal_align=align)
+
+
+@functools.lru_cache(maxsize=None)
+def simulated(algo, shape, ci):
+    """The simulator's forward and backward outputs of one case (shared by every backend)."""
+    case = CASES[ci]
+    q, k, v, do = problem(case[3])
+    bias = make_bias(shape, ci)
+    kw = dict(mask_kw(case), bias=bias, options=pyfa.Options(**TILES))
+    if algo == "fa2":
+        f = pyfa.sim.fa2_forward(q, k, v, **kw)
+        g = pyfa.sim.fa2_backward(q, k, v, f.o, f.lse, do, **kw)
+        fwd = (f.o, f.lse)
+    else:
+        f = pyfa.sim.fa1_forward(q, k, v, **kw)
+        g = pyfa.sim.fa1_backward(q, k, v, f.o, f.m, f.l, do, **kw)
+        fwd = (f.o, f.m, f.l)
+    return bias, fwd, (g.dq, g.dk, g.dv, g.dbias)
+
+
+RUNS = [dict(backend="emu", emu_order="forward"), dict(backend="emu", emu_order="reverse"),
+        dict(backend="cpu", threads=1), dict(backend="cpu", threads=2), dict(backend="cpu", threads=3)]
+
+
+@pytest.mark.parametrize("algo", ["fa2", "fa1"])
+@pytest.mark.parametrize("shape", BIAS_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("ci", range(len(CASES)))
+def test_backends_equal_simulator(algo, shape, ci):
+    bias, fwd, grads = simulated(algo, shape, ci)
+    case = CASES[ci]
+    q, k, v, do = problem(case[3])
+    assert grads[3].shape == shape
+    # One backend per case (cycled), so that the grid stays cheap.
+    run = RUNS[(BIAS_SHAPES.index(shape) + ci + (algo == "fa1")) % len(RUNS)]
+    kw = dict(mask_kw(case), bias=bias, options=pyfa.Options(**TILES, **run))
+    forward, backward = (pyfa.fa2_forward, pyfa.fa2_backward) if algo == "fa2" else (pyfa.fa1_forward,
+                                                                                   pyfa.fa1_backward)
+    out = forward(q, k, v, **kw)
+    for name, a, b in zip(("o", "lse/m", "l"), out, fwd):
+        assert same_bits(a, b), (name, run)
+    got = backward(q, k, v, *fwd, do, **kw)
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), got, grads):
+        assert same_bits(a, b), (name, run)
+
+
+def test_threads_and_orders_agree():
+    """One case on every run: each thread count and emulator order, the same bits."""
+    bias, fwd, grads = simulated("fa2", (1, H, 1, NK), 1)
+    q, k, v, do = problem(CASES[1][3])
+    for run in RUNS:
+        kw = dict(mask_kw(CASES[1]), bias=bias, options=pyfa.Options(**TILES, **run))
+        got = pyfa.fa2_backward(q, k, v, *fwd, do, **kw)
+        assert all(same_bits(a, b) for a, b in zip(got, grads)), run
+
+
+def test_backward_tiles_leave_dbias_alone():
+    """dS of each (i, j) and the sum over i in order do not depend on the backward's tiles."""
+    q, k, v, do = problem(H)
+    for shape in [(NQ, NK), (1, H, 1, NK)]:
+        bias = make_bias(shape, 7)
+        o, lse = pyfa.fa2_forward(q, k, v, bias=bias, options=pyfa.Options(backend="cpu"))
+        ref = None
+        for tiles in [(8, 8), (16, 4), (32, 32)]:
+            got = pyfa.fa2_backward(q, k, v, o, lse, do, bias=bias,
+                                    options=pyfa.Options(backend="cpu", block_r=tiles[0], block_c=tiles[1]))
+            ref = got[3] if ref is None else ref
+            assert same_bits(got[3], ref), (shape, tiles)
+
+
+def reference64(q, k, v, do, bias, case):
+    """Attention with an additive bias in float64, and its gradients, dBias reduced to the
+    bias's shape. A row with no visible key gets O = 0 and zero gradients."""
+    causal, window, align, hkv = case
+    g = q.shape[1] // hkv
+    q, k, v, do = (x.astype(np.float64) for x in (q, k, v, do))
+    k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+    scale = 1 / np.sqrt(q.shape[-1])
+    hidden = Mask.resolve(causal, window, align, q.shape[2], k.shape[2]).masked(
+        np.arange(q.shape[2])[:, None], np.arange(k.shape[2])[None, :])
+    S = scale * q @ np.swapaxes(k, -1, -2) + bias.astype(np.float64)
+    S = np.where(hidden, -np.inf, S)
+    m = S.max(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        E = np.where(np.isneginf(S), 0.0, np.exp(S - np.where(np.isneginf(m), 0.0, m)))
+    den = E.sum(axis=-1, keepdims=True)
+    P = np.divide(E, den, out=np.zeros_like(E), where=den > 0)
+    o = P @ v
+    dP = do @ np.swapaxes(v, -1, -2)
+    dS = P * (dP - (do * o).sum(axis=-1, keepdims=True))
+    dq = scale * dS @ k
+    dk = (scale * np.swapaxes(dS, -1, -2) @ q).reshape(q.shape[0], hkv, g, k.shape[2], -1).sum(axis=2)
+    dv = (np.swapaxes(P, -1, -2) @ do).reshape(q.shape[0], hkv, g, k.shape[2], -1).sum(axis=2)
+    full = (1,) * (4 - bias.ndim) + bias.shape
+    axes = tuple(a for a in range(3) if full[a] == 1 and dS.shape[a] > 1)
+    dbias = dS.sum(axis=axes, keepdims=True).reshape(bias.shape)
+    return o, (dq, dk, dv, dbias)
+
+
+@pytest.mark.parametrize("shape", [(NQ, NK), (1, H, 1, NK), (B, H, NQ, NK)], ids=lambda s: "x".join(map(str, s)))
+def test_float64_reference(shape):
+    case = CASES[1]
+    q, k, v, do = problem(case[3])
+    bias = make_bias(shape, 3)
+    o64, grads64 = reference64(q, k, v, do, bias, case)
+    for algo in ("fa2", "fa1"):
+        got = pyfa.attention_grad(q, k, v, do, bias=bias, algo=algo, options=pyfa.Options(backend="cpu"),
+                                  **mask_kw(case))
+        assert np.all(np.isfinite(got[0]))
+        np.testing.assert_allclose(got[0], o64, atol=2e-5, rtol=1e-4)
+        for name, a, b in zip(("dq", "dk", "dv", "dbias"), got[1:], grads64):
+            assert a.shape == b.shape, name
+            np.testing.assert_allclose(a, b, atol=5e-5, rtol=1e-4, err_msg=f"{algo} {name}")
+
+
+def test_dbias_finite_differences():
+    """The float64 reference's dBias is the derivative of sum(O * dO) along the bias."""
+    case = (True, None, "top_left", 1)
+    rng = np.random.default_rng(5)
+    q, k, v, do = (rng.standard_normal(s) for s in [(1, 2, 5, 4), (1, 1, 6, 4), (1, 1, 6, 4), (1, 2, 5, 4)])
+    bias = rng.standard_normal((2, 1, 6))
+    bias[0, 0, 2] = -np.inf
+    _, (_, _, _, dbias) = reference64(q, k, v, do, bias, case)
+    loss = lambda b: float((reference64(q, k, v, do, b, case)[0] * do).sum())
+    eps = 1e-6
+    for idx in np.ndindex(bias.shape):
+        if not np.isfinite(bias[idx]):
+            continue
+        up, down = bias.copy(), bias.copy()
+        up[idx] += eps
+        down[idx] -= eps
+        assert abs((loss(up) - loss(down)) / (2 * eps) - dbias[idx]) < 1e-6
+    assert dbias[0, 0, 2] == 0
+
+
+def test_rows_all_neg_inf_are_rows_with_no_key():
+    """Row 3's keys are all -inf: O = 0, LSE = -inf (FA1: m = -inf, l = 0), zero gradients,
+    and no NaN anywhere."""
+    q, k, v, do = problem(H)
+    bias = make_bias((B, H, NQ, NK), 11)
+    opts = pyfa.Options(backend="cpu")
+    o, lse = pyfa.fa2_forward(q, k, v, bias=bias, options=opts)
+    assert np.all(o[:, :, 3] == 0) and np.all(lse[:, :, 3] == -np.inf)
+    o1, m, l = pyfa.fa1_forward(q, k, v, bias=bias, options=opts)
+    assert np.all(o1[:, :, 3] == 0) and np.all(m[:, :, 3] == -np.inf) and np.all(l[:, :, 3] == 0)
+    dq, dk, dv, dbias = pyfa.fa2_backward(q, k, v, o, lse, do, bias=bias, options=opts)
+    assert np.all(dq[:, :, 3] == 0) and np.all(dbias[:, :, 3] == 0)
+    for x in (o, lse[np.isfinite(lse)], dq, dk, dv, dbias, o1):
+        assert not np.any(np.isnan(x))
+
+
+def test_fast_variants():
+    """The fast kernels take the bias (the same bits as the readable ones); the fast dK/dV
+    and FA1 backward kernels do not write dBias, so variant fast refuses it and auto runs
+    the readable ones there."""
+    rng = np.random.default_rng(2)
+    q, k, v, do = (rng.standard_normal((1, 1, 64, 64)).astype(np.float32) for _ in range(4))
+    bias = make_bias((64, 64), 4)
+    ref = pyfa.Options(backend="emu", variant="reference", block_r=64, block_c=64)
+    fast = pyfa.Options(backend="emu", variant="fast", block_r=64, block_c=64)
+    o, lse = pyfa.fa2_forward(q, k, v, bias=bias, options=ref)
+    o_f, lse_f = pyfa.fa2_forward(q, k, v, bias=bias, options=fast)
+    assert same_bits(o, o_f) and same_bits(lse, lse_f)
+    fa1 = [pyfa.fa1_forward(q, k, v, bias=bias, options=opts) for opts in (ref, fast)]
+    assert all(same_bits(a, b) for a, b in zip(*fa1))
+    wide = np.zeros((1, 1, 8, 128), np.float32)
+    with pytest.raises(ValueError, match="fast fa1_forward at head_dim 128 takes no bias"):
+        pyfa.fa1_forward(wide, wide, wide, bias=np.zeros((8, 8), np.float32), options=fast)
+    with pytest.raises(ValueError, match="does not write dbias"):
+        pyfa.fa2_backward(q, k, v, o, lse, do, bias=bias, options=fast)
+    auto = pyfa.Options(backend="emu", variant="auto", block_r=64, block_c=64)
+    got = pyfa.fa2_backward(q, k, v, o, lse, do, bias=bias, options=auto)
+    want = pyfa.fa2_backward(q, k, v, o, lse, do, bias=bias, options=ref)
+    assert all(same_bits(a, b) for a, b in zip(got, want))
+
+
+def test_argument_errors():
+    q, k, v, do = problem(H)
+    with pytest.raises(TypeError, match="bias: expected dtype float32, got bool"):
+        pyfa.attention(q, k, v, bias=np.ones((NQ, NK), bool))
+    with pytest.raises(TypeError, match="bias: expected dtype float32"):
+        pyfa.attention(q, k, v, bias=np.ones((NQ, NK)))
+    with pytest.raises(ValueError, match=r"bias: shape \(3, 21, 19\) does not broadcast"):
+        pyfa.attention(q, k, v, bias=np.ones((3, NQ, NK), np.float32))
+    with pytest.raises(ValueError, match="bias: shape"):
+        pyfa.attention(q, k, v, bias=np.ones((NQ, 1), np.float32))
+    with pytest.raises(ValueError, match="bias: shape"):
+        pyfa.sim.fa2_forward(q, k, v, bias=np.ones((NQ, NK + 1), np.float32))
+    bias = np.zeros((NQ, NK), np.float32)
+    o, lse = pyfa.fa2_forward(q, k, v, bias=bias)
+    with pytest.raises(ValueError, match=r"out \(dbias\): expected shape"):
+        pyfa.fa2_backward(q, k, v, o, lse, do, bias=bias, out=(None, None, None, np.zeros((1, NQ, NK), np.float32)))
+    with pytest.raises(ValueError, match=r"out \(dbias\): overlaps bias"):
+        pyfa.fa2_backward(q, k, v, o, lse, do, bias=bias, out=(None, None, None, bias))
+    # out= given: the caller's dbias is written only after success.
+    mine = np.full((NQ, NK), 7, np.float32)
+    got = pyfa.fa2_backward(q, k, v, o, lse, do, bias=bias, out=(None, None, None, mine))
+    assert got[3] is mine and not np.any(mine == 7)
+
+
+def test_broadcast_view_equals_its_array():
+    """A bias given as a stride-0 broadcast view reads as the array it repeats; its dbias
+    then has the view's shape, dS per element."""
+    q, k, v, do = problem(H)
+    small = make_bias((1, 1, 1, NK), 9, neg_inf_rows=False)
+    view = np.broadcast_to(small, (B, H, NQ, NK))
+    opts = pyfa.Options(backend="cpu")
+    a = pyfa.attention_grad(q, k, v, do, bias=view, options=opts)
+    b = pyfa.attention_grad(q, k, v, do, bias=np.ascontiguousarray(view), options=opts)
+    assert all(same_bits(x, y) for x, y in zip(a, b))
+    assert a[4].shape == (B, H, NQ, NK)
+
+
+# ---- the C ABI: pyfa_run's tensors->bias, tensors->dbias and problem->bias_strides
+
+def _abi_call(op, bias_strides=(0, 0, 0), dbias_shape=(B, H, NQ, NK), **override):
+    """pyfa_run of `op` on the cpu backend with a (B, H, Nq, Nk) bias: (status, message,
+    dbias, the arrays)."""
+    from pyfa import _lib
+    ffi, lib = _lib.load()
+    q, k, v, do = problem(H)
+    o, lse = pyfa.fa2_forward(q, k, v)
+    bias = make_bias((B, H, NQ, NK), 1)
+    dbias = np.full(dbias_shape, 5, np.float32)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    arrays = dict(q=q, k=k, v=v, o=o, lse=lse, dout=do, dq=dq, dk=dk, dv=dv, bias=bias, dbias=dbias)
+    if op == "fa2_forward":
+        arrays = dict(q=q, k=k, v=v, o=dq, lse=np.zeros_like(lse), bias=bias)
+    arrays.update(override)
+    p = ffi.new("pyfa_problem*")
+    p.struct_size = ffi.sizeof("pyfa_problem")
+    p.batch, p.heads, p.heads_kv, p.seqlen_q, p.seqlen_k, p.head_dim = B, H, H, NQ, NK, D
+    p.bias_strides.batch, p.bias_strides.head, p.bias_strides.row = bias_strides
+    c = ffi.new("pyfa_config*")
+    c.struct_size = ffi.sizeof("pyfa_config")
+    c.backend = lib.PYFA_BACKEND_CPU
+    t = ffi.new("pyfa_tensors*")
+    t.struct_size = ffi.sizeof("pyfa_tensors")
+    for name, a in arrays.items():
+        if isinstance(a, tuple):
+            a, strides = a
+            getattr(t, name).strides.batch, getattr(t, name).strides.head, getattr(t, name).strides.row = strides
+        if a is not None:
+            getattr(t, name).data = ffi.cast("void*", ffi.from_buffer(a))
+    op_id = {"fa2_forward": 0, "fa2_backward": 1}[op]
+    st = lib.pyfa_run(op_id, p, c, t, ffi.NULL)
+    return st, ffi.string(lib.pyfa_last_error()).decode(), dbias, arrays
+
+
+def test_c_abi_bias():
+    dense = (H * NQ * NK, NQ * NK, NK)
+    st, msg, dbias, a = _abi_call("fa2_backward", dense)
+    assert st == 0, msg
+    want = pyfa.sim.fa2_backward(a["q"], a["k"], a["v"], a["o"], a["lse"], a["dout"], bias=a["bias"]).dbias
+    assert same_bits(dbias, want)
+    # Row stride 0: the bias's first row for every i, and dbias the sum over i.
+    st, msg, dbias, a = _abi_call("fa2_backward", (H * NQ * NK, NQ * NK, 0), (B, H, 1, NK))
+    assert st == 0, msg
+    row = np.ascontiguousarray(a["bias"][:, :, :1])
+    want = pyfa.sim.fa2_backward(a["q"], a["k"], a["v"], a["o"], a["lse"], a["dout"], bias=row).dbias
+    assert same_bits(dbias, want)
+    # Batch and head strides 0: dbias is (1, 1, Nq, Nk), folded over B and H in the library.
+    st, msg, dbias, a = _abi_call("fa2_backward", (0, 0, NK), (1, 1, NQ, NK))
+    assert st == 0, msg
+    shared = np.ascontiguousarray(a["bias"][:1, :1])
+    want = pyfa.sim.fa2_backward(a["q"], a["k"], a["v"], a["o"], a["lse"], a["dout"], bias=shared).dbias
+    assert same_bits(dbias, want)
+
+
+@pytest.mark.parametrize("op, strides, override, message", [
+    ("fa2_backward", (-1, 0, 0), {}, "problem->bias_strides.batch: must be >= 0"),
+    ("fa2_backward", (0, 0, 0), {"bias": (make_bias((B, H, NQ, NK), 1), (1, 1, 1))},
+     "tensors->bias.strides: must be 0"),
+    ("fa2_backward", (0, 0, 0), {"bias": None}, "tensors->dbias: given without tensors->bias"),
+    ("fa2_forward", (0, 0, 0), {"dbias": np.zeros((B, H, NQ, NK), np.float32)},
+     "tensors->dbias: given, but pyfa_fa2_forward does not take it"),
+    ("fa2_backward", (0, 0, 2**62), {}, "problem->bias_strides: bias or dbias spans more than"),
+])
+def test_c_abi_bias_refusals(op, strides, override, message):
+    st, msg, dbias, _ = _abi_call(op, strides, **override)
+    assert st == 1 and message in msg, msg
+    assert np.all(dbias == 5)
+
+
+def test_c_abi_dbias_overlap():
+    """dbias must share no byte with another tensor of the call; nothing is written."""
+    q, k, v, do = problem(H)
+    st, msg, _, a = _abi_call("fa2_backward", (0, 0, NK), dbias=q)
+    assert st == 1 and "dbias and q: dbias overlaps" in msg, msg
+    assert np.array_equal(q, problem(H)[0])
