@@ -285,6 +285,9 @@ pyfa_status select_kernel(int kernel, int variant, const AttentionParams& p, int
     } else if (r && p.dbias && writes_dbias) {
         std::snprintf(why, sizeof(why), "the fast %s does not write dbias", kernel_name(kernel));
         r = nullptr;
+    } else if (r && p.bias && kernel == PYFA_KERNEL_FA2_BACKWARD_DKDV) {
+        std::snprintf(why, sizeof(why), "the fast %s takes no bias (no registers left for it)", kernel_name(kernel));
+        r = nullptr;
     } else if (r && p.bias && kernel == PYFA_KERNEL_FA1_FORWARD && p.head_dim == 128) {
         std::snprintf(why, sizeof(why), "the fast %s at head_dim 128 takes no bias (no registers left for it)",
                       kernel_name(kernel));

@@ -37,7 +37,11 @@ namespace PYFA_KERNELS {
 // unrolled, fits without spilling on sm_80, sm_90 and sm_120), one at d = 128 (left to
 // itself ptxas would hold it to 128 registers and spill).
 template <int D>
-__global__ void __launch_bounds__(4 * kFastBc, D == 64 ? 2 : 1) fa2_backward_dkdv_fast_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(4 * kFastBc, D == 64 ? 2 : 1) fa2_backward_dkdv_fast_kernel(const AttentionParams params) {
+    // Built without the additive bias: no registers left for it (sm_80 to sm_89 spill);
+    // core/tiles.cpp sends a call with a bias to the readable kernel.
+    AttentionParams p = params;
+    p.bias = nullptr;
     constexpr int BC = kFastBc;
     constexpr int BR = kFastBc;
     constexpr int NT = 4 * BC;
