@@ -58,6 +58,8 @@ def _run(algo, passes, function, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen
         if name in ("o", "do") and np.shape(x) != np.shape(tensors["q"]):
             raise InvalidArgumentError(f"{name}: expected shape {VARLEN_SHAPES[name]} = "
                                        f"{np.shape(tensors['q'])}, got {np.shape(x)}")
+    if kwargs.get("bias") is not None:
+        raise InvalidArgumentError(f"bias: {function} takes no bias with packed sequences in this version")
     options = resolve(function, options, {}, allowed=("block_r", "block_c"))
     if options.progress is not None:
         raise InvalidArgumentError(f"options.progress: {function} does not report progress")
@@ -76,7 +78,7 @@ def _run(algo, passes, function, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen
         io = io + r.io
     fields = {}
     for f in type(parts[0]).__dataclass_fields__:
-        if f == "io":
+        if f == "io" or getattr(parts[0], f) is None:  # dbias: the bias is refused with packed sequences
             continue
         axis = 1 if f in _STATS else 0
         fields[f] = np.concatenate([getattr(r, f) for r in parts], axis=axis)
