@@ -83,7 +83,7 @@ def _dims(q, k, v, layout):
 
 
 def _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r, block_c,
-              backend, dropout_p, seed, offset):
+              backend, dropout_p=0.0, seed=0, offset=0):
     """pyfa's keywords from the operators' flat arguments (a window with both sides
     unbounded is no window; seed and offset travel as int64, their two's complement)."""
     window = None if window_left is None and window_right is None else (window_left, window_right)
