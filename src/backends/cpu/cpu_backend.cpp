@@ -149,38 +149,36 @@ private:
 };
 
 // The mask's bands: for each Q tile its K/V tiles, for each K/V tile its Q tiles; of
-// each sequence of a packed batch (b * Tr + i), of the one all sequences share otherwise.
-// A tile past its sequence's rows (keys) gets an empty band.
-void kv_bands(const AttentionParams& p, std::vector<int64_t>* begin, std::vector<int64_t>* end) {
-    const int64_t Tr = ceil_div(p.seqlen_q, p.block_r), B = p.cu_seqlens_q ? p.batch : 1;
-    begin->resize(static_cast<size_t>(B * Tr));
-    end->resize(static_cast<size_t>(B * Tr));
+// each sequence of a packed batch (b * T + t), of the one all sequences share otherwise.
+// A tile past its sequence's rows (keys) gets an empty band. band(s, t) is tile t's band
+// in sequence s, called only for a tile inside it; T is the tiles per sequence.
+template <class BandOf>
+void bands(const AttentionParams& p, int64_t T, BandOf band, std::vector<int64_t>* begin, std::vector<int64_t>* end) {
+    const int64_t B = p.cu_seqlens_q ? p.batch : 1;
+    begin->resize(static_cast<size_t>(B * T));
+    end->resize(static_cast<size_t>(B * T));
     for (int64_t b = 0; b < B; ++b) {
         const Sequence s = p.sequence(b);
-        for (int64_t i = 0; i < Tr; ++i) {
-            const int64_t row0 = i * p.block_r;
-            const TileRange r = row0 < s.Nq ? s.mask.kv_tiles(row0, min64(p.block_r, s.Nq - row0), p.block_c, s.Nk)
-                                            : TileRange{0, 0};
-            (*begin)[static_cast<size_t>(b * Tr + i)] = r.begin;
-            (*end)[static_cast<size_t>(b * Tr + i)] = r.end;
+        for (int64_t t = 0; t < T; ++t) {
+            const TileRange r = band(s, t);
+            (*begin)[static_cast<size_t>(b * T + t)] = r.begin;
+            (*end)[static_cast<size_t>(b * T + t)] = r.end;
         }
     }
 }
 
+void kv_bands(const AttentionParams& p, std::vector<int64_t>* begin, std::vector<int64_t>* end) {
+    bands(p, ceil_div(p.seqlen_q, p.block_r), [&p](const Sequence& s, int64_t i) {
+        const int64_t row0 = i * p.block_r;
+        return row0 < s.Nq ? s.mask.kv_tiles(row0, min64(p.block_r, s.Nq - row0), p.block_c, s.Nk) : TileRange{0, 0};
+    }, begin, end);
+}
+
 void q_bands(const AttentionParams& p, std::vector<int64_t>* begin, std::vector<int64_t>* end) {
-    const int64_t Tc = ceil_div(p.seqlen_k, p.block_c), B = p.cu_seqlens_q ? p.batch : 1;
-    begin->resize(static_cast<size_t>(B * Tc));
-    end->resize(static_cast<size_t>(B * Tc));
-    for (int64_t b = 0; b < B; ++b) {
-        const Sequence s = p.sequence(b);
-        for (int64_t j = 0; j < Tc; ++j) {
-            const int64_t col0 = j * p.block_c;
-            const TileRange r = col0 < s.Nk ? s.mask.q_tiles(col0, min64(p.block_c, s.Nk - col0), p.block_r, s.Nq)
-                                            : TileRange{0, 0};
-            (*begin)[static_cast<size_t>(b * Tc + j)] = r.begin;
-            (*end)[static_cast<size_t>(b * Tc + j)] = r.end;
-        }
-    }
+    bands(p, ceil_div(p.seqlen_k, p.block_c), [&p](const Sequence& s, int64_t j) {
+        const int64_t col0 = j * p.block_c;
+        return col0 < s.Nk ? s.mask.q_tiles(col0, min64(p.block_c, s.Nk - col0), p.block_r, s.Nq) : TileRange{0, 0};
+    }, begin, end);
 }
 
 // The tile tables of one context, kept alive beside it.
