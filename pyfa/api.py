@@ -187,7 +187,7 @@ def _config(options):
 
 
 def _problem(dims, scale, causal, window, causal_align, mods):
-    """The pyfa_problem (struct_size 0: ABI 3's layout, which is all of it) of sizes
+    """The pyfa_problem (this layout, the score modifications' fields included) of sizes
     dims = (B, H, Nq, Nk, d, Hkv), the mask arguments, checked as the simulator checks
     them, and the score modifications (a checks.ScoreMods: each scalar field copied to
     the pyfa_problem field of its name); the strides are set by the caller. A window side wider than Nq + Nk is passed
@@ -195,6 +195,7 @@ def _problem(dims, scale, causal, window, causal_align, mods):
     ffi, _ = _lib.load()
     bounds = mask_bounds(causal, window, causal_align, dims[2], dims[3])
     pr = ffi.new("pyfa_problem *")
+    pr.struct_size = ffi.sizeof("pyfa_problem")
     pr.batch, pr.heads, pr.seqlen_q, pr.seqlen_k, pr.head_dim, pr.heads_kv = dims
     pr.scale = float(resolve_scale(scale, dims[4]))
     pr.causal = 1 if causal else 0
@@ -652,7 +653,8 @@ _COMMON_DOC = """
     its group's query heads.
 
     **mods: the score modifications (pyfa.checks.ScoreMods, docs/numerics.md §2), the
-    same keywords as the simulator's; none is defined yet, so any other keyword is a
+    same keywords as the simulator's: softcap (None, or a float > 0: each scaled score s
+    becomes softcap * tanh(s / softcap), before the mask); any other keyword is a
     TypeError naming it. (An Options field given as a keyword, e.g. block_r=, is the
     deprecated form of options=.)
 

@@ -308,6 +308,26 @@ def mask_bounds(causal, window, causal_align, Nq, Nk):
     return MaskBounds(left, right, off)
 
 
+def check_softcap(softcap):
+    """softcap as a float that is exactly a float32 > 0, or None (off); 0, flash-attn's
+    "off", is None too. The library takes the same float32 (pyfa_problem.softcap)."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise ArgumentTypeError(f"softcap: expected a float > 0 or None, got {type(softcap).__name__}")
+    try:
+        x = float(softcap)
+    except OverflowError:  # an int beyond any float
+        raise InvalidArgumentError(f"softcap: {softcap} is not representable as a finite float32") from None
+    if x == 0:
+        return None
+    if not (x > 0) or not math.isfinite(x):
+        raise InvalidArgumentError(f"softcap: must be finite and > 0 (or None, or 0: off), got {softcap}")
+    if x > FLOAT32_MAX or np.float32(x) == 0:
+        raise InvalidArgumentError(f"softcap: {softcap} is not representable as a finite nonzero float32")
+    return float(np.float32(x))
+
+
 @dataclasses.dataclass(frozen=True)
 class ScoreMods:
     """The score modifications of one call, checked (docs/numerics.md, "The score
@@ -315,10 +335,14 @@ class ScoreMods:
     This is the one list of them in Python. pyfa's API and the simulator take them as
     keyword arguments (**mods) and resolve them here, once per call. A scalar field is
     copied to the pyfa_problem field of the same name (pyfa/api.py), and the simulator's
-    formulas read the fields (pyfa/sim/score.py). There are none yet.
+    formulas read the fields (pyfa/sim/score.py).
+
+    softcap: None, or a float > 0 (a float32 value): S = softcap * tanh(s / softcap).
 
     A modification adds its field here, its check to resolve(), and its formula to
     pyfa/sim/score.py and src/common/score.h."""
+
+    softcap: "float | None" = None
 
     @classmethod
     def resolve(cls, function, dims, **mods):
@@ -329,6 +353,8 @@ class ScoreMods:
         for name in mods:
             if name not in known:
                 raise ArgumentTypeError(f"{function}() got an unexpected keyword argument {name!r}")
+        if "softcap" in mods:
+            mods["softcap"] = check_softcap(mods["softcap"])
         return cls(**mods)
 
     def is_identity(self):
@@ -338,7 +364,7 @@ class ScoreMods:
 
 __all__ = [
     "ALIGNMENTS", "EMPTY_VALUES", "FLOAT32_MAX", "LAYOUTS", "MAX_HEAD_DIM", "MAX_TILE", "MaskBounds", "QKV", "ScoreMods",
-    "as_4d", "as_tensor", "caller_shape", "check_causal", "check_causal_align",
+    "as_4d", "as_tensor", "caller_shape", "check_causal", "check_causal_align", "check_softcap",
     "check_count_args", "check_int", "check_layout", "check_like", "check_qkv",
     "check_rows", "check_sizes", "check_tile", "check_window", "element_strides", "empty_output", "is_empty",
     "mask_bounds", "resolve_scale", "restore_rank", "restore_rows",

@@ -22,13 +22,19 @@ _NEG_INF = np.float32(-np.inf)
 
 
 def score_mod(mods, s, b, h, i, j):
-    """The modification of the scaled scores s (score.h score_mod): the identity today."""
+    """The modification of the scaled scores s (score.h score_mod)."""
+    if mods.softcap is not None:  # S = c tanh(s / c)
+        c = np.float32(mods.softcap)
+        s = c * nx.tanh(s / c)
     return s
 
 
 def score_mod_grad(mods, dS, s, S, b, h, i, j):
     """dS of the modified scores S -> dS of the scaled scores s they were made from
     (score.h score_mod_grad; s and S are its ScoreAt)."""
+    if mods.softcap is not None:  # dS (1 - t^2), t = S / c
+        t = S / np.float32(mods.softcap)
+        dS = dS * (np.float32(1) - t * t)
     return dS
 
 

@@ -49,6 +49,8 @@ struct AttentionParams {
     int64_t head_dim;   // d
     float scale;        // multiplies Q K^T; already resolved (never 0 here)
     Mask mask;          // which keys each query row sees (common/mask.h)
+    // ---- score modifications (common/score.h score_mod)
+    float softcap;      // softcap: S = softcap * tanh(s / softcap); 0: off
     // ---- tiling
     int block_r;        // Br: rows of Q (and O, dO, dQ) per tile
     int block_c;        // Bc: rows of K and V (and dK, dV) per tile

@@ -4,7 +4,7 @@
 //
 // Forward, for query row i and key j of batch b, query head h:
 //     s  = pyfa_dot(Q_i, K_j) * scale        the scaled score
-//     S  = score_mod(p, s, b, h, i, j)        the modification (today the identity)
+//     S  = score_mod(p, s, b, h, i, j)        the modifications: softcap
 //     S  = -inf where the mask hides j from i
 //     then the online softmax (each kernel's own: FA1's or FA2's)
 // Backward, from the same S:
@@ -35,6 +35,8 @@
 template <class T, class I, class J>
 PYFA_HD T score_mod(const AttentionParams& p, T s, int64_t b, int64_t h, I i, J j) {
     (void)p, (void)b, (void)h, (void)i, (void)j;
+    // softcap: S = c tanh(s / c), a division (correctly rounded), not s times a rounded 1/c.
+    if (p.softcap != 0.0f) s = p.softcap * pyfa_tanh(s / p.softcap);
     return s;
 }
 
@@ -68,6 +70,11 @@ PYFA_HD ScoreAt<T> score_at(const AttentionParams& p, T s, int64_t b, int64_t h,
 template <class T, class I, class J>
 PYFA_HD T score_mod_grad(const AttentionParams& p, T dS, ScoreAt<T> at, int64_t b, int64_t h, I i, J j) {
     (void)p, (void)at, (void)b, (void)h, (void)i, (void)j;
+    // softcap: dS_s = dS (1 - t^2), t = S / c (not the forward's tanh, which S has rounded).
+    if (p.softcap != 0.0f) {
+        const T t = at.S / p.softcap;
+        dS = dS * (1.0f - t * t);
+    }
     return dS;
 }
 
@@ -75,8 +82,7 @@ PYFA_HD T score_mod_grad(const AttentionParams& p, T dS, ScoreAt<T> at, int64_t 
 // gradient needs (the FA1 backwards and the fast role-split kernels recompute the score
 // for it; see ScoreAt).
 PYFA_HD bool score_mod_is_identity(const AttentionParams& p) {
-    (void)p;
-    return true;
+    return p.softcap == 0.0f;
 }
 
 // The scaled score s = (Q_i . K_j) * scale. Q_i, K_j: rows of d floats.

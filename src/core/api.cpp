@@ -289,7 +289,8 @@ template <class T>
 struct Layouts;
 template <>
 struct Layouts<pyfa_problem> {
-    static constexpr size_t sizes[] = {sizeof(pyfa_problem)};  // ABI 3 to 5
+    static constexpr size_t sizes[] = {offsetof(pyfa_problem, softcap),  // ABI 3 to 5
+                                       sizeof(pyfa_problem)};             // softcap
     static constexpr int first_abi = 3;
 };
 template <>
@@ -443,6 +444,9 @@ pyfa_status check_problem(const pyfa_problem* in, const TensorId* tensors, int n
     }
     if (!std::isfinite(pr->scale))
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->scale: must be finite (0 means 1/sqrt(d))");
+    if (!(pr->softcap >= 0.0f) || !std::isfinite(pr->softcap))
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->softcap: must be finite and > 0 (0 means off), got %g",
+                    static_cast<double>(pr->softcap));
     return PYFA_OK;
 }
 
@@ -659,6 +663,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     base.scale = pr.scale != 0.0f ? pr.scale : 1.0f / std::sqrt(static_cast<float>(pr.head_dim));
     base.mask = make_mask(pr.causal, pr.window, pr.window_left, pr.window_right, pr.causal_align, pr.seqlen_q,
                           pr.seqlen_k);
+    base.softcap = pr.softcap;
     for (int t = 0; t < n_in + n_out; ++t)
         if (TensorStrides* slot = strides_slot(base, taken[t])) *slot = resolved_strides(taken[t], pr);
 

@@ -175,6 +175,9 @@ typedef struct pyfa_problem {
     /* Element strides of each 4-D tensor; all zero: dense. Those of tensors an entry
        point does not take are ignored. */
     pyfa_strides q, k, v, o, dout, dq, dk, dv;
+    /* ---- softcap (read only when struct_size reaches past it) */
+    float softcap;         /* > 0: each scaled score s becomes softcap * tanh(s / softcap), before
+                              the mask (Gemma 2's logit soft-capping); 0: off */
 } pyfa_problem;
 
 typedef enum pyfa_flags {
