@@ -207,7 +207,7 @@ def _problem(dims, scale, causal, window, causal_align, mods):
     pr.causal_align = CAUSAL_ALIGNS[causal_align]
     for field in dataclasses.fields(mods):
         value = getattr(mods, field.name)
-        if isinstance(value, (int, float)):
+        if isinstance(value, (int, float)) and field.metadata.get("pyfa_problem", True):
             setattr(pr, field.name, value)
     return pr
 
@@ -273,18 +273,59 @@ def _layout_strides(shape4, rank, layout):
     return (N * H * d, d, H * d)
 
 
-def _tensors(memory, pointers):
+def _tensors(memory, pointers, mod_tensors=None):
     """The pyfa_tensors of a pyfa_run call: `memory` a pyfa_memory name, `pointers`
     {tensor name: address (an int or a cffi pointer)}; strides travel in pyfa_problem.
-    Every call goes through pyfa_run, so an op's new tensor is a field here, not an
-    argument of a new entry point."""
+    mod_tensors: {pyfa_tensors field: (address, (batch, head, row) element strides)} of
+    the score modifications' arrays (_mod_tensors). Every call goes through pyfa_run, so
+    an op's new tensor is a field here, not an argument of a new entry point."""
     ffi, _ = _lib.load()
     t = ffi.new("pyfa_tensors *")
     t.struct_size = ffi.sizeof("pyfa_tensors")
     t.memory = _lib.constant(memory)
     for name, address in pointers.items():
         getattr(t, C_FIELDS[name]).data = ffi.cast("void *", address)
+    for name, (address, strides) in (mod_tensors or {}).items():
+        field = getattr(t, name)
+        field.data = ffi.cast("void *", address)
+        field.strides.batch, field.strides.head, field.strides.row = strides
     return t
+
+
+def _mod_tensors(mods, intake):
+    """The score modifications' arrays (a checks.ScoreMods field holding one goes to the
+    pyfa_tensors field of its name) as {field: (address, (batch, head, row) element
+    strides)}, with the objects that keep them alive. Each is a (B, H[, Nq, Nk]) view,
+    a broadcast axis of stride 0, its last axis contiguous. On the CPU they are the NumPy
+    views ScoreMods checked; for CUDA arrays they must be on q's device (refused, naming
+    the field, otherwise: pyfa does not copy them over)."""
+    ffi, _ = _lib.load()
+    found, keep = {}, []
+    for field in dataclasses.fields(mods):
+        x = getattr(mods, field.name)
+        if x is None or isinstance(x, (bool, int, float, str)):
+            continue
+        on_cpu = isinstance(x, np.ndarray)
+        if (intake.place.kind == "cpu") != on_cpu:
+            raise InvalidArgumentError(
+                f"{field.name}: on {'the CPU' if on_cpu else _arrays.place_of(field.name, x)}, but q is on "
+                f"{intake.place}; give it where q is")
+        if on_cpu:
+            address, shape, strides = _address(ffi, x), x.shape, tuple(s // 4 for s in x.strides)
+        else:
+            place = _arrays.place_of(field.name, x)
+            if place.index is not None and intake.place.index is not None and place != intake.place:
+                raise InvalidArgumentError(f"{field.name}: on {place}, but q is on {intake.place}")
+            t = _arrays.device_tensor(field.name, x, intake.stream)
+            keep.append(t)
+            shape = t.shape
+            strides = t.strides if t.strides is not None else \
+                tuple(int(np.prod(shape[n + 1:])) for n in range(len(shape)))
+            address = t.ptr
+            if len(shape) == 1:  # (H,): shared by every batch element
+                shape, strides = (1,) + shape, (0,) + strides
+        found[field.name] = (address, (tuple(strides) + (0, 0))[:3])
+    return found, keep
 
 
 def _address(ffi, x):
@@ -494,7 +535,7 @@ def _host_outputs(op, intake, outs):
     return result
 
 
-def _run_host(op, intake, outs, problem, config, progress):
+def _run_host(op, intake, outs, problem, config, progress, mod_tensors):
     ffi, lib = _lib.load()
     targets = _host_outputs(op, intake, outs)
     _set_strides(problem, {n: intake.strides[n] for n in op.inputs})
@@ -502,7 +543,7 @@ def _run_host(op, intake, outs, problem, config, progress):
                            for n in op.outputs if TENSOR_KINDS[n] != "row"})
     tensors = _tensors("PYFA_MEMORY_HOST",
                        {**{n: _address(ffi, intake.tensors[n]) for n in op.inputs},
-                        **{n: _address(ffi, w) for n, (_, _, w) in targets.items()}})
+                        **{n: _address(ffi, w) for n, (_, _, w) in targets.items()}}, mod_tensors)
     if all(view is not written for _, view, written in targets.values()):
         # Every array the library writes is ours until the call returns: a cancelled call
         # may leave them partly written, and no staging copy is needed.
@@ -562,7 +603,7 @@ def _check_cuda_backend(backend, place):
             f"{_reason(lib, cuda)}", _lib.constant("PYFA_ERROR_BACKEND_UNAVAILABLE"))
 
 
-def _run_device(op, intake, outs, problem, config, progress):
+def _run_device(op, intake, outs, problem, config, progress, mod_tensors):
     """Enqueues OPS[op] on intake.stream with the arrays' device pointers: no host copy."""
     ffi, lib = _lib.load()
     targets = {}
@@ -602,7 +643,7 @@ def _run_device(op, intake, outs, problem, config, progress):
                 restore()
     tensors = _tensors("PYFA_MEMORY_DEVICE",
                        {**{n: intake.tensors[n].ptr for n in op.inputs},
-                        **{n: t.ptr for n, (_, _, t) in targets.items()}})
+                        **{n: t.ptr for n, (_, _, t) in targets.items()}}, mod_tensors)
     _lib.call(fn, config, op.c_op, problem, config, tensors, ffi.cast("void *", intake.stream),
               progress=progress)
     return tuple(given if given is not None else _arrays.as_kind(intake.kind, array)
@@ -627,17 +668,18 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
     op = OPS[op_name]
     outs = _out_dict(op_name, op.outputs, out)
     intake = _intake(args, stream, options.backend, layout, outs)
-    mods = ScoreMods.resolve(f"pyfa.{op_name}", intake.dims, **mods)
+    mods = ScoreMods.resolve(f"pyfa.{op_name}", intake.dims, causal_align, **mods)
     if is_empty(*intake.dims[2:4]):
         mask_bounds(causal, window, causal_align, *intake.dims[2:4])
         resolve_scale(scale, intake.dims[4])
         return _run_empty(op, intake, outs)
     problem = _problem(intake.dims, scale, causal, window, causal_align, mods)
     config = _config(options)
+    mod_tensors, _keep = _mod_tensors(mods, intake)
     with _lib.interrupts_after():
         if intake.place.kind == "cpu":
-            return _run_host(op, intake, outs, problem, config, options.progress)
-        return _run_device(op, intake, outs, problem, config, options.progress)
+            return _run_host(op, intake, outs, problem, config, options.progress, mod_tensors)
+        return _run_device(op, intake, outs, problem, config, options.progress, mod_tensors)
 
 
 _COMMON_DOC = """
@@ -654,8 +696,9 @@ _COMMON_DOC = """
 
     **mods: the score modifications (pyfa.checks.ScoreMods, docs/numerics.md §2), the
     same keywords as the simulator's: softcap (None, or a float > 0: each scaled score s
-    becomes softcap * tanh(s / softcap), before the mask); any other keyword is a
-    TypeError naming it. (An Options field given as a keyword, e.g. block_r=, is the
+    becomes softcap * tanh(s / softcap), before the mask); alibi_slopes (None, or
+    float32 slopes of shape (H,) or (B, H), on q's device: then S - slope * |i + off - j|,
+    after softcap, with off causal_align's); any other keyword is a TypeError naming it. (An Options field given as a keyword, e.g. block_r=, is the
     deprecated form of options=.)
 
     Arrays: NumPy, or any array with __dlpack__ (PyTorch, CuPy, JAX, ...) or

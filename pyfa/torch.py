@@ -83,12 +83,13 @@ def _dims(q, k, v, layout):
 
 
 def _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r, block_c,
-              backend, softcap):
+              backend, softcap, alibi_slopes=None):
     """pyfa's keywords from the operators' flat arguments (a window with both sides
     unbounded is no window), the score modifications (pyfa.checks.ScoreMods) included."""
     window = None if window_left is None and window_right is None else (window_left, window_right)
     return dict(causal=causal, window=window, causal_align=causal_align, scale=scale,
-                layout=layout, options=_options(backend, block_r, block_c), softcap=softcap)
+                layout=layout, options=_options(backend, block_r, block_c), softcap=softcap,
+                alibi_slopes=None if alibi_slopes is None else alibi_slopes.detach())
 
 
 def _options(backend, block_r, block_c):
@@ -111,21 +112,22 @@ def _check_options(q, kw):
 
 # The operators' non-tensor arguments, in schema order after the tensors.
 _OPTION_NAMES = ("causal", "window_left", "window_right", "causal_align", "scale", "layout",
-                 "block_r", "block_c", "backend", "softcap")
+                 "block_r", "block_c", "backend", "softcap", "alibi_slopes")
 
 
 @torch.library.custom_op("pyfa::fa2_forward", mutates_args=())
 def _fa2_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, window_left: Optional[int],
                  window_right: Optional[int], causal_align: str, scale: Optional[float],
                  layout: str, block_r: Optional[int], block_c: Optional[int],
-                 backend: str, softcap: Optional[float] = None) -> Tuple[Tensor, Tensor]:
+                 backend: str, softcap: Optional[float] = None,
+                 alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """q: (B, H, Nq, d) in `layout`; k, v: (B, Hkv, Nk, d) in `layout`, float32. Returns
     o (like q, C-contiguous) and lse (B, H, Nq)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_dtype(name, t)
     B, H, Nq, Nk, _, _ = _dims(q, k, v, layout)
     kw = _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r,
-                   block_c, backend, softcap)
+                   block_c, backend, softcap, alibi_slopes)
     if q.numel() == 0 or k.numel() == 0:
         # No query rows, or no keys: every row sees nothing (O = 0, LSE = -inf).
         _check_options(q, kw)
@@ -137,7 +139,7 @@ def _fa2_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, window_left: Opt
 
 @_fa2_forward.register_fake
 def _fa2_forward_fake(q, k, v, causal, window_left, window_right, causal_align, scale, layout,
-                      block_r, block_c, backend, softcap=None):
+                      block_r, block_c, backend, softcap=None, alibi_slopes=None):
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_dtype(name, t)
     B, H, Nq, _, _, _ = _dims(q, k, v, layout)
@@ -149,14 +151,15 @@ def _fa2_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: T
                   causal: bool, window_left: Optional[int], window_right: Optional[int],
                   causal_align: str, scale: Optional[float], layout: str,
                   block_r: Optional[int], block_c: Optional[int],
-                  backend: str, softcap: Optional[float] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                  backend: str, softcap: Optional[float] = None,
+                  alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """FA2's backward from fa2_forward's o and lse and the gradient do (like o); returns
     dq, dk, dv like q, k, v (C-contiguous)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("do", do)):
         _check_dtype(name, t)
     _dims(q, k, v, layout)
     kw = _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r,
-                   block_c, backend, softcap)
+                   block_c, backend, softcap, alibi_slopes)
     if q.numel() == 0 or k.numel() == 0:
         _check_options(q, kw)
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
@@ -285,7 +288,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
               causal_align: str = "bottom_right", scale: Optional[float] = None,
               layout: str = "bhnd", return_lse: bool = False, block_r: Optional[int] = None,
               block_c: Optional[int] = None, backend: str = "auto",
-              softcap: Optional[float] = None):
+              softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None):
     """O = softmax(scale * Q K^T [mask]) V by FlashAttention-2, differentiable.
 
     q: (B, H, Nq, d), (H, Nq, d) or (Nq, d) float32 in layout "bhnd"; (B, Nq, H, d),
@@ -298,7 +301,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     zero gradients. Gradients flow to whichever of q, k, v require them. Score
     modifications (docs/numerics.md §2), differentiated too: softcap (None, or a float
     > 0; 0 is off, as in flash-attn): each scaled score s becomes softcap * tanh(s /
-    softcap), before the mask."""
+    softcap), before the mask; alibi_slopes (None, or a tensor (H,) or (B, H), moved to
+    q's device as float32; no gradient): then S - slope * |i + off - j|, after softcap,
+    off causal_align's offset (flash-attn's ALiBi)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
     if not isinstance(layout, str) or layout not in _LAYOUTS:
@@ -318,9 +323,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
         scale = float(scale)
     softcap = check_softcap(softcap)
+    if alibi_slopes is not None:
+        _check_tensor("alibi_slopes", alibi_slopes)
+        alibi_slopes = alibi_slopes.detach().to(q.device, torch.float32).contiguous()
     o, lse = torch.ops.pyfa.fa2_forward(
         _to_4d(q, rank, layout), _to_4d(k, rank, layout), _to_4d(v, rank, layout), causal,
-        left, right, causal_align, scale, layout, block_r, block_c, backend, softcap)
+        left, right, causal_align, scale, layout, block_r, block_c, backend, softcap,
+        alibi_slopes)
     if rank < 4:
         o = o.reshape(q.shape)
         lse = lse.reshape(lse.shape[4 - rank:])
@@ -404,12 +413,18 @@ def _check_flash_extras(softcap, alibi_slopes, deterministic):
     """The score modifications of a flash-attn call as pyfa.torch.attention's keywords."""
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}")
-    if alibi_slopes is not None:
-        raise ValueError("alibi_slopes: pyfa has no ALiBi bias yet (it needs pyfa's bias support, "
-                         "not landed yet); only None is honoured")
     # pyfa is always deterministic, which satisfies either request.
     _check_bool("deterministic", deterministic)
-    return dict(softcap=check_softcap(softcap))
+    return dict(softcap=check_softcap(softcap), alibi_slopes=alibi_slopes)
+
+
+def _batch_element(mods, b, keep_batch=False):
+    """The keywords of _check_flash_extras for batch element b alone: (B, H) slopes give
+    their row b ((1, H) with keep_batch, for a 4-D call)."""
+    slopes = mods["alibi_slopes"]
+    if isinstance(slopes, torch.Tensor) and slopes.dim() == 2:
+        slopes = slopes[b:b + 1] if keep_batch else slopes[b]
+    return {**mods, "alibi_slopes": slopes}
 
 
 def _flash_lse(lse):
@@ -428,9 +443,9 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
     flash-attn. Returns out (B, Nq, H, d); with return_attn_probs=True, the tuple
     (out, softmax_lse, None): softmax_lse (B, H, Nq) float32 (+inf for a row that sees no
     key, flash-attn's convention), and None where flash-attn returns its testing-only
-    attention probabilities, which pyfa does not compute. softcap: 0.0 (off) or > 0, as
-    in flash-attn (pyfa.torch.attention's). Refused, naming the argument: dropout_p != 0,
-    alibi_slopes. deterministic: pyfa always is."""
+    attention probabilities, which pyfa does not compute. softcap: 0.0 (off) or > 0, and
+    alibi_slopes: None or (H,) or (B, H) float32, as in flash-attn (pyfa.torch.attention's).
+    Refused, naming the argument: dropout_p != 0. deterministic: pyfa always is."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
         if t.dim() != 4:
@@ -493,9 +508,10 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         raise ValueError(f"cu_seqlens_k: {len(bk) - 1} sequences, but cu_seqlens_q has "
                          f"{len(bq) - 1}")
     outs, lses = [], []
-    for (q0, q1), (k0, k1) in zip(zip(bq, bq[1:]), zip(bk, bk[1:])):
+    for b, ((q0, q1), (k0, k1)) in enumerate(zip(zip(bq, bq[1:]), zip(bk, bk[1:]))):
         o, lse = attention(q[q0:q1], k[k0:k1], v[k0:k1], causal=causal, window=window,
-                           scale=softmax_scale, layout="bnhd", return_lse=True, **mods)
+                           scale=softmax_scale, layout="bnhd", return_lse=True,
+                           **_batch_element(mods, b))
         outs.append(o)
         lses.append(lse)
     if not outs:
@@ -518,11 +534,11 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     """flash-attn 2's flash_attn_with_kvcache by pyfa, for a dense cache read as it is:
     q (B, Nq, H, d), k_cache, v_cache (B, Ncache, Hkv, d); batch element b attends to the
     first cache_seqlens[b] keys (cache_seqlens: None = all Ncache, an int, or an int
-    tensor (B,)), the masks and softcap as in flash_attn_func (bottom-right, so the
-    queries are the last Nq positions). Returns out (B, Nq, H, d), or (out, softmax_lse (B, H, Nq)) with
+    tensor (B,)), the masks, softcap and alibi_slopes as in flash_attn_func (bottom-right,
+    so the queries are the last Nq positions). Returns out (B, Nq, H, d), or (out, softmax_lse (B, H, Nq)) with
     return_softmax_lse=True. Refused, naming the argument (pyfa has no kernel for them
     yet): k, v (appending to the cache), rotary_cos, rotary_sin, cache_batch_idx,
-    cache_leftpad, block_table, alibi_slopes, num_splits > 1 (pyfa never
+    cache_leftpad, block_table, num_splits > 1 (pyfa never
     splits the keys; 0 and 1 are honoured). rotary_interleaved only matters with rotary."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(name, t)
@@ -562,7 +578,8 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         n = lengths[0] if lengths else ncache
         o, lse = attention(q, k_cache[:, :n], v_cache[:, :n], **kw)
     else:
-        parts = [attention(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n], **kw)
+        parts = [attention(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n],
+                           **{**kw, **_batch_element(mods, b, keep_batch=True)})
                  for b, n in enumerate(lengths)]
         o, lse = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     return (o, _flash_lse(lse)) if return_softmax_lse else o

@@ -4,7 +4,7 @@
 //
 // Forward, for query row i and key j of batch b, query head h:
 //     s  = pyfa_dot(Q_i, K_j) * scale        the scaled score
-//     S  = score_mod(p, s, b, h, i, j)        the modifications: softcap
+//     S  = score_mod(p, s, b, h, i, j)        the modifications: softcap, then ALiBi
 //     S  = -inf where the mask hides j from i
 //     then the online softmax (each kernel's own: FA1's or FA2's)
 // Backward, from the same S:
@@ -21,11 +21,39 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "common/device.h"
 #include "common/mask.h"
 #include "common/numerics.h"
 #include "common/params.h"
+
+// ALiBi's distance |i + off - j| as the score's type T (the first argument, a tag),
+// computed in integers and converted once (exact below 2^24, correctly rounded above).
+// Kernels: integer indices, T float.
+template <class I, class J>
+PYFA_HD float alibi_distance(float, I i, J j, int64_t off) {
+    int64_t d = static_cast<int64_t>(i) + off - static_cast<int64_t>(j);
+    d = d < 0 ? -d : d;
+    return static_cast<float>(d);
+}
+#if !defined(__CUDACC__)
+// The cpu backend's vectors: V a GCC vector of floats, VI of int32 lane indices (rows in
+// its forward, keys in its backward), the other index a scalar. Its indices fit int32.
+template <class V, class VI>
+inline V alibi_lanes(VI d) {
+    d = d < 0 ? -d : d;
+    return __builtin_convertvector(d, V);
+}
+template <class V, class VI, std::enable_if_t<!std::is_arithmetic<VI>::value, int> = 0>
+inline V alibi_distance(V, VI i, int64_t j, int64_t off) {
+    return alibi_lanes<V>(i + static_cast<int32_t>(off - j));
+}
+template <class V, class VI, std::enable_if_t<!std::is_arithmetic<VI>::value, int> = 0>
+inline V alibi_distance(V, int64_t i, VI j, int64_t off) {
+    return alibi_lanes<V>(static_cast<int32_t>(i + off) - j);
+}
+#endif
 
 // The modification of a scaled score s of row i, key j: a modification adds its
 // parameters to AttentionParams and its formula here, its gradient in score_mod_grad,
@@ -37,6 +65,12 @@ PYFA_HD T score_mod(const AttentionParams& p, T s, int64_t b, int64_t h, I i, J 
     (void)p, (void)b, (void)h, (void)i, (void)j;
     // softcap: S = c tanh(s / c), a division (correctly rounded), not s times a rounded 1/c.
     if (p.softcap != 0.0f) s = p.softcap * pyfa_tanh(s / p.softcap);
+    // ALiBi, after softcap: S = S - slope * |i + off - j|, a product and a difference (two
+    // roundings, no fma); off is the mask's (causal_align's) diagonal offset.
+    if (p.alibi_slopes) {
+        const float slope = p.alibi_slopes[p.alibi_strides.at(b, h, 0)];
+        s = s - slope * alibi_distance(s, i, j, p.mask.off);
+    }
     return s;
 }
 
@@ -44,7 +78,8 @@ PYFA_HD T score_mod(const AttentionParams& p, T s, int64_t b, int64_t h, I i, J 
 // the scaled score, and S = score_mod(s), both of the same (i, j) and from the same fused
 // steps as the forward's, so that a gradient written in either gets the forward's bits.
 // Both are given because a modification's gradient is cheapest in one or the other:
-//     softcap   S = c tanh(s / c):  dS_s = dS * (1 - (S / c)^2), reads S (no second tanh);
+//     softcap   S = c tanh(s / c):  dS_s = dS * (1 - (S / c)^2), reads S (no second tanh;
+//               S as softcap left it, so recomputed from s when ALiBi changed it after);
 //     ALiBi     S = s - slope_h * |i - j|, and an additive bias S = s + bias[b, h, i, j]:
 //               dS_s = dS, reads neither;
 //     dropout   acts on P, not on the score: its keep mask (a function of the seed and
@@ -70,17 +105,21 @@ PYFA_HD ScoreAt<T> score_at(const AttentionParams& p, T s, int64_t b, int64_t h,
 template <class T, class I, class J>
 PYFA_HD T score_mod_grad(const AttentionParams& p, T dS, ScoreAt<T> at, int64_t b, int64_t h, I i, J j) {
     (void)p, (void)at, (void)b, (void)h, (void)i, (void)j;
-    // softcap: dS_s = dS (1 - t^2), t = S / c (not the forward's tanh, which S has rounded).
+    // softcap: dS_s = dS (1 - t^2), t = S_c / c, S_c softcap's output: S itself unless
+    // ALiBi changed it after, else recomputed from s by the forward's steps (its bits).
+    // (t is not the forward's tanh, which S_c has rounded.)
     if (p.softcap != 0.0f) {
-        const T t = at.S / p.softcap;
+        const T S_c = p.alibi_slopes ? p.softcap * pyfa_tanh(at.s / p.softcap) : at.S;
+        const T t = S_c / p.softcap;
         dS = dS * (1.0f - t * t);
     }
     return dS;
 }
 
-// Whether the modification is the identity, so that a kernel may skip what only its
-// gradient needs (the FA1 backwards and the fast role-split kernels recompute the score
-// for it; see ScoreAt).
+// Whether the modifications' gradient is the identity (it reads nothing of the score), so
+// that a kernel may skip what only that gradient needs (the FA1 backwards and the fast
+// role-split kernels recompute the score for it; see ScoreAt). ALiBi's gradient is the
+// identity: only softcap's reads the score.
 PYFA_HD bool score_mod_is_identity(const AttentionParams& p) {
     return p.softcap == 0.0f;
 }

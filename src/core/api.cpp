@@ -301,7 +301,8 @@ struct Layouts<pyfa_config> {
 };
 template <>
 struct Layouts<pyfa_tensors> {
-    static constexpr size_t sizes[] = {sizeof(pyfa_tensors)};  // ABI 5
+    static constexpr size_t sizes[] = {offsetof(pyfa_tensors, alibi_slopes),  // ABI 5
+                                       sizeof(pyfa_tensors)};                  // alibi_slopes
     static constexpr int first_abi = 5;
 };
 // ABI 3's pyfa_config ended after variant, padded to the struct's alignment (unchanged by
@@ -611,6 +612,19 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     }
     pyfa_problem pr;
     if ((st = check_problem(problem, taken, n_in + n_out, named, &pr)) != PYFA_OK) return st;
+    // ALiBi's slopes: (B, H) floats at the given strides.
+    const pyfa_tensor& alibi = named.alibi_slopes;
+    pyfa_strides alibi_strides = alibi.strides;
+    if (all_zero(alibi_strides)) alibi_strides = pyfa_strides{pr.heads, 1, 0};
+    if (alibi.data && (alibi_strides.batch < 0 || alibi_strides.head < 0 || alibi_strides.row != 0))
+        return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                    "tensors->alibi_slopes.strides: batch and head must be >= 0 and row 0, got (%lld, %lld, %lld)",
+                    static_cast<long long>(alibi_strides.batch), static_cast<long long>(alibi_strides.head),
+                    static_cast<long long>(alibi_strides.row));
+    if (!alibi.data && !all_zero(alibi.strides))
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "tensors->alibi_slopes.strides: given without data");
+    // One past the last slope read, in elements (the strides are below 2^61 each, B, H below 2^31).
+    const int64_t alibi_extent = (pr.batch - 1) * alibi_strides.batch + (pr.heads - 1) * alibi_strides.head + 1;
     pyfa_config cfg;
     if ((st = check_config(config, &cfg)) != PYFA_OK) return st;
     const float* inputs[kMaxInputs] = {};
@@ -641,14 +655,18 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     // and launches below all follow it) and put back when the call returns.
     DeviceScope device_scope;
     if (device_pointers) {
-        const char* names[kMaxInputs + kMaxOutputs];
-        const void* pointers[kMaxInputs + kMaxOutputs];
+        const char* names[kMaxInputs + kMaxOutputs + 1];
+        const void* pointers[kMaxInputs + kMaxOutputs + 1];
+        int count = n_in + n_out;
         for (int t = 0; t < n_in + n_out; ++t) {
             names[t] = kTensors[taken[t]].name;
             pointers[t] = t < n_in ? static_cast<const void*>(inputs[t]) : outputs[t - n_in];
         }
-        if ((st = backend.enter_device(names, pointers, n_in + n_out, stream, &device_scope)) != PYFA_OK)
-            return st;
+        if (alibi.data) {
+            names[count] = "alibi_slopes";
+            pointers[count++] = alibi.data;
+        }
+        if ((st = backend.enter_device(names, pointers, count, stream, &device_scope)) != PYFA_OK) return st;
     }
     pyfa_device_profile profile;
     if ((st = backend.profile(&profile)) != PYFA_OK) return st;
@@ -664,6 +682,8 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     base.mask = make_mask(pr.causal, pr.window, pr.window_left, pr.window_right, pr.causal_align, pr.seqlen_q,
                           pr.seqlen_k);
     base.softcap = pr.softcap;
+    base.alibi_slopes = static_cast<const float*>(alibi.data);
+    base.alibi_strides = TensorStrides{alibi_strides.batch, alibi_strides.head, 0};
     for (int t = 0; t < n_in + n_out; ++t)
         if (TensorStrides* slot = strides_slot(base, taken[t])) *slot = resolved_strides(taken[t], pr);
 
@@ -758,6 +778,13 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     for (int t = 0; t < n_scratch; ++t)
         if ((st = owned.alloc(tensor_bytes(op.scratch[t], pr), &param_slot(bound, op.scratch[t]))) != PYFA_OK)
             return st;
+    if (bound.alibi_slopes && stage_inputs) {
+        float* slopes = nullptr;
+        const size_t bytes = sizeof(float) * static_cast<size_t>(alibi_extent);
+        if ((st = owned.alloc(bytes, &slopes)) != PYFA_OK) return st;
+        if ((st = backend.copy_to_device(slopes, bound.alibi_slopes, bytes, stream)) != PYFA_OK) return st;
+        bound.alibi_slopes = slopes;
+    }
 
     // A backend polled per kernel is asked before each launch. On the library's stream
     // (host entry points) the dispatcher first waits for the kernels already launched, so

@@ -245,6 +245,13 @@ typedef struct pyfa_tensors {
     pyfa_tensor m, l;      /* FA1: outputs of the forward, inputs of the backward */
     pyfa_tensor dout;      /* dO, input of the backwards (errors call it "do" in the entry points below) */
     pyfa_tensor dq, dk, dv; /* outputs of the backwards */
+    /* ---- ALiBi (read only when struct_size reaches past it); an input of every op.
+       NULL: off. Else each scaled score (after softcap) becomes
+       S - slope[b, h] * |i + off - j|, off = Nk - Nq (PYFA_ALIGN_BOTTOM_RIGHT) or 0
+       (PYFA_ALIGN_TOP_LEFT), slope[b, h] = data[b * strides.batch + h * strides.head]:
+       strides all 0 means a dense (B, H) array, (0, 1, 0) an (H,) one shared by every
+       batch element; strides.row must be 0. Finite slopes are the caller's to give. */
+    pyfa_tensor alibi_slopes;
 } pyfa_tensors;
 
 /* What the kernels are sized against: the GPU's limits, or the emulated device's. */
