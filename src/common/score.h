@@ -80,7 +80,7 @@ PYFA_HD T score_mod(const AttentionParams& p, T s, int64_t b, int64_t h, I i, J 
 // Both are given because a modification's gradient is cheapest in one or the other:
 //     softcap   S = c tanh(s / c):  dS_s = dS * (1 - (S / c)^2), reads S (no second tanh;
 //               S as softcap left it, so recomputed from s when ALiBi changed it after);
-//     ALiBi     S = s - slope_h * |i - j|, and an additive bias S = s + bias[b, h, i, j]:
+//     ALiBi     S = s - slope * |i + off - j|, and an additive bias S = s + bias[b, h, i, j]:
 //               dS_s = dS, reads neither;
 //     dropout   acts on P, not on the score: its keep mask (a function of the seed and
 //               b, h, i, j) and 1 / (1 - rate) scale dp in score_grad before dS is formed,
