@@ -76,7 +76,7 @@ def _run(algo, passes, function, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen
         io = io + r.io
     fields = {}
     for f in type(parts[0]).__dataclass_fields__:
-        if f == "io":
+        if f == "io" or getattr(parts[0], f) is None:  # dbias: packed sequences take no bias
             continue
         axis = 1 if f in _STATS else 0
         fields[f] = np.concatenate([getattr(r, f) for r in parts], axis=axis)
