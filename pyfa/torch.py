@@ -89,9 +89,11 @@ def _keywords(causal, window_left, window_right, causal_align, scale, layout, bl
     the score modifications (pyfa.checks.ScoreMods) included."""
     window = None if window_left is None and window_right is None else (window_left, window_right)
     drop = dict(dropout_p=dropout_p, seed=seed % 2 ** 64, offset=offset % 2 ** 64) if dropout_p else {}
+    mods = {name: x for name, x in (("softcap", softcap), ("alibi_slopes", alibi_slopes)) if x is not None}
+    if alibi_slopes is not None:
+        mods["alibi_slopes"] = alibi_slopes.detach()
     return dict(causal=causal, window=window, causal_align=causal_align, scale=scale,
-                layout=layout, options=_options(backend, block_r, block_c), **drop, softcap=softcap,
-                alibi_slopes=None if alibi_slopes is None else alibi_slopes.detach())
+                layout=layout, options=_options(backend, block_r, block_c), **drop, **mods)
 
 
 def _options(backend, block_r, block_c):
@@ -719,15 +721,15 @@ def _varlen_backward(ctx, do, dlse):
         do = torch.zeros_like(o)
     dq, dk, dv = torch.ops.pyfa.fa2_varlen_backward(q, k, v, o, lse, do, cu_q, cu_k, *ctx.options)
     if dlse is not None:
-        # As _lse_gradient, per sequence: dLSE/dq = scale * attention(q, k, k), dLSE/dk =
-        # scale * the dV of that attention's backward for the incoming gradient dlse q.
-        opts = ctx.options
-        scale = opts[6] if opts[6] is not None else 1.0 / math.sqrt(q.shape[-1])
+        # As _lse_gradient (the same steps, so each sequence's bits are the dense call's):
+        # FA2's backward with V = 0, O = e_0 and dO = -dlse e_0, whose dS is P dlse.
         dlse = torch.where(torch.isinf(lse), torch.zeros_like(dlse), dlse)
-        g = dlse.transpose(0, 1).unsqueeze(-1)
-        ok, lk = torch.ops.pyfa.fa2_varlen_forward(q, k, k, cu_q, cu_k, *opts)
-        _, _, gk = torch.ops.pyfa.fa2_varlen_backward(q, k, k, ok, lk, g * q, cu_q, cu_k, *opts)
-        dq, dk = dq + scale * g * ok, dk + scale * gk
+        o_unit, do_lse = torch.zeros_like(q), torch.zeros_like(q)
+        o_unit[..., 0] = 1
+        do_lse[..., 0] = -dlse.transpose(0, 1)
+        lq, lk, _ = torch.ops.pyfa.fa2_varlen_backward(q, k, torch.zeros_like(v), o_unit, lse, do_lse,
+                                                       cu_q, cu_k, *ctx.options)
+        dq, dk = dq + lq, dk + lk
     return (dq, dk, dv) + (None,) * (2 + len(ctx.options))
 
 
