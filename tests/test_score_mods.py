@@ -460,3 +460,13 @@ def test_torch_attention_with_mods_against_float64():
         # flash-attn's drop-in passes softcap and alibi_slopes through: the same bits in its layout.
         fa = pt.flash_attn_func(*(torch.tensor(x).transpose(1, 2) for x in (q, k, v)), causal=True, **kw)
         assert same_bits(fa.transpose(1, 2).detach().numpy(), o.detach().numpy())
+
+
+def test_alibi_with_packed_sequences_is_refused_by_name():
+    q = np.ones((5, 2, 8), np.float32)
+    cu = np.array([0, 2, 5], np.int32)
+    with pytest.raises(pyfa.InvalidArgumentError, match="alibi_slopes: not with packed sequences"):
+        pyfa.attention_varlen(q, q, q, cu, cu, alibi_slopes=np.ones(2, np.float32))
+    # softcap is index-free: packed sequences take it.
+    o = pyfa.attention_varlen(q, q, q, cu, cu, softcap=1.5)
+    assert same_bits(o[:2], pyfa.attention(q[None, :2], q[None, :2], q[None, :2], layout="bnhd", softcap=1.5)[0])
