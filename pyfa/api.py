@@ -190,8 +190,8 @@ def _config(options):
 
 
 def _problem(dims, scale, causal, window, causal_align, mods):
-    """The pyfa_problem (struct_size: this header's layout; the packed sequences' fields
-    are set by pyfa.varlen.Varlen.apply) of sizes
+    """The pyfa_problem (struct_size: this header's layout, the score modifications'
+    fields included; the packed sequences' fields are set by pyfa.varlen.Varlen.apply) of sizes
     dims = (B, H, Nq, Nk, d, Hkv), the mask arguments, checked as the simulator checks
     them, and the score modifications (a checks.ScoreMods: each scalar field copied to
     the pyfa_problem field of its name); the strides are set by the caller. A window side wider than Nq + Nk is passed
@@ -199,6 +199,7 @@ def _problem(dims, scale, causal, window, causal_align, mods):
     ffi, _ = _lib.load()
     bounds = mask_bounds(causal, window, causal_align, dims[2], dims[3])
     pr = ffi.new("pyfa_problem *")
+    pr.struct_size = ffi.sizeof("pyfa_problem")
     pr.batch, pr.heads, pr.seqlen_q, pr.seqlen_k, pr.head_dim, pr.heads_kv = dims
     pr.scale = float(resolve_scale(scale, dims[4]))
     pr.causal = 1 if causal else 0
@@ -211,29 +212,22 @@ def _problem(dims, scale, causal, window, causal_align, mods):
     pr.struct_size = ffi.sizeof("pyfa_problem")
     for field in dataclasses.fields(mods):
         value = getattr(mods, field.name)
-        if isinstance(value, (int, float)):
+        if isinstance(value, (int, float)) and field.metadata.get("pyfa_problem", True):
             setattr(pr, field.metadata.get("problem", field.name), value)
     return pr
 
 
-def _set_mod_tensors(tensors, problem, mods, grad):
-    """The score modifications' arrays (ScoreMods fields holding a checks.Bias) into the
-    pyfa_tensors field of their name, their element strides into pyfa_problem's
-    <name>_strides; `grad`: the call writes their gradient (checks.Bias.for_grad). Returns
-    the NumPy views given, to be kept alive until the call returns."""
+def _set_mod_tensors(tensors, problem, mod_tensors):
+    """The score modifications' arrays (_mod_tensors) into the pyfa_tensors fields of their
+    names; their element strides go where the ABI keeps them: pyfa_problem's
+    <name>_strides where it has one (bias), else the tensor's own (alibi_slopes)."""
     ffi, _ = _lib.load()
-    views = []
-    for field in dataclasses.fields(mods):
-        value = getattr(mods, field.name)
-        if not isinstance(value, Bias):
-            continue
-        view = value.for_grad() if grad else value.view
-        getattr(tensors, field.name).data = ffi.cast("void *", _address(ffi, view))
-        problem.struct_size = ffi.sizeof("pyfa_problem")  # this layout: the strides are a later field
-        st = getattr(problem, field.name + "_strides")
-        st.batch, st.head, st.row = element_strides(view)
-        views.append(view)
-    return views
+    in_problem = dict(ffi.typeof("pyfa_problem").fields)
+    for name, (address, strides) in (mod_tensors or {}).items():
+        field = getattr(tensors, name)
+        field.data = ffi.cast("void *", address)
+        st = getattr(problem, name + "_strides") if name + "_strides" in in_problem else field.strides
+        st.batch, st.head, st.row = strides
 
 
 def _check_mods_place(mods, intake):
@@ -315,7 +309,8 @@ def _tensors(memory, pointers, varlen=None):
     {tensor name: address (an int or a cffi pointer)}; strides travel in pyfa_problem.
     Every call goes through pyfa_run, so an op's new tensor is a field here, not an
     argument of a new entry point. varlen: a pyfa.varlen.Varlen, whose offsets are two
-    more (its pointers name their pyfa_tensors fields)."""
+    more (its pointers name their pyfa_tensors fields); the score modifications' arrays
+    follow (_set_mod_tensors)."""
     ffi, _ = _lib.load()
     t = ffi.new("pyfa_tensors *")
     t.struct_size = ffi.sizeof("pyfa_tensors")
@@ -325,6 +320,48 @@ def _tensors(memory, pointers, varlen=None):
     for field, address in (varlen.pointers.items() if varlen is not None else ()):
         getattr(t, field).data = ffi.cast("void *", address)
     return t
+
+
+def _mod_tensors(mods, intake, grad=False):
+    """The score modifications' arrays (a checks.ScoreMods field holding one goes to the
+    pyfa_tensors field of its name) as {field: (address, (batch, head, row) element
+    strides)}, with the objects that keep them alive. Each is a (B, H[, Nq, Nk]) view,
+    a broadcast axis of stride 0, its last axis contiguous. On the CPU they are the NumPy
+    views ScoreMods checked; for CUDA arrays they must be on q's device (refused, naming
+    the field, otherwise: pyfa does not copy them over). A checks.Bias gives its view,
+    as a backward that writes dbias takes it when `grad` (checks.Bias.for_grad)."""
+    ffi, _ = _lib.load()
+    found, keep = {}, []
+    for field in dataclasses.fields(mods):
+        x = getattr(mods, field.name)
+        if x is None or isinstance(x, (bool, int, float, str)):
+            continue
+        if isinstance(x, Bias):  # on the CPU (_check_mods_place)
+            view = x.for_grad() if grad else x.view
+            keep.append(view)
+            found[field.name] = (_address(ffi, view), element_strides(view))
+            continue
+        on_cpu = isinstance(x, np.ndarray)
+        if (intake.place.kind == "cpu") != on_cpu:
+            raise InvalidArgumentError(
+                f"{field.name}: on {'the CPU' if on_cpu else _arrays.place_of(field.name, x)}, but q is on "
+                f"{intake.place}; give it where q is")
+        if on_cpu:
+            address, shape, strides = _address(ffi, x), x.shape, tuple(s // 4 for s in x.strides)
+        else:
+            place = _arrays.place_of(field.name, x)
+            if place.index is not None and intake.place.index is not None and place != intake.place:
+                raise InvalidArgumentError(f"{field.name}: on {place}, but q is on {intake.place}")
+            t = _arrays.device_tensor(field.name, x, intake.stream)
+            keep.append(t)
+            shape = t.shape
+            strides = t.strides if t.strides is not None else \
+                tuple(int(np.prod(shape[n + 1:])) for n in range(len(shape)))
+            address = t.ptr
+            if len(shape) == 1:  # (H,): shared by every batch element
+                shape, strides = (1,) + shape, (0,) + strides
+        found[field.name] = (address, (tuple(strides) + (0, 0))[:3])
+    return found, keep
 
 
 def _address(ffi, x):
@@ -534,7 +571,7 @@ def _host_outputs(op, intake, outs):
     return result
 
 
-def _run_host(op, intake, outs, problem, config, progress, varlen=None, mods=None, dbias=None):
+def _run_host(op, intake, outs, problem, config, progress, varlen=None, mod_tensors=None, dbias=None):
     ffi, lib = _lib.load()
     targets = _host_outputs(op, intake, outs)
     if dbias is not None:
@@ -547,7 +584,7 @@ def _run_host(op, intake, outs, problem, config, progress, varlen=None, mods=Non
     tensors = _tensors("PYFA_MEMORY_HOST",
                        {**{n: _address(ffi, intake.tensors[n]) for n in op.inputs},
                         **{n: _address(ffi, w) for n, (_, _, w) in targets.items()}}, varlen)
-    keep = [] if mods is None else _set_mod_tensors(tensors, problem, mods, dbias is not None)
+    _set_mod_tensors(tensors, problem, mod_tensors)
     if dbias is not None:  # our own array, written by the library in the bias's shape
         tensors.dbias.data = ffi.cast("void *", _address(ffi, dbias[0]))
     if all(view is not written for _, view, written in targets.values()):
@@ -555,7 +592,6 @@ def _run_host(op, intake, outs, problem, config, progress, varlen=None, mods=Non
         # may leave them partly written, and no staging copy is needed.
         config.flags |= lib.PYFA_FLAG_IN_PLACE
     _lib.call(lib.pyfa_run, config, op.c_op, problem, config, tensors, ffi.NULL, progress=progress)
-    del keep
     results = []
     for given, view, written in targets.values():
         if given is None:
@@ -610,7 +646,7 @@ def _check_cuda_backend(backend, place):
             f"{_reason(lib, cuda)}", _lib.constant("PYFA_ERROR_BACKEND_UNAVAILABLE"))
 
 
-def _run_device(op, intake, outs, problem, config, progress, varlen=None):
+def _run_device(op, intake, outs, problem, config, progress, varlen=None, mod_tensors=None):
     """Enqueues OPS[op] on intake.stream with the arrays' device pointers: no host copy."""
     ffi, lib = _lib.load()
     targets = {}
@@ -651,6 +687,7 @@ def _run_device(op, intake, outs, problem, config, progress, varlen=None):
     tensors = _tensors("PYFA_MEMORY_DEVICE",
                        {**{n: intake.tensors[n].ptr for n in op.inputs},
                         **{n: t.ptr for n, (_, _, t) in targets.items()}}, varlen)
+    _set_mod_tensors(tensors, problem, mod_tensors)
     _lib.call(fn, config, op.c_op, problem, config, tensors, ffi.cast("void *", intake.stream),
               progress=progress)
     return tuple(given if given is not None else _arrays.as_kind(intake.kind, array)
@@ -680,7 +717,7 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
     outs = _out_dict(op_name, op.outputs + (("dbias",) if with_dbias else ()), out)
     dbias_out = outs.pop("dbias", None)
     intake = _intake(args, stream, options.backend, layout, outs)
-    mods = ScoreMods.resolve(function or f"pyfa.{op_name}", intake.dims, **mods)
+    mods = ScoreMods.resolve(function or f"pyfa.{op_name}", intake.dims, causal_align, **mods)
     _check_mods_place(mods, intake)
     dbias = _dbias_target(mods.bias, dbias_out, intake) if with_dbias else None
     if is_empty(*intake.dims[2:4]):
@@ -694,11 +731,12 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
     if varlen is not None:
         varlen.apply(problem, intake.dims[2], intake.dims[3])
     config = _config(options)
+    mod_tensors, _keep = _mod_tensors(mods, intake, grad=dbias is not None)
     with _lib.interrupts_after():
         if intake.place.kind == "cpu":
-            results = _run_host(op, intake, outs, problem, config, options.progress, varlen, mods, dbias)
+            results = _run_host(op, intake, outs, problem, config, options.progress, varlen, mod_tensors, dbias)
             return results + _dbias_results(dbias, intake)
-        return _run_device(op, intake, outs, problem, config, options.progress, varlen)
+        return _run_device(op, intake, outs, problem, config, options.progress, varlen, mod_tensors)
 
 
 def _dbias_target(bias, given, intake):
@@ -743,6 +781,9 @@ _COMMON_DOC = """
 
     **mods: the score modifications (pyfa.checks.ScoreMods, docs/numerics.md §2), the
     same keywords as the simulator's; any other keyword is a TypeError naming it.
+    softcap (None, or a float > 0): each scaled score s becomes softcap * tanh(s / softcap),
+    before the mask. alibi_slopes (None, or float32 slopes of shape (H,) or (B, H), on q's
+    device): then S - slope * |i + off - j|, after softcap, with off causal_align's.
     dropout_p (in [0, 1), 0 off), seed (an int in [0, 2^64), required when dropout_p > 0
     so that the mask is reproducible) and offset (an int in [0, 2^64), 0 by default):
     dropout of P in P V, its mask a pure function of (seed, offset, b, h, i, j) that the

@@ -374,6 +374,62 @@ def check_bias(function, bias, dims):
     return Bias(x, shape, full, view)
 
 
+def check_softcap(softcap):
+    """softcap as a float that is exactly a float32 > 0, or None (off); 0, flash-attn's
+    "off", is None too. The library takes the same float32 (pyfa_problem.softcap)."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise ArgumentTypeError(f"softcap: expected a float > 0 or None, got {type(softcap).__name__}")
+    try:
+        x = float(softcap)
+    except OverflowError:  # an int beyond any float
+        raise InvalidArgumentError(f"softcap: {softcap} is not representable as a finite float32") from None
+    if x == 0:
+        return None
+    if not (x > 0) or not math.isfinite(x):
+        raise InvalidArgumentError(f"softcap: must be finite and > 0 (or None, or 0: off), got {softcap}")
+    if x > FLOAT32_MAX or np.float32(x) == 0:
+        raise InvalidArgumentError(f"softcap: {softcap} is not representable as a finite nonzero float32")
+    return float(np.float32(x))
+
+
+def _on_a_gpu(x):
+    """Whether x is an array on a CUDA device (kept as given: pyfa's API takes its device
+    pointer; NumPy cannot read it)."""
+    if hasattr(x, "__cuda_array_interface__"):
+        return True
+    device = getattr(x, "__dlpack_device__", None)
+    return device is not None and not isinstance(x, np.ndarray) and device()[0] not in (1, 3)  # kDLCPU, kDLCUDAHost
+
+
+def check_alibi_slopes(slopes, dims):
+    """ALiBi's slopes as a float32 (B, H) NumPy view (an (H,) array broadcast along B, with
+    batch stride 0), or None (off); an array on a CUDA device is returned as given, its
+    shape checked (pyfa's API checks the rest against q's device). dims = (B, H, ...)."""
+    if slopes is None:
+        return None
+    B, H = dims[0], dims[1]
+    if _on_a_gpu(slopes):
+        shape = tuple(slopes.shape)
+        if shape not in ((H,), (B, H)):
+            raise InvalidArgumentError(f"alibi_slopes: expected shape ({H},) or ({B}, {H}), got {shape}")
+        return slopes
+    try:
+        a = np.asarray(slopes)
+    except Exception as e:  # e.g. a tensor that requires grad
+        raise ArgumentTypeError(f"alibi_slopes: expected a float32 array, got {type(slopes).__name__} ({e})") from None
+    if a.dtype.kind not in "fiu" or a.dtype.itemsize > 8:
+        raise ArgumentTypeError(f"alibi_slopes: expected a float32 array, got dtype {a.dtype}")
+    if a.shape not in ((H,), (B, H)):
+        raise InvalidArgumentError(f"alibi_slopes: expected shape ({H},) or ({B}, {H}), got {a.shape}")
+    with np.errstate(over="ignore"):
+        a = np.ascontiguousarray(a, np.float32)
+    if not np.isfinite(a).all():
+        raise InvalidArgumentError("alibi_slopes: must be finite (as float32)")
+    return np.broadcast_to(a, (B, H))
+
+
 @dataclasses.dataclass(frozen=True)
 class ScoreMods:
     """The score modifications of one call, checked (docs/numerics.md, "The score
@@ -381,7 +437,13 @@ class ScoreMods:
     This is the one list of them in Python. pyfa's API and the simulator take them as
     keyword arguments (**mods) and resolve them here, once per call. A scalar field is
     copied to the pyfa_problem field of the same name (pyfa/api.py), and the simulator's
-    formulas read the fields (pyfa/sim/score.py). There are none yet.
+    formulas read the fields (pyfa/sim/score.py).
+
+    softcap: None, or a float > 0 (a float32 value): S = softcap * tanh(s / softcap).
+    alibi_slopes: None, or float32 (B, H) (an (H,) array broadcast: batch stride 0), or a
+    CUDA array of shape (H,) or (B, H): S = S - slope[b, h] * |i + off - j|.
+    off: the mask's diagonal offset (Nk - Nq for causal_align "bottom_right", 0 for
+    "top_left"), set by resolve() from the call's causal_align, not a keyword.
 
     A modification adds its field here, its check to resolve(), and its formula to
     pyfa/sim/score.py and src/common/score.h. A field whose pyfa_problem field has
@@ -395,23 +457,36 @@ class ScoreMods:
     # Additive bias (issue 27): a Bias, or None. Not compared: an array has no one truth.
     bias: object = dataclasses.field(default=None, compare=False)
 
+    softcap: "float | None" = None
+    # Not compared, as bias: an array has no one truth (is_identity tests it).
+    alibi_slopes: "np.ndarray | None" = dataclasses.field(default=None, compare=False)
+    # Not a pyfa_problem field: the library has it from causal_align.
+    off: int = dataclasses.field(default=0, metadata={"pyfa_problem": False})
+
     @classmethod
-    def resolve(cls, function, dims, **mods):
+    def resolve(cls, function, dims, causal_align="bottom_right", /, **mods):
         """The modifications of the keyword arguments `mods` of `function` (its name, for
-        the error) on a problem of dims = (B, H, Nq, Nk, d, Hkv); TypeError for a keyword
-        that names none."""
-        known = {f.name for f in dataclasses.fields(cls)}
+        the error) on a problem of dims = (B, H, Nq, Nk, d, Hkv) under the call's
+        causal_align; TypeError for a keyword that names none."""
+        known = {f.name for f in dataclasses.fields(cls)} - {"off"}
         for name in mods:
             if name not in known:
                 raise ArgumentTypeError(f"{function}() got an unexpected keyword argument {name!r}")
         mods.update(_check_dropout(mods.get("dropout_p", 0.0), mods.get("seed"), mods.get("offset", 0)))
         if "bias" in mods:
             mods["bias"] = check_bias(function, mods["bias"], dims)
-        return cls(**mods)
+        if "softcap" in mods:
+            mods["softcap"] = check_softcap(mods["softcap"])
+        if "alibi_slopes" in mods:
+            mods["alibi_slopes"] = check_alibi_slopes(mods["alibi_slopes"], dims)
+        off = dims[3] - dims[2] if causal_align == "bottom_right" else 0
+        return cls(off=off, **mods)
 
     def is_identity(self):
-        """True when no modification is on: the score pipeline is the identity."""
-        return self == type(self)() and self.bias is None
+        """True when no modification is on: the score pipeline is the identity (off, the
+        mask's offset that ALiBi reads, is none)."""
+        plain = dataclasses.replace(self, off=0) == type(self)()
+        return plain and self.bias is None and self.alibi_slopes is None
 
 
 _UINT64 = (1 << 64) - 1
@@ -451,7 +526,7 @@ def check_dropout_mask(function, batch, heads, seqlen_q, seqlen_k, dropout_p, se
 __all__ = [
     "ALIGNMENTS", "Bias", "EMPTY_VALUES", "FLOAT32_MAX", "LAYOUTS", "MAX_HEAD_DIM", "MAX_TILE", "MaskBounds", "QKV",
     "ScoreMods", "check_bias",
-    "as_4d", "as_tensor", "caller_shape", "check_causal", "check_causal_align",
+    "as_4d", "as_tensor", "caller_shape", "check_causal", "check_causal_align", "check_softcap", "check_alibi_slopes",
     "check_count_args", "check_dropout_mask", "check_int", "check_layout", "check_like", "check_qkv",
     "check_rows", "check_sizes", "check_tile", "check_window", "element_strides", "empty_output", "is_empty",
     "mask_bounds", "resolve_scale", "restore_rank", "restore_rows",

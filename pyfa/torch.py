@@ -37,7 +37,7 @@ if not all(hasattr(torch.library, f) for f in ("custom_op", "register_vmap", "re
 from torch import Tensor
 
 from . import api, varlen
-from .checks import check_int, check_window
+from .checks import check_int, check_softcap, check_window
 from .options import Options
 
 __all__ = ["attention", "attention_varlen", "scaled_dot_product_attention", "flash_attn_func",
@@ -83,13 +83,17 @@ def _dims(q, k, v, layout):
 
 
 def _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r, block_c,
-              backend, dropout_p=0.0, seed=0, offset=0):
+              backend, dropout_p=0.0, seed=0, offset=0, softcap=None, alibi_slopes=None):
     """pyfa's keywords from the operators' flat arguments (a window with both sides
-    unbounded is no window; seed and offset travel as int64, their two's complement)."""
+    unbounded is no window; seed and offset travel as int64, their two's complement),
+    the score modifications (pyfa.checks.ScoreMods) included."""
     window = None if window_left is None and window_right is None else (window_left, window_right)
     drop = dict(dropout_p=dropout_p, seed=seed % 2 ** 64, offset=offset % 2 ** 64) if dropout_p else {}
+    mods = {name: x for name, x in (("softcap", softcap), ("alibi_slopes", alibi_slopes)) if x is not None}
+    if alibi_slopes is not None:
+        mods["alibi_slopes"] = alibi_slopes.detach()
     return dict(causal=causal, window=window, causal_align=causal_align, scale=scale,
-                layout=layout, options=_options(backend, block_r, block_c), **drop)
+                layout=layout, options=_options(backend, block_r, block_c), **drop, **mods)
 
 
 def _options(backend, block_r, block_c):
@@ -112,22 +116,24 @@ def _check_options(q, kw):
 
 # The operators' non-tensor arguments, in schema order after the tensors.
 _OPTION_NAMES = ("causal", "window_left", "window_right", "causal_align", "scale", "layout",
-                 "block_r", "block_c", "backend", "dropout_p", "seed", "offset")
+                 "block_r", "block_c", "backend", "dropout_p", "seed", "offset", "softcap",
+                 "alibi_slopes")
 
 
 @torch.library.custom_op("pyfa::fa2_forward", mutates_args=())
 def _fa2_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, window_left: Optional[int],
                  window_right: Optional[int], causal_align: str, scale: Optional[float],
                  layout: str, block_r: Optional[int], block_c: Optional[int],
-                 backend: str, dropout_p: float = 0.0, seed: int = 0,
-                 offset: int = 0) -> Tuple[Tensor, Tensor]:
+                 backend: str, dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
+                 softcap: Optional[float] = None,
+                 alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """q: (B, H, Nq, d) in `layout`; k, v: (B, Hkv, Nk, d) in `layout`, float32. Returns
     o (like q, C-contiguous) and lse (B, H, Nq)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_dtype(name, t)
     B, H, Nq, Nk, _, _ = _dims(q, k, v, layout)
     kw = _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r,
-                   block_c, backend, dropout_p, seed, offset)
+                   block_c, backend, dropout_p, seed, offset, softcap, alibi_slopes)
     if q.numel() == 0 or k.numel() == 0:
         # No query rows, or no keys: every row sees nothing (O = 0, LSE = -inf).
         _check_options(q, kw)
@@ -139,7 +145,8 @@ def _fa2_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, window_left: Opt
 
 @_fa2_forward.register_fake
 def _fa2_forward_fake(q, k, v, causal, window_left, window_right, causal_align, scale, layout,
-                      block_r, block_c, backend, dropout_p=0.0, seed=0, offset=0):
+                      block_r, block_c, backend, dropout_p=0.0, seed=0, offset=0, softcap=None,
+                      alibi_slopes=None):
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_dtype(name, t)
     B, H, Nq, _, _, _ = _dims(q, k, v, layout)
@@ -151,15 +158,16 @@ def _fa2_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: T
                   causal: bool, window_left: Optional[int], window_right: Optional[int],
                   causal_align: str, scale: Optional[float], layout: str,
                   block_r: Optional[int], block_c: Optional[int],
-                  backend: str, dropout_p: float = 0.0, seed: int = 0,
-                  offset: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
+                  backend: str, dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
+                  softcap: Optional[float] = None,
+                  alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """FA2's backward from fa2_forward's o and lse and the gradient do (like o); returns
     dq, dk, dv like q, k, v (C-contiguous)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("do", do)):
         _check_dtype(name, t)
     _dims(q, k, v, layout)
     kw = _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r,
-                   block_c, backend, dropout_p, seed, offset)
+                   block_c, backend, dropout_p, seed, offset, softcap, alibi_slopes)
     if q.numel() == 0 or k.numel() == 0:
         _check_options(q, kw)
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
@@ -184,20 +192,22 @@ def _forward_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _lse_gradient(q, k, lse, dlse, options):
-    """The gradients of sum(dlse * lse) for q and k. With P = softmax(S), S = scale Q K^T:
-    dLSE_i/dq_i = scale sum_j P_ij k_j, row i of attention(q, k, k); dLSE_i/dk_j =
-    scale P_ij q_i, so dK = scale P^T (dlse q), the dV of that attention's backward for
-    the incoming gradient dlse q. Two more FA2 calls, no N x N matrix. LSE takes P
-    undropped, so these calls run without dropout."""
+def _lse_gradient(q, k, v, lse, dlse, options):
+    """The gradients of sum(dlse * lse) for q and k: dLSE_i/dS_ij = P_ij, so they are FA2's
+    backward with dS = P dlse in place of P (dP - D), through the score modifications'
+    gradients like any dS. One more FA2 backward, no N x N matrix, given V = 0 (so dP = 0),
+    O = e_0 and dO = -dlse e_0 (so D_i = dO_i . O_i = -dlse_i exactly). LSE takes P
+    undropped, so this call runs without dropout."""
     options = [0.0 if name == "dropout_p" else x for name, x in zip(_OPTION_NAMES, options)]
     opts = dict(zip(_OPTION_NAMES, options))
-    scale = opts["scale"] if opts["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
     # dlse is (B, H, Nq); q's rows are (B, H, Nq, :) or, in "bnhd", (B, Nq, H, :).
-    g = (dlse.transpose(1, 2) if opts["layout"] == "bnhd" else dlse).unsqueeze(-1)
-    ok, _ = torch.ops.pyfa.fa2_forward(q, k, k, *options)
-    _, _, dk = torch.ops.pyfa.fa2_backward(q, k, k, ok, lse, g * q, *options)
-    return scale * g * ok, scale * dk
+    g = dlse.transpose(1, 2) if opts["layout"] == "bnhd" else dlse
+    o_unit, do_lse = torch.zeros_like(q), torch.zeros_like(q)
+    o_unit[..., 0] = 1
+    do_lse[..., 0] = -g
+    dq, dk, _ = torch.ops.pyfa.fa2_backward(q, k, torch.zeros_like(v), o_unit, lse, do_lse,
+                                            *options)
+    return dq, dk
 
 
 def _forward_backward(ctx, do, dlse):
@@ -208,7 +218,7 @@ def _forward_backward(ctx, do, dlse):
     if dlse is not None:
         # Rows that see no key have LSE = -inf for any q, k: their gradient is zero.
         dlse = torch.where(torch.isinf(lse), torch.zeros_like(dlse), dlse)
-        lq, lk = _lse_gradient(q, k, lse, dlse, ctx.options)
+        lq, lk = _lse_gradient(q, k, v, lse, dlse, ctx.options)
         dq, dk = dq + lq, dk + lk
     return (dq, dk, dv) + (None,) * len(ctx.options)
 
@@ -414,7 +424,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
               causal_align: str = "bottom_right", scale: Optional[float] = None,
               layout: str = "bhnd", return_lse: bool = False, block_r: Optional[int] = None,
               block_c: Optional[int] = None, backend: str = "auto", dropout_p: float = 0.0,
-              seed: Optional[int] = None, offset: int = 0, bias: Optional[Tensor] = None):
+              seed: Optional[int] = None, offset: int = 0, bias: Optional[Tensor] = None,
+              softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None):
     """O = softmax(scale * Q K^T [mask]) V by FlashAttention-2, differentiable.
 
     q: (B, H, Nq, d), (H, Nq, d) or (Nq, d) float32 in layout "bhnd"; (B, Nq, H, d),
@@ -437,7 +448,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     bias: a float32 tensor broadcastable to (B, H, Nq, Nk) (in both layouts), added to
     the scaled scores before the mask (pyfa.attention's bias=); it gets a gradient when
     it requires one, summed over the axes it broadcasts in one fixed order. Not together
-    with dropout_p > 0 here yet (ValueError)."""
+    with dropout_p > 0 here yet (ValueError).
+
+    Score modifications (docs/numerics.md §2), differentiated too: softcap (None, or a
+    float > 0; 0 is off, as in flash-attn): each scaled score s becomes softcap * tanh(s /
+    softcap), before the mask; alibi_slopes (None, or a tensor (H,) or (B, H), moved to
+    q's device as float32; no gradient): then S - slope * |i + off - j|, after softcap,
+    off causal_align's offset (flash-attn's ALiBi). Neither together with bias here yet
+    (ValueError)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
     if not isinstance(layout, str) or layout not in _LAYOUTS:
@@ -457,15 +475,24 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
         scale = float(scale)
     dropout_p, seed, offset = _dropout_args(dropout_p, seed, offset)
+    softcap = check_softcap(softcap)
+    if alibi_slopes is not None:
+        _check_tensor("alibi_slopes", alibi_slopes)
+        alibi_slopes = alibi_slopes.detach().to(q.device, torch.float32).contiguous()
     tensors = (_to_4d(q, rank, layout), _to_4d(k, rank, layout), _to_4d(v, rank, layout))
     options = (causal, left, right, causal_align, scale, layout, block_r, block_c, backend)
     if bias is not None:
         if dropout_p > 0:
             raise ValueError("bias: pyfa.torch takes a bias or dropout_p > 0, not both yet "
                              "(pyfa.attention_grad takes both)")
+        for name, x in (("softcap", softcap), ("alibi_slopes", alibi_slopes)):
+            if x is not None:
+                raise ValueError(f"{name}: pyfa.torch takes a bias or {name}, not both yet "
+                                 f"(pyfa.attention_grad takes both)")
         o, lse = torch.ops.pyfa.fa2_forward_bias(*tensors, _bias_operand(bias), *options)
     else:
-        o, lse = torch.ops.pyfa.fa2_forward(*tensors, *options, dropout_p, seed, offset)
+        o, lse = torch.ops.pyfa.fa2_forward(*tensors, *options, dropout_p, seed, offset, softcap,
+                                            alibi_slopes)
     if rank < 4:
         o = o.reshape(q.shape)
         lse = lse.reshape(lse.shape[4 - rank:])
@@ -569,15 +596,21 @@ def _flash_window(window_size):
 
 
 def _check_flash_extras(softcap, alibi_slopes, deterministic):
+    """The score modifications of a flash-attn call as pyfa.torch.attention's keywords."""
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}")
-    if softcap != 0:
-        _refuse("softcap", softcap, "pyfa has no score soft-capping (only 0.0 is honoured)")
-    if alibi_slopes is not None:
-        raise ValueError("alibi_slopes: pyfa has no ALiBi bias yet (it needs pyfa's bias support, "
-                         "not landed yet); only None is honoured")
     # pyfa is always deterministic, which satisfies either request.
     _check_bool("deterministic", deterministic)
+    return dict(softcap=check_softcap(softcap), alibi_slopes=alibi_slopes)
+
+
+def _batch_element(mods, b, keep_batch=False):
+    """The keywords of _check_flash_extras for batch element b alone: (B, H) slopes give
+    their row b ((1, H) with keep_batch, for a 4-D call)."""
+    slopes = mods["alibi_slopes"]
+    if isinstance(slopes, torch.Tensor) and slopes.dim() == 2:
+        slopes = slopes[b:b + 1] if keep_batch else slopes[b]
+    return {**mods, "alibi_slopes": slopes}
 
 
 def _flash_lse(lse):
@@ -596,18 +629,19 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
     flash-attn. Returns out (B, Nq, H, d); with return_attn_probs=True, the tuple
     (out, softmax_lse, None): softmax_lse (B, H, Nq) float32 (+inf for a row that sees no
     key, flash-attn's convention), and None where flash-attn returns its testing-only
-    attention probabilities, which pyfa does not compute. Refused, naming the argument:
-    softcap != 0, alibi_slopes. deterministic: pyfa always is. dropout_p > 0: dropout, its
-    seed drawn from torch's default generator as in pyfa.torch.attention (seed=None);
-    pyfa.dropout_mask gives a mask for a seed of one's own."""
+    attention probabilities, which pyfa does not compute. softcap: 0.0 (off) or > 0, and
+    alibi_slopes: None or (H,) or (B, H) float32, as in flash-attn (pyfa.torch.attention's).
+    deterministic: pyfa always is. dropout_p > 0: dropout, its seed drawn from torch's
+    default generator as in pyfa.torch.attention (seed=None); pyfa.dropout_mask gives a
+    mask for a seed of one's own."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
         if t.dim() != 4:
             raise ValueError(f"{name}: expected shape (B, N, H, d), got {tuple(t.shape)}")
-    _check_flash_extras(softcap, alibi_slopes, deterministic)
+    mods = _check_flash_extras(softcap, alibi_slopes, deterministic)
     _check_bool("return_attn_probs", return_attn_probs)
     o, lse = attention(q, k, v, causal=causal, window=_flash_window(window_size),
-                       scale=softmax_scale, layout="bnhd", return_lse=True, dropout_p=dropout_p)
+                       scale=softmax_scale, layout="bnhd", return_lse=True, dropout_p=dropout_p, **mods)
     return (o, _flash_lse(lse), None) if return_attn_probs else o
 
 
@@ -687,15 +721,15 @@ def _varlen_backward(ctx, do, dlse):
         do = torch.zeros_like(o)
     dq, dk, dv = torch.ops.pyfa.fa2_varlen_backward(q, k, v, o, lse, do, cu_q, cu_k, *ctx.options)
     if dlse is not None:
-        # As _lse_gradient, per sequence: dLSE/dq = scale * attention(q, k, k), dLSE/dk =
-        # scale * the dV of that attention's backward for the incoming gradient dlse q.
-        opts = ctx.options
-        scale = opts[6] if opts[6] is not None else 1.0 / math.sqrt(q.shape[-1])
+        # As _lse_gradient (the same steps, so each sequence's bits are the dense call's):
+        # FA2's backward with V = 0, O = e_0 and dO = -dlse e_0, whose dS is P dlse.
         dlse = torch.where(torch.isinf(lse), torch.zeros_like(dlse), dlse)
-        g = dlse.transpose(0, 1).unsqueeze(-1)
-        ok, lk = torch.ops.pyfa.fa2_varlen_forward(q, k, k, cu_q, cu_k, *opts)
-        _, _, gk = torch.ops.pyfa.fa2_varlen_backward(q, k, k, ok, lk, g * q, cu_q, cu_k, *opts)
-        dq, dk = dq + scale * g * ok, dk + scale * gk
+        o_unit, do_lse = torch.zeros_like(q), torch.zeros_like(q)
+        o_unit[..., 0] = 1
+        do_lse[..., 0] = -dlse.transpose(0, 1)
+        lq, lk, _ = torch.ops.pyfa.fa2_varlen_backward(q, k, torch.zeros_like(v), o_unit, lse, do_lse,
+                                                       cu_q, cu_k, *ctx.options)
+        dq, dk = dq + lq, dk + lk
     return (dq, dk, dv) + (None,) * (2 + len(ctx.options))
 
 
@@ -776,10 +810,14 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         if t.dim() != 3:
             raise ValueError(f"{name}: expected shape (total, H, d), got {tuple(t.shape)}")
     _check_dropout("dropout_p", dropout_p)
-    _check_flash_extras(softcap, alibi_slopes, deterministic)
+    mods = _check_flash_extras(softcap, alibi_slopes, deterministic)
     _check_bool("return_attn_probs", return_attn_probs)
     if block_table is not None:
         raise ValueError("block_table: pyfa has no paged K/V yet; only None is honoured")
+    if mods["softcap"] is not None or mods["alibi_slopes"] is not None:
+        name = "softcap" if mods["softcap"] is not None else "alibi_slopes"
+        raise ValueError(f"{name}: pyfa's varlen kernels take no {name} yet (flash_attn_func "
+                         f"does); only {'0.0' if name == 'softcap' else 'None'} is honoured here")
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(m, bool) or not isinstance(m, numbers.Integral):
             raise TypeError(f"{name}: expected an int, got {type(m).__name__}")
@@ -802,11 +840,11 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     """flash-attn 2's flash_attn_with_kvcache by pyfa, for a dense cache read as it is:
     q (B, Nq, H, d), k_cache, v_cache (B, Ncache, Hkv, d); batch element b attends to the
     first cache_seqlens[b] keys (cache_seqlens: None = all Ncache, an int, or an int
-    tensor (B,)), the masks as in flash_attn_func (bottom-right, so the queries are the
-    last Nq positions). Returns out (B, Nq, H, d), or (out, softmax_lse (B, H, Nq)) with
+    tensor (B,)), the masks, softcap and alibi_slopes as in flash_attn_func (bottom-right,
+    so the queries are the last Nq positions). Returns out (B, Nq, H, d), or (out, softmax_lse (B, H, Nq)) with
     return_softmax_lse=True. Refused, naming the argument (pyfa has no kernel for them
     yet): k, v (appending to the cache), rotary_cos, rotary_sin, cache_batch_idx,
-    cache_leftpad, block_table, softcap != 0, alibi_slopes, num_splits > 1 (pyfa never
+    cache_leftpad, block_table, num_splits > 1 (pyfa never
     splits the keys; 0 and 1 are honoured). rotary_interleaved only matters with rotary."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(name, t)
@@ -818,7 +856,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         if x is not None:
             raise ValueError(f"{name}: not supported by pyfa yet (only a dense cache read as "
                              f"it is); only None is honoured")
-    _check_flash_extras(softcap, alibi_slopes, False)
+    mods = _check_flash_extras(softcap, alibi_slopes, False)
     _check_bool("rotary_interleaved", rotary_interleaved)
     _check_bool("return_softmax_lse", return_softmax_lse)
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
@@ -840,12 +878,14 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     if any(not 0 <= n <= ncache for n in lengths):
         raise ValueError(f"cache_seqlens: each length must be in [0, {ncache}] (the cache's "
                          f"length), got {lengths}")
-    kw = dict(causal=causal, window=window, scale=softmax_scale, layout="bnhd", return_lse=True)
+    kw = dict(causal=causal, window=window, scale=softmax_scale, layout="bnhd", return_lse=True,
+              **mods)
     if len(set(lengths)) <= 1:
         n = lengths[0] if lengths else ncache
         o, lse = attention(q, k_cache[:, :n], v_cache[:, :n], **kw)
     else:
-        parts = [attention(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n], **kw)
+        parts = [attention(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n],
+                           **{**kw, **_batch_element(mods, b, keep_batch=True)})
                  for b, n in enumerate(lengths)]
         o, lse = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     return (o, _flash_lse(lse)) if return_softmax_lse else o

@@ -220,7 +220,7 @@ def fa2_backward(q, k, v, o, lse, do, *, causal=False, window=None, causal_align
     G = H // Hkv
     scale = resolve_scale(scale, d)
     mask = Mask.resolve(causal, window, causal_align, Nq, Nk)
-    mods = ScoreMods.resolve("pyfa.sim.fa2_backward", (B, H, Nq, Nk, d, Hkv), **mods)
+    mods = ScoreMods.resolve("pyfa.sim.fa2_backward", (B, H, Nq, Nk, d, Hkv), causal_align, **mods)
     BH, BHkv = B * H, B * Hkv
     Q, dO, LSE = q4.reshape(BH, Nq, d), do4.reshape(BH, Nq, d), lse3.reshape(BH, Nq)
     O = o4.reshape(BH, Nq, d)

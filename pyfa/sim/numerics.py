@@ -1,4 +1,4 @@
-"""NumPy twins of src/common/numerics.h: pyfa's float32 max, exp and log.
+"""NumPy twins of src/common/numerics.h: pyfa's float32 max, exp, log and tanh.
 
 Every function performs exactly the float32 operations of its C/CUDA twin, in the same
 order, vectorized over arrays, so that the simulator reproduces the kernels' bits.
@@ -18,7 +18,7 @@ np.where, exactly as the C code does with ?:. Imports only numpy.
 
 import numpy as np
 
-__all__ = ["exp", "log", "maximum", "fma32", "canonical_nan", "check_float_environment"]
+__all__ = ["exp", "log", "tanh", "maximum", "fma32", "canonical_nan", "check_float_environment"]
 
 
 def _c(hex_literal):
@@ -57,6 +57,15 @@ _LOG_D1 = _c("0x1.55557ap-1")
 _LOG_D2 = _c("0x1.995eacp-2")
 _LOG_D3 = _c("0x1.31e4fap-2")
 _MIN_NORMAL = _c("0x1p-126")
+
+# tanh
+_TANH_SMALL = _c("0x1.8p-1")       # below: the odd polynomial; from it on: 1 - 2/(E + 1)
+_TANH_CLAMP = _c("0x1.3p+3")       # |x| clamped at 9.5: tanh rounds to 1 from 9.011 on
+_TANH_T = tuple(_c(h) for h in ("-0x1.555548p-2", "0x1.110d92p-3", "-0x1.b97804p-5",
+                                "0x1.5f504p-6", "-0x1.f4bf78p-8", "0x1.c497cap-10"))  # T1..T6
+# 2^n of E = p * 2^n as exact doublings: (a power of two m, 2^m), largest first
+_TANH_DOUBLINGS = tuple((np.float32(m), _c(f"0x1p+{m}")) for m in (16, 8, 4, 2, 1))
+_TANH_TINY = _c("0x1p-12")         # below: tanh x rounds to x
 _TWO_POW_23 = _c("0x1p+23")
 
 
@@ -119,6 +128,12 @@ def log(x):
     """pyfa_log, bit for bit: float32 in, float32 out, elementwise (scalars give an
     np.float32). See numerics.h for why each step is there."""
     return _apply(_log_chunk, x)
+
+
+def tanh(x):
+    """pyfa_tanh, bit for bit: float32 in, float32 out, elementwise (scalars give an
+    np.float32). See numerics.h for why each step is there."""
+    return _apply(_tanh_chunk, x)
 
 
 def _exp_chunk(x):
@@ -188,6 +203,49 @@ def _log_chunk(x):
     y = np.where(x == _INF, _INF, y)
     y = np.where(x == _ZERO, -_INF, y)
     y = np.where(x < _ZERO, _QNAN, y)
+    y = np.where(x != x, x, y)
+    return y
+
+
+def _tanh_chunk(x):
+    a = np.where(x < _ZERO, -x, x)
+
+    z = x * x
+    T1, T2, T3, T4, T5, T6 = _TANH_T
+    q = z * T6 + T5
+    q = q * z + T4
+    q = q * z + T3
+    q = q * z + T2
+    q = q * z + T1
+    q = q * z
+    small = x + x * q
+
+    u = np.where(a < _TANH_CLAMP, a, _TANH_CLAMP)
+    u = u + u
+    t = u * _LOG2E
+    t = t + _ROUND_MAGIC
+    nf = t - _ROUND_MAGIC
+    r = u - nf * _LN2_HI
+    r = r - nf * _LN2_LO
+    p = r * _EXP_C6 + _EXP_C5
+    p = p * r + _EXP_C4
+    p = p * r + _EXP_C3
+    p = p * r + _EXP_C2
+    r2 = r * r
+    p = r2 * p
+    p = r + p
+    E = p + _ONE
+    k = nf
+    for power, factor in _TANH_DOUBLINGS:
+        step = k >= power
+        E = np.where(step, E * factor, E)
+        k = np.where(step, k - power, k)
+    big = _TWO / (E + _ONE)
+    big = _ONE - big
+    big = np.where(x < _ZERO, -big, big)
+
+    y = np.where(a < _TANH_SMALL, small, big)
+    y = np.where(a < _TANH_TINY, x, y)
     y = np.where(x != x, x, y)
     return y
 

@@ -26,6 +26,13 @@ _NEG_INF = np.float32(-np.inf)
 
 def score_mod(mods, s, b, h, i, j):
     """The modification of the scaled scores s (score.h score_mod)."""
+    if mods.softcap is not None:  # S = c tanh(s / c)
+        c = np.float32(mods.softcap)
+        s = c * nx.tanh(s / c)
+    if mods.alibi_slopes is not None:  # S - slope * |i + off - j|, the distance in integers
+        slope = np.asarray(mods.alibi_slopes)[b, h]
+        distance = np.abs(np.asarray(i, np.int64) + mods.off - np.asarray(j, np.int64)).astype(np.float32)
+        s = s - slope * distance
     # The additive bias, last (after scaling, softcap and ALiBi): its gradient is dS itself.
     if mods.bias is not None:
         s = s + mods.bias.at(b, h, i, j)
@@ -35,6 +42,11 @@ def score_mod(mods, s, b, h, i, j):
 def score_mod_grad(mods, dS, s, S, b, h, i, j):
     """dS of the modified scores S -> dS of the scaled scores s they were made from
     (score.h score_mod_grad; s and S are its ScoreAt)."""
+    if mods.softcap is not None:  # dS (1 - t^2), t = S_c / c, S_c softcap's output
+        c = np.float32(mods.softcap)
+        S_c = c * nx.tanh(s / c) if mods.alibi_slopes is not None else S
+        t = S_c / c
+        dS = dS * (np.float32(1) - t * t)
     return dS
 
 

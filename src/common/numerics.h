@@ -201,6 +201,90 @@ PYFA_HD float pyfa_log(float x) {
     return y;
 }
 
+// ---------------------------------------------------------------------------------------
+// tanh
+// ---------------------------------------------------------------------------------------
+// Written once for a float (the kernels) and for the cpu backend's GCC vectors of floats:
+// only arithmetic, comparisons and selects that both types have, no bit casts, and every
+// constant a float operand. docs/numerics_exp_log.md, "tanh".
+// Below SMALL the odd polynomial, from it on 1 - 2/(E + 1) with E = exp(2|x|); SMALL
+// balances the two branches' errors (measured: both below 1.4 ulp there).
+#define PYFA_TANH_SMALL 0x1.8p-1f   // 0.75
+// Below TINY tanh(x) rounds to x itself (x^3/3 is under half an ulp of x): x is returned,
+// which also keeps -0 (the polynomial's x + x*q gives +0 for it).
+#define PYFA_TANH_TINY 0x1p-12f
+// tanh(x) rounds to 1 for |x| above 9.011 (1 - tanh x < 2^-25); clamping |x| at 9.5 keeps
+// E = exp(2|x|) below 2^28, its 2^n within the five doublings below, and gives exactly 1
+// above it.
+#define PYFA_TANH_CLAMP 0x1.3p+3f   // 9.5
+// tanh x ~ x + x*z*(T1 + z*(T2 + ... + z*T6)), z = x^2, for |x| < SMALL: a minimax fit
+// (Lawson's algorithm) weighted by the relative error of tanh; truncation error 1.8e-9
+// relative (0.03 ulp of 2^-24), coefficients rounded to float.
+#define PYFA_TANH_T1 -0x1.555548p-2f
+#define PYFA_TANH_T2 0x1.110d92p-3f
+#define PYFA_TANH_T3 -0x1.b97804p-5f
+#define PYFA_TANH_T4 0x1.5f504p-6f
+#define PYFA_TANH_T5 -0x1.f4bf78p-8f
+#define PYFA_TANH_T6 0x1.c497cap-10f
+
+template <class T>
+PYFA_HD T pyfa_tanh(T x) {
+    const T a = x < 0.0f ? -x : x;  // NaN stays NaN, and takes the clamp below
+
+    // |x| < SMALL: x + x*q, q = z*P(z) by Horner's rule. The exact x leads and |x*q| < |x|/5,
+    // so q's roundings move the result far less than one ulp.
+    const T z = x * x;
+    T q = z * PYFA_TANH_T6 + PYFA_TANH_T5;
+    q = q * z + PYFA_TANH_T4;
+    q = q * z + PYFA_TANH_T3;
+    q = q * z + PYFA_TANH_T2;
+    q = q * z + PYFA_TANH_T1;
+    q = q * z;
+    const T small = x + x * q;
+
+    // |x| >= SMALL: E = exp(u), u = 2 min(|x|, CLAMP) in [0, 19], by pyfa_exp's steps (the
+    // same n, r and p, so E == pyfa_exp(u) bit for bit), except that p * 2^n is formed by
+    // exact multiplications by 2^16, 2^8, 2^4, 2^2, 2 (n in [0, 28]) instead of exponent
+    // bits.
+    T u = a < PYFA_TANH_CLAMP ? a : PYFA_TANH_CLAMP;
+    u = u + u;
+    T t = u * PYFA_LOG2E;
+    t = t + PYFA_ROUND_MAGIC;
+    const T nf = t - PYFA_ROUND_MAGIC;  // n, an integer in [0, 28], as a float
+    T r = u - nf * PYFA_LN2_HI;
+    r = r - nf * PYFA_LN2_LO;
+    T p = r * PYFA_EXP_C6 + PYFA_EXP_C5;
+    p = p * r + PYFA_EXP_C4;
+    p = p * r + PYFA_EXP_C3;
+    p = p * r + PYFA_EXP_C2;
+    const T r2 = r * r;
+    p = r2 * p;
+    p = r + p;
+    T E = p + 0x1p+0f;
+    T k = nf;  // n taken apart into powers of two, largest first
+    E = k >= 16.0f ? E * 0x1p+16f : E;
+    k = k >= 16.0f ? k - 16.0f : k;
+    E = k >= 8.0f ? E * 0x1p+8f : E;
+    k = k >= 8.0f ? k - 8.0f : k;
+    E = k >= 4.0f ? E * 0x1p+4f : E;
+    k = k >= 4.0f ? k - 4.0f : k;
+    E = k >= 2.0f ? E * 0x1p+2f : E;
+    k = k >= 2.0f ? k - 2.0f : k;
+    E = k >= 1.0f ? E * 0x1p+1f : E;
+    // tanh|x| = 1 - 2/(E + 1): the exact 1 leads and the correction (at most 0.37) carries
+    // E's error. Every step is monotone in E (pyfa_exp is monotone, and a correctly rounded
+    // add or division of a monotone operand stays monotone), so this branch is; 1 - 2e/(1 + e)
+    // with e = exp(-2|x|) was as accurate but not monotone (19 220 adjacent inputs).
+    T big = 0x1p+1f / (E + 0x1p+0f);
+    big = 0x1p+0f - big;
+    big = x < 0.0f ? -big : big;
+
+    T y = a < PYFA_TANH_SMALL ? small : big;
+    y = a < PYFA_TANH_TINY ? x : y;
+    y = x != x ? x : y;  // NaN -> the same NaN
+    return y;
+}
+
 // The row max to subtract before exp: a row that has seen no visible key yet has
 // m = -inf and subtracts 0 instead, so exp(-inf - m) is exp(-inf) = 0, never exp(NaN).
 PYFA_HD float safe_max(float m) { return m == -INFINITY ? 0.0f : m; }

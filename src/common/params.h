@@ -62,6 +62,11 @@ struct AttentionParams {
     Mask mask;          // which keys each query row sees (common/mask.h)
     // ---- dropout of P in P V (common/dropout.h); off when dropout.threshold is 0
     Dropout dropout;
+    // ---- score modifications (common/score.h score_mod)
+    float softcap;      // softcap: S = softcap * tanh(s / softcap); 0: off
+    // ALiBi: S -= slope_{b,h} * |i + mask.off - j|, slope_{b,h} = alibi_slopes[alibi_strides.at(b, h, 0)]
+    const float* alibi_slopes;   // (B, H), or (H,) as batch stride 0; NULL: off
+    TensorStrides alibi_strides; // element strides of alibi_slopes (row unused)
     // ---- tiling
     int block_r;        // Br: rows of Q (and O, dO, dQ) per tile
     int block_c;        // Bc: rows of K and V (and dK, dV) per tile

@@ -4,7 +4,7 @@
 //
 // Forward, for query row i and key j of batch b, query head h:
 //     s  = pyfa_dot(Q_i, K_j) * scale        the scaled score
-//     S  = score_mod(p, s, b, h, i, j)        the modification (today the identity)
+//     S  = score_mod(p, s, b, h, i, j)        the modifications: softcap, then ALiBi, then the bias
 //     S  = -inf where the mask hides j from i
 //     then the online softmax (each kernel's own: FA1's or FA2's)
 // Backward, from the same S:
@@ -21,11 +21,39 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "common/device.h"
 #include "common/mask.h"
 #include "common/numerics.h"
 #include "common/params.h"
+
+// ALiBi's distance |i + off - j| as the score's type T (the first argument, a tag),
+// computed in integers and converted once (exact below 2^24, correctly rounded above).
+// Kernels: integer indices, T float.
+template <class I, class J>
+PYFA_HD float alibi_distance(float, I i, J j, int64_t off) {
+    int64_t d = static_cast<int64_t>(i) + off - static_cast<int64_t>(j);
+    d = d < 0 ? -d : d;
+    return static_cast<float>(d);
+}
+#if !defined(__CUDACC__)
+// The cpu backend's vectors: V a GCC vector of floats, VI of int32 lane indices (rows in
+// its forward, keys in its backward), the other index a scalar. Its indices fit int32.
+template <class V, class VI>
+inline V alibi_lanes(VI d) {
+    d = d < 0 ? -d : d;
+    return __builtin_convertvector(d, V);
+}
+template <class V, class VI, std::enable_if_t<!std::is_arithmetic<VI>::value, int> = 0>
+inline V alibi_distance(V, VI i, int64_t j, int64_t off) {
+    return alibi_lanes<V>(i + static_cast<int32_t>(off - j));
+}
+template <class V, class VI, std::enable_if_t<!std::is_arithmetic<VI>::value, int> = 0>
+inline V alibi_distance(V, int64_t i, VI j, int64_t off) {
+    return alibi_lanes<V>(static_cast<int32_t>(i + off) - j);
+}
+#endif
 
 // The modification of a scaled score s of row i, key j: a modification adds its
 // parameters to AttentionParams and its formula here, its gradient in score_mod_grad,
@@ -60,6 +88,14 @@ struct BiasAt<float> {  // the fast kernels form scores of tile padding too (row
 template <class T, class I, class J>
 PYFA_HD T score_mod(const AttentionParams& p, T s, int64_t b, int64_t h, I i, J j) {
     (void)p, (void)b, (void)h, (void)i, (void)j;
+    // softcap: S = c tanh(s / c), a division (correctly rounded), not s times a rounded 1/c.
+    if (p.softcap != 0.0f) s = p.softcap * pyfa_tanh(s / p.softcap);
+    // ALiBi, after softcap: S = S - slope * |i + off - j|, a product and a difference (two
+    // roundings, no fma); off is the mask's (causal_align's) diagonal offset.
+    if (p.alibi_slopes) {
+        const float slope = p.alibi_slopes[p.alibi_strides.at(b, h, 0)];
+        s = s - slope * alibi_distance(s, i, j, p.mask.off);
+    }
     // The additive bias, last (after scaling, softcap and ALiBi): its gradient is dS itself.
     if (p.bias) s = s + BiasAt<T>::get(p, b, h, i, j);
     return s;
@@ -69,8 +105,9 @@ PYFA_HD T score_mod(const AttentionParams& p, T s, int64_t b, int64_t h, I i, J 
 // the scaled score, and S = score_mod(s), both of the same (i, j) and from the same fused
 // steps as the forward's, so that a gradient written in either gets the forward's bits.
 // Both are given because a modification's gradient is cheapest in one or the other:
-//     softcap   S = c tanh(s / c):  dS_s = dS * (1 - (S / c)^2), reads S (no second tanh);
-//     ALiBi     S = s - slope_h * |i - j|, and an additive bias S = s + bias[b, h, i, j]:
+//     softcap   S = c tanh(s / c):  dS_s = dS * (1 - (S / c)^2), reads S (no second tanh;
+//               S as softcap left it, so recomputed from s when ALiBi changed it after);
+//     ALiBi     S = s - slope * |i + off - j|, and an additive bias S = s + bias[b, h, i, j]:
 //               dS_s = dS, reads neither;
 //     dropout   acts on P, not on the score: its keep mask (a function of the seed and
 //               b, h, i, j) and 1 / (1 - rate) scale dp in score_grad before dS is formed,
@@ -95,15 +132,39 @@ PYFA_HD ScoreAt<T> score_at(const AttentionParams& p, T s, int64_t b, int64_t h,
 template <class T, class I, class J>
 PYFA_HD T score_mod_grad(const AttentionParams& p, T dS, ScoreAt<T> at, int64_t b, int64_t h, I i, J j) {
     (void)p, (void)at, (void)b, (void)h, (void)i, (void)j;
+    // softcap: dS_s = dS (1 - t^2), t = S_c / c, S_c softcap's output: S itself unless
+    // ALiBi changed it after, else recomputed from s by the forward's steps (its bits).
+    // (t is not the forward's tanh, which S_c has rounded.)
+    if (p.softcap != 0.0f) {
+        const T S_c = p.alibi_slopes ? p.softcap * pyfa_tanh(at.s / p.softcap) : at.S;
+        const T t = S_c / p.softcap;
+        dS = dS * (1.0f - t * t);
+    }
     return dS;
 }
 
-// Whether the modification is the identity, so that a kernel may skip what only its
-// gradient needs (the FA1 backwards and the fast role-split kernels recompute the score
-// for it; see ScoreAt).
+// Whether the modifications' gradient is the identity (it reads nothing of the score), so
+// that a kernel may skip what only that gradient needs (the FA1 backwards and the fast
+// role-split kernels recompute the score for it; see ScoreAt). ALiBi's gradient is the
+// identity: only softcap's reads the score.
 PYFA_HD bool score_mod_is_identity(const AttentionParams& p) {
-    (void)p;
-    return true;
+    return p.softcap == 0.0f;
+}
+
+// softcap and ALiBi in the fast kernels: this round none takes them (no registers left in
+// several: on sm_80 to sm_90 ptxas spilled fa2_backward_dkdv_fast<64> and
+// fa2_forward_fast<128, 64> with them). Each fast kernel works on fast_score_params, its
+// parameters with both cleared, so the compiler drops their code (score_mod_is_identity is
+// then constant true); select_kernel (core/tiles.cpp) sends a call with either to the
+// readable kernel under variant auto and refuses variant fast.
+PYFA_HD bool fast_kernels_take_score_mods(const AttentionParams& p) {
+    return p.softcap == 0.0f && !p.alibi_slopes;
+}
+PYFA_HD AttentionParams fast_score_params(const AttentionParams& p) {
+    AttentionParams q = p;
+    q.softcap = 0.0f;
+    q.alibi_slopes = nullptr;
+    return q;
 }
 
 // The scaled score s = (Q_i . K_j) * scale. Q_i, K_j: rows of d floats.

@@ -581,6 +581,9 @@ pyfa_status check_problem(const pyfa_problem* in, const TensorId* tensors, int n
     }
     if (!std::isfinite(pr->scale))
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->scale: must be finite (0 means 1/sqrt(d))");
+    if (!(pr->softcap >= 0.0f) || !std::isfinite(pr->softcap))
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->softcap: must be finite and > 0 (0 means off), got %g",
+                    static_cast<double>(pr->softcap));
     return check_dropout(*pr);
 }
 
@@ -811,6 +814,24 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     if (pr.varlen && (named.bias.data || named.dbias.data))
         return fail(PYFA_ERROR_INVALID_ARGUMENT,
                     "tensors->bias: not with packed sequences (problem->varlen) in this version");
+    // ALiBi's slopes: (B, H) floats at the given strides.
+    const pyfa_tensor& alibi = named.alibi_slopes;
+    pyfa_strides alibi_strides = alibi.strides;
+    if (all_zero(alibi_strides)) alibi_strides = pyfa_strides{pr.heads, 1, 0};
+    if (alibi.data && (alibi_strides.batch < 0 || alibi_strides.head < 0 || alibi_strides.row != 0))
+        return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                    "tensors->alibi_slopes.strides: batch and head must be >= 0 and row 0, got (%lld, %lld, %lld)",
+                    static_cast<long long>(alibi_strides.batch), static_cast<long long>(alibi_strides.head),
+                    static_cast<long long>(alibi_strides.row));
+    if (!alibi.data && !all_zero(alibi.strides))
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "tensors->alibi_slopes.strides: given without data");
+    // ALiBi's distance is the mask's diagonal offset from the padded shape; a packed
+    // sequence has its own, which the kernels' score pipeline does not see yet.
+    if (pr.varlen && alibi.data)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                    "tensors->alibi_slopes: not with packed sequences (problem->varlen) in this version");
+    // One past the last slope read, in elements (the strides are below 2^61 each, B, H below 2^31).
+    const int64_t alibi_extent = (pr.batch - 1) * alibi_strides.batch + (pr.heads - 1) * alibi_strides.head + 1;
     pyfa_config cfg;
     if ((st = check_config(config, &cfg)) != PYFA_OK) return st;
     BiasTensors bt;
@@ -843,8 +864,8 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     // and launches below all follow it) and put back when the call returns.
     DeviceScope device_scope;
     if (device_pointers) {
-        const char* names[kMaxInputs + kMaxOutputs + 2];
-        const void* pointers[kMaxInputs + kMaxOutputs + 2];
+        const char* names[kMaxInputs + kMaxOutputs + 3];
+        const void* pointers[kMaxInputs + kMaxOutputs + 3];
         int n = 0;
         for (int t = 0; t < n_in + n_out; ++t, ++n) {
             names[t] = kTensors[taken[t]].name;
@@ -852,6 +873,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         }
         if (bt.bias) names[n] = "bias", pointers[n++] = bt.bias;
         if (bt.dbias) names[n] = "dbias", pointers[n++] = bt.dbias;
+        if (alibi.data) names[n] = "alibi_slopes", pointers[n++] = alibi.data;
         if ((st = backend.enter_device(names, pointers, n, stream, &device_scope)) != PYFA_OK) return st;
     }
     pyfa_device_profile profile;
@@ -878,6 +900,9 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         base.total_q = pr.total_q;
         base.causal_align = pr.causal_align;
     }
+    base.softcap = pr.softcap;
+    base.alibi_slopes = static_cast<const float*>(alibi.data);
+    base.alibi_strides = TensorStrides{alibi_strides.batch, alibi_strides.head, 0};
     for (int t = 0; t < n_in + n_out; ++t)
         if (TensorStrides* slot = strides_slot(base, taken[t])) *slot = resolved_strides(taken[t], pr);
     base.dropout = Dropout::make(pr.dropout_p, pr.dropout_seed, pr.dropout_offset);
@@ -1018,6 +1043,13 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         float* part = nullptr;
         if ((st = owned.alloc(sizeof(float) * static_cast<size_t>(dbias_elems(pr)), &part)) != PYFA_OK) return st;
         fold.part = bound.dbias = part;
+    }
+    if (bound.alibi_slopes && stage_inputs) {
+        float* slopes = nullptr;
+        const size_t bytes = sizeof(float) * static_cast<size_t>(alibi_extent);
+        if ((st = owned.alloc(bytes, &slopes)) != PYFA_OK) return st;
+        if ((st = backend.copy_to_device(slopes, bound.alibi_slopes, bytes, stream)) != PYFA_OK) return st;
+        bound.alibi_slopes = slopes;
     }
 
     // A backend polled per kernel is asked before each launch. On the library's stream

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "common/score.h"
 #include "common/smem.h"
 #include "common/tiling.h"
 #include "kernels/table.h"
@@ -278,7 +279,11 @@ pyfa_status select_kernel(int kernel, int variant, const AttentionParams& p, int
         small = small && t->row <= INT32_MAX / (max64(p.seqlen_q, p.seqlen_k) + 1);
     // dBias (issue 27) is written by the readable kernels that visit every (i, j) once.
     const bool writes_dbias = kernel == PYFA_KERNEL_FA2_BACKWARD_DKDV || kernel == PYFA_KERNEL_FA1_BACKWARD;
-    if (r && p.dropout.on() && !fast_kernel_drops(kernel, p.head_dim)) {
+    if (r && !fast_kernels_take_score_mods(p)) {
+        std::snprintf(why, sizeof(why), "the fast %s takes no %s (no registers left for it)", kernel_name(kernel),
+                      p.softcap != 0.0f ? "softcap" : "ALiBi");
+        r = nullptr;
+    } else if (r && p.dropout.on() && !fast_kernel_drops(kernel, p.head_dim)) {
         std::snprintf(why, sizeof(why), "the fast %s has no dropout at head_dim %lld", kernel_name(kernel),
                       static_cast<long long>(p.head_dim));
         r = nullptr;

@@ -215,6 +215,9 @@ typedef struct pyfa_problem {
        Nk values for every b, h, i), so a dense bias spells out (H * Nq * Nk, Nq * Nk, Nk).
        Each must be >= 0. */
     pyfa_strides bias_strides;
+    /* ---- softcap (read only when struct_size reaches past it) */
+    float softcap;         /* > 0: each scaled score s becomes softcap * tanh(s / softcap), before
+                              the mask (Gemma 2's logit soft-capping); 0: off */
 } pyfa_problem;
 
 typedef enum pyfa_flags {
@@ -309,6 +312,13 @@ typedef struct pyfa_tensors {
        §2). Strides must be 0. Not with PYFA_VARIANT_FAST (the fast dK/dV and FA1 backward
        kernels do not write it). */
     pyfa_tensor dbias;
+    /* ---- ALiBi (read only when struct_size reaches past it); an input of every op.
+       NULL: off. Else each scaled score (after softcap) becomes
+       S - slope[b, h] * |i + off - j|, off = Nk - Nq (PYFA_ALIGN_BOTTOM_RIGHT) or 0
+       (PYFA_ALIGN_TOP_LEFT), slope[b, h] = data[b * strides.batch + h * strides.head]:
+       strides all 0 means a dense (B, H) array, (0, 1, 0) an (H,) one shared by every
+       batch element; strides.row must be 0. Finite slopes are the caller's to give. */
+    pyfa_tensor alibi_slopes;
 } pyfa_tensors;
 
 /* What the kernels are sized against: the GPU's limits, or the emulated device's. */

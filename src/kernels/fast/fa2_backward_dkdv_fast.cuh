@@ -40,7 +40,8 @@ template <int D>
 __global__ void __launch_bounds__(4 * kFastBc, D == 64 ? 2 : 1) fa2_backward_dkdv_fast_kernel(const AttentionParams params) {
     // Built without the additive bias: no registers left for it (sm_80 to sm_89 spill);
     // core/tiles.cpp sends a call with a bias to the readable kernel.
-    AttentionParams p = params;
+    // Nor softcap and ALiBi (common/score.h fast_score_params).
+    AttentionParams p = fast_score_params(params);
     p.bias = nullptr;
     constexpr int BC = kFastBc;
     constexpr int BR = kFastBc;

@@ -55,7 +55,8 @@ PYFA_HD FastHead fast_head(const AttentionParams& p, const Sequence& seq, int64_
 }
 
 template <int D, int BR>
-__global__ void __launch_bounds__(2 * BR) fa2_forward_fast_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(2 * BR) fa2_forward_fast_kernel(const AttentionParams params) {
+    const AttentionParams p = fast_score_params(params);  // no softcap, no ALiBi (common/score.h)
     constexpr int BC = kFastBc;
     constexpr int NT = 2 * BR;
     constexpr int DC = D / 4;      // 16-byte chunks per row of Q, K, V, O
