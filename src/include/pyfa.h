@@ -200,6 +200,13 @@ typedef struct pyfa_problem {
     int varlen;            /* nonzero: packed sequences, as above */
     int64_t total_q;       /* rows of q, o, dout, dq: cu_seqlens_q[batch], >= 1 */
     int64_t total_k;       /* rows of k, v, dk, dv: cu_seqlens_k[batch], >= 1 */
+    /* ---- Split-KV (flash-decoding with a fixed split size), read only when struct_size
+       reaches past it; 0: one chunk. FA2 forward only (other ops refuse it). Keys are
+       processed in chunks of split_size (a positive multiple of the forward kernel's Bc):
+       each chunk yields a partial (O, LSE) in scratch, folded in ascending chunk order
+       (docs/numerics.md, "Split-KV"). A row's bits then depend on its q row, its visible
+       keys in order and split_size, never on Nq, the batch or the chunk count. */
+    int64_t split_size;    /* keys per chunk; 0: no split */
 } pyfa_problem;
 
 typedef enum pyfa_flags {

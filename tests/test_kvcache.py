@@ -1,0 +1,150 @@
+"""Split-KV and merging states (docs/numerics.md, "Merging states", "Split-KV"):
+pyfa.merge_states folds parts in ascending order and skips -inf ones; the split FA2
+forward of every backend (emulator readable and fast kernels, cpu backend) equals the
+simulator's bit for bit, equals merge_states of the per-chunk calls, and a row's bits do
+not depend on Nq: a causal prefill with split_size equals decoding row by row with it."""
+
+import functools
+
+import numpy as np
+import pytest
+
+import pyfa
+import pyfa.sim
+
+NEG_INF = np.float32(-np.inf)
+# (backend, variant, tiles): every implementation of the FA2 forward that runs here.
+RUNS = [("cpu", "auto", None), ("emu", "reference", None), ("emu", "fast", 64)]
+
+
+def same_bits(a, b):
+    a = np.ascontiguousarray(a, np.float32)
+    b = np.ascontiguousarray(b, np.float32)
+    return a.shape == b.shape and bool(np.array_equal(a.view(np.uint32), b.view(np.uint32)))
+
+
+def options(backend, variant, tiles):
+    kw = dict(block_r=tiles, block_c=tiles) if tiles else {}
+    return pyfa.Options(backend=backend, variant=variant, **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def problem(B, H, Hkv, Nq, Nk, d, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, H, Nq, d), dtype=np.float32)
+    k = rng.standard_normal((B, Hkv, Nk, d), dtype=np.float32)
+    v = rng.standard_normal((B, Hkv, Nk, d), dtype=np.float32)
+    return q, k, v
+
+
+@functools.lru_cache(maxsize=None)
+def simulated(split, causal, tiles):
+    q, k, v = problem(2, 4, 2, 37, 150, 64)
+    opts = pyfa.Options(block_r=tiles, block_c=tiles) if tiles else None
+    r = pyfa.sim.fa2_forward(q, k, v, causal=causal, split_size=split, options=opts)
+    return r.o, r.lse
+
+
+# ---- merge_states
+
+def test_merge_folds_in_ascending_order_and_skips_empty_parts():
+    rng = np.random.default_rng(1)
+    o = rng.standard_normal((4, 3, 8), dtype=np.float32)
+    lse = rng.standard_normal((4, 3), dtype=np.float32) * 4
+    lse[1, 0] = NEG_INF  # row 0: part 1 saw no key
+    lse[:, 2] = NEG_INF  # row 2: no part saw a key
+    got_o, got_lse = pyfa.merge_states(o, lse)
+    acc_o, acc_lse = o[0], lse[0]
+    for c in range(1, 4):
+        acc_o, acc_lse = pyfa.merge_states(np.stack([acc_o, o[c]]), np.stack([acc_lse, lse[c]]))
+    assert same_bits(got_o, acc_o) and same_bits(got_lse, acc_lse)
+    # A -inf part changes nothing: row 0 is the merge of parts 0, 2, 3.
+    keep = [0, 2, 3]
+    o3, lse3 = pyfa.merge_states(o[keep, :1], lse[keep, :1])
+    assert same_bits(got_o[:1], o3) and same_bits(got_lse[:1], lse3)
+    assert not np.all(got_o[:1] == pyfa.merge_states(o[:, :1], np.where(lse[:, :1] == NEG_INF, 0, lse[:, :1]))[0])
+    # No part saw a key: O = 0, LSE = -inf.
+    assert np.all(got_o[2] == 0) and got_lse[2] == NEG_INF
+    # One part: itself (rows 0 and 1; row 2's -inf gives O = 0).
+    one_o, one_lse = pyfa.merge_states(o[:1], lse[:1])
+    assert same_bits(one_o[:2], o[0, :2]) and same_bits(one_lse, lse[0]) and np.all(one_o[2] == 0)
+    # The union of keys: close to softmax over both parts' weights.
+    w = np.exp(lse.astype(np.float64)[:, 1])
+    want = (w[:, None] * o[:, 1]).sum(0) / w.sum()
+    np.testing.assert_allclose(got_o[1], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_lse[1], np.log(w.sum()), rtol=1e-6)
+
+
+def test_merge_refuses_bad_shapes():
+    o = np.zeros((2, 3, 4), np.float32)
+    with pytest.raises(pyfa.InvalidArgumentError, match="lse_parts"):
+        pyfa.merge_states(o, np.zeros((2, 4), np.float32))
+    with pytest.raises(pyfa.InvalidArgumentError, match="o_parts"):
+        pyfa.merge_states(o.astype(np.float64), np.zeros((2, 3), np.float32))
+    with pytest.raises(pyfa.InvalidArgumentError, match="o_parts"):
+        pyfa.merge_states(np.zeros((0, 3, 4), np.float32), np.zeros((0, 3), np.float32))
+
+
+# ---- split-KV
+
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: "-".join(map(str, r)))
+@pytest.mark.parametrize("split,causal", [(None, True), (64, True), (128, False), (192, True)])
+def test_split_forward_equals_the_simulator(run, split, causal):
+    q, k, v = problem(2, 4, 2, 37, 150, 64)
+    o, lse = pyfa.fa2_forward(q, k, v, causal=causal, split_size=split, options=options(*run))
+    want_o, want_lse = simulated(split, causal, run[2])
+    assert same_bits(o, want_o) and same_bits(lse, want_lse)
+
+
+def test_split_changes_only_rounding():
+    for causal in (False, True):
+        o0, l0 = simulated(None, causal, None)
+        o1, l1 = simulated(64 if causal else 128, causal, None)
+        np.testing.assert_allclose(o1, o0, rtol=1e-5, atol=2e-6)
+        np.testing.assert_allclose(l1, l0, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "emu"])
+def test_split_equals_merge_of_the_chunks(backend):
+    # Without a mask chunk c's partial is the call on keys [c * S, (c + 1) * S) alone.
+    q, k, v = problem(1, 2, 1, 5, 150, 32, seed=2)
+    S, opts = 64, pyfa.Options(backend=backend)
+    parts = [pyfa.fa2_forward(q, k[:, :, a:a + S], v[:, :, a:a + S], options=opts) for a in range(0, 150, S)]
+    want_o, want_lse = pyfa.merge_states([p[0] for p in parts], [p[1] for p in parts])
+    o, lse = pyfa.fa2_forward(q, k, v, split_size=S, options=opts)
+    assert same_bits(o, want_o) and same_bits(lse, want_lse)
+
+
+@pytest.mark.parametrize("run", RUNS[:2], ids=lambda r: "-".join(map(str, r)))
+def test_prefill_equals_decode_row_by_row_with_split(run):
+    q, k, v = problem(1, 2, 1, 40, 140, 64, seed=3)
+    o, lse = pyfa.fa2_forward(q, k, v, causal=True, split_size=64, options=options(*run))
+    off = 140 - 40
+    for t in (0, 1, 17, 28, 39):
+        n = off + t + 1  # the keys row t sees
+        ot, lt = pyfa.fa2_forward(q[:, :, t:t + 1], k[:, :, :n], v[:, :, :n], causal=True, split_size=64,
+                                  options=options(*run))
+        assert same_bits(ot[:, :, 0], o[:, :, t]) and same_bits(lt[:, :, 0], lse[:, :, t])
+
+
+def test_split_size_refused_where_it_cannot_apply():
+    q, k, v = problem(1, 2, 1, 5, 150, 32, seed=2)
+    with pytest.raises(pyfa.InvalidArgumentError, match="split_size.*multiple"):
+        pyfa.fa2_forward(q, k, v, split_size=65, options=pyfa.Options(backend="cpu"))
+    with pytest.raises(pyfa.InvalidArgumentError, match="split_size"):
+        pyfa.fa2_forward(q, k, v, split_size=-64)
+    with pytest.raises(pyfa.InvalidArgumentError, match="split_size"):
+        pyfa.fa2_forward(q, k, v, split_size="often")
+    with pytest.raises(pyfa.InvalidArgumentError, match="split_size"):
+        pyfa.attention(q, k, v, algo="fa1", split_size=64)
+    with pytest.raises(pyfa.InvalidArgumentError, match="split_size.*multiple"):
+        pyfa.sim.fa2_forward(q, k, v, split_size=65)
+
+
+def test_decode_split_size_is_a_constant_of_d():
+    from pyfa.checks import decode_split_size
+    q, k, v = problem(1, 2, 1, 1, 150, 32, seed=2)
+    o, lse = pyfa.fa2_forward(q, k, v, split_size="decode")
+    want = pyfa.sim.fa2_forward(q, k, v, split_size=decode_split_size(32))
+    assert same_bits(o, want.o) and same_bits(lse, want.lse)
+    assert [decode_split_size(d) for d in (32, 64, 128, 256)] == [512, 512, 256, 128]
