@@ -30,7 +30,7 @@ from .errors import (
     InternalError, InvalidArgumentError, KernelHazardError, LibraryNotFoundError, OutOfMemoryError,
     PyfaError, TileTooLargeError,
 )
-from .kvcache import merge_states
+from .kvcache import attention_with_kvcache, merge_states
 from .options import Options
 from .varlen import attention_varlen, attention_varlen_grad
 
@@ -46,7 +46,7 @@ __all__ = [
     "ArgumentTypeError", "BackendUnavailableError", "CancelledError", "CudaError",
     "EmulationError", "Error", "InternalError", "InvalidArgumentError", "KernelHazardError",
     "LibraryNotFoundError", "Options", "OutOfMemoryError", "PyfaError", "TileTooLargeError",
-    "attention", "attention_grad", "attention_varlen", "attention_varlen_grad", "backends", "default_tiles", "device_profile",
+    "attention", "attention_grad", "attention_varlen", "attention_with_kvcache", "attention_varlen_grad", "backends", "default_tiles", "device_profile",
     "fa1_backward", "fa1_forward", "fa2_backward", "fa2_forward", "get_include",
     "get_library", "library_version", "merge_states", "sim", "smem_bytes", "unavailable_backends",
 ]

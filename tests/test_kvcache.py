@@ -148,3 +148,138 @@ def test_decode_split_size_is_a_constant_of_d():
     want = pyfa.sim.fa2_forward(q, k, v, split_size=decode_split_size(32))
     assert same_bits(o, want.o) and same_bits(lse, want.lse)
     assert [decode_split_size(d) for d in (32, 64, 128, 256)] == [512, 512, 256, 128]
+
+
+# ---- the KV cache, dense and paged
+
+def paged(rng, k, v, page_size, pages_per_seq, spare=3):
+    """Empty paged caches with room for pages_per_seq pages per sequence of k's batch, the
+    pages shuffled (and spare ones nobody uses), and their block table."""
+    B, _, Hkv, d = k.shape
+    n = B * pages_per_seq + spare
+    kc = np.full((n, page_size, Hkv, d), np.nan, np.float32)
+    vc = np.full((n, page_size, Hkv, d), np.nan, np.float32)
+    table = rng.permutation(n)[:B * pages_per_seq].reshape(B, pages_per_seq).astype(np.int32)
+    return kc, vc, table
+
+
+TILES16 = dict(block_r=16, block_c=16)  # so that 23 tokens make two chunks of split_size 16
+
+
+@functools.lru_cache(maxsize=None)
+def tokens(seed=4):
+    # Two sequences of 23 tokens, flash-attn's layout (B, N, heads, d).
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((2, 23, 4, 32), dtype=np.float32)
+    k = rng.standard_normal((2, 23, 2, 32), dtype=np.float32)
+    v = rng.standard_normal((2, 23, 2, 32), dtype=np.float32)
+    return q, k, v
+
+
+@functools.lru_cache(maxsize=None)
+def prefill(backend, split):
+    q, k, v = tokens()
+    bhnd = lambda x: np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+    return pyfa.fa2_forward(bhnd(q), bhnd(k), bhnd(v), causal=True, split_size=split,
+                            options=pyfa.Options(backend=backend, **TILES16))
+
+
+@pytest.mark.parametrize("backend,page_size,split", [
+    ("cpu", 1, None), ("cpu", 3, 16), ("cpu", 16, None), ("cpu", 16, 16), ("emu", 3, 16), ("sim", 3, 16)])
+def test_decode_through_a_paged_cache_equals_prefill(backend, page_size, split):
+    q, k, v = tokens()
+    o_pre, lse_pre = prefill("cpu" if backend == "sim" else backend, split)
+    rng = np.random.default_rng(page_size)
+    N = q.shape[1]
+    kc, vc, table = paged(rng, k, v, page_size, -(-N // page_size))
+    call = pyfa.sim.attention_with_kvcache if backend == "sim" else pyfa.attention_with_kvcache
+    opts = pyfa.Options(**TILES16) if backend == "sim" else pyfa.Options(backend=backend, **TILES16)
+    # A chunked prefill of 5 tokens, then one token at a time.
+    steps = [(0, 5)] + [(t, t + 1) for t in range(5, N)]
+    for a, z in steps:
+        o, lse = call(q[:, a:z], kc, vc, np.full(2, a, np.int32), k[:, a:z], v[:, a:z], block_table=table,
+                      causal=True, split_size=split, return_lse=True, options=opts)
+        assert same_bits(o.transpose(0, 2, 1, 3), o_pre[:, :, a:z]), (a, z)
+        assert same_bits(lse, lse_pre[:, :, a:z]), (a, z)
+
+
+def test_dense_cache_equals_varlen_and_the_paged_cache():
+    q, k, v = tokens()
+    rng = np.random.default_rng(7)
+    lens = np.array([9, 17], np.int32)  # keys already cached
+    kc = rng.standard_normal((2, 23, 2, 32), dtype=np.float32)
+    vc = rng.standard_normal((2, 23, 2, 32), dtype=np.float32)
+    nq = 4
+    o, lse = pyfa.attention_with_kvcache(q[:, :nq], kc, vc, lens, causal=True, return_lse=True)
+    # The same sequences as one varlen call.
+    kp = np.concatenate([kc[b, :lens[b]] for b in range(2)])
+    vp = np.concatenate([vc[b, :lens[b]] for b in range(2)])
+    cu_k = np.array([0, lens[0], lens.sum()], np.int32)
+    cu_q = np.array([0, nq, 2 * nq], np.int32)
+    ov, lv = pyfa.attention_varlen(q[:, :nq].reshape(2 * nq, 4, 32), kp, vp, cu_q, cu_k, causal=True,
+                                   return_lse=True)
+    assert same_bits(o.reshape(2 * nq, 4, 32), ov)
+    assert same_bits(lse, lv.reshape(4, 2, nq).transpose(1, 0, 2))
+    # Paged, page size 4, pages shared: both sequences' first page is the same one.
+    kg, vg, table = paged(rng, kc, vc, 4, 6)
+    table[1, 0] = table[0, 0]
+    kc[1, :4], vc[1, :4] = kc[0, :4], vc[0, :4]
+    for b in range(2):
+        for n in range(lens[b]):
+            kg[table[b, n // 4], n % 4], vg[table[b, n // 4], n % 4] = kc[b, n], vc[b, n]
+    o_dense = pyfa.attention_with_kvcache(q[:, :nq], kc, vc, lens, causal=True)
+    o_paged = pyfa.attention_with_kvcache(q[:, :nq], kg, vg, lens, block_table=table, causal=True)
+    assert same_bits(o_dense, o_paged)
+
+
+@pytest.mark.parametrize("page_size", [None, 3])
+def test_append_writes_exactly_the_new_rows(page_size):
+    q, k, v = tokens()
+    rng = np.random.default_rng(8)
+    lens = np.array([2, 11], np.int32)
+    if page_size is None:
+        kc = rng.standard_normal((2, 20, 2, 32), dtype=np.float32)
+        vc = rng.standard_normal((2, 20, 2, 32), dtype=np.float32)
+        table, where = None, lambda b, n: (b, n)
+    else:
+        kc, vc, table = paged(rng, k, v, page_size, 7)
+        kc[:] = rng.standard_normal(kc.shape, dtype=np.float32)
+        vc[:] = rng.standard_normal(vc.shape, dtype=np.float32)
+        where = lambda b, n: (table[b, n // page_size], n % page_size)
+    k0, v0 = kc.copy(), vc.copy()
+    pyfa.attention_with_kvcache(q[:, :3], kc, vc, lens, k[:, :3], v[:, :3], block_table=table)
+    changed = np.zeros(kc.shape[:2], bool)
+    for b in range(2):
+        for t in range(3):
+            changed[where(b, lens[b] + t)] = True
+            assert same_bits(kc[where(b, lens[b] + t)], k[b, t]) and same_bits(vc[where(b, lens[b] + t)], v[b, t])
+    assert same_bits(kc[~changed], k0[~changed]) and same_bits(vc[~changed], v0[~changed])
+
+
+def test_bad_input_is_refused_and_writes_nothing():
+    q, k, v = tokens()
+    rng = np.random.default_rng(9)
+    kc, vc, table = paged(rng, k, v, 4, 3)
+    kc[:] = 1.0
+    vc[:] = 2.0
+    k0, v0 = kc.copy(), vc.copy()
+    lens = np.array([8, 9], np.int32)
+    args = (q[:, :2], kc, vc)
+    new = (k[:, :2], v[:, :2])
+    cases = [
+        ("cache_seqlens", dict(cache_seqlens=np.array([8, 11], np.int32))),  # 11 + 2 > 12
+        ("cache_seqlens", dict(cache_seqlens=lens.astype(np.int64))),
+        ("cache_seqlens", dict(cache_seqlens=np.array([8, -1], np.int32))),
+        ("block_table", dict(block_table=np.where(table == table[1, 2], 99, table).astype(np.int32))),
+        ("block_table", dict(block_table=table.astype(np.int64))),
+        ("k_new and k_cache", dict(k_new=kc[:2, :2])),
+        ("v_new", dict(v_new=None)),
+        ("split_size", dict(split_size=6)),  # refused by the library after the append: undone
+    ]
+    for name, change in cases:
+        kw = dict(cache_seqlens=lens, k_new=new[0], v_new=new[1], block_table=table, split_size=None)
+        kw.update(change)
+        cache_seqlens = kw.pop("cache_seqlens")
+        with pytest.raises((pyfa.InvalidArgumentError, pyfa.ArgumentTypeError), match=name):
+            pyfa.attention_with_kvcache(*args, cache_seqlens, causal=True, **kw)
+        assert same_bits(kc, k0) and same_bits(vc, v0), name
