@@ -85,10 +85,11 @@ struct AttentionParams {
     int64_t o_part_step, lse_part_step;  // elements from partial c to c + 1
 
     // The K/V tiles of `visit` (a Q tile's band) in this launch's chunk: all of them
-    // without split-KV.
-    PYFA_HD TileRange split_tiles(TileRange visit) const {
+    // without split-KV. Bc: block_c, a compile-time constant in the fast kernels (no
+    // 64-bit division there).
+    PYFA_HD TileRange split_tiles(TileRange visit, int64_t Bc) const {
         if (split_size <= 0) return visit;
-        const int64_t per = split_size / block_c, lo = split_index * per, hi = lo + per;
+        const int64_t per = split_size / Bc, lo = split_index * per, hi = lo + per;
         const int64_t a = visit.begin > lo ? visit.begin : lo, z = visit.end < hi ? visit.end : hi;
         return z > a ? TileRange{a, z} : TileRange{a, a};
     }

@@ -72,7 +72,7 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
         li[r] = 0.0f;
     }
 
-    const TileRange visit = p.split_tiles(seq.mask.kv_tiles(row0, br, Bc, Nk));
+    const TileRange visit = p.split_tiles(seq.mask.kv_tiles(row0, br, Bc, Nk), Bc);
     for (int64_t j = visit.begin; j < visit.end; ++j) {
         const int64_t col0 = j * Bc;
         const int64_t bc = min64(Bc, Nk - col0);

@@ -161,7 +161,8 @@ void kv_bands(const AttentionParams& p, std::vector<int64_t>* begin, std::vector
         for (int64_t i = 0; i < Tr; ++i) {
             const int64_t row0 = i * p.block_r;
             const TileRange r = row0 < s.Nq ? p.split_tiles(s.mask.kv_tiles(row0, min64(p.block_r, s.Nq - row0),
-                                                                            p.block_c, s.Nk))
+                                                                            p.block_c, s.Nk),
+                                                              p.block_c)
                                             : TileRange{0, 0};
             (*begin)[static_cast<size_t>(b * Tr + i)] = r.begin;
             (*end)[static_cast<size_t>(b * Tr + i)] = r.end;
