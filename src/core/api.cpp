@@ -760,6 +760,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     base.seqlen_k = pr.seqlen_k;
     base.head_dim = pr.head_dim;
     base.scale = pr.scale != 0.0f ? pr.scale : 1.0f / std::sqrt(static_cast<float>(pr.head_dim));
+    base.split_size = pr.split_size;  // the fast FA2 forward does not split: select_kernel
     base.mask = make_mask(pr.causal, pr.window, pr.window_left, pr.window_right, pr.causal_align, pr.seqlen_q,
                           pr.seqlen_k);
     if (pr.varlen) {

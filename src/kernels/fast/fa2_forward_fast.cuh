@@ -19,7 +19,6 @@
 #include "common/device.h"
 #include "common/fault.h"
 #include "common/mask.h"
-#include "common/merge.h"
 #include "common/numerics.h"
 #include "common/params.h"
 #include "common/smem.h"
@@ -68,10 +67,6 @@ __global__ void __launch_bounds__(2 * BR) fa2_forward_fast_kernel(const Attentio
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int rg = lane >> 4, cg = lane & 15;
     const int wrow = warp * 16;                 // the warp's first row in the tile
-    if (p.split_count > 0) {  // split-KV's combine launch (params.h)
-        split_combine_tile_call(p, blockIdx.x, blockIdx.y, blockIdx.z, tid, NT);
-        return;
-    }
     const Sequence seq = p.sequence(blockIdx.z);
     const int Nq = static_cast<int>(seq.Nq), Nk = static_cast<int>(seq.Nk);
     const int row0 = static_cast<int>(blockIdx.x) * BR;
@@ -79,7 +74,7 @@ __global__ void __launch_bounds__(2 * BR) fa2_forward_fast_kernel(const Attentio
     const FastHead g = fast_head(p, seq, blockIdx.y);
     const int br = imin(BR, Nq - row0);
     const Mask mask = seq.mask;
-    const TileRange tiles = p.split_tiles(mask.kv_tiles(row0, br, BC, Nk), BC);
+    const TileRange tiles = mask.kv_tiles(row0, br, BC, Nk);
     const int jb = static_cast<int>(tiles.begin), je = static_cast<int>(tiles.end);
 
     PYFA_DYNAMIC_SMEM(smem_raw);
