@@ -64,16 +64,3 @@ PYFA_HD void split_combine_tile(const AttentionParams& p, int64_t i, int64_t h, 
     }
 }
 
-// split_combine_tile as a call of its own on CUDA, so that the fast kernels' combine
-// launch adds nothing to the registers of their main loop (ptxas report: no spills).
-#if defined(__CUDACC__)
-__device__ __noinline__ void split_combine_tile_call(const AttentionParams& p, int64_t i, int64_t h, int64_t b,
-                                                     int64_t tid, int64_t nthreads) {
-    split_combine_tile(p, i, h, b, tid, nthreads);
-}
-#else
-inline void split_combine_tile_call(const AttentionParams& p, int64_t i, int64_t h, int64_t b, int64_t tid,
-                                    int64_t nthreads) {
-    split_combine_tile(p, i, h, b, tid, nthreads);
-}
-#endif
