@@ -30,6 +30,7 @@ from .errors import (
     InternalError, InvalidArgumentError, KernelHazardError, LibraryNotFoundError, OutOfMemoryError,
     PyfaError, TileTooLargeError,
 )
+from .kvcache import attention_with_kvcache, merge_states
 from .options import Options
 from .varlen import attention_varlen, attention_varlen_grad
 
@@ -45,8 +46,8 @@ __all__ = [
     "ArgumentTypeError", "BackendUnavailableError", "CancelledError", "CudaError",
     "EmulationError", "Error", "InternalError", "InvalidArgumentError", "KernelHazardError",
     "LibraryNotFoundError", "Options", "OutOfMemoryError", "PyfaError", "TileTooLargeError",
-    "attention", "attention_grad", "attention_varlen", "attention_varlen_grad", "backends", "default_tiles",
-    "device_profile", "dropout_mask",
+    "attention", "attention_grad", "attention_varlen", "attention_varlen_grad", "attention_with_kvcache",
+    "backends", "default_tiles", "device_profile", "dropout_mask",
     "fa1_backward", "fa1_forward", "fa2_backward", "fa2_forward", "get_include",
-    "get_library", "library_version", "sim", "smem_bytes", "unavailable_backends",
+    "get_library", "library_version", "merge_states", "sim", "smem_bytes", "unavailable_backends",
 ]

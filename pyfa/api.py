@@ -23,7 +23,7 @@ from . import _arrays, _lib
 from ._arrays import Array, ArrayLike
 from .checks import (
     EMPTY_VALUES, MAX_HEAD_DIM, Bias, ScoreMods, caller_shape, check_dropout_mask, check_int, check_layout, check_like,
-    check_qkv,
+    check_qkv, check_split_size,
     check_rows, check_sizes, element_strides, is_empty, mask_bounds, resolve_scale,
 )
 from .errors import ArgumentTypeError, BackendUnavailableError, InvalidArgumentError
@@ -704,13 +704,14 @@ def _keywords(function, options, kwargs):
 
 
 def _run(op_name, args, *, causal, window, causal_align, scale, layout, options, out,
-         stream, mods, varlen=None, function=None):
+         stream, mods, varlen=None, function=None, split_size=None):
     """Runs OPS[op_name] on the caller's arrays `args` ({name: array}, op.inputs order)
     with the resolved Options `options`; returns its outputs in op.outputs order, at the
     caller's rank and in its layout, of q's kind (or the out= arrays given). CPU arrays
     take the host entry point, CUDA arrays the device one. varlen: packed sequences (a
     pyfa.varlen.Varlen), the tensors then one (total, heads, d) batch in layout "bnhd";
-    function: the public name errors use (default pyfa.<op_name>)."""
+    function: the public name errors use (default pyfa.<op_name>); split_size: the FA2
+    forward's keys per chunk (checks.check_split_size)."""
     op = OPS[op_name]
     # A backward given a bias also returns dbias, last (docs/numerics.md §2).
     with_dbias = op.pass_ == "backward" and mods.get("bias") is not None
@@ -730,6 +731,10 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
     problem = _problem(intake.dims, scale, causal, window, causal_align, mods)
     if varlen is not None:
         varlen.apply(problem, intake.dims[2], intake.dims[3])
+    split_size = check_split_size(split_size, intake.dims[4])
+    if split_size:
+        problem.struct_size = _lib.load()[0].sizeof("pyfa_problem")
+        problem.split_size = split_size
     config = _config(options)
     mod_tensors, _keep = _mod_tensors(mods, intake, grad=dbias is not None)
     with _lib.interrupts_after():
@@ -833,14 +838,20 @@ def fa2_forward(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = Fals
                 scale: Optional[float] = None, layout: str = "bhnd",
                 options: Optional[Options] = None,
                 out: Optional[Sequence[Optional[ArrayLike]]] = None, stream: Any = None,
-                **mods) -> Tuple[Array, Array]:
+                split_size: Union[None, int, str] = None, **mods) -> Tuple[Array, Array]:
     """FlashAttention-2 forward. Returns (o, lse): o like q, lse (log-sum-exp of each
     query row's scaled scores, -inf for a row with no visible key) q's shape without d.
-    out: (o, lse), either None to allocate it."""
+    out: (o, lse), either None to allocate it.
+
+    split_size: split-KV (flash-decoding with a fixed split size, docs/numerics.md):
+    None or 0, one chunk; an int, keys per chunk, a multiple of the kernel's Bc, each
+    chunk's partial (O, LSE) folded in ascending chunk order (pyfa.merge_states); or
+    "decode", pyfa.checks.decode_split_size(d). With a fixed split size a row's bits
+    depend on its q row and its visible keys alone (prefill equals decode)."""
     options, mods = _keywords("pyfa.fa2_forward", options, mods)
     return _run("fa2_forward", dict(q=q, k=k, v=v), causal=causal, window=window,
                 causal_align=causal_align, scale=scale, layout=layout, options=options,
-                out=out, stream=stream, mods=mods)
+                out=out, stream=stream, mods=mods, split_size=split_size)
 
 
 def fa2_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, lse: ArrayLike,
@@ -906,17 +917,23 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
               window: Window = None, causal_align: str = "bottom_right",
               scale: Optional[float] = None, algo: str = "fa2", layout: str = "bhnd",
               options: Optional[Options] = None, out: Optional[ArrayLike] = None,
-              stream: Any = None, **mods) -> Array:
+              stream: Any = None, split_size: Union[None, int, str] = None, **mods) -> Array:
     """O = softmax(scale * Q K^T [masked]) V by FlashAttention.
 
     q: (B, H, Nq, d), (H, Nq, d) or (Nq, d) float32 in layout "bhnd" ((B, Nq, H, d), ...
     in "bnhd"); k, v: the same with Nk rows and Hkv heads. algo: "fa1" or "fa2". How it
     runs (backend, tiles, threads, progress, ...) is `options`, a pyfa.Options (None: the
     enclosing `with pyfa.Options(...)` block's, else the defaults: the best backend
-    here). out: an array like q to write O into."""
+    here). out: an array like q to write O into. split_size: FA2's split-KV
+    (pyfa.fa2_forward); FA1 refuses it."""
     options, mods = _keywords("pyfa.attention", options, mods)
     fn = _FORWARD[_algo(algo)]
     extra = 2 if algo == "fa1" else 1  # m, l or lse: allocated
+    if algo == "fa1":
+        if split_size not in (None, 0):
+            raise InvalidArgumentError(f"split_size: only algo='fa2' splits the keys, got {split_size!r}")
+    else:
+        mods = dict(mods, split_size=split_size)
     return fn(q, k, v, causal=causal, window=window, causal_align=causal_align, scale=scale,
               layout=layout, options=options,
               out=None if out is None else (out,) + (None,) * extra, stream=stream, **mods)[0]

@@ -592,3 +592,28 @@ def check_max_seqlen(name, value, offsets):
     if value < longest:
         raise InvalidArgumentError(f"{name}: {value} is below the longest sequence ({longest} rows)")
     return int(value)
+
+
+# ---- split-KV (docs/numerics.md, "Split-KV"): keys per chunk of the FA2 forward
+def decode_split_size(head_dim):
+    """The split size split_size="decode" stands for: a constant of the head dimension
+    alone (never of the batch, the device or the thread count, so that the bits follow
+    the problem only): 512 keys for d <= 64, 256 for d <= 128, 128 above. Each is a
+    multiple of every default Bc."""
+    return 512 if head_dim <= 64 else 256 if head_dim <= 128 else 128
+
+
+def check_split_size(split_size, head_dim, block_c=None):
+    """split_size as keys per chunk (0: one chunk, no split): None or 0, "decode"
+    (decode_split_size(head_dim)), or a positive int, a multiple of block_c where the
+    caller knows it (the library checks its kernel's Bc itself)."""
+    if split_size is None:
+        return 0
+    if isinstance(split_size, str):
+        if split_size != "decode":
+            raise InvalidArgumentError(f"split_size: expected None, an int or 'decode', got {split_size!r}")
+        split_size = decode_split_size(head_dim)
+    split_size = check_int("split_size", split_size, 0, 1 << 40)
+    if split_size and block_c is not None and split_size % block_c:
+        raise InvalidArgumentError(f"split_size: must be a multiple of Bc = {block_c}, got {split_size}")
+    return split_size

@@ -112,7 +112,7 @@ def resolve_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 def run(op_name, args, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
         causal=False, window=None, causal_align="bottom_right", scale=None, options=None, out=None,
-        stream=None, mods=None, function=None):
+        stream=None, mods=None, function=None, split_size=None):
     """Runs op `op_name` ("fa2_forward", ...) on packed tensors args ({name: array}: q, k,
     v (total, heads, d), o and do like q, lse, m, l (H, total_q)); returns its outputs,
     gradients shaped like their inputs, statistics (H, total_q)."""
@@ -122,7 +122,7 @@ def run(op_name, args, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seq
     varlen = resolve_varlen(args["q"], args["k"], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return api._run(op_name, args, causal=causal, window=window, causal_align=causal_align, scale=scale,
                     layout="bnhd", options=options, out=out, stream=stream, mods=mods or {},
-                    varlen=varlen, function=function)
+                    varlen=varlen, function=function, split_size=split_size)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: Optional[int] = None,

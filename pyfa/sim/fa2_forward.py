@@ -16,9 +16,10 @@ import numpy as np
 from . import numerics as nx
 from . import score
 from .calls import simulated
-from ..checks import ScoreMods, check_qkv, resolve_scale, restore_rank, restore_rows
+from ..checks import ScoreMods, check_qkv, check_split_size, resolve_scale, restore_rank, restore_rows
 from .io import IORecord
 from .mask import Mask
+from .merge import merge_states
 from .tiles import launch_tiles
 from .tiling import ceil_div, kv_heads
 
@@ -36,12 +37,13 @@ class Fa2ForwardResult:
 @simulated("fa2", "forward", Fa2ForwardResult)
 @nx.ieee_arithmetic
 def fa2_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_right", scale=None,
-                block_r=None, block_c=None, layout="bhnd", **mods):
+                block_r=None, block_c=None, layout="bhnd", split_size=None, **mods):
     q4, k4, v4, rank, Hkv = check_qkv(q, k, v, layout)
     B, H, Nq, d = q4.shape
     Nk = k4.shape[2]
     scale = resolve_scale(scale, d)
     Br, Bc = launch_tiles("fa2_forward", d, block_r, block_c)
+    split_size = check_split_size(split_size, d, Bc)
     mask = Mask.resolve(causal, window, causal_align, Nq, Nk)
     mods = ScoreMods.resolve("pyfa.sim.fa2_forward", (B, H, Nq, Nk, d, Hkv), causal_align, **mods)
 
@@ -54,64 +56,81 @@ def fa2_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_righ
     Qi[:, :Nq] = q4.reshape(BH, Nq, d)
     Qi = Qi.reshape(BH, Tr, Br, d)
     io.read("Q", BH * nbytes(Nq))
-    Oi = np.zeros((BH, Tr, Br, d), F32)
-    mi = np.full((BH, Tr, Br), NEG_INF, F32)
-    li = np.zeros((BH, Tr, Br), F32)
-
     rows = (np.arange(Tr)[:, None] * Br + np.arange(Br)[None, :])  # (Tr, Br) query index
     bh = np.arange(BH).reshape(BH, 1, 1, 1)  # the score pipeline's (b, h) of each head
     K = kv_heads(k4, H).reshape(BH, Nk, d)
     V = kv_heads(v4, H).reshape(BH, Nk, d)
-    for j in range(Tc):
-        col0 = j * Bc
-        bc = min(Bc, Nk - col0)
-        # The row blocks whose band kv_tiles(i) holds j are exactly the band q_tiles(j):
-        # each block visits j, and they are vectorized together.
-        a, z = mask.q_tiles(col0, bc, Br, Nq)
-        if a == z:
-            continue
-        Kj = np.zeros((BH, Bc, d), F32)
-        Vj = np.zeros((BH, Bc, d), F32)
-        Kj[:, :bc] = K[:, col0:col0 + bc]
-        Vj[:, :bc] = V[:, col0:col0 + bc]
-        io.read("K", BH * (z - a) * nbytes(bc))
-        io.read("V", BH * (z - a) * nbytes(bc))
-        score.bias_io(mods, io, BH * (min(Nq, z * Br) - a * Br) * bc)
+    # Split-KV (params.h): chunk c visits the K/V tiles of keys [c * split_size, (c + 1) *
+    # split_size) and yields a partial (O, LSE); merge_states folds them in ascending order.
+    per = Tc if not split_size else split_size // Bc
+    parts_o, parts_lse = [], []
+    for lo in range(0, max(Tc, 1) if not split_size else ceil_div(Nk, split_size) * per, per):
+        Oi = np.zeros((BH, Tr, Br, d), F32)
+        mi = np.full((BH, Tr, Br), NEG_INF, F32)
+        li = np.zeros((BH, Tr, Br), F32)
 
-        # S_ij: the score pipeline (pyfa/sim/score.py), its sums x in order.
-        Q_a = Qi[:, a:z]
-        cols = col0 + np.arange(Bc)
-        hidden = (cols[None, None, :] >= Nk) | mask.masked(rows[a:z, :, None], cols[None, None, :])
-        S = score.scores(mods, Q_a, Kj[:, None], scale, hidden[None], bh // H, bh % H,
-                         rows[a:z, :, None], cols[None, None, :])
-        # A row that sees no key of the tile takes no step; a hidden score is left out of P V.
-        keep = ~hidden[None]
-        steps = keep.any(axis=-1)
+        for j in range(lo, min(lo + per, Tc)):
+            col0 = j * Bc
+            bc = min(Bc, Nk - col0)
+            # The row blocks whose band kv_tiles(i) holds j are exactly the band q_tiles(j):
+            # each block visits j, and they are vectorized together.
+            a, z = mask.q_tiles(col0, bc, Br, Nq)
+            if a == z:
+                continue
+            Kj = np.zeros((BH, Bc, d), F32)
+            Vj = np.zeros((BH, Bc, d), F32)
+            Kj[:, :bc] = K[:, col0:col0 + bc]
+            Vj[:, :bc] = V[:, col0:col0 + bc]
+            io.read("K", BH * (z - a) * nbytes(bc))
+            io.read("V", BH * (z - a) * nbytes(bc))
+            score.bias_io(mods, io, BH * (min(Nq, z * Br) - a * Br) * bc)
 
-        m_old = mi[:, a:z]
-        m_new = m_old
-        for c in range(Bc):
-            m_new = nx.maximum(m_new, S[..., c])
-        alpha = nx.exp(m_old - nx.safe_max(m_new))
-        P = nx.exp(S - nx.safe_max(m_new)[..., None])
+            # S_ij: the score pipeline (pyfa/sim/score.py), its sums x in order.
+            Q_a = Qi[:, a:z]
+            cols = col0 + np.arange(Bc)
+            hidden = (cols[None, None, :] >= Nk) | mask.masked(rows[a:z, :, None], cols[None, None, :])
+            S = score.scores(mods, Q_a, Kj[:, None], scale, hidden[None], bh // H, bh % H,
+                             rows[a:z, :, None], cols[None, None, :])
+            # A row that sees no key of the tile takes no step; a hidden score is left out of P V.
+            keep = ~hidden[None]
+            steps = keep.any(axis=-1)
 
-        rowsum = np.zeros_like(m_new)
-        for c in range(Bc):
-            rowsum = rowsum + P[..., c]
-        l_new = nx.fma32(alpha, li[:, a:z], rowsum)
-        # pv[r, x] = sum_c P[r, c] V_j[c, x], c in order, one fma per step; P V takes
-        # P o Z / (1 - p) (dropout), l above P undropped.
-        P = score.dropped(mods, P, bh // H, bh % H, rows[a:z, :, None], cols[None, None, :])
-        pv = nx.dot_rows(P, np.swapaxes(Vj, -1, -2)[:, None], keep)
-        O_new = nx.fma32(alpha[..., None], Oi[:, a:z], pv)
+            m_old = mi[:, a:z]
+            m_new = m_old
+            for c in range(Bc):
+                m_new = nx.maximum(m_new, S[..., c])
+            alpha = nx.exp(m_old - nx.safe_max(m_new))
+            P = nx.exp(S - nx.safe_max(m_new)[..., None])
 
-        mi[:, a:z] = np.where(steps, m_new, mi[:, a:z])
-        li[:, a:z] = np.where(steps, l_new, li[:, a:z])
-        Oi[:, a:z] = np.where(steps[..., None], O_new, Oi[:, a:z])
+            rowsum = np.zeros_like(m_new)
+            for c in range(Bc):
+                rowsum = rowsum + P[..., c]
+            l_new = nx.fma32(alpha, li[:, a:z], rowsum)
+            # pv[r, x] = sum_c P[r, c] V_j[c, x], c in order, one fma per step; P V takes
+            # P o Z / (1 - p) (dropout), l above P undropped.
+            P = score.dropped(mods, P, bh // H, bh % H, rows[a:z, :, None], cols[None, None, :])
+            pv = nx.dot_rows(P, np.swapaxes(Vj, -1, -2)[:, None], keep)
+            O_new = nx.fma32(alpha[..., None], Oi[:, a:z], pv)
 
-    with np.errstate(divide="ignore", invalid="ignore"):
-        O = np.where(li[..., None] == 0, F32(0), Oi / li[..., None])
-        LSE = np.where(li == 0, NEG_INF, mi + nx.log(li))
+            mi[:, a:z] = np.where(steps, m_new, mi[:, a:z])
+            li[:, a:z] = np.where(steps, l_new, li[:, a:z])
+            Oi[:, a:z] = np.where(steps[..., None], O_new, Oi[:, a:z])
+
+        with np.errstate(divide="ignore", invalid="ignore"):
+            O = np.where(li[..., None] == 0, F32(0), Oi / li[..., None])
+            LSE = np.where(li == 0, NEG_INF, mi + nx.log(li))
+
+        parts_o.append(O)
+        parts_lse.append(LSE)
+        if split_size:
+            io.write("O partials", BH * nbytes(Nq))
+            io.write("LSE partials", BH * Nq * 4)
+    if split_size:
+        O, LSE = merge_states(np.stack(parts_o), np.stack(parts_lse))
+        O = O.reshape(BH, Tr, Br, d)
+        LSE = LSE.reshape(BH, Tr, Br)
+        io.read("O partials", len(parts_o) * BH * nbytes(Nq))
+        io.read("LSE partials", len(parts_o) * BH * Nq * 4)
     O = nx.canonical_nan(O.reshape(BH, Tr * Br, d)[:, :Nq].reshape(B, H, Nq, d))
     LSE = nx.canonical_nan(LSE.reshape(BH, Tr * Br)[:, :Nq].reshape(B, H, Nq))
     io.write("O", BH * nbytes(Nq))

@@ -123,3 +123,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, algo="fa2", **kwarg
     if algo not in forward:
         raise InvalidArgumentError(f"algo: expected one of ['fa1', 'fa2'], got {algo!r}")
     return forward[algo](q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *,
+                           block_table=None, split_size=None, return_lse=False, options=None, **kwargs):
+    """pyfa.attention_with_kvcache, simulated: the same checks, append (in place) and
+    gather (pyfa/kvcache.py), then fa2_forward_varlen. Returns o, or (o, lse)."""
+    from ..kvcache import with_kvcache
+
+    def run(q_p, k_p, v_p, cu_q, cu_k):
+        r = fa2_forward_varlen(q_p, k_p, v_p, cu_q, cu_k, options=options, split_size=split_size, **kwargs)
+        return r.o, r.lse
+
+    return with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse)

@@ -79,6 +79,28 @@ struct AttentionParams {
     const int32_t* cu_seqlens_k;  // (B + 1) offsets, first 0, last total_k
     int64_t total_q;              // rows of q, o, dO, dQ
     int causal_align;             // a pyfa_causal_align: each sequence's off (mask.h)
+    // ---- split-KV (pyfa.h's split_size): 0 for one chunk. A split FA2 forward is the
+    // forward kernel launched once per chunk c = split_index of split_size keys (a
+    // multiple of Bc), visiting only that chunk's K/V tiles and writing its partial (O, LSE)
+    // to o, lse (the scratch partials), then once more with split_count > 0, as the
+    // combine step (common/merge.h) folding the partials in o_part, lse_part into o, lse.
+    int64_t split_size;            // keys per chunk
+    int64_t split_index;           // the chunk a partial launch computes
+    int64_t split_count;           // > 0: the combine launch, over this many partials
+    const float* o_part;           // split_count x the dense layout of o (o_part_strides)
+    const float* lse_part;         // split_count x the layout of lse
+    TensorStrides o_part_strides;  // of one partial
+    int64_t o_part_step, lse_part_step;  // elements from partial c to c + 1
+
+    // The K/V tiles of `visit` (a Q tile's band) in this launch's chunk: all of them
+    // without split-KV. Bc: block_c, a compile-time constant in the fast kernels (no
+    // 64-bit division there).
+    PYFA_HD TileRange split_tiles(TileRange visit, int64_t Bc) const {
+        if (split_size <= 0) return visit;
+        const int64_t per = split_size / Bc, lo = split_index * per, hi = lo + per;
+        const int64_t a = visit.begin > lo ? visit.begin : lo, z = visit.end < hi ? visit.end : hi;
+        return z > a ? TileRange{a, z} : TileRange{a, a};
+    }
 
     PYFA_HD Sequence sequence(int64_t b) const {
         if (!cu_seqlens_q) return Sequence{b, 0, 0, seqlen_q, seqlen_k, mask};

@@ -253,8 +253,8 @@ float*& param_slot(AttentionParams& p, TensorId t) {
 // Fixed-size lists, ended by T_NONE (the zero the aggregate fills in), so that the
 // operation table needs no allocation, not even when the library is loaded.
 constexpr int kMaxInputs = 8, kMaxOutputs = 4, kMaxScratch = 2, kMaxKernels = 4;
-constexpr int kMaxOwned = kMaxInputs + kMaxOutputs + kMaxScratch + 5;  // + the offsets of packed sequences,
-                                                                      // bias, dbias and its fold's scratch
+// + the offsets of packed sequences, bias, dbias and its fold's scratch, split-KV's partial O and LSE
+constexpr int kMaxOwned = kMaxInputs + kMaxOutputs + kMaxScratch + 5 + 2;
 
 template <int N>
 int count(const TensorId (&list)[N]) {
@@ -303,8 +303,9 @@ template <class T>
 struct Layouts;
 template <>
 struct Layouts<pyfa_problem> {
-    static constexpr size_t sizes[] = {offsetof(pyfa_problem, varlen),  // ABI 3 to 5
-                                       sizeof(pyfa_problem)};           // ABI 6: packed sequences, score modifications
+    static constexpr size_t sizes[] = {offsetof(pyfa_problem, varlen),      // ABI 3 to 5
+                                       offsetof(pyfa_problem, split_size),  // ABI 6: packed sequences, score modifications
+                                       sizeof(pyfa_problem)};               // ABI 7: split_size
     static constexpr int first_abi = 3;
 };
 static_assert(offsetof(pyfa_problem, varlen) == offsetof(pyfa_problem, dv) + sizeof(pyfa_strides),
@@ -832,6 +833,13 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
                     "tensors->alibi_slopes: not with packed sequences (problem->varlen) in this version");
     // One past the last slope read, in elements (the strides are below 2^61 each, B, H below 2^31).
     const int64_t alibi_extent = (pr.batch - 1) * alibi_strides.batch + (pr.heads - 1) * alibi_strides.head + 1;
+    if (pr.split_size < 0)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->split_size: must be >= 0 (0: no split), got %lld",
+                    static_cast<long long>(pr.split_size));
+    if (pr.split_size > 0 && op.op != PYFA_OP_FA2_FORWARD)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                    "problem->split_size: only pyfa_fa2_forward splits the keys; %s takes 0, got %lld", op.name,
+                    static_cast<long long>(pr.split_size));
     pyfa_config cfg;
     if ((st = check_config(config, &cfg)) != PYFA_OK) return st;
     BiasTensors bt;
@@ -892,6 +900,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     base.seqlen_k = pr.seqlen_k;
     base.head_dim = pr.head_dim;
     base.scale = pr.scale != 0.0f ? pr.scale : 1.0f / std::sqrt(static_cast<float>(pr.head_dim));
+    base.split_size = pr.split_size;  // the fast FA2 forward does not split: select_kernel
     base.mask = make_mask(pr.causal, pr.window, pr.window_left, pr.window_right, pr.causal_align, pr.seqlen_q,
                           pr.seqlen_k);
     if (pr.varlen) {
@@ -945,6 +954,16 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         shapes[n] = launch_shape(id, p);
         if ((st = backend.check_launch(id, shapes[n])) != PYFA_OK) return st;
     }
+    // Split-KV: chunks of split_size keys, each a whole number of the kernel's K/V tiles.
+    const int64_t split_chunks = pr.split_size > 0 ? ceil_div(pr.seqlen_k, pr.split_size) : 0;
+    if (pr.split_size > 0 && pr.split_size % tiles[0][1] != 0)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                    "problem->split_size: must be a multiple of %s's Bc = %d, got %lld", kernel_name(ids[0]),
+                    tiles[0][1], static_cast<long long>(pr.split_size));
+    if (split_chunks > 0 && (checked_mul(split_chunks, tensor_elems(T_O, pr)) < 0 ||
+                             checked_mul(split_chunks, tensor_elems(T_O, pr)) > kMaxTensorElems))
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->split_size: %lld chunks of O do not fit in memory",
+                    static_cast<long long>(split_chunks));
 
     // Last of the argument checks, so that the others are reported first.
     const bool in_place = device_pointers || (cfg.flags & PYFA_FLAG_IN_PLACE);
@@ -1051,6 +1070,43 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         if ((st = backend.copy_to_device(slopes, bound.alibi_slopes, bytes, stream)) != PYFA_OK) return st;
         bound.alibi_slopes = slopes;
     }
+    // Split-KV's launches: the forward kernel once per chunk, its partial (O, LSE) in
+    // scratch laid out as the library's own copies, then its combine launch (params.h).
+    float* o_part = nullptr;
+    float* lse_part = nullptr;
+    const int64_t o_step = tensor_elems(T_O, pr), lse_step = tensor_elems(T_LSE, pr);
+    if (split_chunks > 0) {
+        if ((st = owned.alloc(tensor_bytes(T_O, pr) * static_cast<size_t>(split_chunks), &o_part)) != PYFA_OK)
+            return st;
+        if ((st = owned.alloc(tensor_bytes(T_LSE, pr) * static_cast<size_t>(split_chunks), &lse_part)) != PYFA_OK)
+            return st;
+    }
+    // Launch n of the call's launches: the op's kernels, or the split forward's chunks
+    // and combine.
+    const int64_t launches = split_chunks > 0 ? split_chunks + 1 : op.kernel_count;
+    auto launch_params = [&](int64_t n, int* kernel_n) {
+        const int k = split_chunks > 0 ? 0 : static_cast<int>(n);
+        *kernel_n = k;
+        AttentionParams p = bound;
+        p.block_r = tiles[k][0];
+        p.block_c = tiles[k][1];
+        if (split_chunks == 0) return p;
+        p.split_size = pr.split_size;
+        if (n < split_chunks) {
+            p.split_index = n;
+            p.o = o_part + n * o_step;
+            p.o_strides = dense_strides(T_O, pr);
+            p.lse = lse_part + n * lse_step;
+        } else {
+            p.split_count = split_chunks;
+            p.o_part = o_part;
+            p.lse_part = lse_part;
+            p.o_part_strides = dense_strides(T_O, pr);
+            p.o_part_step = o_step;
+            p.lse_part_step = lse_step;
+        }
+        return p;
+    };
 
     // A backend polled per kernel is asked before each launch. On the library's stream
     // (host entry points) the dispatcher first waits for the kernels already launched, so
@@ -1058,7 +1114,13 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     // enqueued on the caller's stream cannot be taken back, so a *_device call asks once,
     // before any launch.
     const bool polls = backend.polls_progress_per_kernel() && cfg.progress;
-    if (backend.runs_whole_op()) {
+    if (backend.runs_whole_op() && split_chunks > 0) {
+        for (int64_t n = 0; n < launches; ++n) {
+            int k = 0;
+            const AttentionParams p = launch_params(n, &k);
+            if ((st = backend.run_op(op.op, &p, 1, cfg)) != PYFA_OK) return st;
+        }
+    } else if (backend.runs_whole_op()) {
         AttentionParams tiled[kMaxKernels];
         for (int n = 0; n < op.kernel_count; ++n) {
             tiled[n] = bound;
@@ -1067,15 +1129,14 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         }
         if ((st = backend.run_op(op.op, tiled, static_cast<size_t>(op.kernel_count), cfg)) != PYFA_OK) return st;
     } else {
-        for (int n = 0; n < op.kernel_count; ++n) {
+        for (int64_t n = 0; n < launches; ++n) {
             if (polls && (n == 0 || !device_pointers)) {
                 if (n > 0 && (st = backend.synchronize(stream)) != PYFA_OK) return st;
-                if ((st = poll_progress(cfg, n, op.kernel_count)) != PYFA_OK) return st;
+                if ((st = poll_progress(cfg, n, launches)) != PYFA_OK) return st;
             }
-            AttentionParams p = bound;
-            p.block_r = tiles[n][0];
-            p.block_c = tiles[n][1];
-            if ((st = backend.launch(ids[n], p, shapes[n], cfg, stream)) != PYFA_OK) return st;
+            int k = 0;
+            const AttentionParams p = launch_params(n, &k);
+            if ((st = backend.launch(ids[k], p, shapes[k], cfg, stream)) != PYFA_OK) return st;
         }
     }
     if (folds && (st = backend.fold_dbias(fold, stream)) != PYFA_OK) return st;
@@ -1083,7 +1144,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     if (!any_staged) return owned.release();
     if (device_backend) {
         if ((st = backend.synchronize(stream)) != PYFA_OK) return st;
-        if (polls && (st = poll_progress(cfg, op.kernel_count, op.kernel_count)) != PYFA_OK) return st;
+        if (polls && (st = poll_progress(cfg, launches, launches)) != PYFA_OK) return st;
     }
     // Strided outputs come back from the GPU into host bounce buffers, allocated before
     // the first caller's byte is written, then go to the caller row by row.

@@ -302,7 +302,9 @@ pyfa_status select_kernel(int kernel, int variant, const AttentionParams& p, int
     else if (r && !small)
         std::snprintf(why, sizeof(why), "the fast %s needs row stride * seqlen < 2^31 in every tensor",
                       kernel_name(kernel));
-    if (r && aligned && small) {
+    else if (r && p.split_size > 0)  // its combine step would cost the main loop registers (ptxas report)
+        std::snprintf(why, sizeof(why), "the fast %s does not split the keys (split_size)", kernel_name(kernel));
+    if (r && aligned && small && p.split_size <= 0) {
         *id = r->id;
         *Br = r->br;
         *Bc = r->bc;

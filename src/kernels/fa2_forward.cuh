@@ -17,6 +17,7 @@
 
 #include "common/device.h"
 #include "common/fault.h"
+#include "common/merge.h"
 #include "common/numerics.h"
 #include "common/params.h"
 #include "common/score.h"
@@ -27,6 +28,10 @@ namespace PYFA_KERNELS {
 
 __global__ void fa2_forward_kernel(const AttentionParams p) {
     const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    if (p.split_count > 0) {  // split-KV's combine launch (params.h)
+        split_combine_tile(p, i, h, b, threadIdx.x, blockDim.x);
+        return;
+    }
     const Sequence seq = p.sequence(b);
     const int64_t d = p.head_dim, Nq = seq.Nq, Nk = seq.Nk;
     const int64_t Br = p.block_r, Bc = p.block_c;
@@ -67,7 +72,7 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
         li[r] = 0.0f;
     }
 
-    const TileRange visit = seq.mask.kv_tiles(row0, br, Bc, Nk);
+    const TileRange visit = p.split_tiles(seq.mask.kv_tiles(row0, br, Bc, Nk), Bc);
     for (int64_t j = visit.begin; j < visit.end; ++j) {
         const int64_t col0 = j * Bc;
         const int64_t bc = min64(Bc, Nk - col0);

@@ -18,6 +18,7 @@
 #include <sched.h>
 #endif
 
+#include "common/merge.h"
 #include "common/tiling.h"
 #include "backends/cpu/cpu_kernels.h"
 #include "backends/cpu/thread_pool.h"
@@ -170,7 +171,9 @@ void bands(const AttentionParams& p, int64_t T, BandOf band, std::vector<int64_t
 void kv_bands(const AttentionParams& p, std::vector<int64_t>* begin, std::vector<int64_t>* end) {
     bands(p, ceil_div(p.seqlen_q, p.block_r), [&p](const Sequence& s, int64_t i) {
         const int64_t row0 = i * p.block_r;
-        return row0 < s.Nq ? s.mask.kv_tiles(row0, min64(p.block_r, s.Nq - row0), p.block_c, s.Nk) : TileRange{0, 0};
+        return row0 < s.Nq ? p.split_tiles(s.mask.kv_tiles(row0, min64(p.block_r, s.Nq - row0), p.block_c, s.Nk),
+                                           p.block_c)
+                           : TileRange{0, 0};
     }, begin, end);
 }
 
@@ -223,7 +226,16 @@ pyfa_status cpu_run(int op, const AttentionParams* params, size_t count, const p
     int64_t total = 0;
     Runner* runner = nullptr;  // set below, before any phase runs
 
-    if ((op == PYFA_OP_FA2_FORWARD || op == PYFA_OP_FA1_FORWARD) && count == 1) {
+    if (op == PYFA_OP_FA2_FORWARD && count == 1 && p0.split_count > 0) {
+        // Split-KV's combine step, Q tile by Q tile of each head (common/merge.h).
+        const int64_t Tr = ceil_div(p0.seqlen_q, p0.block_r);
+        phases.push_back({BH * Tr, [&, Tr](int64_t k, float*) {
+                              const int64_t bh = k / Tr;
+                              split_combine_tile(p0, k % Tr, bh % p0.heads, bh / p0.heads, 0, 1);
+                              runner->done_one();
+                          }});
+        total = BH * Tr;
+    } else if ((op == PYFA_OP_FA2_FORWARD || op == PYFA_OP_FA1_FORWARD) && count == 1) {
         plans.emplace_back(p0, op == PYFA_OP_FA1_FORWARD, nullptr);
         const Plan& f = plans[0];
         const int64_t Tr = f.Tr();

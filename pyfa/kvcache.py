@@ -1,0 +1,210 @@
+"""Decoding: merging partial attention states (pyfa.merge_states) and attention against
+a KV cache, dense or paged (pyfa.attention_with_kvcache).
+
+merge_states is the simulator's pyfa.sim.merge_states (pyfa/sim/merge.py), the twin of
+the library's split-KV combine step (src/common/merge.h); it is imported when first
+called, so that `import pyfa` does not load the simulator.
+"""
+
+from typing import Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from .errors import ArgumentTypeError, InvalidArgumentError
+
+ArrayOrParts = Union[np.ndarray, Sequence[np.ndarray]]
+
+
+def merge_states(o_parts: ArrayOrParts, lse_parts: ArrayOrParts) -> Tuple[np.ndarray, np.ndarray]:
+    """Folds P partial attention states of the same rows, in ascending part order, by the
+    formula of the library's split-KV combine step (docs/numerics.md, "Merging states"),
+    bit for bit.
+
+    o_parts: (P, ..., d) float32 NumPy (or a sequence of P arrays (..., d)), each part's
+    O normalised by its own sum, as pyfa.fa2_forward returns it; lse_parts: (P, ...)
+    their LSE (-inf: a part that saw no key, which contributes nothing). Returns
+    (o (..., d), lse (...)), the attention over the union of the parts' keys; a row no
+    part saw gets O = 0, LSE = -inf. For cascades or shards merged by hand: attention
+    over keys split into P sets equals the merge of the P calls' (o, lse)."""
+    from .sim.merge import merge_states as merge
+    return merge(o_parts, lse_parts)
+
+
+# ---- the KV cache (flash-attn's flash_attn_with_kvcache)
+
+def _float32(name, x, ndim):
+    if not isinstance(x, np.ndarray):
+        raise ArgumentTypeError(f"{name}: expected a NumPy float32 array, got {type(x).__name__}")
+    if x.dtype != np.float32:
+        raise InvalidArgumentError(f"{name}: expected float32, got {x.dtype}")
+    if x.ndim != ndim:
+        raise InvalidArgumentError(f"{name}: expected {ndim} dimensions, got shape {x.shape}")
+    return x
+
+
+def _int32(name, x, ndim):
+    x = np.asarray(x)
+    if x.dtype != np.int32:
+        raise InvalidArgumentError(f"{name}: expected int32, got {x.dtype}")
+    if x.ndim != ndim:
+        raise InvalidArgumentError(f"{name}: expected {ndim} dimensions, got shape {x.shape}")
+    return x
+
+
+class _Cache:
+    """The checked arguments of one attention_with_kvcache call: where logical key n of
+    sequence b lives (rows(b, n): the (page or batch index, row) of the cache), and the
+    new rows to append."""
+
+    def __init__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table):
+        self.q = _float32("q", q, 4)
+        B, Nq, H, d = q.shape
+        self.k_cache = _float32("k_cache", k_cache, 4)
+        self.v_cache = _float32("v_cache", v_cache, 4)
+        if v_cache.shape != k_cache.shape:
+            raise InvalidArgumentError(f"v_cache: shape {v_cache.shape} differs from k_cache's {k_cache.shape}")
+        _, rows, Hkv, dk = k_cache.shape
+        if dk != d:
+            raise InvalidArgumentError(f"k_cache: head dim {dk} differs from q's {d}")
+        if Hkv < 1 or H % Hkv:
+            raise InvalidArgumentError(f"k_cache: its {Hkv} heads must divide q's {H} heads")
+        self.seqlens = _int32("cache_seqlens", cache_seqlens, 1)
+        if self.seqlens.shape != (B,):
+            raise InvalidArgumentError(f"cache_seqlens: expected shape ({B},), got {self.seqlens.shape}")
+        if (k_new is None) != (v_new is None):
+            raise InvalidArgumentError("k_new, v_new: give both or neither")
+        self.n_new = 0
+        if k_new is not None:
+            _float32("k_new", k_new, 4)
+            _float32("v_new", v_new, 4)
+            if k_new.shape[0] != B or k_new.shape[2:] != (Hkv, d):
+                raise InvalidArgumentError(f"k_new: expected shape ({B}, Nnew, {Hkv}, {d}), got {k_new.shape}")
+            if v_new.shape != k_new.shape:
+                raise InvalidArgumentError(f"v_new: shape {v_new.shape} differs from k_new's {k_new.shape}")
+            named = dict(q=q, k_cache=k_cache, v_cache=v_cache, v_new=v_new)
+            for name, x in named.items():
+                if np.shares_memory(k_new, x):
+                    raise InvalidArgumentError(f"k_new and {name}: share memory; the new keys are written "
+                                               "into the cache, so they must not alias another input")
+            for name, x in dict(q=q, k_cache=k_cache, v_cache=v_cache).items():
+                if np.shares_memory(v_new, x):
+                    raise InvalidArgumentError(f"v_new and {name}: share memory; the new values are written "
+                                               "into the cache, so they must not alias another input")
+            if np.shares_memory(k_cache, v_cache):
+                raise InvalidArgumentError("k_cache and v_cache: share memory, and the new rows are written "
+                                           "into both")
+            for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+                if not x.flags.writeable:
+                    raise InvalidArgumentError(f"{name}: read-only, but k_new's rows are written into it")
+            self.n_new = k_new.shape[1]
+        self.k_new, self.v_new = k_new, v_new
+        if np.any(self.seqlens < 0):
+            raise InvalidArgumentError(f"cache_seqlens: must be >= 0, got {self.seqlens.tolist()}")
+        self.lengths = self.seqlens.astype(np.int64) + self.n_new  # each sequence's keys after the append
+        self.table = None
+        if block_table is None:
+            capacity = rows
+            if k_cache.shape[0] != B:
+                raise InvalidArgumentError(f"k_cache: batch {k_cache.shape[0]} differs from q's {B} "
+                                           "(a paged cache takes block_table)")
+        else:
+            self.table = _int32("block_table", block_table, 2)
+            if self.table.shape[0] != B:
+                raise InvalidArgumentError(f"block_table: expected {B} rows (q's batch), got {self.table.shape}")
+            self.page_size = rows
+            capacity = self.table.shape[1] * rows
+        if np.any(self.lengths > capacity):
+            b = int(np.argmax(self.lengths > capacity))
+            raise InvalidArgumentError(f"cache_seqlens: sequence {b} holds {int(self.seqlens[b])} keys, with "
+                                       f"{self.n_new} new ones {int(self.lengths[b])}, beyond the cache's "
+                                       f"{capacity}")
+        if self.table is not None:
+            pages = k_cache.shape[0]
+            for b in range(B):
+                used = self.table[b, :-(-int(self.lengths[b]) // rows)] if self.lengths[b] else self.table[b, :0]
+                if np.any((used < 0) | (used >= pages)):
+                    raise InvalidArgumentError(f"block_table: sequence {b} names pages {used.tolist()}, "
+                                               f"outside [0, {pages})")
+
+    def rows(self, b, n):
+        """(index along the cache's axis 0, row) of logical keys n (an int array) of sequence b."""
+        if self.table is None:
+            return np.full_like(n, b), n
+        return self.table[b, n // self.page_size].astype(np.int64), n % self.page_size
+
+    def append(self):
+        """Writes the new rows into the caches; returns what undo() needs to put back."""
+        saved = []
+        for b in range(self.q.shape[0]):
+            where = self.rows(b, np.arange(self.seqlens[b], self.lengths[b]))
+            saved.append((where, self.k_cache[where].copy(), self.v_cache[where].copy()))
+            self.k_cache[where] = self.k_new[b]
+            self.v_cache[where] = self.v_new[b]
+        return saved
+
+    def undo(self, saved):
+        for where, k, v in reversed(saved):
+            self.k_cache[where] = k
+            self.v_cache[where] = v
+
+    def packed(self):
+        """The sequences' visible keys gathered in logical order, as one packed batch:
+        (q (B * Nq, H, d), k, v (total_k, Hkv, d), cu_seqlens_q, cu_seqlens_k)."""
+        B, Nq, H, d = self.q.shape
+        idx = [self.rows(b, np.arange(self.lengths[b])) for b in range(B)]
+        k = np.concatenate([self.k_cache[i] for i in idx]) if B else self.k_cache[:0, 0]
+        v = np.concatenate([self.v_cache[i] for i in idx]) if B else self.v_cache[:0, 0]
+        cu_q = (np.arange(B + 1) * Nq).astype(np.int32)
+        cu_k = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int32)
+        return self.q.reshape(B * Nq, H, d), k, v, cu_q, cu_k
+
+
+def with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse):
+    """attention_with_kvcache's steps around `run` (packed q, k, v, cu_q, cu_k -> (o
+    (total_q, H, d), lse (H, total_q))), the library's or the simulator's: checks, the
+    append (undone if run fails), the gather, and the outputs' shapes."""
+    cache = _Cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+    saved = cache.append() if cache.n_new else []
+    try:
+        o, lse = run(*cache.packed())
+    except BaseException:
+        cache.undo(saved)
+        raise
+    B, Nq, H, d = q.shape
+    o = np.asarray(o).reshape(B, Nq, H, d)
+    lse = np.ascontiguousarray(np.asarray(lse).reshape(H, B, Nq).transpose(1, 0, 2))
+    return (o, lse) if return_lse else o
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *,
+                           block_table=None, causal: bool = False, window=None,
+                           scale: Optional[float] = None, split_size=None, return_lse: bool = False,
+                           options=None, **mods):
+    """Attention against a KV cache (flash-attn's flash_attn_with_kvcache), FA2.
+
+    q: (B, Nq, H, d) float32 NumPy (flash-attn's layout); k_cache, v_cache: (B, Nmax, Hkv,
+    d), or paged (num_pages, page_size, Hkv, d) with block_table, int32 (B, max_pages):
+    logical key n of sequence b is row n % page_size of page block_table[b, n // page_size]
+    (any page size >= 1; pages may be shared and in any order). cache_seqlens: int32 (B,),
+    the keys each sequence holds. k_new, v_new: (B, Nnew, Hkv, d), written into the
+    caller's caches at cache_seqlens **in place** before attending (nothing else is
+    written; refused, with nothing written, where cache_seqlens + Nnew exceeds the cache,
+    and undone if the attention fails). Sequence b then attends to its
+    cache_seqlens[b] + Nnew keys; causal (and window) are aligned bottom-right, so the Nq
+    queries are the sequence's last rows. split_size as in pyfa.fa2_forward: with a fixed
+    split size, token t decoded step by step through the cache has the bits of row t of
+    one prefill. Returns o (B, Nq, H, d), or (o, lse) with return_lse, lse (B, H, Nq).
+
+    The cached keys are gathered (in logical order) into one packed batch and run as
+    pyfa.attention_varlen, whose rows equal the dense call of each sequence alone; the
+    kernels do not yet read pages in place."""
+    from . import api, varlen
+
+    options, mods = api._keywords("pyfa.attention_with_kvcache", options, mods)
+
+    def run(q_p, k_p, v_p, cu_q, cu_k):
+        return varlen.run("fa2_forward", dict(q=q_p, k=k_p, v=v_p), cu_q, cu_k, causal=causal,
+                          window=window, scale=scale, options=options, mods=mods,
+                          function="pyfa.attention_with_kvcache", split_size=split_size)
+
+    return with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse)
