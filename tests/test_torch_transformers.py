@@ -123,24 +123,99 @@ def test_adamw_training_follows_sdpa_loss_curve(name):
         assert abs(a - b) <= 1e-5, curves
 
 
-def test_masks_pyfa_cannot_honour_are_refused():
+def sdpa_reference(q, k, v, mask):
+    """transformers' SDPA path on the same mask, in float64 (GQA heads expanded)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(rep, 1) for t in (k, v))
+    o = torch.nn.functional.scaled_dot_product_attention(q.double(), k, v, attn_mask=mask)
+    return o.transpose(1, 2)
+
+
+def test_masks_beyond_spans_run_as_a_bias_and_equal_sdpa():
+    pyfa_hf.register()
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 6, 8, generator=g, requires_grad=True)
+    k = torch.randn(2, 2, 7, 8, generator=g, requires_grad=True)
+    v = torch.randn(2, 2, 7, 8, generator=g, requires_grad=True)
+    holes = torch.ones(2, 1, 6, 7, dtype=torch.bool).tril(1)
+    holes[0, 0, 3, 1] = False  # a key hidden from one row only
+    holes[1, 0, :, 2] = False  # a key no row sees, between visible ones
+    float_mask = torch.randn(1, 1, 6, 7, generator=g)
+    module = torch.nn.Module()
+    for mask in (holes, float_mask):
+        out, _ = pyfa_hf.attention_forward(module, q, k, v, mask)
+        want = sdpa_reference(q, k, v, mask)
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=2e-6)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        want_grads = torch.autograd.grad(want.sum(), (q, k, v))
+        for a, b in zip(grads, want_grads):
+            torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-5)
+
+
+def test_what_pyfa_cannot_honour_is_refused():
     pyfa_hf.register()
     q = torch.zeros(1, 2, 4, 8)
     holes = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
-    holes[0, 0, 3, 1] = False  # a key hidden from one row only: needs a bias
+    holes[0, 0, 3, 1] = False
     module = torch.nn.Module()
-    with pytest.raises(ValueError, match="attention_mask: this mask is not a contiguous span"):
-        pyfa_hf.attention_forward(module, q, q, q, holes)
-    stripes = torch.ones(1, 1, 4, 4, dtype=torch.bool)
-    stripes[..., 1] = False  # a key no row sees, between visible ones
-    with pytest.raises(ValueError, match="attention_mask: this mask is not a contiguous span"):
-        pyfa_hf.attention_forward(module, q, q, q, stripes)
-    with pytest.raises(ValueError, match="attention_mask: expected the boolean mask"):
-        pyfa_hf.attention_forward(module, q, q, q, torch.zeros(1, 1, 4, 4))
-    with pytest.raises(ValueError, match="dropout: pyfa has no dropout"):
-        pyfa_hf.attention_forward(module, q, q, q, None, dropout=0.1)
-    with pytest.raises(ValueError, match="softcap: not supported"):
-        pyfa_hf.attention_forward(module, q, q, q, None, softcap=50.0)
+    with pytest.raises(ValueError, match="attention_mask: expected a boolean or float mask"):
+        pyfa_hf.attention_forward(module, q, q, q, torch.zeros(1, 1, 4, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="attention_mask: expected shape"):
+        pyfa_hf.attention_forward(module, q, q, q, holes[:, :, :3])
+    for kw in (dict(dropout=0.1), dict(softcap=30.0)):
+        with pytest.raises(ValueError, match="takes no bias together with"):
+            pyfa_hf.attention_forward(module, q, q, q, holes, **kw)
+    with pytest.raises(ValueError, match="position_bias: not supported"):
+        pyfa_hf.attention_forward(module, q, q, q, None, position_bias=torch.zeros(1))
+
+
+def test_gemma2_logit_softcap_equals_eager():
+    # Gemma 2 passes its attention softcap to the attention function; transformers' eager
+    # path applies it explicitly (SDPA's cannot), so eager is the reference.
+    pyfa_hf.register()
+    config = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                                       sliding_window=5, attn_logit_softcapping=2.0,
+                                       final_logit_softcapping=None)
+    torch.manual_seed(0)
+    eager = transformers.Gemma2ForCausalLM(config)
+    ours = copy.deepcopy(eager)
+    eager.set_attn_implementation("eager")
+    ours.set_attn_implementation("pyfa")
+    ids, mask = batch("right")
+    (la, a), (lb, b) = (loss_and_logits(m, ids, mask) for m in (eager, ours))
+    valid = mask.bool()
+    torch.testing.assert_close(b[valid], a[valid], rtol=1e-5, atol=1e-5)
+    la.backward()
+    lb.backward()
+    for (name, pa), (_, pb) in zip(eager.named_parameters(), ours.named_parameters()):
+        torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_training_dropout_is_pyfas_and_reproducible():
+    pyfa_hf.register()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2,
+                                     n_head=4, attn_pdrop=0.1, resid_pdrop=0.0, embd_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config)
+    model.set_attn_implementation("pyfa")
+    ids, mask = batch("none")
+    runs = []
+    for seed in (1, 1, 2):
+        torch.manual_seed(seed)
+        model.train()
+        loss, logits = loss_and_logits(model, ids, mask)
+        grad = torch.autograd.grad(loss, model.transformer.h[0].attn.c_attn.weight)[0]
+        runs.append((logits.detach(), grad))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    assert not torch.equal(runs[0][0], runs[2][0])
+    model.eval()  # transformers passes dropout=0.0 outside training: SDPA's logits
+    sdpa = copy.deepcopy(model)
+    sdpa.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, sdpa(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_the_mask_reaches_pyfa():

@@ -7,15 +7,16 @@
 register() adds "pyfa" to transformers' AttentionInterface (attention_forward below) and
 to its AttentionMaskInterface (transformers' own sdpa_mask: a boolean (B, 1, Nq, Nk) mask,
 True = visible, or None where SDPA's is_causal would do), so the mask of every batch
-always reaches pyfa. pyfa has no explicit-mask kernel yet, so the mask is read, batch row
-by batch row, as what FA2 computes exactly: the visible keys of row b are a contiguous
-span [s, e) cut by a band around a diagonal, as padding (left or right) with a causal, a
-sliding-window or a full mask makes them. The mask is read on the host (on CUDA, one synchronisation per layer).
-A batch whose rows share one pattern runs as one call; otherwise each row runs alone on
-its span (exact, slower). Query rows that see no key (left padding's padded rows) get
-O = 0. Any other mask pattern is refused, saying so.
+always reaches pyfa. A mask FA2 computes by its own means is read as such, batch row by
+batch row: the visible keys of row b are a contiguous span [s, e) cut by a band around a
+diagonal, as padding (left or right) with a causal, a sliding-window or a full mask makes
+them; the mask is read on the host (on CUDA, one synchronisation per layer). A batch
+whose rows share one pattern runs as one call; otherwise each row runs alone on its span.
+Query rows that see no key (left padding's padded rows) get O = 0. Any other mask (and a
+float mask, which SDPA adds to the scores) becomes pyfa's additive bias: 0 where visible,
+-inf where hidden, in one call with the bias's gradient path. The model's attention
+dropout (in training) and logit softcap (Gemma 2) are pyfa's dropout_p and softcap.
 """
-
 from __future__ import annotations
 
 from typing import Optional
@@ -62,25 +63,23 @@ def _spans(visible):
 
 
 def _refuse_mask(why):
-    raise ValueError(f"attention_mask: {why}; pyfa honours padding (left or right) with a "
-                     f"causal, sliding-window or full mask; other masks need pyfa's bias/varlen "
-                     f"support, not landed yet")
+    raise ValueError(f"attention_mask: {why}")
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, attention_mask: Optional[torch.Tensor],
                       dropout: float = 0.0, scaling: Optional[float] = None,
-                      is_causal: Optional[bool] = None, **kwargs):
+                      is_causal: Optional[bool] = None, softcap: Optional[float] = None, **kwargs):
     """transformers' attention-function contract: query (B, H, Nq, d), key, value
     (B, Hkv, Nk, d) -> (attn_output (B, Nq, H, d), None). attention_mask: what the "pyfa"
-    mask function made (sdpa_mask's bool (B, 1, Nq, Nk), or None: then, as in
-    transformers' SDPA backend, causal (top-left) iff Nq > 1 and the module is causal).
-    Refused, naming the argument: dropout > 0 (set the model's attention dropout to 0),
-    softcap, position_bias, sinks, and masks of any other pattern."""
-    if dropout:
-        raise ValueError(f"dropout: pyfa has no dropout, got {dropout} (set the config's "
-                         f"attention dropout to 0.0)")
-    for name in ("softcap", "position_bias", "s_aux", "sinks"):
+    mask function made (sdpa_mask's bool (B, 1, Nq, Nk), True = visible, or None: then,
+    as in transformers' SDPA backend, causal (top-left) iff Nq > 1 and the module is
+    causal), or a float (B or 1, 1, Nq, Nk) mask added to the scores as SDPA adds it.
+    dropout: pyfa.torch.attention's dropout_p, its seed drawn from torch's generator;
+    softcap: pyfa's softcap. Refused, naming the argument: position_bias, sinks, and a
+    mask that needs a bias together with dropout or softcap (pyfa.torch takes a bias with
+    neither yet)."""
+    for name in ("position_bias", "s_aux", "sinks"):
         if kwargs.get(name) is not None:
             raise ValueError(f"{name}: not supported by pyfa's attention backend")
     B, _, Nq, _ = query.shape
@@ -88,21 +87,27 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     # pyfa reads (B, N, H, d) views in place and writes O as transformers wants it back.
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     kw = dict(scale=scaling, layout="bnhd")
+    if dropout:
+        kw["dropout_p"] = float(dropout)
+    if softcap:
+        kw["softcap"] = float(softcap)
     if attention_mask is None:
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         out = pyfa_torch.attention(q, k, v, causal=bool(causal and Nq > 1),
                                    causal_align="top_left", **kw)
         return out, None
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
-        _refuse_mask(f"expected the boolean mask of the 'pyfa' mask function, got "
+    if not isinstance(attention_mask, torch.Tensor) or not (
+            attention_mask.dtype == torch.bool or attention_mask.is_floating_point()):
+        _refuse_mask(f"expected a boolean or float mask, got "
                      f"{getattr(attention_mask, 'dtype', type(attention_mask).__name__)}")
     if attention_mask.dim() != 4 or attention_mask.shape[1] != 1 \
             or attention_mask.shape[2:] != (Nq, Nk) or attention_mask.shape[0] not in (1, B):
         _refuse_mask(f"expected shape ({B}, 1, {Nq}, {Nk}), got {tuple(attention_mask.shape)}")
-    spans = _spans(attention_mask[:, 0].expand(B, Nq, Nk))
+    spans = None
+    if attention_mask.dtype == torch.bool:
+        spans = _spans(attention_mask[:, 0].expand(B, Nq, Nk))
     if spans is None:
-        _refuse_mask("this mask is not a contiguous span of keys per batch row cut by a "
-                     "band around a diagonal")
+        return _with_bias(q, k, v, attention_mask, kw), None
     if len(set(spans)) == 1:
         groups = [(slice(None), spans[0])]
     else:
@@ -127,6 +132,22 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if out is None:
         out = query.new_zeros((B, Nq, query.shape[1], query.shape[3]))
     return out, None
+
+
+def _with_bias(q, k, v, mask, kw):
+    """The mask as pyfa's additive bias (B or 1, 1, Nq, Nk): a boolean one as 0 / -inf, a
+    float one as it is (SDPA's float attn_mask)."""
+    for name in ("dropout_p", "softcap"):
+        if name in kw:
+            _refuse_mask(f"this mask is not a span of keys per batch row cut by a band, so "
+                         f"pyfa takes it as a bias, and pyfa.torch takes no bias together with "
+                         f"{'dropout' if name == 'dropout_p' else name} yet")
+    if mask.dtype == torch.bool:
+        bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        bias = bias.masked_fill(~mask, float("-inf"))
+    else:
+        bias = mask.to(torch.float32)
+    return pyfa_torch.attention(q, k, v, bias=bias, **kw)
 
 
 def register(name: str = NAME) -> str:
