@@ -842,20 +842,25 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     first cache_seqlens[b] keys (cache_seqlens: None = all Ncache, an int, or an int
     tensor (B,)), the masks, softcap and alibi_slopes as in flash_attn_func (bottom-right,
     so the queries are the last Nq positions). Returns out (B, Nq, H, d), or (out, softmax_lse (B, H, Nq)) with
-    return_softmax_lse=True. Refused, naming the argument (pyfa has no kernel for them
-    yet): k, v (appending to the cache), rotary_cos, rotary_sin, cache_batch_idx,
-    cache_leftpad, block_table, num_splits > 1 (pyfa never
-    splits the keys; 0 and 1 are honoured). rotary_interleaved only matters with rotary."""
+    return_softmax_lse=True.
+
+    k, v (B, Nnew, Hkv, d) new keys and values, and block_table (int32 (B, max_pages), the
+    caches then (num_pages, page_size, Hkv, d), any page size): pyfa.attention_with_kvcache
+    on CPU tensors, k and v written into the caller's caches at cache_seqlens in place
+    before attending (cache_seqlens then an int32 tensor (B,) or an int); no gradient, as
+    in flash-attn. Refused, naming the argument (pyfa has no kernel for them yet):
+    rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, num_splits > 1 (pyfa's split
+    is a fixed size, pyfa.attention_with_kvcache's split_size, never a count; 0 and 1 are
+    honoured), k, v or block_table on CUDA tensors. rotary_interleaved only matters with
+    rotary."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(name, t)
         if t.dim() != 4:
             raise ValueError(f"{name}: expected shape (B, N, H, d), got {tuple(t.shape)}")
-    for name, x in (("k", k), ("v", v), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-                    ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
-                    ("block_table", block_table)):
+    for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+                    ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
         if x is not None:
-            raise ValueError(f"{name}: not supported by pyfa yet (only a dense cache read as "
-                             f"it is); only None is honoured")
+            raise ValueError(f"{name}: not supported by pyfa yet; only None is honoured")
     mods = _check_flash_extras(softcap, alibi_slopes, False)
     _check_bool("rotary_interleaved", rotary_interleaved)
     _check_bool("return_softmax_lse", return_softmax_lse)
@@ -864,6 +869,9 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     if num_splits > 1:
         _refuse("num_splits", num_splits, "pyfa never splits the keys (0 or 1 only)")
     window = _flash_window(window_size)
+    if k is not None or v is not None or block_table is not None:
+        return _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
+                             causal, window, mods, return_softmax_lse)
     B, ncache = q.shape[0], k_cache.shape[1]
     if cache_seqlens is None:
         lengths = [ncache] * B
@@ -889,3 +897,32 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
                  for b, n in enumerate(lengths)]
         o, lse = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     return (o, _flash_lse(lse)) if return_softmax_lse else o
+
+
+def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal, window, mods,
+                  return_lse):
+    """flash_attn_with_kvcache's appending or paged call: pyfa.attention_with_kvcache on
+    NumPy views of the CPU tensors, so the caches are updated in place."""
+    import numpy as np
+
+    from .kvcache import attention_with_kvcache
+
+    named = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, block_table=block_table)
+    for name, t in named.items():
+        if t is not None and t.device.type != "cpu":
+            raise ValueError(f"{name}: appending to the cache or a block_table is pyfa's on CPU "
+                             f"tensors only in this version, got one on {t.device}")
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = np.full(q.shape[0], int(cache_seqlens), np.int32)
+    elif isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = cache_seqlens.numpy()
+    elif cache_seqlens is None:
+        raise ValueError("cache_seqlens: required with k, v or block_table (where the keys end)")
+    arrays = {name: (t.detach().numpy() if t is not None else None) for name, t in named.items()}
+    mods = {name: (x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x)
+            for name, x in mods.items() if x is not None}
+    out = attention_with_kvcache(arrays["q"], arrays["k_cache"], arrays["v_cache"], cache_seqlens,
+                                 arrays["k"], arrays["v"], block_table=arrays["block_table"], causal=causal,
+                                 window=window, scale=scale, return_lse=True, **mods)
+    o, lse = (torch.from_numpy(np.ascontiguousarray(x)) for x in out)
+    return (o, _flash_lse(lse)) if return_lse else o

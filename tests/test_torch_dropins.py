@@ -178,15 +178,50 @@ def test_flash_attn_with_kvcache_honours_cache_seqlens():
     assert torch.equal(same, pyfa.torch.flash_attn_func(q, kc[:, :6], vc[:, :6]))
 
 
+
+def test_flash_attn_with_kvcache_appends_in_place_and_reads_pages():
+    g = torch.Generator().manual_seed(3)
+    B, H, Hkv, d, N = 2, 4, 2, 16, 11
+    q = torch.randn(B, 3, H, d, generator=g)
+    k_all, v_all = (torch.randn(B, N, Hkv, d, generator=g) for _ in range(2))
+    lengths = torch.tensor([5, 8], dtype=torch.int32)  # keys cached before the 3 new ones
+    kc, vc = torch.zeros(B, 16, Hkv, d), torch.zeros(B, 16, Hkv, d)
+    for b, n in enumerate(lengths.tolist()):
+        kc[b, :n], vc[b, :n] = k_all[b, :n], v_all[b, :n]
+    k_new = torch.stack([k_all[b, n:n + 3] for b, n in enumerate(lengths.tolist())])
+    v_new = torch.stack([v_all[b, n:n + 3] for b, n in enumerate(lengths.tolist())])
+    out, lse = pyfa.torch.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=lengths,
+                                                   causal=True, return_softmax_lse=True)
+    for b, n in enumerate(lengths.tolist()):
+        assert torch.equal(kc[b, :n + 3], k_all[b, :n + 3]) and torch.equal(vc[b, :n + 3], v_all[b, :n + 3])
+        assert not kc[b, n + 3:].any()  # nothing written past the new rows
+        want = pyfa.torch.flash_attn_func(q[b:b + 1], k_all[b:b + 1, :n + 3], v_all[b:b + 1, :n + 3],
+                                          causal=True, return_attn_probs=True)
+        assert torch.equal(out[b:b + 1], want[0]) and torch.equal(lse[b:b + 1], want[1])
+    # The same cache as shuffled pages of 3 rows: the same bits.
+    pages = torch.zeros(12, 3, Hkv, d), torch.zeros(12, 3, Hkv, d)
+    table = torch.randperm(12, generator=g).reshape(B, 6).to(torch.int32)
+    for b in range(B):
+        for n in range(16):
+            for cache, paged in zip((kc, vc), pages):
+                paged[table[b, n // 3], n % 3] = cache[b, n]
+    paged_out = pyfa.torch.flash_attn_with_kvcache(q, *pages, cache_seqlens=lengths + 3, causal=True,
+                                                   block_table=table)
+    assert torch.equal(paged_out, out)
+
 def test_flash_attn_with_kvcache_refuses_what_it_cannot_honour():
     q, kc = torch.zeros(1, 1, 2, 8), torch.zeros(1, 4, 2, 8)
     kv = pyfa.torch.flash_attn_with_kvcache
-    for name in ("k", "v", "rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad",
-                 "block_table"):
+    for name in ("rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad"):
         with pytest.raises(ValueError, match=f"{name}: not supported by pyfa yet"):
             kv(q, kc, kc, **{name: torch.zeros(1, dtype=torch.int32)})
     with pytest.raises(ValueError, match="num_splits: pyfa never splits the keys"):
         kv(q, kc, kc, num_splits=2)
+    with pytest.raises(ValueError, match="k: appending to the cache or a block_table is pyfa's on CPU"):
+        kv(q, kc.clone(), kc.clone(), k=torch.zeros(1, 1, 2, 8, device="meta"),
+           v=torch.zeros(1, 1, 2, 8), cache_seqlens=1)
+    with pytest.raises(ValueError, match="cache_seqlens: required with k, v or block_table"):
+        kv(q, kc.clone(), kc.clone(), k=torch.zeros(1, 1, 2, 8), v=torch.zeros(1, 1, 2, 8))
     with pytest.raises(ValueError, match=r"cache_seqlens: each length must be in \[0, 4\]"):
         kv(q, kc, kc, cache_seqlens=5)
 
