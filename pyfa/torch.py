@@ -867,7 +867,8 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         raise ValueError(f"num_splits: expected an int >= 0, got {num_splits!r}")
     if num_splits > 1:
-        _refuse("num_splits", num_splits, "pyfa never splits the keys (0 or 1 only)")
+        _refuse("num_splits", num_splits, "pyfa splits the keys by a fixed size, never by a count "
+                "(pyfa.attention_with_kvcache(split_size=...)); 0 or 1 only")
     window = _flash_window(window_size)
     if k is not None or v is not None or block_table is not None:
         return _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,

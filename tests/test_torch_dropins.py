@@ -215,7 +215,7 @@ def test_flash_attn_with_kvcache_refuses_what_it_cannot_honour():
     for name in ("rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad"):
         with pytest.raises(ValueError, match=f"{name}: not supported by pyfa yet"):
             kv(q, kc, kc, **{name: torch.zeros(1, dtype=torch.int32)})
-    with pytest.raises(ValueError, match="num_splits: pyfa never splits the keys"):
+    with pytest.raises(ValueError, match="num_splits: pyfa splits the keys by a fixed size"):
         kv(q, kc, kc, num_splits=2)
     with pytest.raises(ValueError, match="k: appending to the cache or a block_table is pyfa's on CPU"):
         kv(q, kc.clone(), kc.clone(), k=torch.zeros(1, 1, 2, 8, device="meta"),
