@@ -234,6 +234,45 @@ def test_decode_through_a_paged_cache_equals_prefill(backend, page_size, split):
         assert same_bits(lse, lse_pre[:, :, a:z]), (a, z)
 
 
+
+@pytest.mark.parametrize("backend,page_size,split", [
+    ("cpu", 256, 16), ("cpu", 256, None), ("cpu", 7, 16), ("emu", 1, 16)])
+def test_batch_invariance_chunked_prefill_then_mixed_decode(backend, page_size, split):
+    # Three sequences of different lengths share one shuffled page pool. Each is prefilled
+    # alone in chunks of random lengths, then all three decode their last tokens in one
+    # batch, each at its own position: every row has the bits of its own one-shot prefill.
+    rng = np.random.default_rng(11 + page_size)
+    lengths, tail, H, Hkv, d = [23, 9, 30], 4, 4, 2, 32
+    seqs = [tuple(rng.standard_normal((1, n, h, d), dtype=np.float32) for h in (H, Hkv, Hkv)) for n in lengths]
+    opts = pyfa.Options(backend=backend, **TILES16)
+    bhnd = lambda x: np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+    want = [pyfa.fa2_forward(bhnd(q), bhnd(k), bhnd(v), causal=True, split_size=split, options=opts)
+            for q, k, v in seqs]
+    per_seq = -(-max(lengths) // page_size)
+    n_pages = len(lengths) * per_seq + 2
+    kc = np.full((n_pages, page_size, Hkv, d), np.nan, np.float32)
+    vc = np.full_like(kc, np.nan)
+    table = rng.permutation(n_pages)[:len(lengths) * per_seq].reshape(len(lengths), per_seq).astype(np.int32)
+    for b, (q, k, v) in enumerate(seqs):
+        a = 0
+        while a < lengths[b] - tail:
+            z = min(lengths[b] - tail, a + int(rng.integers(1, 8)))
+            o, lse = pyfa.attention_with_kvcache(q[:, a:z], kc, vc, np.array([a], np.int32), k[:, a:z], v[:, a:z],
+                                                 block_table=table[b:b + 1], causal=True, split_size=split,
+                                                 return_lse=True, options=opts)
+            assert same_bits(o.transpose(0, 2, 1, 3), want[b][0][:, :, a:z]), (b, a, z)
+            assert same_bits(lse, want[b][1][:, :, a:z]), (b, a, z)
+            a = z
+    for t in range(tail):
+        pos = [n - tail + t for n in lengths]
+        pick = lambda i: np.concatenate([x[i][:, p:p + 1] for x, p in zip(seqs, pos)])
+        o, lse = pyfa.attention_with_kvcache(pick(0), kc, vc, np.array(pos, np.int32), pick(1), pick(2),
+                                             block_table=table, causal=True, split_size=split, return_lse=True,
+                                             options=opts)
+        for b, p in enumerate(pos):
+            assert same_bits(o[b:b + 1].transpose(0, 2, 1, 3), want[b][0][:, :, p:p + 1]), (b, p)
+            assert same_bits(lse[b:b + 1], want[b][1][:, :, p:p + 1]), (b, p)
+
 def test_dense_cache_equals_varlen_and_the_paged_cache():
     q, k, v = tokens()
     rng = np.random.default_rng(7)
