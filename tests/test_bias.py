@@ -223,8 +223,10 @@ def test_fast_variants():
     wide = np.zeros((1, 1, 8, 128), np.float32)
     with pytest.raises(ValueError, match="fast fa1_forward at head_dim 128 takes no bias"):
         pyfa.fa1_forward(wide, wide, wide, bias=np.zeros((8, 8), np.float32), options=fast)
-    with pytest.raises(ValueError, match="does not write dbias"):
+    with pytest.raises(ValueError, match="fast fa2_backward_dkdv at head_dim 64 takes no bias"):
         pyfa.fa2_backward(q, k, v, o, lse, do, bias=bias, options=fast)
+    with pytest.raises(ValueError, match="fast fa1_backward at head_dim 64 takes no dbias output"):
+        pyfa.fa1_backward(q, k, v, *fa1[0], do, bias=bias, options=fast)
     auto = pyfa.Options(backend="emu", variant="auto", block_r=64, block_c=64)
     got = pyfa.fa2_backward(q, k, v, o, lse, do, bias=bias, options=auto)
     want = pyfa.fa2_backward(q, k, v, o, lse, do, bias=bias, options=ref)

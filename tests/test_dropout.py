@@ -192,7 +192,7 @@ def fast_inputs(d):
 @pytest.mark.parametrize("causal", [False, True])
 def test_fast_kernels_equal_the_reference(causal, algo, d, backend):
     """variant auto (the register-tiled kernels that draw dropout at this head dim, the
-    readable ones for the rest: src/common/dropout.h fast_kernel_drops) gives the readable
+    readable ones for the rest: src/common/fast_takes.h) gives the readable
     kernels' bits, GQA included."""
     q, k, v, do = fast_inputs(d)
     fwd_fn, bwd_fn = (pyfa.fa2_forward, pyfa.fa2_backward) if algo == "fa2" else (pyfa.fa1_forward,
@@ -214,7 +214,7 @@ def test_fast_variant_runs_dropout_where_its_kernel_draws_it():
     assert same_bits(o, pyfa.fa2_forward(q, k, v, options=pyfa.Options(backend="emu", variant="reference"),
                                          **DROP)[0])
     q, k, v, _ = fast_inputs(128)
-    with pytest.raises(pyfa.InvalidArgumentError, match="the fast fa2_forward has no dropout at head_dim 128"):
+    with pytest.raises(pyfa.InvalidArgumentError, match="the fast fa2_forward at head_dim 128 takes no dropout"):
         pyfa.fa2_forward(q, k, v, options=fast, **DROP)
 
 

@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "common/device.h"
+#include "common/fast_takes.h"
 #include "pyfa.h"
 
 // One Philox4x32-10 block (Salmon et al., SC'11): ctr, four 32-bit words, is replaced by
@@ -41,16 +42,6 @@ PYFA_HD void philox4x32_10(uint32_t k0, uint32_t k1, uint32_t ctr[4]) {
         ctr[2] = hi0 ^ c3 ^ k1;
         ctr[3] = lo0;
     }
-}
-
-// Whether the fast kernel of `kernel` (a pyfa_kernel) at head dim d draws dropout: where
-// the generator fits the kernel's registers without a spill (ptxas, sm_90). Elsewhere its
-// dropout code is compiled out and a call with dropout runs the readable kernel
-// (select_kernel in src/core/tiles.cpp).
-PYFA_HD constexpr bool fast_kernel_drops(int kernel, int64_t d) {
-    return kernel == PYFA_KERNEL_FA1_FORWARD || kernel == PYFA_KERNEL_FA2_FORWARD ? d == 64
-           : kernel == PYFA_KERNEL_FA2_BACKWARD_DKDV                            ? d == 128
-                                                                                : true;
 }
 
 // The dropout of one call, resolved once on the host (make). Off when threshold is 0.

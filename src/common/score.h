@@ -151,15 +151,9 @@ PYFA_HD bool score_mod_is_identity(const AttentionParams& p) {
     return p.softcap == 0.0f;
 }
 
-// softcap and ALiBi in the fast kernels: this round none takes them (no registers left in
-// several: on sm_80 to sm_90 ptxas spilled fa2_backward_dkdv_fast<64> and
-// fa2_forward_fast<128, 64> with them). Each fast kernel works on fast_score_params, its
-// parameters with both cleared, so the compiler drops their code (score_mod_is_identity is
-// then constant true); select_kernel (core/tiles.cpp) sends a call with either to the
-// readable kernel under variant auto and refuses variant fast.
-PYFA_HD bool fast_kernels_take_score_mods(const AttentionParams& p) {
-    return p.softcap == 0.0f && !p.alibi_slopes;
-}
+// softcap and ALiBi in the fast kernels: none takes them (common/fast_takes.h). Each fast
+// kernel works on fast_score_params, its parameters with both cleared, so the compiler
+// drops their code (score_mod_is_identity is then constant true).
 PYFA_HD AttentionParams fast_score_params(const AttentionParams& p) {
     AttentionParams q = p;
     q.softcap = 0.0f;

@@ -245,6 +245,15 @@ TileSides tile_sides_in_bits(int kernel) {
 // FA2 backward as it serves the readable one.
 bool one_form(int kernel) { return kernel == PYFA_KERNEL_FA2_BACKWARD_PREPROCESS; }
 
+// What a call asks of a kernel beyond plain masked attention (common/fast_takes.h).
+unsigned fast_needs(int kernel, const AttentionParams& p) {
+    // dBias is written by the kernels that visit every (i, j) once.
+    const bool writes_dbias = kernel == PYFA_KERNEL_FA2_BACKWARD_DKDV || kernel == PYFA_KERNEL_FA1_BACKWARD;
+    return (p.softcap != 0.0f ? kTakesSoftcap : 0u) | (p.alibi_slopes ? kTakesAlibi : 0u) |
+           (p.dropout.on() ? kTakesDropout : 0u) | (p.bias ? kTakesBias : 0u) |
+           (p.dbias && writes_dbias ? kTakesDbias : 0u) | (p.split_size > 0 ? kTakesSplit : 0u);
+}
+
 pyfa_status auto_wanted_tiles(int kernel, int64_t d, const pyfa_device_profile& profile, int* want_br,
                               int* want_bc) {
     if (*want_br && *want_bc) return PYFA_OK;
@@ -277,34 +286,17 @@ pyfa_status select_kernel(int kernel, int variant, const AttentionParams& p, int
     bool small = true;
     for (const TensorStrides* t : st)
         small = small && t->row <= INT32_MAX / (max64(p.seqlen_q, p.seqlen_k) + 1);
-    // dBias (issue 27) is written by the readable kernels that visit every (i, j) once.
-    const bool writes_dbias = kernel == PYFA_KERNEL_FA2_BACKWARD_DKDV || kernel == PYFA_KERNEL_FA1_BACKWARD;
-    if (r && !fast_kernels_take_score_mods(p)) {
-        std::snprintf(why, sizeof(why), "the fast %s takes no %s (no registers left for it)", kernel_name(kernel),
-                      p.softcap != 0.0f ? "softcap" : "ALiBi");
-        r = nullptr;
-    } else if (r && p.dropout.on() && !fast_kernel_drops(kernel, p.head_dim)) {
-        std::snprintf(why, sizeof(why), "the fast %s has no dropout at head_dim %lld", kernel_name(kernel),
-                      static_cast<long long>(p.head_dim));
-        r = nullptr;
-    } else if (r && p.dbias && writes_dbias) {
-        std::snprintf(why, sizeof(why), "the fast %s does not write dbias", kernel_name(kernel));
-        r = nullptr;
-    } else if (r && p.bias && kernel == PYFA_KERNEL_FA2_BACKWARD_DKDV) {
-        std::snprintf(why, sizeof(why), "the fast %s takes no bias (no registers left for it)", kernel_name(kernel));
-        r = nullptr;
-    } else if (r && p.bias && kernel == PYFA_KERNEL_FA1_FORWARD && p.head_dim == 128) {
-        std::snprintf(why, sizeof(why), "the fast %s at head_dim 128 takes no bias (no registers left for it)",
-                      kernel_name(kernel));
+    const unsigned missing = fast_needs(kernel, p) & ~fast_takes(kernel, p.head_dim);
+    if (r && missing) {
+        std::snprintf(why, sizeof(why), "the fast %s at head_dim %lld takes no %s",
+                      kernel_name(kernel), static_cast<long long>(p.head_dim), fast_takes_name(missing));
         r = nullptr;
     } else if (r && !aligned)
         std::snprintf(why, sizeof(why), "the fast %s needs 16-byte aligned tensors", kernel_name(kernel));
     else if (r && !small)
         std::snprintf(why, sizeof(why), "the fast %s needs row stride * seqlen < 2^31 in every tensor",
                       kernel_name(kernel));
-    else if (r && p.split_size > 0)  // its combine step would cost the main loop registers (ptxas report)
-        std::snprintf(why, sizeof(why), "the fast %s does not split the keys (split_size)", kernel_name(kernel));
-    if (r && aligned && small && p.split_size <= 0) {
+    if (r && aligned && small) {
         *id = r->id;
         *Br = r->br;
         *Bc = r->bc;
