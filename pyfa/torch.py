@@ -275,13 +275,15 @@ torch.library.register_vmap("pyfa::fa2_backward", _backward_vmap)
 def _fa2_forward_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, causal: bool,
                       window_left: Optional[int], window_right: Optional[int], causal_align: str,
                       scale: Optional[float], layout: str, block_r: Optional[int],
-                      block_c: Optional[int], backend: str) -> Tuple[Tensor, Tensor]:
+                      block_c: Optional[int], backend: str,
+                      dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
+                      softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """pyfa::fa2_forward with an additive float32 bias broadcastable to (B, H, Nq, Nk)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("bias", bias)):
         _check_dtype(name, t)
     B, H, Nq, Nk, _, _ = _dims(q, k, v, layout)
     kw = _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r,
-                   block_c, backend)
+                   block_c, backend, dropout_p, seed, offset, softcap, alibi_slopes)
     if q.numel() == 0 or k.numel() == 0:
         _check_options(q, kw)
         return q.new_zeros(q.shape), q.new_full((B, H, Nq), -math.inf)
@@ -302,14 +304,16 @@ def _fa2_backward_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, o: Tensor,
                        do: Tensor, causal: bool, window_left: Optional[int],
                        window_right: Optional[int], causal_align: str, scale: Optional[float],
                        layout: str, block_r: Optional[int], block_c: Optional[int],
-                       backend: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                       backend: str, dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
+                       softcap: Optional[float] = None,
+                       alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """pyfa::fa2_backward with the forward's bias; returns dq, dk, dv and dbias (the
     bias's shape: dS summed over its broadcast axes, docs/numerics.md §2)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("bias", bias), ("o", o), ("lse", lse), ("do", do)):
         _check_dtype(name, t)
     _dims(q, k, v, layout)
     kw = _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r,
-                   block_c, backend)
+                   block_c, backend, dropout_p, seed, offset, softcap, alibi_slopes)
     if q.numel() == 0 or k.numel() == 0:
         _check_options(q, kw)
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), bias.new_zeros(bias.shape)
@@ -340,15 +344,17 @@ def _forward_bias_backward(ctx, do, dlse):
     if dlse is not None:
         # dLSE_i / dS_ij = P_ij: the backward's dS = P (dP - D) is P * dlse when V = 0
         # (dP = 0) and O, dO are -1 and dlse in one column (D = -dlse); its dq, dk, dbias
-        # are then the LSE's gradients. Rows that see no key: zero.
+        # are then the LSE's gradients. Rows that see no key: zero. LSE takes P undropped,
+        # so this call runs without dropout.
         dlse = torch.where(torch.isinf(lse), torch.zeros_like(dlse), dlse)
-        layout = dict(zip(_OPTION_NAMES, ctx.options))["layout"]
+        options = [0.0 if name == "dropout_p" else x for name, x in zip(_OPTION_NAMES, ctx.options)]
+        layout = dict(zip(_OPTION_NAMES, options))["layout"]
         g = dlse.transpose(1, 2) if layout == "bnhd" else dlse
         o1, do1 = torch.zeros_like(q), torch.zeros_like(q)
         o1[..., 0] = -1.0
         do1[..., 0] = g
         lq, lk, _, lb = torch.ops.pyfa.fa2_backward_bias(q, k, torch.zeros_like(v), bias, o1, lse, do1,
-                                                         *ctx.options)
+                                                         *options)
         dq, dk, dbias = dq + lq, dk + lk, dbias + lb
     return (dq, dk, dv, dbias if ctx.needs_input_grad[3] else None) + (None,) * len(ctx.options)
 
@@ -447,15 +453,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
 
     bias: a float32 tensor broadcastable to (B, H, Nq, Nk) (in both layouts), added to
     the scaled scores before the mask (pyfa.attention's bias=); it gets a gradient when
-    it requires one, summed over the axes it broadcasts in one fixed order. Not together
-    with dropout_p > 0 here yet (ValueError).
+    it requires one, summed over the axes it broadcasts in one fixed order; it combines
+    with dropout and ALiBi below, and with softcap without gradients (ValueError).
 
     Score modifications (docs/numerics.md §2), differentiated too: softcap (None, or a
     float > 0; 0 is off, as in flash-attn): each scaled score s becomes softcap * tanh(s /
     softcap), before the mask; alibi_slopes (None, or a tensor (H,) or (B, H), moved to
     q's device as float32; no gradient): then S - slope * |i + off - j|, after softcap,
-    off causal_align's offset (flash-attn's ALiBi). Neither together with bias here yet
-    (ValueError)."""
+    off causal_align's offset (flash-attn's ALiBi)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
     if not isinstance(layout, str) or layout not in _LAYOUTS:
@@ -482,14 +487,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     tensors = (_to_4d(q, rank, layout), _to_4d(k, rank, layout), _to_4d(v, rank, layout))
     options = (causal, left, right, causal_align, scale, layout, block_r, block_c, backend)
     if bias is not None:
-        if dropout_p > 0:
-            raise ValueError("bias: pyfa.torch takes a bias or dropout_p > 0, not both yet "
-                             "(pyfa.attention_grad takes both)")
-        for name, x in (("softcap", softcap), ("alibi_slopes", alibi_slopes)):
-            if x is not None:
-                raise ValueError(f"{name}: pyfa.torch takes a bias or {name}, not both yet "
-                                 f"(pyfa.attention_grad takes both)")
-        o, lse = torch.ops.pyfa.fa2_forward_bias(*tensors, _bias_operand(bias), *options)
+        if softcap is not None and torch.is_grad_enabled() and any(
+                t.requires_grad for t in (q, k, v, bias)):
+            raise ValueError("softcap: pyfa.torch takes it with a bias only without gradients in this "
+                             "version (pyfa's backward refuses a bias under softcap)")
+        o, lse = torch.ops.pyfa.fa2_forward_bias(*tensors, _bias_operand(bias), *options, dropout_p, seed,
+                                                 offset, softcap, alibi_slopes)
     else:
         o, lse = torch.ops.pyfa.fa2_forward(*tensors, *options, dropout_p, seed, offset, softcap,
                                             alibi_slopes)
@@ -527,7 +530,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     attn_mask, broadcastable to (..., H, L, S) as in PyTorch: bool (True: attend) is the
     bias 0 / -inf, float32 is added to the scores (pyfa.torch.attention's bias=, with its
     gradient); a query row that attends to no key gets 0. Not with is_causal (PyTorch
-    refuses the pair too), nor with dropout_p > 0 yet."""
+    refuses the pair too)."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         _check_tensor(name, t)
     bias = None

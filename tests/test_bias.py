@@ -347,3 +347,18 @@ def test_c_abi_dbias_overlap():
     st, msg, _, a = _abi_call("fa2_backward", (0, 0, NK), dbias=q)
     assert st == 1 and "dbias and q: dbias overlaps" in msg, msg
     assert np.array_equal(q, problem(H)[0])
+
+
+@pytest.mark.parametrize("backend", ["cpu", "emu", "sim"])
+def test_backward_with_bias_under_softcap_is_refused(backend):
+    # dBias is dS of the score after softcap; the backwards do not form it yet. The forward
+    # takes both.
+    rng = np.random.default_rng(9)
+    q, k, v, do = (rng.standard_normal((1, 2, 5, 8), dtype=np.float32) for _ in range(4))
+    bias = rng.standard_normal((5, 7), dtype=np.float32)[:, :5]
+    mod = pyfa.sim if backend == "sim" else pyfa
+    kw = {} if backend == "sim" else dict(options=pyfa.Options(backend=backend))
+    fwd = mod.fa2_forward(q, k, v, bias=bias, softcap=3.0, **kw)
+    o, lse = (fwd.o, fwd.lse) if backend == "sim" else fwd
+    with pytest.raises(pyfa.InvalidArgumentError, match="softcap: not with .*bias"):
+        mod.fa2_backward(q, k, v, o, lse, do, bias=bias, softcap=3.0, **kw)

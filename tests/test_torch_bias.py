@@ -55,6 +55,45 @@ def test_gradients_against_float64(bias_shape, causal):
         assert err <= 2 * ref + 1e-6, (name, err, ref)
 
 
+
+def test_bias_with_alibi_and_dropout_against_float64():
+    # The modifications together, written out in float64: ALiBi (top-left: off = 0), the
+    # bias, the causal mask, then dropout's keep mask (pyfa.dropout_mask) in P V.
+    q, k, v, bias = inputs((B, 1, NQ, NK), seed=3)
+    p, seed = 0.25, 1234
+    slopes = torch.tensor([0.5, 0.125], dtype=torch.float64)
+    keep = torch.from_numpy(pyfa.dropout_mask(B, H, NQ, NK, dropout_p=p, seed=seed))
+    i, j = torch.arange(NQ)[:, None], torch.arange(NK)[None, :]
+
+    def written_out(q, k, v, b):
+        k, v = k.repeat_interleave(H // HKV, 1), v.repeat_interleave(H // HKV, 1)
+        s = q @ k.transpose(-1, -2) / math.sqrt(D)
+        s = s - slopes.to(s.dtype)[:, None, None] * (i - j).abs() + b
+        s = s.masked_fill(j > i, -math.inf)
+        return (torch.softmax(s, -1) * keep / (1 - p)) @ v
+
+    weight = torch.randn(B, H, NQ, D, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    want = grads(written_out, (q, k, v, bias), weight)
+    f32 = [t.float() for t in (q, k, v, bias)]
+    torch32 = grads(written_out, f32, weight.float())
+    kw = dict(causal=True, causal_align="top_left", alibi_slopes=slopes.float(), dropout_p=p, seed=seed)
+    got = grads(lambda q, k, v, b: pyfa.torch.attention(q, k, v, bias=b, backend="cpu", **kw), f32, weight.float())
+    for name, g, t, w in zip(("q", "k", "v", "bias"), got, torch32, want):
+        assert torch.isfinite(g).all(), name
+        err, ref = (g - w).abs().max().item(), (t - w).abs().max().item()
+        assert err <= 2 * ref + 1e-6, (name, err, ref)
+
+
+def test_bias_with_softcap_forward_only():
+    q, k, v, bias = (t.float() for t in inputs((B, 1, NQ, NK), seed=4))
+    kw = dict(causal=True, softcap=2.0)
+    out = pyfa.torch.attention(q, k, v, bias=bias, **kw)
+    want = pyfa.attention(q.numpy(), k.numpy(), v.numpy(), bias=bias.numpy(), **kw)
+    assert torch.equal(out, torch.from_numpy(want))
+    with pytest.raises(ValueError, match="softcap: pyfa.torch takes it with a bias only without gradients"):
+        pyfa.torch.attention(q.requires_grad_(), k, v, bias=bias, **kw)
+
+
 def test_expanded_bias_gradient_reaches_its_source():
     q, k, v, _ = inputs((NK,))
     q, k, v = (t.float() for t in (q, k, v))

@@ -76,9 +76,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     as in transformers' SDPA backend, causal (top-left) iff Nq > 1 and the module is
     causal), or a float (B or 1, 1, Nq, Nk) mask added to the scores as SDPA adds it.
     dropout: pyfa.torch.attention's dropout_p, its seed drawn from torch's generator;
-    softcap: pyfa's softcap. Refused, naming the argument: position_bias, sinks, and a
-    mask that needs a bias together with dropout or softcap (pyfa.torch takes a bias with
-    neither yet)."""
+    softcap: pyfa's softcap. Refused, naming the argument: position_bias and sinks."""
     for name in ("position_bias", "s_aux", "sinks"):
         if kwargs.get(name) is not None:
             raise ValueError(f"{name}: not supported by pyfa's attention backend")
@@ -137,11 +135,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 def _with_bias(q, k, v, mask, kw):
     """The mask as pyfa's additive bias (B or 1, 1, Nq, Nk): a boolean one as 0 / -inf, a
     float one as it is (SDPA's float attn_mask)."""
-    for name in ("dropout_p", "softcap"):
-        if name in kw:
-            _refuse_mask(f"this mask is not a span of keys per batch row cut by a band, so "
-                         f"pyfa takes it as a bias, and pyfa.torch takes no bias together with "
-                         f"{'dropout' if name == 'dropout_p' else name} yet")
     if mask.dtype == torch.bool:
         bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
         bias = bias.masked_fill(~mask, float("-inf"))

@@ -18,6 +18,7 @@ import functools
 
 import numpy as np
 
+from ..errors import InvalidArgumentError
 from . import numerics as nx
 from .dropout import Dropout
 
@@ -44,7 +45,7 @@ def score_mod_grad(mods, dS, s, S, b, h, i, j):
     (score.h score_mod_grad; s and S are its ScoreAt)."""
     if mods.softcap is not None:  # dS (1 - t^2), t = S_c / c, S_c softcap's output
         c = np.float32(mods.softcap)
-        S_c = c * nx.tanh(s / c) if mods.alibi_slopes is not None else S
+        S_c = c * nx.tanh(s / c) if mods.alibi_slopes is not None or mods.bias is not None else S
         t = S_c / c
         dS = dS * (np.float32(1) - t * t)
     return dS
@@ -97,6 +98,9 @@ def dbias_start(mods, BH, Nq_pad, Nk_pad):
     visits), or None without a bias."""
     if mods.bias is None:
         return None
+    if mods.softcap is not None:  # as the library refuses it (core/api.cpp check_bias)
+        raise InvalidArgumentError("softcap: not with a bias in a backward in this version "
+                                   "(the forward takes both)")
     return np.zeros((BH, 1 if mods.bias.sums_rows() else Nq_pad, Nk_pad), np.float32)
 
 

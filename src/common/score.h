@@ -106,7 +106,8 @@ PYFA_HD T score_mod(const AttentionParams& p, T s, int64_t b, int64_t h, I i, J 
 // steps as the forward's, so that a gradient written in either gets the forward's bits.
 // Both are given because a modification's gradient is cheapest in one or the other:
 //     softcap   S = c tanh(s / c):  dS_s = dS * (1 - (S / c)^2), reads S (no second tanh;
-//               S as softcap left it, so recomputed from s when ALiBi changed it after);
+//               S as softcap left it, so recomputed from s when ALiBi or the bias changed
+//               it after);
 //     ALiBi     S = s - slope * |i + off - j|, and an additive bias S = s + bias[b, h, i, j]:
 //               dS_s = dS, reads neither;
 //     dropout   acts on P, not on the score: its keep mask (a function of the seed and
@@ -133,10 +134,10 @@ template <class T, class I, class J>
 PYFA_HD T score_mod_grad(const AttentionParams& p, T dS, ScoreAt<T> at, int64_t b, int64_t h, I i, J j) {
     (void)p, (void)at, (void)b, (void)h, (void)i, (void)j;
     // softcap: dS_s = dS (1 - t^2), t = S_c / c, S_c softcap's output: S itself unless
-    // ALiBi changed it after, else recomputed from s by the forward's steps (its bits).
-    // (t is not the forward's tanh, which S_c has rounded.)
+    // ALiBi or the bias changed it after, else recomputed from s by the forward's steps
+    // (its bits). (t is not the forward's tanh, which S_c has rounded.)
     if (p.softcap != 0.0f) {
-        const T S_c = p.alibi_slopes ? p.softcap * pyfa_tanh(at.s / p.softcap) : at.S;
+        const T S_c = p.alibi_slopes || p.bias ? p.softcap * pyfa_tanh(at.s / p.softcap) : at.S;
         const T t = S_c / p.softcap;
         dS = dS * (1.0f - t * t);
     }
