@@ -343,3 +343,29 @@ def test_dropout_mask_arguments():
         pyfa.sim.dropout_mask(0, 1, 4, 4, dropout_p=0.5, seed=1)
     assert pyfa.dropout_mask(1, 2, 0, 3, dropout_p=0.5, seed=1).shape == (1, 2, 0, 3)
     assert pyfa.dropout_mask(1, 1, 2, 3, dropout_p=0.0, seed=None).all()
+
+
+def test_packed_sequences_drop_as_the_dense_batch_element_of_their_index():
+    # Sequence b of a varlen call draws the decisions of (b, h, i, j), i and j its own rows
+    # and keys: those of batch element b of a dense call holding it (the rest padded).
+    rng = np.random.default_rng(12)
+    q = rng.standard_normal((30, 2, 16), dtype=np.float32)
+    k, v = (rng.standard_normal((40, 1, 16), dtype=np.float32) for _ in range(2))
+    cu_q, cu_k = np.array([0, 10, 30], np.int32), np.array([0, 15, 40], np.int32)
+    kw = dict(causal=True, dropout_p=0.3, seed=5)
+    Q = np.zeros((2, 20, 2, 16), np.float32)
+    K, V = np.zeros((2, 25, 1, 16), np.float32), np.zeros((2, 25, 1, 16), np.float32)
+    for b in range(2):
+        Q[b, :cu_q[b + 1] - cu_q[b]] = q[cu_q[b]:cu_q[b + 1]]
+        K[b, :cu_k[b + 1] - cu_k[b]] = k[cu_k[b]:cu_k[b + 1]]
+        V[b, :cu_k[b + 1] - cu_k[b]] = v[cu_k[b]:cu_k[b + 1]]
+    for backend in ("cpu", "emu"):
+        opts = pyfa.Options(backend=backend)
+        o = pyfa.attention_varlen(q, k, v, cu_q, cu_k, options=opts, **kw)
+        # Sequence 1 fills its dense rows; sequence 0 its first 10 of 20 (bottom-right: the
+        # dense call's causal offset differs), so it is compared against its own dense call.
+        assert same_bits(o[10:30], pyfa.attention(Q, K, V, layout="bnhd", options=opts, **kw)[1])
+        alone = pyfa.attention(q[None, :10], k[None, :15], v[None, :15], layout="bnhd", options=opts, **kw)[0]
+        assert same_bits(o[:10], alone)
+    with pytest.raises(pyfa.InvalidArgumentError, match="dropout_p: .* takes no dropout with packed sequences"):
+        pyfa.sim.attention_varlen(q, k, v, cu_q, cu_k, **kw)

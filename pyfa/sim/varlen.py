@@ -60,6 +60,11 @@ def _run(algo, passes, function, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen
                                        f"{np.shape(tensors['q'])}, got {np.shape(x)}")
     if kwargs.get("bias") is not None:
         raise InvalidArgumentError(f"bias: {function} takes no bias with packed sequences in this version")
+    # The library keys a packed sequence's dropout on its index b, as batch element b of a
+    # dense call; the simulator runs each sequence alone as batch element 0.
+    if kwargs.get("dropout_p"):
+        raise InvalidArgumentError(f"dropout_p: {function} takes no dropout with packed sequences in this "
+                                   "version (the library's pyfa.attention_varlen does)")
     options = resolve(function, options, {}, allowed=("block_r", "block_c"))
     if options.progress is not None:
         raise InvalidArgumentError(f"options.progress: {function} does not report progress")
