@@ -402,3 +402,63 @@ def test_bench_sweep_smoke_prints_ratios_on_its_last_line():
     assert re.match(r"summary: sweep B=1 H=4 cpu/numpy throughput: geomean=\d+\.\d+x over 8, min=", lines[-1]), lines[-1]
     rows = [l for l in lines if re.match(r"\s+64\s+16\s+(True|False)\s+[12]\s+(cpu|numpy)\s", l)]
     assert len(rows) == 8, p.stdout
+
+
+# Decoding shapes (Nq <= kGroupRows = 8, src/backends/cpu/cpu_kernels.h) take the grouped
+# forward (forward_group: a GQA group's query heads together, lanes along keys). Each
+# case: (B, H, Hkv, Nq, Nk, d, Br, Bc, keywords); d = 40 and 20 leave edges of the W x W
+# transposes, Nk not a multiple of Bc a short last tile.
+SLOPES = np.linspace(0.05, 0.6, 8, dtype=np.float32)
+DECODE_CASES = [
+    (1, 8, 2, 1, 77, 40, 16, 16, {}),
+    (2, 4, 4, 3, 53, 20, 4, 8, dict(causal=True)),
+    (1, 6, 1, 8, 100, 32, 8, 16, dict(window=(17, 2))),
+    (1, 8, 2, 1, 77, 40, 16, 16, dict(split_size=32)),
+    (1, 8, 4, 2, 90, 48, 16, 16, dict(causal=True, split_size=48, softcap=3.0, alibi_slopes=SLOPES)),
+    (2, 4, 2, 5, 41, 16, 8, 8, dict(causal=True, dropout_p=0.3, seed=7)),
+    (1, 4, 2, 2, 37, 24, 8, 8, dict(bias=True)),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def decode_case(n):
+    B, H, Hkv, Nq, Nk, d, Br, Bc, kw = DECODE_CASES[n]
+    rng = np.random.default_rng(100 + n)
+    q = rng.standard_normal((B, H, Nq, d), dtype=np.float32)
+    k, v = (rng.standard_normal((B, Hkv, Nk, d), dtype=np.float32) for _ in range(2))
+    kw = dict(kw, block_r=Br, block_c=Bc)
+    if kw.get("bias"):
+        kw["bias"] = rng.standard_normal((B, H, Nq, Nk), dtype=np.float32)
+    if n == 0:  # special values, as test_special_values poisons them
+        for x in (q, k, v):
+            x.flat[rng.integers(0, x.size, 3)] = [np.inf, -np.inf, np.nan]
+    if "alibi_slopes" in kw:
+        kw["alibi_slopes"] = kw["alibi_slopes"][:H]
+    sem, options = split(kw)
+    sim = pyfa.sim.fa2_forward(q, k, v, **sem, options=options)
+    return (q, k, v), kw, (sim.o, sim.lse)
+
+
+@pytest.mark.parametrize("n", range(len(DECODE_CASES)))
+def test_decode_shapes_equal_the_simulator(n, isa):
+    (q, k, v), kw, want = decode_case(n)
+    sem, _ = split(kw)
+    for threads in (1, 3):
+        _, options = split(kw, backend="cpu", threads=threads)
+        got = pyfa.fa2_forward(q, k, v, **sem, options=options)
+        assert same_bits(got[0], want[0]) and same_bits(got[1], want[1]), f"{isa}, {threads} threads, {kw}"
+
+
+def test_decode_varlen_equals_the_simulator():
+    # Packed sequences of 1, 0 and 3 query rows against 50, 9 and 70 keys, GQA 4:1.
+    rng = np.random.default_rng(5)
+    lq, lk = [1, 0, 3], [50, 9, 70]
+    cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+    q = rng.standard_normal((cq[-1], 8, 32), dtype=np.float32)
+    k, v = (rng.standard_normal((ck[-1], 2, 32), dtype=np.float32) for _ in range(2))
+    tiles = dict(block_r=8, block_c=16)
+    want = pyfa.sim.fa2_forward_varlen(q, k, v, cq, ck, causal=True, options=pyfa.Options(**tiles))
+    got = pyfa.attention_varlen(q, k, v, cq, ck, causal=True, return_lse=True,
+                                options=pyfa.Options(backend="cpu", threads=2, **tiles))
+    assert same_bits(got[0], want.o) and same_bits(got[1], want.lse)

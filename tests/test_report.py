@@ -340,3 +340,48 @@ def test_paper_figure_stands_beside_fa1_only():
     assert rows["standard"][0] == "40.3" and rows["fa1"][0] == "4.4"
     assert rows["fa2"][0] == "—" and rows["fa2"][2] == "—"
     assert "4.4" not in " ".join(rows["fa2"])
+
+
+@pytest.mark.parametrize("Nq,Nk,split_size,causal", [(1, 77, 32, False), (5, 70, 16, True), (3, 40, 64, False)])
+def test_split_kv_counts_are_the_simulators(Nq, Nk, split_size, causal):
+    # The walker's partial O/LSE writes and the combine step's reads equal what the
+    # simulator records walking the same chunks (GQA 4:2, short last tile and chunk).
+    import numpy as np
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 4, Nq, 16), dtype=np.float32)
+    k, v = (rng.standard_normal((2, 2, Nk, 16), dtype=np.float32) for _ in range(2))
+    tiles = pyfa.Options(block_r=8, block_c=16)
+    sim = pyfa.sim.fa2_forward(q, k, v, causal=causal, split_size=split_size, options=tiles)
+    rec = pyfa.sim.count_io("fa2", batch=2, heads=4, heads_kv=2, seqlen_q=Nq, seqlen_k=Nk, head_dim=16,
+                            block_r=8, block_c=16, causal=causal, split_size=split_size)
+    assert (rec.reads, rec.writes) == (sim.io.reads, sim.io.writes)
+    assert rec.reads["O partials"] == ceil_div(Nk, split_size) * 2 * 4 * Nq * 16 * 4
+    with pytest.raises(pyfa.InvalidArgumentError, match="split_size"):
+        pyfa.sim.count_io("fa1", batch=1, heads=1, seqlen_q=1, seqlen_k=64, head_dim=16, split_size=32)
+    with pytest.raises(pyfa.InvalidArgumentError, match="split_size"):
+        pyfa.sim.count_io("fa2", batch=1, heads=1, seqlen_q=1, seqlen_k=64, head_dim=16, block_c=16,
+                          split_size=24)
+
+
+def test_decode_preset_shows_bytes_per_token_beside_the_floor():
+    s = report_model.PRESETS["decode"]["setup"]
+    t0 = time.perf_counter()
+    r = report_model.build_report(s, preset="decode")
+    assert time.perf_counter() - t0 < 5, "the walkers count per tile row, not per element"
+    B, H, Hkv, Nk, d = 16, 32, 8, 32768, 128
+    floor = 4 * (2 * Hkv * Nk * d + 2 * H * d)  # per token: one sequence's K/V once, q and o
+    dec = r["decode"]
+    assert dec["tokens_per_step"] == B and dec["floor_bytes_per_token"] == floor
+    fa2 = next(a for a in dec["algorithms"] if a["name"] == "fa2")
+    want = pyfa.sim.count_io("fa2", batch=B, heads=H, heads_kv=Hkv, seqlen_q=1, seqlen_k=Nk, head_dim=d,
+                             causal=True, split_size=256)
+    assert fa2["bytes_per_token"] * B == want.total
+    # One block per query head reads each K/V tile G = 4 times; read once per group, the
+    # step is the floor plus the partials (128 chunks x (d + 1) x 4 bytes, written and read).
+    partials = 2 * (Nk // 256) * H * (d + 1) * 4
+    assert fa2["partials_bytes_per_token"] == partials
+    assert fa2["kv_rereads_bytes_per_token"] == 3 * 2 * Hkv * Nk * d * 4
+    assert fa2["over_floor"] > 1.05 and fa2["grouped_over_floor"] <= 1.05
+    text = report_render.render_text(r)
+    assert "bytes per generated token" in text and "re-reads" in text
+    assert "Decoding: bytes per generated token" in [n["title"] for n in r["notes"]]

@@ -56,6 +56,19 @@ def test_bench_smoke_prints_ratios_on_its_last_line():
     assert "BITS DIFFER" not in p.stdout
 
 
+def test_bench_decode_and_varlen_smoke_print_bandwidth_and_torch_side_by_side():
+    p = run([sys.executable, str(TOOLS / "bench.py"), "--decode", "--varlen", "--smoke", "--decode-threads", "2"])
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = p.stdout
+    assert "BITS DIFFER" not in out and "cpu == emu bit for bit" in out, out
+    rows = {line.split()[1] for line in out.splitlines() if line.startswith("     256 ")}
+    assert {"bandwidth", "cpu"} <= rows, out
+    summaries = [line for line in out.splitlines() if line.startswith("summary: ")]
+    assert len(summaries) == 2, out
+    assert re.search(r"N=256: cpu( split)? \d+\.\d GB/s = \d+% of \d+\.\d GB/s measured", summaries[0]), out
+    assert summaries[1].startswith("summary: varlen 4 sequences") and "ms" in summaries[1], out
+
+
 def test_device_check_dry_run_lists_every_step_within_its_budget(tmp_path):
     p = run(["bash", str(TOOLS / "device_check.sh"), "--dry-run", str(tmp_path)], timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr

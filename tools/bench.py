@@ -500,6 +500,196 @@ def sweep(args):
     return "summary: sweep B={} H={} ".format(args.batch, args.heads) + " | ".join(parts)
 
 
+# ---------------------------------------------------------------------------------------
+# --decode: one decoding step against a dense KV cache (issue 21 part 7), and --varlen:
+# packed sequences beside SDPA on the padded batch (issue 21's bench line)
+# ---------------------------------------------------------------------------------------
+DECODE_PRESETS = {  # (batch, heads, heads_kv, head_dim, contexts, repeats)
+    "smoke": (1, 4, 2, 32, (256,), 3),
+    "full": (1, 32, 8, 128, (8192, 32768), 7),
+}
+
+
+def stream_read(parts, pool):
+    """Reads every element of `parts` once (one part per thread): a dot product of each
+    part with itself in blocks, the tightest streaming read NumPy has (BLAS sdot)."""
+    block = 1 << 20
+
+    def read(a):
+        for i in range(0, a.size, block):
+            np.dot(a[i:i + block], a[i:i + block])
+
+    list(pool.map(read, parts))
+
+
+def decode_bytes(b, h, hkv, n, d):
+    """The floor of one decoding step: the visible K and V once, plus q and o."""
+    return 4 * (2 * b * hkv * n * d + 2 * b * h * d)
+
+
+def decode(args):
+    from concurrent.futures import ThreadPoolExecutor
+    b, h, hkv, d, contexts, repeats = DECODE_PRESETS["smoke" if args.preset == "smoke" else "full"]
+    b, h, d = args.batch or b, args.heads or h, args.head_dim or d
+    hkv = args.heads_kv or hkv
+    contexts = tuple(args.contexts or contexts)
+    repeats = args.repeats or repeats
+    threads = args.decode_threads or os.cpu_count()
+    torch = import_torch()
+    if torch is not None:
+        torch.set_num_threads(threads)
+    split = pyfa.checks.decode_split_size(d)
+    pool = ThreadPoolExecutor(threads)
+    cpu = pyfa.Options(backend="cpu", threads=threads)
+    print(f"pyfa bench --decode (CPU): one decoding step (Nq = 1) against a dense KV cache, B={b} H={h} "
+          f"Hkv={hkv} d={d}, contexts {', '.join(map(str, contexts))}; {threads} threads everywhere; "
+          f"1 warm-up, median of {repeats} interleaved rounds; {os.cpu_count()} cores ({platform.machine()}), "
+          f"load average {os.getloadavg()[0]:.2f} at the start")
+    print(f"numpy {np.__version__} (BLAS {blas_name()}); pyfa {pyfa.__version__}; "
+          f"torch {torch.__version__ if torch else 'not installed'}")
+    print("GB/s: the step's floor bytes (K and V of the context once, plus q and o) over its time; "
+          "bandwidth: a streaming read (BLAS sdot, one part per thread) of an array of those bytes, "
+          "in the same rounds; % bw: GB/s over it")
+    print("columns: cpu = pyfa.fa2_forward on the cpu backend, cache (B, Hkv, N, d) read in place; "
+          f"cpu split = the same with split_size={split} ('decode'); kvcache = "
+          "pyfa.attention_with_kvcache on a (B, N, Hkv, d) cache (flash-attn's layout, gathered in Python); "
+          "torch gqa = SDPA with enable_gqa=True; torch exp = SDPA on K/V expanded to H heads beforehand "
+          "(outside the timing)")
+    print(f"{'context':>8} {'column':11} {'ms':>9} {'min ms':>9} {'GB/s':>7} {'% bw':>6} {'x torch':>8}  note")
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    for n in contexts:
+        q = rng.standard_normal((b, h, 1, d), dtype=np.float32)
+        k = rng.standard_normal((b, hkv, n, d), dtype=np.float32)
+        v = rng.standard_normal((b, hkv, n, d), dtype=np.float32)
+        nbytes = decode_bytes(b, h, hkv, n, d)
+        buf = np.ones(nbytes // 4, np.float32)
+        parts = np.array_split(buf, threads)
+        lens = np.full(b, n, np.int32)
+        cols = [Column("bandwidth", lambda: stream_read(parts, pool)),
+                Column("cpu", lambda: pyfa.fa2_forward(q, k, v, options=cpu)),
+                Column("cpu split", lambda: pyfa.fa2_forward(q, k, v, split_size=split, options=cpu))]
+        if args.decode_kvcache:
+            qc, kc, vc = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v))
+            cols.append(Column("kvcache", lambda: pyfa.attention_with_kvcache(qc, kc, vc, lens, options=cpu)))
+        if torch is not None:
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+            tke, tve = (t.repeat_interleave(h // hkv, dim=1) for t in (tk, tv))
+
+            def torch_gqa():
+                with torch.no_grad():
+                    return sdpa(tq, tk, tv, enable_gqa=True)
+
+            def torch_exp():
+                with torch.no_grad():
+                    return sdpa(tq, tke, tve)
+            cols += [Column("torch gqa", torch_gqa), Column("torch exp", torch_exp)]
+        timed = time_group(cols, repeats)
+        res = {c.name: c.result for c in cols}
+        emu_bits = same_bits([res["cpu"][0]], [pyfa.fa2_forward(q, k, v, options=pyfa.Options(
+            backend="emu"))[0]]) if args.preset == "smoke" else None
+        bw = timed[0][1]
+        gbs = {name: nbytes / ms / 1e6 for name, ms, _, _ in timed if ms}
+        tbest = min((ms for name, ms, _, _ in timed if name.startswith("torch") and ms), default=None)
+        for name, ms, fastest, note in timed:
+            if ms is None:
+                print(f"{n:8d} {name:11} {'-':>9} {'-':>9} {'-':>7} {'-':>6} {'-':>8}  {note}".rstrip())
+                continue
+            if name == "cpu" and emu_bits is not None:
+                note = "cpu == emu bit for bit" if emu_bits else "cpu != emu: BITS DIFFER"
+            if name.startswith("cpu") and res.get("torch gqa") is not None:
+                ref = torch.from_numpy(res[name][0])
+                err = float((ref - res["torch gqa"]).abs().max())
+                note = (note + f" max|cpu - torch| {err:.1e}").strip()
+            pct = 100 * gbs[name] / gbs["bandwidth"]
+            xt = f"{tbest / ms:7.2f}x" if tbest and not name.startswith("torch") and name != "bandwidth" else "-"
+            print(f"{n:8d} {name:11} {ms:9.3f} {fastest:9.3f} {gbs[name]:7.2f} {pct:5.0f}% {xt:>8}  {note}".rstrip())
+        rows.append((n, {name: ms for name, ms, _, _ in timed}, gbs))
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
+    parts_out = []
+    for n, ms, gbs in rows:
+        torch_ms = [ms[c] for c in ("torch gqa", "torch exp") if ms.get(c)]
+        best_cpu = max(("cpu", "cpu split"), key=lambda c: gbs.get(c, 0))
+        s = (f"N={n}: {best_cpu} {gbs[best_cpu]:.1f} GB/s = {100 * gbs[best_cpu] / gbs['bandwidth']:.0f}% of "
+             f"{gbs['bandwidth']:.1f} GB/s measured")
+        if torch_ms:
+            s += f", {min(torch_ms) / ms[best_cpu]:.2f}x torch's best"
+        parts_out.append(s)
+    return "summary: decode B={} H={} Hkv={} d={} {}".format(b, h, hkv, d, " | ".join(parts_out))
+
+
+VARLEN_PRESETS = {  # (heads, head_dim, sequence lengths, repeats)
+    "smoke": (2, 32, (40, 7, 64, 23), 3),
+    "full": (8, 64, (1024, 217, 640, 1536, 96, 800), 5),
+}
+
+
+def varlen(args):
+    h, d, lengths, repeats = VARLEN_PRESETS["smoke" if args.preset == "smoke" else "full"]
+    h, d = args.heads or h, args.head_dim or d
+    repeats = args.repeats or repeats
+    threads = args.decode_threads or os.cpu_count()
+    causal = args.causal
+    torch = import_torch()
+    if torch is not None:
+        torch.set_num_threads(threads)
+    rng = np.random.default_rng(args.seed)
+    total, nmax, bsz = sum(lengths), max(lengths), len(lengths)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    q, k, v = (rng.standard_normal((total, h, d), dtype=np.float32) for _ in range(3))
+    cpu = pyfa.Options(backend="cpu", threads=threads)
+    print(f"pyfa bench --varlen (CPU): {bsz} packed sequences of lengths {', '.join(map(str, lengths))} "
+          f"(total {total}, longest {nmax}), H={h} d={d} causal={causal}; {threads} threads; 1 warm-up, "
+          f"median of {repeats} interleaved rounds; load average {os.getloadavg()[0]:.2f} at the start")
+    print("columns: varlen = pyfa.attention_varlen on the cpu backend (packed, no padding); "
+          "torch padded = SDPA on the batch padded to the longest, a boolean mask hiding the padding keys"
+          + (" and the causal mask" if causal else ""))
+    flops = sum(4.0 * h * n * n * d / (2 if causal else 1) for n in lengths)
+    cols = [Column("varlen", lambda: pyfa.attention_varlen(q, k, v, cu, cu, causal=causal, options=cpu))]
+    pad = np.zeros((bsz, h, nmax, d), np.float32)
+    qp, kp, vp = pad.copy(), pad.copy(), pad.copy()
+    for i, n in enumerate(lengths):
+        for src, dst in ((q, qp), (k, kp), (v, vp)):
+            dst[i, :, :n] = src[cu[i]:cu[i + 1]].transpose(1, 0, 2)
+    if torch is not None:
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        keep = np.zeros((bsz, 1, nmax, nmax), bool)
+        for i, n in enumerate(lengths):
+            keep[i, :, :, :n] = True
+            if causal:  # bottom-right within each sequence, as pyfa's default: the same rows
+                keep[i, :, :n, :n] &= ~causal_hidden(n, n)
+            keep[i, :, n:, 0] = True  # padding rows see one key, so that no row is all -inf (NaN)
+        tq, tk, tv, tm = (torch.from_numpy(x) for x in (qp, kp, vp, keep))
+
+        def torch_padded():
+            with torch.no_grad():
+                return sdpa(tq, tk, tv, attn_mask=tm)
+        cols.append(Column("torch padded", torch_padded))
+    timed = time_group(cols, repeats)
+    res = {c.name: c.result for c in cols}
+    if "torch padded" in res and res["torch padded"] is not None:
+        o_t = res["torch padded"].numpy()
+        err = max(float(np.abs(res["varlen"][cu[i]:cu[i + 1]].transpose(1, 0, 2) - o_t[i, :, :n]).max())
+                  for i, n in enumerate(lengths))
+        print(f"max|varlen - torch padded| over the valid rows: {err:.1e}")
+    print(f"{'column':13} {'ms':>9} {'min ms':>9} {'GFLOP/s':>8} {'x torch':>8}  note")
+    tms = next((ms for name, ms, _, _ in timed if name == "torch padded"), None)
+    for name, ms, fastest, note in timed:
+        if ms is None:
+            print(f"{name:13} {'-':>9} {'-':>9} {'-':>8} {'-':>8}  {note}".rstrip())
+            continue
+        xt = f"{tms / ms:7.2f}x" if tms and name != "torch padded" else "-"
+        print(f"{name:13} {ms:9.3f} {fastest:9.3f} {flops / ms / 1e6:8.2f} {xt:>8}  {note}".rstrip())
+    print("GFLOP/s: the packed batch's useful FLOPs (4 H n^2 d per sequence, halved if causal) for every column")
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
+    ms = {name: t for name, t, _, _ in timed}
+    out = f"summary: varlen {bsz} sequences H={h} d={d} causal={int(causal)}: varlen {ms['varlen']:.2f} ms"
+    if tms:
+        out += f", torch padded {tms:.2f} ms ({tms / ms['varlen']:.2f}x varlen's time)"
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = ap.add_mutually_exclusive_group()
@@ -524,10 +714,25 @@ def main(argv=None):
     sw.add_argument("--rounds", type=int, default=3, help="processes per contender and configuration")
     sw.add_argument("--gap", type=float, default=0.5, help="idle seconds after each process")
     sw.add_argument("--contenders", default=",".join(CONTENDERS))
+    dc = ap.add_argument_group("--decode and --varlen (issue 21: decoding against a KV cache, packed sequences)")
+    dc.add_argument("--decode", action="store_true",
+                    help="one decoding step: B=1 H=32 Hkv=8 d=128, contexts 8192 and 32768 (--smoke: tiny)")
+    dc.add_argument("--varlen", action="store_true", help="packed sequences beside SDPA on the padded batch")
+    dc.add_argument("--heads-kv", type=int, help="--decode: K/V heads")
+    dc.add_argument("--contexts", type=int, nargs="+", help="--decode: context lengths")
+    dc.add_argument("--decode-threads", type=int, help="threads of every column (default: one per core)")
+    dc.add_argument("--decode-kvcache", action="store_true",
+                    help="--decode: also time pyfa.attention_with_kvcache on a flash-attn layout cache")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return sweep_worker(json.loads(args.worker))
+    if args.decode or args.varlen:
+        if args.decode:
+            print(decode(args))
+        if args.varlen:
+            print(varlen(args))
+        return 0
     if args.sweep:
         args.batch, args.heads = args.batch or 1, args.heads or 4
         args.repeats = args.repeats or 3

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ArgumentTypeError, InvalidArgumentError
-from ..checks import check_count_args, check_offsets, check_tile
+from ..checks import check_count_args, check_offsets, check_split_size, check_tile
 from .io import IORecord
 from .mask import Mask
 from .tiles import EMU_PROFILE, DeviceProfile, resolve_tiles
@@ -46,6 +46,7 @@ class Walk:
     mask: Mask
     e: int          # bytes per tensor element
     bias_rows: object = None  # an additive bias (issue 27): its rows, Nq or 1; None: none
+    split: int = 0  # FA2 forward's split_size (split-KV); 0: one chunk
 
     def bias_io(self, io, scores, backward=False, tiles=0):
         """A bias's traffic (pyfa/sim/score.py bias_io, dbias_io): `scores` scores of visited
@@ -114,6 +115,14 @@ def fa2_forward_io(w):
         keys = w.keys_visited(i)
         io.read("K", keys * w.d * w.e)
         io.read("V", keys * w.d * w.e)
+    if w.split:
+        # Split-KV: every chunk writes its partial O, LSE of every row (LSE = -inf where a
+        # row sees none of it), and the combine step reads them all back, as the simulator.
+        chunks = ceil_div(w.Nk, w.split)
+        io.write("O partials", chunks * w.Nq * w.d * w.e)
+        io.write("LSE partials", chunks * w.Nq * STAT_BYTES)
+        io.read("O partials", chunks * w.Nq * w.d * w.e)
+        io.read("LSE partials", chunks * w.Nq * STAT_BYTES)
     io.write("O", w.Nq * w.d * w.e)
     io.write("LSE", w.Nq * STAT_BYTES)
     w.bias_io(io, sum(w.row_tile(i)[1] * w.keys_visited(i) for i in range(w.Tr)))
@@ -242,7 +251,8 @@ def check_heads_kv(heads_kv, heads):
 
 def count_kernels(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, head_dim,
                   heads_kv=None, block_r=None, block_c=None, causal=False, window=None,
-                  causal_align="bottom_right", dtype_bytes=4, profile=EMU_PROFILE, bias=None):
+                  causal_align="bottom_right", dtype_bytes=4, profile=EMU_PROFILE, bias=None,
+                  split_size=None):
     """count_io's record, and the tiles each kernel was counted with:
     [{"pass", "kernel", "block_r", "block_c"}] in launch order (empty for the unfused
     standard model)."""
@@ -256,6 +266,9 @@ def count_kernels(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, h
         raise ArgumentTypeError(f"profile: expected a sim.DeviceProfile, got {type(profile).__name__}")
     bias_rows = _bias_rows(bias, algo, batch, heads, seqlen_q, seqlen_k)
     wanted = ["forward", "backward"] if passes == "both" else [passes]
+    if split_size not in (None, 0) and (algo != "fa2" or "forward" not in wanted):
+        raise InvalidArgumentError(f"split_size: only fa2's forward splits the keys, got {split_size!r} "
+                                   f"for {algo} {passes}")
     record, tiles = IORecord(), []
     for p in wanted:
         if (algo, p) not in WALKERS:
@@ -266,7 +279,9 @@ def count_kernels(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, h
             else:
                 Br, Bc = resolve_tiles(kernel, head_dim, block_r, block_c, profile)
                 tiles.append({"pass": p, "kernel": kernel, "block_r": Br, "block_c": Bc})
-            w = Walk(seqlen_q, seqlen_k, head_dim, heads // Hkv, Br, Bc, mask, dtype_bytes, bias_rows)
+            split = check_split_size(split_size, head_dim, Bc) if p == "forward" else 0
+            w = Walk(seqlen_q, seqlen_k, head_dim, heads // Hkv, Br, Bc, mask, dtype_bytes, bias_rows,
+                     split)
             record = record + walker(w)
     out = record.scaled(batch * Hkv)
     out.label = f"{algo} {passes}"
@@ -275,18 +290,21 @@ def count_kernels(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, h
 
 def count_io(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, head_dim,
              heads_kv=None, block_r=None, block_c=None, causal=False, window=None,
-             causal_align="bottom_right", dtype_bytes=4, profile=EMU_PROFILE, bias=None):
+             causal_align="bottom_right", dtype_bytes=4, profile=EMU_PROFILE, bias=None,
+             split_size=None):
     """The IO record of `algo` ("fa1", "fa2", "standard") for `passes` ("forward",
     "backward", "both"), counted without arithmetic. heads_kv: K/V heads (None: heads);
     window, causal, causal_align: the mask, as the kernels take it (pyfa/sim/mask.py). None
     tiles are each kernel's defaults on `profile` (sim.tiles.default_tiles). bias: the
     shape of an additive bias (issue 27; broadcastable to (B, H, Nq, Nk)) or None: its
-    reads per visited tile and, in a backward, dBias's traffic (docs/io_closed_forms.md)."""
+    reads per visited tile and, in a backward, dBias's traffic (docs/io_closed_forms.md).
+    split_size: FA2's split-KV (pyfa.fa2_forward's; "decode" its constant): each chunk's
+    partial O and LSE written and read back by the combine step."""
     return count_kernels(algo, passes=passes, batch=batch, heads=heads, seqlen_q=seqlen_q,
                          seqlen_k=seqlen_k, head_dim=head_dim, heads_kv=heads_kv,
                          block_r=block_r, block_c=block_c, causal=causal, window=window,
                          causal_align=causal_align, dtype_bytes=dtype_bytes, profile=profile,
-                         bias=bias)[0]
+                         bias=bias, split_size=split_size)[0]
 
 
 def _bias_rows(bias, algo, B, H, Nq, Nk):

@@ -10,10 +10,12 @@ formats it and pyfa/sim/report.py is the command line.
 
 from dataclasses import asdict, dataclass, replace
 
+import numpy as np
+
 from ..errors import InvalidArgumentError
 from . import count as count_mod
 from ..checks import MAX_HEAD_DIM
-from .mask import check_causal_align, check_window
+from .mask import Mask, check_causal_align, check_window
 from .report_render import PASS_WORDS, _problem_line, gb
 from .standard import PASS_NAMES, backward_steps, count_standard_io, forward_steps
 from .tiles import EMU_PROFILE, FLOAT_BYTES, DeviceProfile, smem_bytes
@@ -59,6 +61,7 @@ class Setup:
     heads_kv: object = None           # K/V heads; None: heads
     window: object = None             # (left, right), each an int >= 0 or None; None: none
     causal_align: str = "bottom_right"
+    split_size: object = None         # FA2 forward's split-KV (keys per chunk); None: one chunk
 
     def device(self):
         p = PROFILES[self.profile]
@@ -101,6 +104,15 @@ PRESETS = {
                     head_dim=128, causal=True, window=(4096, 0), dtype_bytes=4,
                     passes="both"),
         paper=None),
+    "decode": dict(
+        description="one decoding step of a grouped-query model (Llama-3-8B-like): B=16 "
+                    "sequences, one new query each (Nq=1), H=32 query heads sharing Hkv=8 K/V "
+                    "heads, context 32768, d=128, fp32, forward only, FA2 with split-KV "
+                    "(split_size 256, pyfa's 'decode' constant for d=128); the bytes per "
+                    "generated token beside the floor (the visible K and V once, plus q and o)",
+        setup=Setup(batch=16, heads=32, heads_kv=8, seqlen_q=1, seqlen_k=32768, head_dim=128,
+                    causal=True, dtype_bytes=4, passes="forward", split_size=256),
+        paper=None),
 }
 
 
@@ -139,7 +151,44 @@ def count(algo, s):
                                    seqlen_q=s.seqlen_q, seqlen_k=s.seqlen_k,
                                    head_dim=s.head_dim, block_r=s.block_r, block_c=s.block_c,
                                    dtype_bytes=s.dtype_bytes, profile=s.device(),
+                                   split_size=s.split_size if algo == "fa2" else None,
                                    **_mask_args(s))
+
+
+def decode_floor(s):
+    """The least a decoding step can move: every visible key's K and V row once (each K/V
+    head's, not each query head's), plus q read and o written (per-row statistics
+    not counted). Per query row of the step, Nq * B of them: the generated tokens."""
+    e, B, H, Hkv, Nq, d = s.dtype_bytes, s.batch, s.heads, s.kv_heads(), s.seqlen_q, s.head_dim
+    mask = Mask.resolve(s.causal, s.window, s.causal_align, Nq, s.seqlen_k)
+    hidden = mask.masked(np.arange(Nq)[:, None], np.arange(s.seqlen_k)[None, :])  # (Nq, Nk)
+    keys = int(np.count_nonzero(~hidden.all(axis=0)))  # keys some row sees
+    return e * B * (2 * Hkv * keys * d + 2 * H * Nq * d)
+
+
+def decode_section(report, s):
+    """Bytes per generated token of each FlashAttention algorithm beside the floor, and
+    where each one's excess goes: GQA's re-reads of K and V (one block per query head) and
+    split-KV's partial O and LSE (written, then read back by the combine step)."""
+    tokens = s.batch * s.seqlen_q
+    floor = decode_floor(s)
+    G = s.heads // s.kv_heads()
+    rows = []
+    for a in report["algorithms"]:
+        if a["name"] == "standard":
+            continue
+        kv = a["reads"].get("K", 0) + a["reads"].get("V", 0)
+        kv_floor = floor - s.dtype_bytes * s.batch * 2 * s.heads * s.seqlen_q * s.head_dim
+        partials = sum(n for t, n in list(a["reads"].items()) + list(a["writes"].items()) if "partials" in t)
+        rows.append({"name": a["name"], "bytes_per_token": a["total"] / tokens,
+                     "over_floor": a["total"] / floor,
+                     "kv_rereads_bytes_per_token": (kv - kv_floor) / tokens,
+                     "partials_bytes_per_token": partials / tokens,
+                     # The same kernel with each K/V tile read once for its group (the cpu
+                     # backend's forward_group): the floor plus the partials and LSE.
+                     "grouped_over_floor": (a["total"] - (kv - kv_floor)) / floor})
+    return {"tokens_per_step": tokens, "floor_bytes_per_token": floor / tokens, "G": G,
+            "split_size": s.split_size, "algorithms": rows}
 
 
 def tiles_fit(tiles, s):
@@ -277,7 +326,10 @@ def build_report(s, preset=None, on_step=None):
         "algorithms": algos,
         "skipped": skipped,
         "paper": paper,
+        "split_size": s.split_size,
     }
+    if preset == "decode" or s.seqlen_q <= 8:
+        report["decode"] = decode_section(report, s)
     report["notes"] = notes(report, s)
     return report
 
@@ -359,6 +411,25 @@ def notes(report, s):
                     f"group and write dK, dV once, summed over the group on chip. The unfused "
                     f"model copies K and V out to {s.heads} heads first (repeat_kv) and sums "
                     f"dK, dV back at the end."))
+    dec = report.get("decode")
+    if dec:
+        per = "; ".join(f"{r['name']} {gb(r['bytes_per_token'])} per token, {r['over_floor']:.2f}× the floor "
+                        f"({gb(r['kv_rereads_bytes_per_token'])} of K/V re-reads, "
+                        f"{gb(r['partials_bytes_per_token'])} of split partials; with each K/V tile read once "
+                        f"for its group {r['grouped_over_floor']:.3f}×)" for r in dec["algorithms"])
+        split = (f"split-KV with {dec['split_size']} keys per chunk: each chunk writes a partial O "
+                 f"and LSE of every query row and the combine step reads them back, "
+                 f"2·(d + 1)·4 bytes per row and chunk" if dec["split_size"]
+                 else "no split-KV (one chunk: no partials)")
+        out.append(("Decoding: bytes per generated token",
+                    f"A decoding step generates {dec['tokens_per_step']} tokens (one per query row). "
+                    f"The floor is every visible key's K and V row read once per K/V head, plus q "
+                    f"read and o written: {gb(dec['floor_bytes_per_token'])} per token. {per}. Where "
+                    f"a count is above 1.05× the floor, the reasons are these two: the modelled FA2 "
+                    f"forward kernel (src/kernels/fa2_forward.cuh) runs one block per query head, so "
+                    f"each of the {dec['G']} query heads of a group reads K_j and V_j again "
+                    f"(the cpu backend's decode path, forward_group, serves a group's query heads "
+                    f"together and reads them once); and {split}."))
     if flash:
         tiles = "; ".join(f"{a['name']}: " + ", ".join(dict.fromkeys(  # unique, in order
             f"{t['kernel']} {t['block_r']}×{t['block_c']}" for t in a["tiles"]))

@@ -142,6 +142,20 @@ def _sections(r, steps=False):
                  "counterpart) are evaluated with every hidden constant set to 1: "
                  + "; ".join(f"{f} as {ev}" for f, ev in forms)
                  + ". Θ hides constants, so the counted/form ratio is not expected to be 1."))
+    dec = r.get("decode")
+    if dec:
+        rows = [("floor", _num(dec["floor_bytes_per_token"], 1e6), "1.000", "—", "—")]
+        for a in dec["algorithms"]:
+            rows.append((a["name"], _num(a["bytes_per_token"], 1e6), f"{a['over_floor']:.3f}",
+                         _num(a["kv_rereads_bytes_per_token"], 1e6), _num(a["partials_bytes_per_token"], 1e6)))
+            rows.append((f"{a['name']}, K/V once per group", _num(a["bytes_per_token"] - a["kv_rereads_bytes_per_token"], 1e6),
+                         f"{a['grouped_over_floor']:.3f}", "0", _num(a["partials_bytes_per_token"], 1e6)))
+        split = f"split_size {dec['split_size']}" if dec["split_size"] else "no split-KV"
+        secs.append(("table", f"Decoding: bytes per generated token ({dec['tokens_per_step']} tokens per step, "
+                              f"{split}; MB = 10⁶ bytes; the floor: the visible K and V once per K/V "
+                              f"head, plus q and o; target 1.05× the floor)",
+                     (["kernel", "MB per token", "× floor", "K/V re-reads MB", "split partials MB"],
+                      rows, "lrrrr")))
     if r["skipped"]:
         secs.append(("text", None, "Not shown: " + "; ".join(
             f"{x['name']} ({x['reason']})" for x in r["skipped"]) + "."))

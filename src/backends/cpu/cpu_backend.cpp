@@ -184,6 +184,47 @@ void q_bands(const AttentionParams& p, std::vector<int64_t>* begin, std::vector<
     }, begin, end);
 }
 
+// split_combine_tile (common/merge.h) with each row's fold computed once for all its d
+// elements: the fold's weights depend only on the parts' LSE, so merge_state_element
+// computes the same w_a, w_c, w (two exps and a log per part) for every x of a row. Here
+// they are computed once per row and part, then applied to the row's elements in the same
+// order with the same operations: the same bits, without d times the exps (at d = 128 the
+// exps of the per-element fold cost more than the chunks themselves).
+void combine_tile(const AttentionParams& p, int64_t i, int64_t h, int64_t b) {
+    const Sequence seq = p.sequence(b);
+    const int64_t d = p.head_dim, row0 = i * p.block_r;
+    if (row0 >= seq.Nq) return;
+    const int64_t br = min64(p.block_r, seq.Nq - row0);
+    std::vector<float> acc(static_cast<size_t>(d));
+    for (int64_t r = 0; r < br; ++r) {
+        const float* O_part = p.o_part + p.o_part_strides.at(seq.batch, h, seq.q0 + row0 + r);  // (d) of chunk 0
+        const float* LSE_part = p.lse_part + p.stat_at(seq, h) + row0 + r;                       // of chunk 0
+        float acc_lse = -INFINITY;
+        for (int64_t x = 0; x < d; ++x) acc[static_cast<size_t>(x)] = 0.0f;
+        for (int64_t c = 0; c < p.split_count; ++c) {
+            const float lse_c = LSE_part[c * p.lse_part_step];
+            const float* o_c = O_part + c * p.o_part_step;  // (d)
+            if (lse_c == -INFINITY) continue;
+            if (acc_lse == -INFINITY) {
+                for (int64_t x = 0; x < d; ++x) acc[static_cast<size_t>(x)] = o_c[x];
+                acc_lse = lse_c;
+                continue;
+            }
+            const float m = pyfa_max(acc_lse, lse_c);
+            const float w_a = pyfa_exp(acc_lse - m), w_c = pyfa_exp(lse_c - m);
+            const float w = w_a + w_c;
+            for (int64_t x = 0; x < d; ++x) {
+                const float wo_a = w_a * acc[static_cast<size_t>(x)], wo_c = w_c * o_c[x];
+                acc[static_cast<size_t>(x)] = (wo_a + wo_c) / w;
+            }
+            acc_lse = m + pyfa_log(w);
+        }
+        float* O = p.o + p.o_strides.at(seq.batch, h, seq.q0 + row0 + r);  // (d)
+        for (int64_t x = 0; x < d; ++x) O[x] = pyfa_canonical_nan(acc[static_cast<size_t>(x)]);
+        p.lse[p.stat_at(seq, h) + row0 + r] = pyfa_canonical_nan(acc_lse);
+    }
+}
+
 // The tile tables of one context, kept alive beside it.
 struct Plan {
     Ctx ctx{};
@@ -231,10 +272,24 @@ pyfa_status cpu_run(int op, const AttentionParams* params, size_t count, const p
         const int64_t Tr = ceil_div(p0.seqlen_q, p0.block_r);
         phases.push_back({BH * Tr, [&, Tr](int64_t k, float*) {
                               const int64_t bh = k / Tr;
-                              split_combine_tile(p0, k % Tr, bh % p0.heads, bh / p0.heads, 0, 1);
+                              combine_tile(p0, k % Tr, bh % p0.heads, bh / p0.heads);
                               runner->done_one();
                           }});
         total = BH * Tr;
+    } else if (op == PYFA_OP_FA2_FORWARD && count == 1 && p0.seqlen_q <= pyfa_cpu::kGroupRows) {
+        // Decoding: one item per Q tile of each K/V head's group of query heads, so that
+        // the group reads K_j, V_j once (memory-bound: the bytes of K and V are the cost).
+        // Without split-KV that is B * Hkv items of every key; with it, this call is one
+        // chunk of them and the combine above folds the chunks (api.cpp runs the chunks).
+        plans.emplace_back(p0, false, nullptr);
+        plans[0].ctx.group = true;
+        const Plan& f = plans[0];
+        const int64_t Tr = f.Tr(), BHkv = p0.batch * p0.heads_kv;
+        phases.push_back({BHkv * Tr, [&, Tr](int64_t k, float* ws) {
+                              isa->forward_group(f.ctx, k / Tr, k % Tr, ws);
+                              runner->done_one();
+                          }});
+        total = BHkv * Tr;
     } else if ((op == PYFA_OP_FA2_FORWARD || op == PYFA_OP_FA1_FORWARD) && count == 1) {
         plans.emplace_back(p0, op == PYFA_OP_FA1_FORWARD, nullptr);
         const Plan& f = plans[0];

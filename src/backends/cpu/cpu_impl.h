@@ -567,6 +567,261 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
 }
 
 // ---------------------------------------------------------------------------------------
+// FA2 forward of a short Q tile (decoding: Nq = 1 or a few rows) for a whole GQA group:
+// the rows n = g * br + r of the K/V head's G query heads are served together, so each
+// K_j, V_j is read from memory once per step for all of them, not once per query head;
+// and the lanes run along keys (S = Q K^T, the exp) and along x (P~ V), not along rows,
+// of which such a tile has fewer than a vector holds. Every row gets the forward's
+// operations in the forward's order (docs/numerics.md, FA2 forward): the same fused
+// chains over x and over c, and the row max and row sum as the same sequential chains
+// over c (a scalar chain per row: reordered they could differ in a NaN or a zero's sign).
+// ---------------------------------------------------------------------------------------
+// A lane mask's element as stored in a float buffer, and back.
+inline float lane_bits(int32_t v) {
+    float f;
+    std::memcpy(&f, &v, sizeof f);
+    return f;
+}
+inline bool lane_set(float f) {
+    int32_t v;
+    std::memcpy(&v, &f, sizeof v);
+    return v != 0;
+}
+
+inline vf ldu(const float* p) {  // a load from the caller's K, which need not be aligned
+    vf v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+// One stage of a W x W transpose: swaps bit H of the row index with bit H of the lane.
+template <int H>
+inline void transpose_stage(vf* rows) {
+    vi lo, hi;
+    for (int k = 0; k < W; ++k) {
+        lo[k] = (k & H) ? W + k - H : k;
+        hi[k] = (k & H) ? W + k : k + H;
+    }
+    for (int i = 0; i < W; ++i)
+        if (!(i & H)) {
+            const vf a = rows[i], b = rows[i + H];
+            rows[i] = __builtin_shuffle(a, b, lo);
+            rows[i + H] = __builtin_shuffle(a, b, hi);
+        }
+}
+
+inline void transpose(vf* rows) {
+    transpose_stage<1>(rows);
+    transpose_stage<2>(rows);
+    transpose_stage<4>(rows);
+    if constexpr (W >= 16) transpose_stage<8>(rows);
+}
+
+// KT[x * Cp + c] = K[c * d + x] for c < bc, 0 for bc <= c < Cp: K_j transposed, W x W
+// blocks through registers, the edges element by element.
+inline void transpose_kv_tile(const float* K, int64_t bc, int64_t d, float* KT, int64_t Cp) {
+    const int64_t cw = bc / W * W, xw = d / W * W;
+    for (int64_t c0 = 0; c0 < cw; c0 += W)
+        for (int64_t x0 = 0; x0 < xw; x0 += W) {
+            vf rows[W];
+            for (int k = 0; k < W; ++k) rows[k] = ldu(K + (c0 + k) * d + x0);
+            transpose(rows);
+            for (int k = 0; k < W; ++k) st(KT + (x0 + k) * Cp + c0, rows[k]);
+        }
+    for (int64_t x = 0; x < d; ++x) {
+        for (int64_t c = x < xw ? cw : 0; c < Cp; ++c) KT[x * Cp + c] = c < bc ? K[c * d + x] : 0.0f;
+    }
+}
+
+// out[n] = f(... f(f(init[n], S[n][0]), S[n][1]) ..., S[n][bc - 1]) for the rows n < R of
+// S (row stride Cp): each row's chain in order, four rows' chains interleaved so that
+// they overlap instead of each waiting on its own latency.
+template <class F>
+inline void row_chains(const float* S, int64_t Cp, int64_t R, int64_t bc, const float* init, float* out, F f) {
+    constexpr int64_t NB = 4;
+    for (int64_t n0 = 0; n0 < R; n0 += NB) {
+        const float* row[NB];
+        float acc[NB];
+        for (int64_t k = 0; k < NB; ++k) {
+            const int64_t n = n0 + k < R ? n0 + k : n0;  // past R: a stand-in, not stored
+            row[k] = S + n * Cp;
+            acc[k] = init[n];
+        }
+        for (int64_t c = 0; c < bc; ++c)
+            for (int64_t k = 0; k < NB; ++k) acc[k] = f(acc[k], row[k][c]);
+        for (int64_t k = 0; k < NB && n0 + k < R; ++k) out[n0 + k] = acc[k];
+    }
+}
+
+struct GrpBufs {
+    int64_t R, Rw, Cp, Dp, Ep;
+    float *Qg, *KT, *S, *Vj, *O, *m, *l, *mn, *ms, *alpha, *rowsum, *sees;
+};
+
+// Rows of the group tile: G query heads by the grid's Q tile (at most Nq rows).
+inline int64_t group_rows(const AttentionParams& p) {
+    const int64_t br = p.seqlen_q < p.block_r ? p.seqlen_q : p.block_r;
+    return p.heads / p.heads_kv * br;
+}
+
+inline GrpBufs grp_bufs(const AttentionParams& p, float* ws) {
+    GrpBufs g;
+    const int64_t d = p.head_dim, Bc = p.block_c;
+    g.R = group_rows(p);
+    g.Rw = round_up(g.R, W);
+    g.Cp = round_up(Bc, W);
+    g.Dp = round_up(d, W);
+    g.Ep = pad_stride(d);
+    g.Qg = ws;                      // (R, Ep)   the group's q rows
+    g.KT = g.Qg + g.R * g.Ep;       // (d, Cp)   K_j transposed, keys past bc zero
+    g.S = g.KT + d * g.Cp;          // (R, Cp)   S_ij, then P~_ij
+    g.Vj = g.S + g.R * g.Cp;        // (Bc, Ep)  V_j, columns d .. Dp-1 zero
+    g.O = g.Vj + Bc * g.Ep;         // (R, Dp)   O rows
+    g.m = g.O + g.R * g.Dp;         // (Rw) each: m, l, m_new, safe_max(m_new), alpha,
+    g.l = g.m + g.Rw;               //            rowsum, and the lanes of rows that see
+    g.mn = g.l + g.Rw;              //            a key of a cut tile (vi bits)
+    g.ms = g.mn + g.Rw;
+    g.alpha = g.ms + g.Rw;
+    g.rowsum = g.alpha + g.Rw;
+    g.sees = g.rowsum + g.Rw;
+    return g;
+}
+
+inline size_t grp_floats(const AttentionParams& p) {
+    const int64_t d = p.head_dim, Bc = p.block_c, R = group_rows(p);
+    const int64_t Cp = round_up(Bc, W), Ep = pad_stride(d), Dp = round_up(d, W);
+    return static_cast<size_t>(R * Ep + d * Cp + R * Cp + Bc * Ep + R * Dp + 7 * round_up(R, W));
+}
+
+// P~ V in a cut tile: lanes along x, steps k keys, operands j the group's rows (row j % br
+// of the tile).
+struct SelGroupKeys {
+    static constexpr bool on = true;
+    const Band* band;
+    int64_t br;
+    vi keep(int64_t k, int64_t, int64_t j) const { return splati(band->visible(j % br, k) ? -1 : 0); }
+};
+
+// Q tile i of the G query heads of K/V head bkv = b * Hkv + hk: O and LSE.
+void forward_group(const Ctx& ctx, int64_t bkv, int64_t i, float* ws) {
+    const AttentionParams& p = ctx.p;
+    const Sequence seq = kv_sequence(p, bkv);
+    const int64_t d = p.head_dim, Nq = seq.Nq, Nk = seq.Nk;
+    const int64_t Br = p.block_r, Bc = p.block_c;
+    const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
+    if (br <= 0) return;  // past its sequence's rows
+    const int64_t G = p.heads / p.heads_kv, b = bkv / p.heads_kv, h0 = (bkv % p.heads_kv) * G;
+    const GrpBufs g = grp_bufs(p, ws);
+    const int64_t R = G * br, Rw = round_up(R, W), Cp = g.Cp, Dp = g.Dp, Ep = g.Ep;
+    const vf scale = splat(p.scale), ninf = splat(-INFINITY), zero = splat(0.0f);
+    const vi lane = iota();
+
+    for (int64_t n = 0; n < R; ++n) {
+        const float* Q = p.q + q_head(p, b * p.heads + h0 + n / br).rows + (row0 + n % br) * d;  // (d)
+        std::memcpy(g.Qg + n * Ep, Q, sizeof(float) * static_cast<size_t>(d));
+    }
+    for (int64_t e = 0; e < R * Dp; ++e) g.O[e] = 0.0f;
+    for (int64_t c = 0; c < Bc; ++c)  // the columns d .. Dp-1 the products read; the rest is copied
+        for (int64_t x = d; x < Dp; ++x) g.Vj[c * Ep + x] = 0.0f;
+    for (int64_t n = 0; n < Rw; ++n) {
+        g.m[n] = -INFINITY;
+        g.l[n] = 0.0f;
+    }
+
+    const int64_t kv0 = kv_rows(p, bkv);
+    const TileRange visit = ctx.kv_tiles(b, i);
+    for (int64_t j = visit.begin; j < visit.end; ++j) {
+        const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0);
+        const float* K = p.k + kv0 + col0 * d;  // (bc, d)
+        const float* V = p.v + kv0 + col0 * d;  // (bc, d)
+        // The next tile's K and V into the caches while this one computes: the transpose
+        // reads K down its columns, which the hardware prefetchers follow poorly, and the
+        // step is memory-bound, so memory should stream without a pause between tiles.
+        if (j + 1 < visit.end)
+            for (int64_t e = 0; e < min64(Bc, Nk - col0 - Bc) * d; e += 64 / sizeof(float)) {
+                __builtin_prefetch(K + Bc * d + e, 0, 3);
+                __builtin_prefetch(V + Bc * d + e, 0, 3);
+            }
+        transpose_kv_tile(K, bc, d, g.KT, Cp);
+        for (int64_t c = 0; c < bc; ++c)
+            std::memcpy(g.Vj + c * Ep, V + c * d, sizeof(float) * static_cast<size_t>(d));
+        // S[n][c] = sum_x Q[n,x] K[c,x].
+        gemm_store_kb(g.KT, Cp, Cp, g.Qg, Ep, 1, d, R, g.S, Cp);
+        const Band band = seq.mask.band(row0, col0);
+        const bool cut = band.cuts(br, bc);
+        const VBand vb(band, Cp + Br + 1);
+
+        // Steps 1-2: the score pipeline along keys, then the row max.
+        for (int64_t n = 0; n < R; ++n) {
+            const int64_t r = n % br, h = h0 + n / br;
+            float* Sr = g.S + n * Cp;
+            for (int64_t cv = 0; cv < Cp; cv += W) {
+                const vi cl = lane + static_cast<int32_t>(cv);
+                vf s = score_mod(p, ld(Sr + cv) * scale, b, h, row0 + r, cl + static_cast<int32_t>(col0));
+                if (cut) s = vb.keys_seen(cl, r) ? s : ninf;
+                st(Sr + cv, s);
+            }
+            const TileRange seen = band.cols(r, bc);
+            g.sees[n] = lane_bits(!cut || seen.begin != seen.end ? -1 : 0);
+        }
+        row_chains(g.S, Cp, R, bc, g.m, g.mn, [](float acc, float x) { return x > acc ? x : acc; });
+        for (int64_t n = R; n < Rw; ++n) {
+            g.mn[n] = -INFINITY;
+            g.sees[n] = 0.0f;
+        }
+        for (int64_t nv = 0; nv < Rw; nv += W) {
+            const vf ms = vsafe(ld(g.mn + nv));
+            st(g.ms + nv, ms);
+            st(g.alpha + nv, vexp(ld(g.m + nv) - ms));
+        }
+        // Steps 3-4: P~ = exp(S - safe_max(m_new)) along keys, the row sum in order.
+        for (int64_t n = 0; n < R; ++n) {
+            float* Sr = g.S + n * Cp;
+            const vf ms = splat(g.ms[n]);
+            for (int64_t cv = 0; cv < Cp; cv += W) st(Sr + cv, vexp(ld(Sr + cv) - ms));
+        }
+        for (int64_t n = 0; n < R; ++n) g.rowsum[n] = 0.0f;
+        row_chains(g.S, Cp, R, bc, g.rowsum, g.rowsum, [](float acc, float x) { return acc + x; });
+        for (int64_t n = R; n < Rw; ++n) g.rowsum[n] = 0.0f;
+        for (int64_t nv = 0; nv < Rw; nv += W) {
+            const vi sees = reinterpret_cast<vi>(ld(g.sees + nv));
+            st(g.l + nv, sees ? vmadd(ld(g.alpha + nv), ld(g.l + nv), ld(g.rowsum + nv)) : ld(g.l + nv));
+            st(g.m + nv, sees ? ld(g.mn + nv) : ld(g.m + nv));
+        }
+        // P V takes P~ o Z / (1 - p) (common/dropout.h); l above took P~ undropped.
+        for (int64_t n = 0; p.dropout.on() && n < R; ++n)
+            p.dropout.apply_row(g.S + n * Cp, bc, b, h0 + n / br, row0 + n % br, col0);
+        // Step 5: pv[n][x] = sum_c P~[n,c] V[c,x], then O = fma(alpha, O, pv).
+        auto step = [&](int64_t n, int64_t x, vf pv) {
+            float* o = g.O + n * Dp + x;
+            const vf next = vmadd(splat(g.alpha[n]), ld(o), pv);
+            st(o, cut ? (lane_set(g.sees[n]) ? next : ld(o)) : next);
+        };
+        if (!cut) gemm(g.Vj, Ep, Dp, g.S, Cp, 1, bc, R, step);
+        else gemm(g.Vj, Ep, Dp, g.S, Cp, 1, bc, R, step, SelGroupKeys{&band, br});
+    }
+
+    // O = O / l, LSE = m + log(l); a row that saw no key: O = 0, LSE = -inf.
+    for (int64_t n = R; n < Rw; ++n) {
+        g.m[n] = 0.0f;
+        g.l[n] = 0x1p+0f;
+    }
+    for (int64_t nv = 0; nv < Rw; nv += W) {
+        const vf l = ld(g.l + nv);
+        st(g.alpha + nv, l == zero ? ninf : ld(g.m + nv) + vlog(l));
+    }
+    for (int64_t n = 0; n < R; ++n) {
+        const QHead qh = q_head(p, b * p.heads + h0 + n / br);
+        const int64_t r = n % br;
+        const float ln = g.l[n];
+        float* O = p.o + qh.rows + (row0 + r) * d;  // (d)
+        const float* On = g.O + n * Dp;
+        for (int64_t x = 0; x < d; ++x) O[x] = canon(ln == 0.0f ? 0.0f : On[x] / ln);
+        p.lse[qh.stat + row0 + r] = canon(g.alpha[n]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // Backward (FA1 and FA2): lanes are the columns c of a K/V tile, so K_j and V_j are
 // transposed once per tile and Q_i, dO_i are read in place as broadcast scalars. dK_j and
 // dV_j are kept transposed, dQ rows with lanes along x.
@@ -603,8 +858,8 @@ inline size_t bwd_floats(const AttentionParams& p) {
 }
 
 size_t workspace_floats(const Ctx& ctx) {
-    const size_t a = fwd_floats(ctx.p), b = bwd_floats(ctx.p);
-    return a > b ? a : b;
+    const size_t a = fwd_floats(ctx.p), b = bwd_floats(ctx.p), c = ctx.group ? grp_floats(ctx.p) : 0;
+    return a > b ? (a > c ? a : c) : (b > c ? b : c);
 }
 
 // K_j, V_j of K/V head bkv (b * Hkv + hk).
@@ -867,7 +1122,7 @@ const Isa PYFA_CPU_TABLE = {
     PYFA_CPU_NS::workspace_floats, PYFA_CPU_NS::forward,
     PYFA_CPU_NS::rowdot,     PYFA_CPU_NS::backward_kv,
     PYFA_CPU_NS::backward_dq, PYFA_CPU_NS::zero_dq,
-    PYFA_CPU_NS::finish_dq,
+    PYFA_CPU_NS::finish_dq,   PYFA_CPU_NS::forward_group,
 };
 
 }  // namespace pyfa_cpu

@@ -26,6 +26,7 @@ struct Ctx {
     const int64_t* q_end;
     int64_t Tr, Tc;           // Q and K/V tiles of the grid: of the longest sequence
     bool per_sequence;        // bands per sequence (packed)
+    bool group;               // the forward runs forward_group (workspace for it)
 
     TileRange kv_tiles(int64_t b, int64_t i) const {
         const int64_t n = (per_sequence ? b * Tr : 0) + i;
@@ -56,7 +57,15 @@ struct Isa {
     // Before and after a head's backward_kv(with_dq) calls: dQ = 0, then its final form.
     void (*zero_dq)(const Ctx& ctx, int64_t bh);
     void (*finish_dq)(const Ctx& ctx, int64_t bh);
+    // FA2 forward of Q tile i of the G = H / Hkv query heads of K/V head bkv together
+    // (their rows g * br + r), lanes along keys and x: for tiles of fewer rows than
+    // kGroupRows, where the forward's lanes along rows would run mostly empty.
+    void (*forward_group)(const Ctx& ctx, int64_t bkv, int64_t i, float* ws);
 };
+
+// The dispatcher serves an FA2 forward whose grid has at most this many query rows
+// (decoding: Nq = 1, or a few speculative tokens) with forward_group.
+constexpr int64_t kGroupRows = 8;
 
 extern const Isa kIsaPortable;
 #if defined(__x86_64__) || defined(_M_X64)
