@@ -59,7 +59,7 @@ def test_emulator_selftest(tmp_path):
 
 @pytest.fixture(scope="module")
 def emu_faults(tmp_path_factory):
-    """tests/emu/emu_faults.cpp built once for the two tests below (every kernel, -O2)."""
+    """tests/emu/emu_faults.cpp built once for the two tests below (the readable kernels, -O2)."""
     return build_cxx(tmp_path_factory.mktemp("emu_faults"), "emu_faults", "tests/emu/emu_faults.cpp")
 
 
