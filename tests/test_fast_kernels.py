@@ -2,6 +2,7 @@
 simulator on every case they take, under two thread orders; variant selection (auto falls
 back, fast names what it lacks); and the argument behind the ordered row-max tree."""
 
+import functools
 import itertools
 import re
 import struct
@@ -257,15 +258,32 @@ BACKWARD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("variant", ["reference", "auto"])
-@pytest.mark.parametrize("order", ["forward", "reverse"])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", BACKWARD_CASES, ids=grid.case_id)
-def test_fa2_backward_with_the_fast_dq_equals_the_simulator(case, causal, order, variant):
+@functools.lru_cache(maxsize=None)
+def simulated_backward(case, causal):
+    """The inputs of a backward case, the simulator's forward (default tiles) and its
+    backward at the case's tiles: computed once and shared (read only) by every run of the
+    case, which its xdist group keeps on one worker."""
     B, H, Nq, Nk, d, Br, Bc = case
     q, k, v, do = make_inputs((B, H, Nq, d), (B, H, Nk, d), grid.case_seed(case), True)
     fwd = pyfa.sim.fa2_forward(q, k, v, causal=causal)
     sim = pyfa.sim.fa2_backward(q, k, v, fwd.o, fwd.lse, do, causal=causal, block_r=Br, block_c=Bc)
+    return (q, k, v, do), fwd, sim
+
+
+def grouped_cases(cases, name):
+    """The cases as parameters, each in an xdist group of its own: the runs of a case share
+    its simulator results (simulated_backward)."""
+    return [pytest.param(c, id=grid.case_id(c), marks=pytest.mark.xdist_group(f"{name}-{grid.case_id(c)}"))
+            for c in cases]
+
+
+@pytest.mark.parametrize("variant", ["reference", "auto"])
+@pytest.mark.parametrize("order", ["forward", "reverse"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", grouped_cases(BACKWARD_CASES, "fast_dq"))
+def test_fa2_backward_with_the_fast_dq_equals_the_simulator(case, causal, order, variant):
+    _, _, _, _, _, Br, Bc = case
+    (q, k, v, do), fwd, sim = simulated_backward(case, causal)
     dq, dk, dv = pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, causal=causal, block_r=Br,
                                    block_c=Bc, backend="emu", emu_order=order, variant=variant)
     assert same_bits(dq, sim.dq) and same_bits(dk, sim.dk) and same_bits(dv, sim.dv)
@@ -329,12 +347,10 @@ DKDV_RUNS = [r for r in grid.RUNS if getattr(r, "values", r)[0] != "cpu"]
 @pytest.mark.parametrize("variant", ["reference", "auto"])
 @pytest.mark.parametrize("backend,order", DKDV_RUNS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", DKDV_CASES, ids=grid.case_id)
+@pytest.mark.parametrize("case", grouped_cases(DKDV_CASES, "fast_dkdv"))
 def test_fa2_backward_with_the_fast_dkdv_equals_the_simulator(case, causal, backend, order, variant):
-    B, H, Nq, Nk, d, Br, Bc = case
-    q, k, v, do = make_inputs((B, H, Nq, d), (B, H, Nk, d), grid.case_seed(case), True)
-    fwd = pyfa.sim.fa2_forward(q, k, v, causal=causal)
-    sim = pyfa.sim.fa2_backward(q, k, v, fwd.o, fwd.lse, do, causal=causal, block_r=Br, block_c=Bc)
+    _, _, _, _, _, Br, Bc = case
+    (q, k, v, do), fwd, sim = simulated_backward(case, causal)
     dq, dk, dv = pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, causal=causal, block_r=Br,
                                    block_c=Bc, backend=backend, emu_order=order, variant=variant)
     assert same_bits(dq, sim.dq) and same_bits(dk, sim.dk) and same_bits(dv, sim.dv)
