@@ -51,7 +51,7 @@ def simulated(case, causal):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("backend,order", grid.RUNS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", FAST_CASES, ids=grid.case_id)
+@pytest.mark.parametrize("case", grid.grouped(FAST_CASES, "fast_fa2_forward"))
 def test_fa2_forward_variants_equal_the_simulator(case, causal, backend, order, variant):
     (q, k, v), sim = simulated(case, causal)
     _, _, _, _, _, Br, Bc = case
@@ -270,17 +270,10 @@ def simulated_backward(case, causal):
     return (q, k, v, do), fwd, sim
 
 
-def grouped_cases(cases, name):
-    """The cases as parameters, each in an xdist group of its own: the runs of a case share
-    its simulator results (simulated_backward)."""
-    return [pytest.param(c, id=grid.case_id(c), marks=pytest.mark.xdist_group(f"{name}-{grid.case_id(c)}"))
-            for c in cases]
-
-
 @pytest.mark.parametrize("variant", ["reference", "auto"])
 @pytest.mark.parametrize("order", ["forward", "reverse"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", grouped_cases(BACKWARD_CASES, "fast_dq"))
+@pytest.mark.parametrize("case", grid.grouped(BACKWARD_CASES, "fast_dq"))
 def test_fa2_backward_with_the_fast_dq_equals_the_simulator(case, causal, order, variant):
     _, _, _, _, _, Br, Bc = case
     (q, k, v, do), fwd, sim = simulated_backward(case, causal)
@@ -347,7 +340,7 @@ DKDV_RUNS = [r for r in grid.RUNS if getattr(r, "values", r)[0] != "cpu"]
 @pytest.mark.parametrize("variant", ["reference", "auto"])
 @pytest.mark.parametrize("backend,order", DKDV_RUNS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", grouped_cases(DKDV_CASES, "fast_dkdv"))
+@pytest.mark.parametrize("case", grid.grouped(DKDV_CASES, "fast_dkdv"))
 def test_fa2_backward_with_the_fast_dkdv_equals_the_simulator(case, causal, backend, order, variant):
     _, _, _, _, _, Br, Bc = case
     (q, k, v, do), fwd, sim = simulated_backward(case, causal)
