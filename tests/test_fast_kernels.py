@@ -229,11 +229,14 @@ MASKED = [
 ]
 
 
-@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
-@pytest.mark.parametrize("heads,heads_kv", [(4, 2), (3, 1)])
-@pytest.mark.parametrize("mask", MASKED, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_fast_forward_masks_gqa_layouts(mask, heads, heads_kv, layout, variant):
+def mask_id(m):
+    return "-".join(f"{k}={v}" for k, v in m.items())
+
+
+@functools.lru_cache(maxsize=None)
+def simulated_masked_forward(m, heads, heads_kv, layout):
+    """The inputs and the simulator's forward of MASKED[m] with these heads and layout,
+    shared by both variants (the mask's xdist group keeps them on one worker)."""
     d = 64 if heads_kv == 2 else 128
     Nq, Nk = (150, 97) if heads_kv == 2 else (70, 200)
     rng = np.random.default_rng(heads + Nq)
@@ -241,7 +244,17 @@ def test_fast_forward_masks_gqa_layouts(mask, heads, heads_kv, layout, variant):
     shape_k = (1, heads_kv, Nk, d) if layout == "bhnd" else (1, Nk, heads_kv, d)
     q = rng.standard_normal(shape_q, dtype=np.float32)
     k, v = (rng.standard_normal(shape_k, dtype=np.float32) for _ in range(2))
-    sim = pyfa.sim.fa2_forward(q, k, v, layout=layout, block_r=64, block_c=64, **mask)
+    return (q, k, v), pyfa.sim.fa2_forward(q, k, v, layout=layout, block_r=64, block_c=64, **MASKED[m])
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("heads,heads_kv", [(4, 2), (3, 1)])
+@pytest.mark.parametrize("m", [pytest.param(m, id=mask_id(mask), marks=pytest.mark.xdist_group(f"fast_forward_mask{m}"))
+                               for m, mask in enumerate(MASKED)])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fast_forward_masks_gqa_layouts(m, heads, heads_kv, layout, variant):
+    mask = MASKED[m]
+    (q, k, v), sim = simulated_masked_forward(m, heads, heads_kv, layout)
     for order in ("forward", "reverse"):
         o, lse = pyfa.fa2_forward(q, k, v, layout=layout, block_r=64, block_c=64, backend="emu",
                                   emu_order=order, variant=variant, **mask)
@@ -283,7 +296,7 @@ def test_fa2_backward_with_the_fast_dq_equals_the_simulator(case, causal, order,
 
 
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("mask", MASKED, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
+@pytest.mark.parametrize("mask", MASKED, ids=mask_id)
 def test_fast_dq_masks_gqa(mask, d):
     # d = 128 runs the two-role dQ kernel (fa2_backward_dq_fast_roles); Nq, Nk with tails.
     rng = np.random.default_rng(9 + d)
@@ -351,7 +364,7 @@ def test_fa2_backward_with_the_fast_dkdv_equals_the_simulator(case, causal, back
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
-@pytest.mark.parametrize("mask", MASKED, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
+@pytest.mark.parametrize("mask", MASKED, ids=mask_id)
 def test_fast_dkdv_masks_gqa_layouts(mask, layout, d):
     # Three query heads per K/V head: dK, dV sum over g = 0, 1, 2 in order.
     rng = np.random.default_rng(len(mask) + len(layout) + d)
