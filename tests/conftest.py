@@ -1,3 +1,4 @@
+import os
 import shlex
 import shutil
 import subprocess
@@ -7,6 +8,11 @@ from pathlib import Path
 import pytest
 
 import pyfa
+
+try:
+    import fcntl
+except ImportError:  # no file locks (Windows): each xdist worker builds its own
+    fcntl = None
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -21,6 +27,35 @@ def _cuda_usable():
 HAS_CUDA = _cuda_usable()
 
 
+def pytest_collection_modifyitems(config, items):
+    """The slow tests (builds and tools, seconds each) first: pytest-xdist hands out the
+    rest behind them, so that no long test starts late and runs alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def built_once(tmp_path_factory, name, make):
+    """A folder that make(folder) fills once per test run: under pytest-xdist the first
+    worker to ask builds it while the others wait for it, and all of them share it; a
+    failed make leaves nothing behind, so the next worker to ask tries again."""
+    root = tmp_path_factory.getbasetemp()
+    if fcntl is not None and os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    folder, done = root / f"built-{name}", root / f"built-{name}.done"
+    with open(root / f"built-{name}.lock", "w") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            try:
+                make(folder)
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            done.touch()
+    return folder
+
+
 def pytest_report_header(config):
     try:
         return f"pyfa backends: {pyfa.backends()}, library {pyfa.library_version()}"
@@ -31,14 +66,17 @@ def pytest_report_header(config):
 @pytest.fixture(scope="session")
 def fake_cuda_build(tmp_path_factory):
     """libpyfa's C ABI over tests/c/fake_cuda.cpp (a stand-in for the CUDA backend), built
-    once per test session as pyfa's version, so that pyfa's loader also takes it."""
+    once per test run (for every xdist worker) as pyfa's version, so that pyfa's loader
+    also takes it."""
     pytest.importorskip("cffi")
     if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
         pytest.skip("no C++ compiler to build the fake CUDA backend")
     sys.path.insert(0, str(ROOT / "tools"))
     import gpu_limits
-    return gpu_limits.build_fake(tmp_path_factory.mktemp("fake_cuda") / "libpyfa.so", pyfa.get_include(),
-                                 version=pyfa.__version__)
+    folder = built_once(tmp_path_factory, "fake_cuda",
+                        lambda out: gpu_limits.build_fake(out / "libpyfa.so", pyfa.get_include(),
+                                                          version=pyfa.__version__))
+    return folder / "libpyfa.so"
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,14 @@ def case_id(case):
     return f"B{B}H{H}-Nq{Nq}-Nk{Nk}-d{d}-Br{Br}-Bc{Bc}"
 
 
+def grouped(cases, name, ids=None):
+    """The cases as parameters (named by `ids`, case_id by default), each in an xdist group
+    of its own, so that the runs of a case share what is computed once for it (its
+    simulator results) on one worker."""
+    ids = ids or case_id
+    return [pytest.param(c, id=ids(c), marks=pytest.mark.xdist_group(f"{name}-{ids(c)}")) for c in cases]
+
+
 def case_seed(case):
     """A seed fixed by the case itself, the same in every process."""
     return zlib.crc32(case_id(case).encode())

@@ -21,7 +21,7 @@ import grid
 import pyfa
 from pyfa import _lib
 from reference import make_inputs, same_bits
-from test_random_shapes import draw
+from test_random_shapes import draw, simulated as simulated_draw
 from test_special_values import poisoned_inputs
 
 # Children import the pyfa under test from here.
@@ -145,14 +145,15 @@ def assert_same(got, want, what):
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", CASES, ids=grid.case_id)
+# One xdist group per case, for both tests below: simulated() runs once per case and mask.
+@pytest.mark.parametrize("case", grid.grouped(CASES, "cpu_backend"))
 def test_every_build_and_thread_count_equals_the_simulator(case, causal, threads, isa):
     inputs, kw, want = simulated(case, causal)
     assert_same(run_cpu(inputs, kw, threads=threads), want, f"{isa}, {threads} threads")
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", CASES[-4:], ids=grid.case_id)
+@pytest.mark.parametrize("case", grid.grouped(CASES[-4:], "cpu_backend"))
 def test_equals_the_emulator(case, causal, isa):
     (q, k, v, do), kw, _ = simulated(case, causal)
     got = run_cpu((q, k, v, do), kw, threads=2)
@@ -163,10 +164,14 @@ def test_equals_the_emulator(case, causal, isa):
     assert_same(got, want, isa)
 
 
-@pytest.mark.parametrize("seed", range(0, 48, 3))
+# Each seed in test_random_shapes.py's xdist group of it: the simulator's results of a
+# seed are computed once for both files.
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.xdist_group(f"random_shapes-{s}"))
+                                  for s in range(0, 48, 3)])
 def test_random_shapes_every_build(seed, isa):
     (q, k, v, do), kw, _ = draw(seed)
-    want = simulate(q, k, v, do, kw)
+    f2, b2, f1, b1 = simulated_draw(seed)
+    want = (f2.o, f2.lse), (b2.dq, b2.dk, b2.dv), (f1.o, f1.m, f1.l), (b1.dq, b1.dk, b1.dv)
     assert_same(run_cpu((q, k, v, do), kw, threads=1 + seed % 3), want, f"{isa} {kw}")
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import pyfa
-from test_emulator import EMU_SOURCES, compiler
+from test_emulator import compiler, emu_runtime
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STRICT_FLAGS = ["-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0",
@@ -37,14 +37,14 @@ def fault_reports(tmp_path_factory):
     common = ["-std=c++17", "-ffp-contract=off", "-pthread", "-I", "src", "-I", pyfa.get_include()]
     obj, exe = tmp / "strict_faults.o", tmp / "strict_faults"
     # The kernels instrumented as the library's strict compilation is (at -O1: the faults
-    # need no speed), the runtime plain.
+    # need no speed), the runtime plain (the objects the emulator's other tests link).
     build = subprocess.run([cxx, *common, "-O1", *STRICT_FLAGS, "-DPYFA_EMU_STRICT", "-DPYFA_FAULT_HOOKS",
                             "-c", "tests/emu/strict_faults.cpp", "-o", str(obj)],
                            cwd=ROOT, capture_output=True, text=True, timeout=300)
     if build.returncode != 0 and "sanitize" in build.stderr:
         pytest.skip(f"{cxx} has no -fsanitize=thread instrumentation: {build.stderr[-300:]}")
     assert build.returncode == 0, build.stderr
-    link = subprocess.run([cxx, *common, "-O1", str(obj), *EMU_SOURCES, "-o", str(exe), "-ldl"],
+    link = subprocess.run([cxx, *common, "-O1", str(obj), *emu_runtime(tmp_path_factory), "-o", str(exe), "-ldl"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert link.returncode == 0, link.stderr
     run = subprocess.run([str(exe), *FAULTS], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -12,6 +12,7 @@ import pytest
 
 import emu_abi
 import pyfa
+from conftest import built_once
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EMU_SOURCES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "src" / "backends" / "emu").glob("*.cpp")
@@ -28,11 +29,25 @@ def compiler(name):
     return path
 
 
-def build_cxx(tmp_path, name, main_source):
-    exe = tmp_path / name
+def emu_runtime(tmp_path_factory):
+    """The object files of EMU_SOURCES, compiled (-O2) once per test run for every program
+    of these tests that links the runtime."""
+    cxx = compiler("g++")
+
+    def make(out):
+        build = subprocess.run([cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-pthread", "-I", str(ROOT / "src"),
+                                "-I", pyfa.get_include(), "-c", *(str(ROOT / s) for s in EMU_SOURCES)],
+                               cwd=out, capture_output=True, text=True, timeout=300)
+        assert build.returncode == 0, f"emulation runtime build failed:\n{build.stdout}\n{build.stderr}"
+
+    return sorted(str(o) for o in built_once(tmp_path_factory, "emu_runtime", make).glob("*.o"))
+
+
+def build_cxx(tmp_path_factory, out, name, main_source):
+    exe = out / name
     build = subprocess.run(
         [compiler("g++"), "-std=c++17", "-O2", "-ffp-contract=off", "-pthread", "-I", "src",
-         "-I", pyfa.get_include(), main_source, *EMU_SOURCES, "-o", str(exe), "-ldl"],
+         "-I", pyfa.get_include(), main_source, *emu_runtime(tmp_path_factory), "-o", str(exe), "-ldl"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert build.returncode == 0, f"{name} build failed:\n{build.stdout}\n{build.stderr}"
@@ -49,8 +64,8 @@ def summary_ok(run, prefix):
 
 
 @pytest.mark.slow
-def test_emulator_selftest(tmp_path):
-    exe = build_cxx(tmp_path, "selftest", "tests/emu/emu_selftest.cpp")
+def test_emulator_selftest(tmp_path_factory, tmp_path):
+    exe = build_cxx(tmp_path_factory, tmp_path, "selftest", "tests/emu/emu_selftest.cpp")
     # The self-test has its own 120 s watchdog; this bound only guards against a stuck process.
     run = subprocess.run([str(exe)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     lines = summary_ok(run, "emu selftest: ")
@@ -59,8 +74,9 @@ def test_emulator_selftest(tmp_path):
 
 @pytest.fixture(scope="module")
 def emu_faults(tmp_path_factory):
-    """tests/emu/emu_faults.cpp built once for the two tests below (every kernel, -O2)."""
-    return build_cxx(tmp_path_factory.mktemp("emu_faults"), "emu_faults", "tests/emu/emu_faults.cpp")
+    """tests/emu/emu_faults.cpp built once for the two tests below (the readable kernels, -O2)."""
+    return build_cxx(tmp_path_factory, tmp_path_factory.mktemp("emu_faults"), "emu_faults",
+                     "tests/emu/emu_faults.cpp")
 
 
 @pytest.mark.slow

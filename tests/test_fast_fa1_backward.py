@@ -68,7 +68,7 @@ _SIM = {}
 
 @pytest.mark.parametrize("backend,order", grid.RUNS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", grid.grouped(CASES, "fast_fa1_backward", case_id))
 def test_fast_fa1_backward_equals_the_simulator(case, causal, backend, order):
     if (case, causal) not in _SIM:
         q, k, v, do = inputs(case)

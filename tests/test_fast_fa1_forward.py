@@ -49,7 +49,7 @@ def same_result(got, sim):
 @pytest.mark.parametrize("variant", ["fast", "auto"])
 @pytest.mark.parametrize("backend,order", grid.RUNS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", FAST_CASES, ids=grid.case_id)
+@pytest.mark.parametrize("case", grid.grouped(FAST_CASES, "fast_fa1_forward"))
 def test_fast_fa1_forward_equals_the_simulator(case, causal, backend, order, variant):
     (q, k, v), sim = simulated(case, causal)
     _, _, _, _, _, Br, Bc = case

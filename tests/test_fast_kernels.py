@@ -2,6 +2,7 @@
 simulator on every case they take, under two thread orders; variant selection (auto falls
 back, fast names what it lacks); and the argument behind the ordered row-max tree."""
 
+import functools
 import itertools
 import re
 import struct
@@ -50,7 +51,7 @@ def simulated(case, causal):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("backend,order", grid.RUNS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", FAST_CASES, ids=grid.case_id)
+@pytest.mark.parametrize("case", grid.grouped(FAST_CASES, "fast_fa2_forward"))
 def test_fa2_forward_variants_equal_the_simulator(case, causal, backend, order, variant):
     (q, k, v), sim = simulated(case, causal)
     _, _, _, _, _, Br, Bc = case
@@ -228,11 +229,14 @@ MASKED = [
 ]
 
 
-@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
-@pytest.mark.parametrize("heads,heads_kv", [(4, 2), (3, 1)])
-@pytest.mark.parametrize("mask", MASKED, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_fast_forward_masks_gqa_layouts(mask, heads, heads_kv, layout, variant):
+def mask_id(m):
+    return "-".join(f"{k}={v}" for k, v in m.items())
+
+
+@functools.lru_cache(maxsize=None)
+def simulated_masked_forward(m, heads, heads_kv, layout):
+    """The inputs and the simulator's forward of MASKED[m] with these heads and layout,
+    shared by both variants (the mask's xdist group keeps them on one worker)."""
     d = 64 if heads_kv == 2 else 128
     Nq, Nk = (150, 97) if heads_kv == 2 else (70, 200)
     rng = np.random.default_rng(heads + Nq)
@@ -240,7 +244,17 @@ def test_fast_forward_masks_gqa_layouts(mask, heads, heads_kv, layout, variant):
     shape_k = (1, heads_kv, Nk, d) if layout == "bhnd" else (1, Nk, heads_kv, d)
     q = rng.standard_normal(shape_q, dtype=np.float32)
     k, v = (rng.standard_normal(shape_k, dtype=np.float32) for _ in range(2))
-    sim = pyfa.sim.fa2_forward(q, k, v, layout=layout, block_r=64, block_c=64, **mask)
+    return (q, k, v), pyfa.sim.fa2_forward(q, k, v, layout=layout, block_r=64, block_c=64, **MASKED[m])
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("heads,heads_kv", [(4, 2), (3, 1)])
+@pytest.mark.parametrize("m", [pytest.param(m, id=mask_id(mask), marks=pytest.mark.xdist_group(f"fast_forward_mask{m}"))
+                               for m, mask in enumerate(MASKED)])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fast_forward_masks_gqa_layouts(m, heads, heads_kv, layout, variant):
+    mask = MASKED[m]
+    (q, k, v), sim = simulated_masked_forward(m, heads, heads_kv, layout)
     for order in ("forward", "reverse"):
         o, lse = pyfa.fa2_forward(q, k, v, layout=layout, block_r=64, block_c=64, backend="emu",
                                   emu_order=order, variant=variant, **mask)
@@ -257,22 +271,32 @@ BACKWARD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("variant", ["reference", "auto"])
-@pytest.mark.parametrize("order", ["forward", "reverse"])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", BACKWARD_CASES, ids=grid.case_id)
-def test_fa2_backward_with_the_fast_dq_equals_the_simulator(case, causal, order, variant):
+@functools.lru_cache(maxsize=None)
+def simulated_backward(case, causal):
+    """The inputs of a backward case, the simulator's forward (default tiles) and its
+    backward at the case's tiles: computed once and shared (read only) by every run of the
+    case, which its xdist group keeps on one worker."""
     B, H, Nq, Nk, d, Br, Bc = case
     q, k, v, do = make_inputs((B, H, Nq, d), (B, H, Nk, d), grid.case_seed(case), True)
     fwd = pyfa.sim.fa2_forward(q, k, v, causal=causal)
     sim = pyfa.sim.fa2_backward(q, k, v, fwd.o, fwd.lse, do, causal=causal, block_r=Br, block_c=Bc)
+    return (q, k, v, do), fwd, sim
+
+
+@pytest.mark.parametrize("variant", ["reference", "auto"])
+@pytest.mark.parametrize("order", ["forward", "reverse"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", grid.grouped(BACKWARD_CASES, "fast_dq"))
+def test_fa2_backward_with_the_fast_dq_equals_the_simulator(case, causal, order, variant):
+    _, _, _, _, _, Br, Bc = case
+    (q, k, v, do), fwd, sim = simulated_backward(case, causal)
     dq, dk, dv = pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, causal=causal, block_r=Br,
                                    block_c=Bc, backend="emu", emu_order=order, variant=variant)
     assert same_bits(dq, sim.dq) and same_bits(dk, sim.dk) and same_bits(dv, sim.dv)
 
 
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("mask", MASKED, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
+@pytest.mark.parametrize("mask", MASKED, ids=mask_id)
 def test_fast_dq_masks_gqa(mask, d):
     # d = 128 runs the two-role dQ kernel (fa2_backward_dq_fast_roles); Nq, Nk with tails.
     rng = np.random.default_rng(9 + d)
@@ -329,12 +353,10 @@ DKDV_RUNS = [r for r in grid.RUNS if getattr(r, "values", r)[0] != "cpu"]
 @pytest.mark.parametrize("variant", ["reference", "auto"])
 @pytest.mark.parametrize("backend,order", DKDV_RUNS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", DKDV_CASES, ids=grid.case_id)
+@pytest.mark.parametrize("case", grid.grouped(DKDV_CASES, "fast_dkdv"))
 def test_fa2_backward_with_the_fast_dkdv_equals_the_simulator(case, causal, backend, order, variant):
-    B, H, Nq, Nk, d, Br, Bc = case
-    q, k, v, do = make_inputs((B, H, Nq, d), (B, H, Nk, d), grid.case_seed(case), True)
-    fwd = pyfa.sim.fa2_forward(q, k, v, causal=causal)
-    sim = pyfa.sim.fa2_backward(q, k, v, fwd.o, fwd.lse, do, causal=causal, block_r=Br, block_c=Bc)
+    _, _, _, _, _, Br, Bc = case
+    (q, k, v, do), fwd, sim = simulated_backward(case, causal)
     dq, dk, dv = pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, causal=causal, block_r=Br,
                                    block_c=Bc, backend=backend, emu_order=order, variant=variant)
     assert same_bits(dq, sim.dq) and same_bits(dk, sim.dk) and same_bits(dv, sim.dv)
@@ -342,7 +364,7 @@ def test_fa2_backward_with_the_fast_dkdv_equals_the_simulator(case, causal, back
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
-@pytest.mark.parametrize("mask", MASKED, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
+@pytest.mark.parametrize("mask", MASKED, ids=mask_id)
 def test_fast_dkdv_masks_gqa_layouts(mask, layout, d):
     # Three query heads per K/V head: dK, dV sum over g = 0, 1, 2 in order.
     rng = np.random.default_rng(len(mask) + len(layout) + d)

@@ -213,7 +213,9 @@ def test_gpu_steps_run_on_the_emulator_with_stand_in_tools(tmp_path):
 @pytest.mark.skipif(common.find_tool("nvcc", ["/usr/local/cuda/bin/nvcc"]) is None, reason="nvcc not found")
 def test_ptxas_report_has_a_row_per_kernel_and_no_spills(tmp_path):
     import ptxas_report
-    p = run([sys.executable, str(TOOLS / "ptxas_report.py"), "--json", str(tmp_path / "ptxas.json")])
+    # One nvcc compile of every kernel (about 40 CPU-s): the bound sass_report's test has too.
+    p = run([sys.executable, str(TOOLS / "ptxas_report.py"), "--json", str(tmp_path / "ptxas.json")],
+            timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     report = json.loads((tmp_path / "ptxas.json").read_text())
     rows = {r["kernel"]: r for r in report["kernels"]}

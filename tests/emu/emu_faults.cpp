@@ -17,7 +17,10 @@
 #include <vector>
 
 #include "common/smem.h"
-#include "kernels/registry.cuh"
+#include "kernels/fa1_backward.cuh"
+#include "kernels/fa1_forward.cuh"
+#include "kernels/fa2_backward.cuh"
+#include "kernels/fa2_forward.cuh"
 
 namespace {
 
@@ -83,8 +86,12 @@ struct Problem {
     }
 };
 
+// The readable kernels only: the fast ones (kernels/fast/) would cost most of this
+// program's compile time, and neither mode runs them.
+using KernelFn = void (*)(AttentionParams);
+
 struct Shape {
-    int kernel;
+    KernelFn fn;
     const char* name;
     dim3 grid;
     unsigned threads;
@@ -96,17 +103,17 @@ std::vector<Shape> shapes(const Problem& pr) {
     const unsigned H = unsigned(pr.H), B = unsigned(pr.B);
     auto bytes = [](SmemLayout L) { return size_t(L.bytes()); };
     return {
-        {PYFA_KERNEL_FA2_FORWARD, "fa2_forward", dim3(Tr, H, B), kFa2ForwardThreads,
+        {PYFA_KERNELS::fa2_forward_kernel, "fa2_forward", dim3(Tr, H, B), kFa2ForwardThreads,
          bytes(fa2_forward_smem(pr.Br, pr.Bc, pr.d))},
-        {PYFA_KERNEL_FA1_FORWARD, "fa1_forward", dim3(1, H, B), kFa1ForwardThreads,
+        {PYFA_KERNELS::fa1_forward_kernel, "fa1_forward", dim3(1, H, B), kFa1ForwardThreads,
          bytes(fa1_forward_smem(pr.Br, pr.Bc, pr.d))},
-        {PYFA_KERNEL_FA1_BACKWARD, "fa1_backward", dim3(1, H, B), kFa1BackwardThreads,
+        {PYFA_KERNELS::fa1_backward_kernel, "fa1_backward", dim3(1, H, B), kFa1BackwardThreads,
          bytes(fa1_backward_smem(pr.Br, pr.Bc, pr.d))},
-        {PYFA_KERNEL_FA2_BACKWARD_PREPROCESS, "fa2_backward_preprocess", dim3(Tr, H, B),
+        {PYFA_KERNELS::fa2_backward_preprocess_kernel, "fa2_backward_preprocess", dim3(Tr, H, B),
          kFa2BackwardThreads, bytes(fa2_backward_preprocess_smem(pr.Br, pr.Bc, pr.d))},
-        {PYFA_KERNEL_FA2_BACKWARD_DKDV, "fa2_backward_dkdv", dim3(Tc, H, B), kFa2BackwardThreads,
+        {PYFA_KERNELS::fa2_backward_dkdv_kernel, "fa2_backward_dkdv", dim3(Tc, H, B), kFa2BackwardThreads,
          bytes(fa2_backward_dkdv_smem(pr.Br, pr.Bc, pr.d))},
-        {PYFA_KERNEL_FA2_BACKWARD_DQ, "fa2_backward_dq", dim3(Tr, H, B), kFa2BackwardThreads,
+        {PYFA_KERNELS::fa2_backward_dq_kernel, "fa2_backward_dq", dim3(Tr, H, B), kFa2BackwardThreads,
          bytes(fa2_backward_dq_smem(pr.Br, pr.Bc, pr.d))},
     };
 }
@@ -132,7 +139,7 @@ int sweep() {
     Problem pr(7, 96, 32, 32, 16);
     const AttentionParams p = pr.params();
     const Shape fwd = shapes(pr)[0];
-    const auto fn = PYFA_KERNELS::kernel_fn(fwd.kernel);
+    const KernelFn fn = fwd.fn;
     const std::function<void()> body = [fn, &p] { fn(p); };
     pyfa_emu::LaunchResult result;
     if (launch(fwd, body, 1, &result) != pyfa_emu::Error::None) {
@@ -199,7 +206,7 @@ int stack() {
         Problem pr(11, 48, d, 16, 16);
         const AttentionParams p = pr.params();
         for (const Shape& s : shapes(pr)) {
-            const auto fn = PYFA_KERNELS::kernel_fn(s.kernel);
+            const KernelFn fn = s.fn;
             pyfa_emu::release_workers();  // a fresh stack shows this kernel's use alone
             pyfa_emu::LaunchResult result;
             if (launch(s, [fn, &p] { fn(p); }, 1, &result) != pyfa_emu::Error::None) {
