@@ -218,8 +218,9 @@ def _sass_tools_missing():
     import sass_report
     if sass_report.ptxas_report.find_nvcc() is None:
         return "nvcc not found (PATH, CUDA_HOME, /usr/local/cuda)"
-    if sass_report.find_tool("cuobjdump") is None:
-        return "cuobjdump not found (pip install nvidia-cuda-cuobjdump, the dev extra)"
+    for tool in ("cuobjdump", "nvdisasm"):
+        if sass_report.find_tool(tool) is None:
+            return f"{tool} not found (pip install nvidia-cuda-{tool}, the dev extra)"
     return None
 
 
@@ -252,3 +253,17 @@ def test_sass_report_rows_and_summary(tmp_path):
             assert r["fp_share"] >= 0.85 and r["lds_per_flop"] <= 0.1 and r["forecast_tflops"] >= 34, r
             assert r["int_div"] == 0, r
     assert {r["head_dim"] for r in rows if r["name"] == "fa2_forward/fast"} == {64, 128}
+    # Issue 23 (F5): every fast kernel stores O, dQ, dK, dV 128 bits at a time; the only
+    # narrower global stores are of the per-row statistics (LSE; FA1's m and l), one
+    # float per row.
+    fast = [r for r in rows if r["variant"] == "fast"]
+    assert {r["kernel"] for r in fast} == {"fa2_forward", "fa2_backward_dq", "fa2_backward_dkdv",
+                                           "fa1_forward", "fa1_backward"}
+    for r in fast:
+        assert r["global_stores"].get("128", 0) > 0 and r["split_vector_stores"] == 0, \
+            (r["function"], r["global_stores"], r["narrow_store_sites"])
+        for site in r["narrow_store_sites"]:
+            path, line = site.rsplit(":", 1)
+            text = (ROOT / "src" / path).read_text().splitlines()[int(line) - 1]
+            assert re.search(r"\b(lse|m|l)\[", text), f"{r['function']}: a narrow store at {site}: {text.strip()}"
+    assert any(r["narrow_store_sites"] for r in fast if r["kernel"] == "fa2_forward")  # LSE: sites are read

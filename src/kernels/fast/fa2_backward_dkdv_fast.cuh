@@ -214,7 +214,7 @@ PYFA_UNROLL
                 const float a = acc[ii][4 * hh + x];
                 o[x] = pyfa_canonical_nan(dk_role ? a * p.scale : a);
             }
-            st4(out + (col0 + c) * ldout + cg * 4 + 64 * hh, pyfa_f4{o[0], o[1], o[2], o[3]});
+            stg4(out + (col0 + c) * ldout + cg * 4 + 64 * hh, pyfa_f4{o[0], o[1], o[2], o[3]});
         }
     }
 }
