@@ -25,6 +25,8 @@ nvdisasm (nvidia-cuda-nvdisasm) for the store sites, which are left out without 
 Exit status 0, or 2 when a tool is missing or the compile fails.
 
     python tools/sass_report.py [--head-dim 64 128] [--json report.json]
+    python tools/sass_report.py --cubin K.cubin --ptxas-json P.json   # no compile: report
+                                # on ptxas_report.py --cubin K.cubin --json P.json's build
 """
 
 import argparse
@@ -381,6 +383,8 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--source", default="src/backends/cuda/cuda_backend.cu")
     ap.add_argument("--json", help="also write the report as JSON here")
+    ap.add_argument("--cubin", help="report on this cubin instead of compiling (ptxas_report.py --cubin)")
+    ap.add_argument("--ptxas-json", help="with --cubin: ptxas_report.py --json of the same compile")
     args = ap.parse_args(argv)
 
     nvcc = ptxas_report.find_nvcc()
@@ -393,17 +397,25 @@ def main(argv=None):
     origin = "CMakeLists.txt"
     if flags is None:
         flags, origin = ptxas_report.FALLBACK_CUDA_FLAGS, "built-in copy"
+    if bool(args.cubin) != bool(args.ptxas_json):
+        print("sass_report: --cubin and --ptxas-json go together (ptxas_report.py --json J --cubin C)")
+        return 2
     with tempfile.TemporaryDirectory(prefix="pyfa-sass-") as tmp:
-        Path(tmp, "pyfa_export.h").write_text("#define PYFA_API\n")
-        cubin = str(Path(tmp, "kernels.cubin"))
-        cmd = [nvcc, "-cubin", f"-arch={args.arch}", "-lineinfo", "-Xptxas", "-v", *flags, "-I", "src",
-               "-I", "src/include", "-I", tmp, '-DPYFA_VERSION_STRING="sass-report"',
-               "-o", cubin, args.source]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        if proc.returncode != 0:
-            print(f"sass_report: nvcc failed (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}")
-            return 2
-        resources = ptxas_report.parse_ptxas(proc.stdout + proc.stderr)
+        if args.cubin:
+            # ptxas_report.py's compile (the same flags), its resources by kernel function.
+            cubin = args.cubin
+            by_function = {r["function"]: r for r in json.loads(Path(args.ptxas_json).read_text())["kernels"]}
+        else:
+            Path(tmp, "pyfa_export.h").write_text("#define PYFA_API\n")
+            cubin = str(Path(tmp, "kernels.cubin"))
+            cmd = [nvcc, "-cubin", f"-arch={args.arch}", "-lineinfo", "-Xptxas", "-v", *flags, "-I", "src",
+                   "-I", "src/include", "-I", tmp, '-DPYFA_VERSION_STRING="sass-report"',
+                   "-o", cubin, args.source]
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(f"sass_report: nvcc failed (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}")
+                return 2
+            resources = ptxas_report.parse_ptxas(proc.stdout + proc.stderr)
         dis = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True)
         if dis.returncode != 0:
             print(f"sass_report: cuobjdump failed: {dis.stderr}")
@@ -420,6 +432,8 @@ def main(argv=None):
                 have_sites = True
 
     names = ptxas_report.demangle(list(sass))
+    if args.cubin:
+        resources = {m: by_function.get(names[m], {}) for m in sass}
     ref_threads = reference_threads()
     rows = []
     sources = {}
