@@ -26,7 +26,8 @@ STRICT_FLAGS = ["-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0"
 # Mutation tests: each fault must be reported as exactly its hazard.
 # ---------------------------------------------------------------------------------------
 FAULTS = ["none", "race", "init", "bounds", "barrier",
-          "fast-none", "async_count", "async_drop", "align", "warp_race", "warp_mask"]
+          "fast-none", "async_count", "async_drop", "align", "warp_race", "warp_mask",
+          "mods-none", "bias", "alibi", "cu_seqlens", "dbias-none", "dbias"]
 
 
 @pytest.fixture(scope="module")
@@ -93,12 +94,27 @@ EXPECTED = {
     # A shuffle whose mask leaves out half of the lanes that call it.
     "warp_mask": ["check barrier " + re.escape(FAST), r"thread 16 calls a shuffle at \S*fa2_forward_fast\.cuh:\d+ "
                   r"with mask 0x0000ffff, which does not include its own lane 16"],
+    # The tensors of the score modifications and of packed sequences, each read (written)
+    # one element off: strict mode knows each one's extent. The bias broadcasts over B and
+    # H (strides 0) with padded rows: the read past a row's last key lands in the padding.
+    "bias": ["check bounds " + re.escape(REF), r"read of bias at element offset \d+, which is not an element of it "
+             r"\(shape \(1, 2, 40, 40\), strides \(0, 0, 44, 1\)\)"],
+    # ALiBi's slopes (H,): head 1 reads slope 2.
+    "alibi": ["check bounds " + re.escape(REF), r"read of alibi_slopes at element offset 2, past its last element "
+              r"\(offset 1\) \(shape \(1, 2, 1, 1\), strides \(0, 1, 0, 1\)\)"],
+    # Two packed sequences: the last one reads offset B + 1.
+    "cu_seqlens": ["check bounds " + re.escape(REF), r"read of cu_seqlens_q at element offset 3, past its last "
+                   r"element \(offset 2\) \(shape \(1, 1, 1, 3\)"],
+    # dS into dbias (B, H, Nq, Nk), one element on: the last write lands past its end.
+    "dbias": ["check bounds in fa2_backward_dkdv \\(reference variant\\): ",
+              r"write of dbias at element offset 3200, past its last element \(offset 3199\) "
+              r"\(shape \(1, 2, 40, 40\), strides \(3200, 1600, 40, 1\)\)"],
 }
 
 
 # One worker builds and runs the faulty kernels once for every test that reads them.
 @pytest.mark.xdist_group("strict_faults")
-@pytest.mark.parametrize("fault", ["none", "fast-none"])
+@pytest.mark.parametrize("fault", ["none", "fast-none", "mods-none", "dbias-none"])
 def test_the_unbroken_kernels_run_clean(fault_reports, fault):
     assert fault_reports[fault] == "ok", fault_reports[fault]
 
@@ -174,6 +190,92 @@ def run_ops(case, how):
 def test_library_kernels_run_clean_in_strict_mode_with_the_same_bits(case):
     strict = run_ops(case, STRICT)
     plain = run_ops(case, PLAIN)
+    for i, (s, p) in enumerate(zip(strict, plain)):
+        assert np.array_equal(np.asarray(s).view(np.uint32), np.asarray(p).view(np.uint32)), f"output {i}"
+
+
+# The score modifications and packed sequences, whose tensors strict mode registers with
+# their true extents (src/backends/emu/strict_params.h): bias (broadcast: stride-0 axes)
+# and dbias, ALiBi's slopes, dropout, cu_seqlens. Small reference cases, and the fast
+# kernels of d = 64 on a tail where they take the modification (the forward and dQ take a
+# bias, those that drop take dropout; the rest run the readable kernel).
+def mods_of(name, B, H, Nq, Nk, rng):
+    if name == "bias":  # broadcast over the batch
+        return dict(bias=rng.standard_normal((1, H, Nq, Nk), dtype=np.float32))
+    if name == "bias_one_row":  # dbias summed over the query rows
+        return dict(bias=rng.standard_normal((B, 1, 1, Nk), dtype=np.float32))
+    if name == "alibi":
+        return dict(alibi_slopes=rng.uniform(0.1, 1.0, H).astype(np.float32))
+    if name == "dropout":
+        return dict(dropout_p=0.25, seed=11)
+    if name == "bias_dropout":
+        return dict(dropout_p=0.25, seed=11, bias=rng.standard_normal((B, H, Nq, Nk), dtype=np.float32))
+    raise AssertionError(name)
+
+
+MOD_CASES = [
+    ("bias", (2, 2, 1, 9, 11, 8, 4, 4, "reference", (True, None, "bottom_right"), False)),
+    ("bias_one_row", (2, 2, 2, 7, 9, 4, 4, 8, "reference", (False, (2, 1), "top_left"), True)),
+    ("alibi", (2, 2, 1, 9, 11, 8, 4, 4, "reference", (True, None, "top_left"), False)),
+    ("dropout", (1, 2, 1, 9, 11, 8, 8, 4, "reference", (False, None, "bottom_right"), False)),
+    ("bias_dropout", (1, 2, 1, 70, 70, 64, 64, 64, "auto", (True, None, "bottom_right"), False)),
+]
+
+
+def run_mod_ops(name, case, how):
+    B, H, Hkv, Nq, Nk, d, Br, Bc, variant, (causal, window, align), strided = case
+    rng = np.random.default_rng(Nq * 1000 + Nk * 10 + d)
+    q = tensor(rng, (B, H, Nq, d), strided)
+    k, v = (tensor(rng, (B, Hkv, Nk, d), strided) for _ in range(2))
+    do = tensor(rng, (B, H, Nq, d), strided)
+    mods = mods_of(name, B, H, Nq, Nk, rng)
+    options = pyfa.Options(block_r=Br, block_c=Bc, variant=variant, **how)
+    kw = dict(causal=causal, window=window, causal_align=align, options=options, **mods)
+    o2, lse = pyfa.fa2_forward(q, k, v, **kw)
+    grads2 = pyfa.fa2_backward(q, k, v, o2, lse, do, **kw)
+    o1, m1, l1 = pyfa.fa1_forward(q, k, v, **kw)
+    grads1 = pyfa.fa1_backward(q, k, v, o1, m1, l1, do, **kw)
+    return [o2, lse, *grads2, o1, m1, l1, *grads1]
+
+
+@pytest.mark.parametrize("name, case", MOD_CASES, ids=[f"{n}-{case_id(c)}" for n, c in MOD_CASES])
+def test_score_modifications_run_clean_in_strict_mode_with_the_same_bits(name, case):
+    strict = run_mod_ops(name, case, STRICT)
+    plain = run_mod_ops(name, case, PLAIN)
+    assert len(strict) == len(plain) == 11 + 2 * ("bias" in name)  # dbias from each backward
+    for i, (s, p) in enumerate(zip(strict, plain)):
+        assert np.array_equal(np.asarray(s).view(np.uint32), np.asarray(p).view(np.uint32)), f"output {i}"
+
+
+# (sequence lengths q, k, H, Hkv, d, Br, Bc, variant, causal): a zero-length sequence, and
+# the fast kernels of d = 64 on sequences with tails.
+VARLEN_CASES = [
+    ((5, 0, 7), (6, 3, 9), 2, 1, 8, 4, 4, "reference", True),
+    ((70, 33), (41, 70), 2, 2, 64, 64, 64, "auto", False),
+]
+
+
+def run_varlen_ops(case, how):
+    lq, lk, H, Hkv, d, Br, Bc, variant, causal = case
+    rng = np.random.default_rng(sum(lq) * 100 + sum(lk))
+    cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+    q = rng.standard_normal((cq[-1], H, d), dtype=np.float32)
+    k, v = (rng.standard_normal((ck[-1], Hkv, d), dtype=np.float32) for _ in range(2))
+    do = rng.standard_normal((cq[-1], H, d), dtype=np.float32)
+    options = pyfa.Options(block_r=Br, block_c=Bc, variant=variant, **how)
+    out = []
+    for algo in ("fa2", "fa1"):
+        kw = dict(causal=causal, algo=algo, options=options)
+        out.append(pyfa.attention_varlen(q, k, v, cq, ck, return_lse=algo == "fa2", **kw))
+        out += pyfa.attention_varlen_grad(q, k, v, do, cq, ck, **kw)
+    return [x for o in out for x in (o if isinstance(o, tuple) else (o,))]
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda c: f"q{c[0]}-k{c[1]}-d{c[4]}-{c[7]}".replace(" ", ""))
+def test_packed_sequences_run_clean_in_strict_mode_with_the_same_bits(case):
+    strict = run_varlen_ops(case, STRICT)
+    plain = run_varlen_ops(case, PLAIN)
     for i, (s, p) in enumerate(zip(strict, plain)):
         assert np.array_equal(np.asarray(s).view(np.uint32), np.asarray(p).view(np.uint32)), f"output {i}"
 

@@ -60,6 +60,16 @@ def test_the_doc_covers_every_kernel_on_every_architecture():
             assert facts[(arch, name)][0] == fn
 
 
+# Launches known to exceed a limit, each exactly as docs/gpu_limits.md has it: ptxas for
+# sm_100 spills in the fast FA2 forward at d = 128 (255 registers), on integ7 as after
+# issue 23's 128-bit stores (the same bytes). Listed, not hidden: the test fails when one
+# changes, better or worse, so that the list follows the kernels.
+KNOWN = {
+    ("sm_100", "fa2_forward/fast d=128 64x64"): "spills 56 B",
+    ("sm_100", "fa2_forward/fast d=128 128x64"): "spills 128 B",
+}
+
+
 @pytest.mark.parametrize("arch_name", list(gpu_limits.ARCHS))
 def test_every_launch_fits_the_architecture(fake, arch_name):
     arch = gpu_limits.ARCHS[arch_name]
@@ -70,12 +80,15 @@ def test_every_launch_fits_the_architecture(fake, arch_name):
         assert 0 < smem <= arch.smem_block_optin, (row, where)
         assert threads <= arch.threads_block, (row, where)
     results = gpu_limits.check_launches(arch, plans, ptxas_of(arch_name), rows, fake)
-    problems = [(r[0], r[-1]) for r in results if r[-1]]
-    assert problems == []
+    problems = {r[0]: r[-1] for r in results if r[-1]}
+    known = {name: [why] for (a, name), why in KNOWN.items() if a == arch_name}
+    assert problems == known
     # The doc's own verdicts agree with the check's.
     for line in DOC.read_text().splitlines():
         if line.startswith(f"| {arch_name} |") and line.count("|") == 13:
-            assert line.rstrip().endswith("| yes |"), line
+            name = line.split("|")[2].strip()
+            verdict = f"| NO: {known[name][0]} |" if name in known else "| yes |"
+            assert line.rstrip().endswith(verdict), line
 
 
 def test_the_check_fails_when_a_limit_is_exceeded(fake):

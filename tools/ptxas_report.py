@@ -139,14 +139,16 @@ def dynamic_smem(kernel, head_dims):
     return out
 
 
-def compile_report(nvcc, arch, source, flags):
-    """Runs nvcc once; returns (kernels dict, PTX text, the command, nvcc's output)."""
+def compile_report(nvcc, arch, source, flags, cubin=None):
+    """Runs nvcc once; returns (kernels dict, PTX text, the command, nvcc's output). With
+    `cubin` (a path), the compile also keeps a line table (-lineinfo, which changes no
+    instruction) and the cubin is copied there, for tools/sass_report.py --cubin."""
     with tempfile.TemporaryDirectory(prefix="pyfa-ptxas-") as tmp:
         # pyfa.h includes the export header CMake generates; device code needs none of it.
         Path(tmp, "pyfa_export.h").write_text("#define PYFA_API\n")
         # -cubin skips the host compile; -keep leaves the PTX of the same compile beside it.
-        cmd = [nvcc, "-cubin", f"-arch={arch}", "-Xptxas", "-v", "-keep", "-keep-dir", tmp,
-               *flags, "-I", "src", "-I", "src/include", "-I", tmp,
+        cmd = [nvcc, "-cubin", f"-arch={arch}", *(["-lineinfo"] if cubin else []), "-Xptxas", "-v", "-keep",
+               "-keep-dir", tmp, *flags, "-I", "src", "-I", "src/include", "-I", tmp,
                '-DPYFA_VERSION_STRING="ptxas-report"', "-o", str(Path(tmp, "kernels.cubin")), source]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         log = proc.stdout + proc.stderr
@@ -154,6 +156,8 @@ def compile_report(nvcc, arch, source, flags):
             raise RuntimeError(f"nvcc failed (exit {proc.returncode}):\n{log}")
         ptx_files = sorted(Path(tmp).glob("*.ptx"))
         ptx = "\n".join(p.read_text() for p in ptx_files)
+        if cubin:
+            shutil.copyfile(Path(tmp, "kernels.cubin"), cubin)
     return parse_ptxas(log), ptx, cmd, log
 
 
@@ -176,6 +180,7 @@ def main(argv=None):
     ap.add_argument("--source", default="src/backends/cuda/cuda_backend.cu",
                     help="translation unit that includes every kernel (relative to the repo)")
     ap.add_argument("--json", help="also write the report as JSON here")
+    ap.add_argument("--cubin", help="also keep the cubin here, with a line table (for sass_report.py --cubin)")
     args = ap.parse_args(argv)
 
     nvcc = find_nvcc()
@@ -187,7 +192,7 @@ def main(argv=None):
     if flags is None:
         flags, flag_origin = FALLBACK_CUDA_FLAGS, "built-in copy (CMakeLists.txt not parsed)"
     try:
-        kernels, ptx, cmd, _ = compile_report(nvcc, args.arch, args.source, flags)
+        kernels, ptx, cmd, _ = compile_report(nvcc, args.arch, args.source, flags, args.cubin)
     except RuntimeError as e:
         print(f"ptxas_report: {e}")
         return 2

@@ -11,16 +11,22 @@ from CMakeLists.txt, as tools/ptxas_report.py does), disassembles it with cuobjd
   them, shared-memory load instructions per FLOP, and any integer division (inline
   I2F.*.RP sequences or calls to a subroutine that holds one);
 - a forecast of H200 TFLOP/s for B = 4, H = 8, N = 4096 at each head dim, from the bound
-  model in tools/README.md ("SASS report").
+  model in tools/README.md ("SASS report");
+- its global stores (STG) by width, and how many of them are split vector stores: a store
+  narrower than 128 bits whose source line (from nvdisasm's line table: the compile adds
+  -lineinfo, which changes no instruction) calls a 16-byte store helper (st4, stg4).
 
 The last line starts with `summary:` and lists, at the first --head-dim (default 64),
 `NAME fp_share=X lds_per_flop=Y forecast_tflops=Z` per kernel and variant at its default
 tiles, ` | ` between. A fast kernel compiled for several tile shapes gets a row for each.
 
-Needs nvcc and cuobjdump (PATH, CUDA_HOME, or the nvidia-cuda-cuobjdump wheel), no GPU.
+Needs nvcc and cuobjdump (PATH, CUDA_HOME, or the nvidia-cuda-cuobjdump wheel), no GPU;
+nvdisasm (nvidia-cuda-nvdisasm) for the store sites, which are left out without it.
 Exit status 0, or 2 when a tool is missing or the compile fails.
 
     python tools/sass_report.py [--head-dim 64 128] [--json report.json]
+    python tools/sass_report.py --cubin K.cubin --ptxas-json P.json   # no compile: report
+                                # on ptxas_report.py --cubin K.cubin --json P.json's build
 """
 
 import argparse
@@ -181,6 +187,70 @@ def smem_wavefronts(op):
     return 1
 
 
+def store_bits(op):
+    """Width in bits of a global store opcode (STG.E, STG.E.64, STG.E.128, STG.E.U8...)."""
+    for suffix, bits in ((".128", 128), (".64", 64), (".U16", 16), (".S16", 16), (".U8", 8), (".S8", 8)):
+        if suffix in op:
+            return bits
+    return 32
+
+
+LINE_NOTE = re.compile(r'File "([^"]+)", line (\d+)')
+# The 16-byte store helpers of src/kernels/fast/fast_common.h: a narrower store at a line
+# that calls one of them is a 16-byte store the compiler split.
+VECTOR_STORE_CALL = re.compile(r"\b(st4|stg4)\(")
+STORE_HELPERS = ("fast_common.h",)
+
+
+def global_store_sites(nvdisasm_text):
+    """{mangled function: [(bits, (file, line) or None)]} of every STG, from `nvdisasm -gi`.
+    A store's site is the innermost frame of its line-table entry outside the store
+    helpers' own file: the line that asked for the store."""
+    funcs, cur, block, chain = {}, None, False, []
+    for line in nvdisasm_text.splitlines():
+        m = re.match(r"^\.text\.(\S+):\s*$", line)
+        if m:
+            cur, chain = funcs.setdefault(m.group(1), []), []
+            continue
+        if line.lstrip().startswith("//##"):
+            pairs = [(f, int(n)) for f, n in LINE_NOTE.findall(line)]
+            chain = (chain if block else []) + pairs[:1]
+            block = True
+            continue
+        block = False
+        m = INSN.match(line)
+        if m and cur is not None and m.group(3).startswith("STG"):
+            site = next((fl for fl in chain if not fl[0].endswith(STORE_HELPERS)), None)
+            cur.append((store_bits(m.group(3)), site))
+    return funcs
+
+
+def store_summary(stores, sources):
+    """(stores by width {bits: count}, split vector stores, ["file:line", ...] of the stores
+    narrower than 128 bits) of one function; `sources` caches source files' lines."""
+    by_width, split, sites = {}, 0, []
+    for bits, site in stores:
+        by_width[bits] = by_width.get(bits, 0) + 1
+        if bits >= 128:
+            continue
+        text = ""
+        if site:
+            path = Path(site[0])
+            if path not in sources:
+                try:
+                    sources[path] = path.read_text().splitlines()
+                except OSError:
+                    sources[path] = []
+            lines = sources[path]
+            text = lines[site[1] - 1] if 0 < site[1] <= len(lines) else ""
+            where = f"{path.relative_to(ROOT / 'src') if path.is_relative_to(ROOT / 'src') else path}:{site[1]}"
+            if where not in sites:
+                sites.append(where)
+        if VECTOR_STORE_CALL.search(text):
+            split += 1
+    return by_width, split, sites
+
+
 def max_threads_attrs(cuobjdump, cubin):
     """{mangled function: threads} from __launch_bounds__ (EIATTR_MAX_THREADS)."""
     out = subprocess.run([cuobjdump, "-elf", cubin], capture_output=True, text=True).stdout
@@ -313,6 +383,8 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--source", default="src/backends/cuda/cuda_backend.cu")
     ap.add_argument("--json", help="also write the report as JSON here")
+    ap.add_argument("--cubin", help="report on this cubin instead of compiling (ptxas_report.py --cubin)")
+    ap.add_argument("--ptxas-json", help="with --cubin: ptxas_report.py --json of the same compile")
     args = ap.parse_args(argv)
 
     nvcc = ptxas_report.find_nvcc()
@@ -325,30 +397,50 @@ def main(argv=None):
     origin = "CMakeLists.txt"
     if flags is None:
         flags, origin = ptxas_report.FALLBACK_CUDA_FLAGS, "built-in copy"
+    if bool(args.cubin) != bool(args.ptxas_json):
+        print("sass_report: --cubin and --ptxas-json go together (ptxas_report.py --json J --cubin C)")
+        return 2
     with tempfile.TemporaryDirectory(prefix="pyfa-sass-") as tmp:
-        Path(tmp, "pyfa_export.h").write_text("#define PYFA_API\n")
-        cubin = str(Path(tmp, "kernels.cubin"))
-        cmd = [nvcc, "-cubin", f"-arch={args.arch}", "-Xptxas", "-v", *flags, "-I", "src",
-               "-I", "src/include", "-I", tmp, '-DPYFA_VERSION_STRING="sass-report"',
-               "-o", cubin, args.source]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        if proc.returncode != 0:
-            print(f"sass_report: nvcc failed (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}")
-            return 2
-        resources = ptxas_report.parse_ptxas(proc.stdout + proc.stderr)
+        if args.cubin:
+            # ptxas_report.py's compile (the same flags), its resources by kernel function.
+            cubin = args.cubin
+            by_function = {r["function"]: r for r in json.loads(Path(args.ptxas_json).read_text())["kernels"]}
+        else:
+            Path(tmp, "pyfa_export.h").write_text("#define PYFA_API\n")
+            cubin = str(Path(tmp, "kernels.cubin"))
+            cmd = [nvcc, "-cubin", f"-arch={args.arch}", "-lineinfo", "-Xptxas", "-v", *flags, "-I", "src",
+                   "-I", "src/include", "-I", tmp, '-DPYFA_VERSION_STRING="sass-report"',
+                   "-o", cubin, args.source]
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(f"sass_report: nvcc failed (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}")
+                return 2
+            resources = ptxas_report.parse_ptxas(proc.stdout + proc.stderr)
         dis = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True)
         if dis.returncode != 0:
             print(f"sass_report: cuobjdump failed: {dis.stderr}")
             return 2
         sass = parse_sass(dis.stdout)
         bounds = max_threads_attrs(cuobjdump, cubin)
+        stores = {m: [(store_bits(op), None) for _, _, op, _ in insns if op.startswith("STG")]
+                  for m, insns in sass.items()}
+        nvdisasm, have_sites = find_tool("nvdisasm"), False
+        if nvdisasm:
+            gi = subprocess.run([nvdisasm, "-gi", cubin], capture_output=True, text=True)
+            if gi.returncode == 0:
+                stores.update(global_store_sites(gi.stdout))
+                have_sites = True
 
     names = ptxas_report.demangle(list(sass))
+    if args.cubin:
+        resources = {m: by_function.get(names[m], {}) for m in sass}
     ref_threads = reference_threads()
     rows = []
+    sources = {}
     for mangled, insns in sass.items():
         kernel, variant, targs = split_name(names[mangled])
         res = resources.get(mangled, {})
+        by_width, split, narrow_sites = store_summary(stores.get(mangled, []), sources)
         hl = hot_loops(insns)
         agg = aggregate(hl)
         threads = bounds.get(mangled) or ref_threads.get(kernel)
@@ -377,6 +469,9 @@ def main(argv=None):
                 "lds_per_flop": agg["lds"] / agg["flop"] if agg and agg["flop"] else None,
                 "int_div": agg["int_div"] if agg else None,
                 "forecast_tflops": fc,
+                "global_stores": {str(b): n for b, n in sorted(by_width.items())},
+                "split_vector_stores": split if have_sites else None,
+                "narrow_store_sites": narrow_sites,
             })
     rows.sort(key=lambda r: (r["kernel"], r["variant"] != "reference", r["head_dim"],
                              not r["default_tiles"]))
@@ -388,8 +483,9 @@ def main(argv=None):
           f"from {origin}: {' '.join(flags)}; H200 forecast for B={PROBLEM['batch']} "
           f"H={PROBLEM['heads']} N={PROBLEM['seqlen']} (model: tools/README.md)")
     print("| kernel/variant | d | tiles | threads | regs | spill B | smem B | occupancy (limit) "
-          "| hot loops | insns/iter | fp share | LDS/FLOP | LDS.128 | int div | TFLOP/s |")
-    print("|---" * 15 + "|")
+          "| hot loops | insns/iter | fp share | LDS/FLOP | LDS.128 | int div | TFLOP/s "
+          "| STG 128/64/32 bit | split |")
+    print("|---" * 17 + "|")
     for r in rows:
         h = r["hot"] or {}
         tiles = f"{r['block_r']}x{r['block_c']}" if r["block_r"] else "-"
@@ -399,7 +495,9 @@ def main(argv=None):
               f"{r['occupancy']:.2f} ({r['occupancy_limit']}) | {r['hot_loops']} | "
               f"{f(h.get('instructions'), 'd')} | {f(r['fp_share'], '.2f')} | "
               f"{f(r['lds_per_flop'], '.3f')} | {f(h.get('lds128'), 'd')} | "
-              f"{f(r['int_div'], 'd')} | {f(r['forecast_tflops'], '.1f')} |")
+              f"{f(r['int_div'], 'd')} | {f(r['forecast_tflops'], '.1f')} | "
+              f"{'/'.join(str(r['global_stores'].get(b, 0)) for b in ('128', '64', '32'))} | "
+              f"{f(r['split_vector_stores'], 'd')} |")
     d0 = args.head_dim[0]
     parts = [f"{r['name']} fp_share={f(r['fp_share'], '.3f')} "
              f"lds_per_flop={f(r['lds_per_flop'], '.3f')} "

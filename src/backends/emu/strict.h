@@ -57,7 +57,7 @@ public:
         const char* name;
         int64_t offset, floats, width;  // in floats; width: floats per row
     };
-    static constexpr int kMaxTensors = 16;
+    static constexpr int kMaxTensors = 24;  // every tensor of AttentionParams (strict_params.h)
     static constexpr int kMaxTerms = 16;
 
     explicit StrictSession(const char* kernel) : kernel_(kernel) {}

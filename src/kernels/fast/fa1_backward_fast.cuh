@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(4 * kFastBc) fa1_backward_fast_kernel(const At
     for (int g = 0; g < G; ++g) {
         float* dQ = head(g).dQ;
         for (int e = tid; e < Nq * DC; e += NT)
-            st4(dQ + (e / DC) * lddq + 4 * (e & (DC - 1)), pyfa_f4{0.f, 0.f, 0.f, 0.f});
+            stg4(dQ + (e / DC) * lddq + 4 * (e & (DC - 1)), pyfa_f4{0.f, 0.f, 0.f, 0.f});
     }
 
     // Q_i, dO_i, O_i of one step by cp.async, 16 bytes at a time into their swizzled
@@ -405,11 +405,11 @@ PYFA_UNROLL
                 for (int kk = 0; kk < 4; ++kk) {
                     const int r = rq * 4 + kk;
                     if (r >= br || (cut && band.cols(r, bc).begin == band.cols(r, bc).end)) continue;
-                    st4(cur.dQ + (row0 + r) * lddq + xq * 4 + 64 * hh,
-                        pyfa_f4{pyfa_canonical_nan(pyfa_fma(scale, t[kk][0], old[kk].x)),
-                                pyfa_canonical_nan(pyfa_fma(scale, t[kk][1], old[kk].y)),
-                                pyfa_canonical_nan(pyfa_fma(scale, t[kk][2], old[kk].z)),
-                                pyfa_canonical_nan(pyfa_fma(scale, t[kk][3], old[kk].w))});
+                    stg4(cur.dQ + (row0 + r) * lddq + xq * 4 + 64 * hh,
+                         pyfa_f4{pyfa_canonical_nan(pyfa_fma(scale, t[kk][0], old[kk].x)),
+                                 pyfa_canonical_nan(pyfa_fma(scale, t[kk][1], old[kk].y)),
+                                 pyfa_canonical_nan(pyfa_fma(scale, t[kk][2], old[kk].z)),
+                                 pyfa_canonical_nan(pyfa_fma(scale, t[kk][3], old[kk].w))});
                 }
             }
 
@@ -428,9 +428,9 @@ PYFA_UNROLL
             if (c >= bc) continue;
 PYFA_UNROLL
             for (int hh = 0; hh < XC; ++hh)
-                st4(out + (col0 + c) * ldout + cg * 4 + 64 * hh,
-                    pyfa_f4{pyfa_canonical_nan(acc[ii][4 * hh + 0]), pyfa_canonical_nan(acc[ii][4 * hh + 1]),
-                            pyfa_canonical_nan(acc[ii][4 * hh + 2]), pyfa_canonical_nan(acc[ii][4 * hh + 3])});
+                stg4(out + (col0 + c) * ldout + cg * 4 + 64 * hh,
+                     pyfa_f4{pyfa_canonical_nan(acc[ii][4 * hh + 0]), pyfa_canonical_nan(acc[ii][4 * hh + 1]),
+                             pyfa_canonical_nan(acc[ii][4 * hh + 2]), pyfa_canonical_nan(acc[ii][4 * hh + 3])});
         }
     }
 }

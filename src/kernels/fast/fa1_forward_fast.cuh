@@ -79,7 +79,7 @@ PYFA_UNROLL
             const int r = wrow + rg + 2 * ii;
             if (r >= br) continue;
 PYFA_UNROLL
-            for (int hh = 0; hh < XC; ++hh) st4(O + (row0 + r) * ldo + cg * 4 + 64 * hh, zero4);
+            for (int hh = 0; hh < XC; ++hh) stg4(O + (row0 + r) * ldo + cg * 4 + 64 * hh, zero4);
         }
         if (lane < 16 && my_row < br) {
             m[row0 + my_row] = -INFINITY;
@@ -218,7 +218,7 @@ PYFA_UNROLL
                     out.y = pyfa_canonical_nan(ln == 0.0f ? 0.0f : pyfa_fma(os, o[ii][hh].y, beta * w[1]) / ln);
                     out.z = pyfa_canonical_nan(ln == 0.0f ? 0.0f : pyfa_fma(os, o[ii][hh].z, beta * w[2]) / ln);
                     out.w = pyfa_canonical_nan(ln == 0.0f ? 0.0f : pyfa_fma(os, o[ii][hh].w, beta * w[3]) / ln);
-                    st4(O + (row0 + r) * ldo + cg * 4 + 64 * hh, out);
+                    stg4(O + (row0 + r) * ldo + cg * 4 + 64 * hh, out);
                 }
             }
             q_stage(4);

@@ -35,9 +35,17 @@ namespace PYFA_KERNELS {
 
 // Blocks per SM asked of ptxas: two at d = 64 (128 registers, which the scores' loop, not
 // unrolled, fits without spilling on sm_80, sm_90 and sm_120), one at d = 128 (left to
-// itself ptxas would hold it to 128 registers and spill).
+// itself ptxas would hold it to 128 registers and spill). sm_86 and sm_89 hold one d = 64
+// block per SM anyway (100 KiB of shared memory, docs/gpu_limits.md) and ptxas spills at
+// 128 registers there: one is asked.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 890)
+#define PYFA_DKDV_FAST_D64_BLOCKS 1
+#else
+#define PYFA_DKDV_FAST_D64_BLOCKS 2
+#endif
 template <int D>
-__global__ void __launch_bounds__(4 * kFastBc, D == 64 ? 2 : 1) fa2_backward_dkdv_fast_kernel(const AttentionParams params) {
+__global__ void __launch_bounds__(4 * kFastBc, D == 64 ? PYFA_DKDV_FAST_D64_BLOCKS : 1)
+    fa2_backward_dkdv_fast_kernel(const AttentionParams params) {
     // Built without the additive bias: no registers left for it (sm_80 to sm_89 spill);
     // core/tiles.cpp sends a call with a bias to the readable kernel.
     // Nor softcap and ALiBi (common/score.h fast_score_params).
@@ -214,7 +222,7 @@ PYFA_UNROLL
                 const float a = acc[ii][4 * hh + x];
                 o[x] = pyfa_canonical_nan(dk_role ? a * p.scale : a);
             }
-            st4(out + (col0 + c) * ldout + cg * 4 + 64 * hh, pyfa_f4{o[0], o[1], o[2], o[3]});
+            stg4(out + (col0 + c) * ldout + cg * 4 + 64 * hh, pyfa_f4{o[0], o[1], o[2], o[3]});
         }
     }
 }

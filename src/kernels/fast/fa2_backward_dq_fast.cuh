@@ -263,7 +263,7 @@ PYFA_UNROLL
             out.y = pyfa_canonical_nan(a.y * p.scale);
             out.z = pyfa_canonical_nan(a.z * p.scale);
             out.w = pyfa_canonical_nan(a.w * p.scale);
-            st4(dQ + (row0 + r) * lddq + cg * 4 + 64 * hh, out);
+            stg4(dQ + (row0 + r) * lddq + cg * 4 + 64 * hh, out);
         }
     }
 }
@@ -398,9 +398,9 @@ PYFA_UNROLL
     for (int ii = 0; ii < 8; ++ii) {
         const int r = wrow + rg + 2 * ii;
         if (r >= br) continue;
-        st4(dQ + (row0 + r) * lddq + cg * 4 + 64 * role,
-            pyfa_f4{pyfa_canonical_nan(acc[ii][0] * p.scale), pyfa_canonical_nan(acc[ii][1] * p.scale),
-                    pyfa_canonical_nan(acc[ii][2] * p.scale), pyfa_canonical_nan(acc[ii][3] * p.scale)});
+        stg4(dQ + (row0 + r) * lddq + cg * 4 + 64 * role,
+             pyfa_f4{pyfa_canonical_nan(acc[ii][0] * p.scale), pyfa_canonical_nan(acc[ii][1] * p.scale),
+                     pyfa_canonical_nan(acc[ii][2] * p.scale), pyfa_canonical_nan(acc[ii][3] * p.scale)});
     }
 }
 

@@ -247,7 +247,7 @@ PYFA_UNROLL
             out.y = pyfa_canonical_nan(l == 0.0f ? 0.0f : o[ii][4 * h + 1] / l);
             out.z = pyfa_canonical_nan(l == 0.0f ? 0.0f : o[ii][4 * h + 2] / l);
             out.w = pyfa_canonical_nan(l == 0.0f ? 0.0f : o[ii][4 * h + 3] / l);
-            st4(g.o + (row0 + r) * g.ldo + cg * 4 + 64 * h, out);
+            stg4(g.o + (row0 + r) * g.ldo + cg * 4 + 64 * h, out);
         }
     }
     if (lane < 16 && my_row < br)

@@ -30,7 +30,8 @@ struct alignas(16) pyfa_f4 {
 };
 #endif
 
-// 16-byte loads and stores of shared or global memory at a 16-byte aligned address.
+// 16-byte loads and stores of shared or global memory at a 16-byte aligned address; stg4
+// for global stores.
 #if defined(PYFA_EMU_STRICT)
 // Strict mode checks each as one 16-byte access, with its call site.
 PYFA_DEV pyfa_f4 ld4(const float* p, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
@@ -40,6 +41,10 @@ PYFA_DEV pyfa_f4 ld4(const float* p, const char* file = __builtin_FILE(), int li
 }
 
 PYFA_DEV void st4(float* p, pyfa_f4 v, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+    ::pyfa_emu::strict_store(p, &v, sizeof(v), file, line);
+}
+
+PYFA_DEV void stg4(float* p, pyfa_f4 v, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
     ::pyfa_emu::strict_store(p, &v, sizeof(v), file, line);
 }
 #else
@@ -56,6 +61,18 @@ PYFA_DEV pyfa_f4 ld4(const float* p) {
 PYFA_DEV void st4(float* p, pyfa_f4 v) {
 #if defined(__CUDACC__)
     *reinterpret_cast<float4*>(p) = v;
+#else
+    std::memcpy(p, &v, sizeof(v));
+#endif
+}
+
+// st4 into global memory (O, dQ, dK, dV; never shared memory). nvcc 13 breaks some plain
+// float4 stores to global memory into four 32-bit STG (the fast forwards' O, the d = 64
+// dQ: issue 23, F5); st.global.wb.v4 (write-back, the default policy) is one STG.128.
+// tools/sass_report.py counts them, tests/test_tools.py holds every fast kernel to it.
+PYFA_DEV void stg4(float* p, pyfa_f4 v) {
+#if defined(__CUDACC__)
+    __stwb(reinterpret_cast<float4*>(p), v);
 #else
     std::memcpy(p, &v, sizeof(v));
 #endif
