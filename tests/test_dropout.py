@@ -347,7 +347,8 @@ def test_dropout_mask_arguments():
 
 def test_packed_sequences_drop_as_the_dense_batch_element_of_their_index():
     # Sequence b of a varlen call draws the decisions of (b, h, i, j), i and j its own rows
-    # and keys: those of batch element b of a dense call holding it (the rest padded).
+    # and keys: those of batch element b of a dense call holding it (the rest padded); the
+    # simulator's packed calls draw the same.
     rng = np.random.default_rng(12)
     q = rng.standard_normal((30, 2, 16), dtype=np.float32)
     k, v = (rng.standard_normal((40, 1, 16), dtype=np.float32) for _ in range(2))
@@ -367,5 +368,11 @@ def test_packed_sequences_drop_as_the_dense_batch_element_of_their_index():
         assert same_bits(o[10:30], pyfa.attention(Q, K, V, layout="bnhd", options=opts, **kw)[1])
         alone = pyfa.attention(q[None, :10], k[None, :15], v[None, :15], layout="bnhd", options=opts, **kw)[0]
         assert same_bits(o[:10], alone)
-    with pytest.raises(pyfa.InvalidArgumentError, match="dropout_p: .* takes no dropout with packed sequences"):
-        pyfa.sim.attention_varlen(q, k, v, cu_q, cu_k, **kw)
+        assert same_bits(o, pyfa.sim.attention_varlen(q, k, v, cu_q, cu_k, **kw).o)
+    # And the backward regenerates them: the library's gradients are the simulator's.
+    do = rng.standard_normal(q.shape, dtype=np.float32)
+    sim = pyfa.sim.attention_varlen(q, k, v, cu_q, cu_k, **kw)
+    want = pyfa.sim.fa2_backward_varlen(q, k, v, sim.o, sim.lse, do, cu_q, cu_k, **kw)
+    for backend in ("cpu", "emu"):
+        _, *got = pyfa.attention_varlen_grad(q, k, v, do, cu_q, cu_k, options=pyfa.Options(backend=backend), **kw)
+        assert all(same_bits(a, getattr(want, n)) for a, n in zip(got, ("dq", "dk", "dv"))), backend

@@ -14,6 +14,8 @@ head), i, j (query row and key) are integer arrays that broadcast against the sc
 a modification reads what it needs of them and of mods.
 """
 
+import contextlib
+import contextvars
 import functools
 
 import numpy as np
@@ -85,10 +87,26 @@ def dropout(mods):
     return _dropout(mods.dropout_p, mods.seed or 0, mods.offset)
 
 
+# The library's b of a simulated call's batch element 0: the simulator runs packed
+# sequences one at a time (pyfa/sim/varlen.py), each as batch element 0 of a dense call,
+# while the library keys sequence b's dropout on b.
+_BATCH0 = contextvars.ContextVar("pyfa_sim_batch0", default=0)
+
+
+@contextlib.contextmanager
+def batch_offset(b0):
+    """Within it, the score pipeline's batch element b is the library's b0 + b."""
+    token = _BATCH0.set(b0)
+    try:
+        yield
+    finally:
+        _BATCH0.reset(token)
+
+
 def dropped(mods, P, b, h, i, j):
     """P o Z / (1 - p) of dropout.h's Dropout::apply: what P V (and the backward's dV and
     dP) take in place of P."""
-    return dropout(mods).apply(P, b, h, i, j)
+    return dropout(mods).apply(P, b + _BATCH0.get(), h, i, j)
 
 
 # ---- dBias (issue 27): the twin of score.h's dbias_clear and dbias_tile.

@@ -16,6 +16,7 @@ import numpy as np
 from ..checks import (VARLEN_SHAPES, check_max_seqlen, check_offsets, check_qkv, check_varlen_rank)
 from ..errors import InvalidArgumentError
 from ..options import resolve
+from . import score
 from .count import count_io_varlen
 from .fa1_backward import fa1_backward
 from .fa1_forward import fa1_forward
@@ -60,11 +61,6 @@ def _run(algo, passes, function, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen
                                        f"{np.shape(tensors['q'])}, got {np.shape(x)}")
     if kwargs.get("bias") is not None:
         raise InvalidArgumentError(f"bias: {function} takes no bias with packed sequences in this version")
-    # The library keys a packed sequence's dropout on its index b, as batch element b of a
-    # dense call; the simulator runs each sequence alone as batch element 0.
-    if kwargs.get("dropout_p"):
-        raise InvalidArgumentError(f"dropout_p: {function} takes no dropout with packed sequences in this "
-                                   "version (the library's pyfa.attention_varlen does)")
     options = resolve(function, options, {}, allowed=("block_r", "block_c"))
     if options.progress is not None:
         raise InvalidArgumentError(f"options.progress: {function} does not report progress")
@@ -73,7 +69,9 @@ def _run(algo, passes, function, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen
     for (qa, qz), (ka, kz) in zip(zip(offsets_q, offsets_q[1:]), zip(offsets_k, offsets_k[1:])):
         args = [tensors[n][:, qa:qz] if n in _STATS else
                 tensors[n][ka:kz] if n in _KEY_ROWS else tensors[n][qa:qz] for n in names]
-        r = kernel(*args, layout="bnhd", options=options, **kwargs)
+        # Sequence b draws dropout as batch element b (score.batch_offset).
+        with score.batch_offset(len(parts)):
+            r = kernel(*args, layout="bnhd", options=options, **kwargs)
         if qz == qa or kz == ka:  # answered without a kernel: count what the varlen kernels move
             r.io = count_io_varlen(algo, passes=passes, cu_seqlens_q=[0, qz - qa], cu_seqlens_k=[0, kz - ka],
                                    heads=H, head_dim=d, heads_kv=heads_kv, block_r=options.block_r,
