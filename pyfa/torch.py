@@ -649,11 +649,20 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
 
 
 def _varlen_keywords(causal, window_left, window_right, causal_align, scale, block_r, block_c,
-                     backend):
+                     backend, softcap=None):
     kw = _keywords(causal, window_left, window_right, causal_align, scale, "bnhd", block_r,
-                   block_c, backend)
+                   block_c, backend, softcap=softcap)
     del kw["layout"]
     return kw
+
+
+def _run_varlen(op_name, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kw):
+    """pyfa.varlen.run with the flat keywords of _varlen_keywords (the score modifications
+    travel as its mods)."""
+    kw = dict(kw)
+    mods = {name: kw.pop(name) for name in ("softcap",) if name in kw}
+    return varlen.run(op_name, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                      max_seqlen_k=max_seqlen_k, function="pyfa.torch.attention_varlen", mods=mods, **kw)
 
 
 @torch.library.custom_op("pyfa::fa2_varlen_forward", mutates_args=())
@@ -661,20 +670,19 @@ def _fa2_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, c
                         max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                         window_left: Optional[int], window_right: Optional[int], causal_align: str,
                         scale: Optional[float], block_r: Optional[int], block_c: Optional[int],
-                        backend: str) -> Tuple[Tensor, Tensor]:
+                        backend: str, softcap: Optional[float] = None) -> Tuple[Tensor, Tensor]:
     """Packed sequences (pyfa.attention_varlen): q (total_q, H, d), k, v (total_k, Hkv, d),
     int32 offsets; returns o like q and lse (H, total_q)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_dtype(name, t)
     kw = _varlen_keywords(causal, window_left, window_right, causal_align, scale, block_r, block_c,
-                          backend)
+                          backend, softcap)
     with _on_device_of(q):
         if q.is_cuda and (q.numel() == 0 or k.numel() == 0):
             _check_options(q, {**kw, "layout": "bnhd"})
             return q.new_zeros(q.shape), q.new_full((q.shape[1], q.shape[0]), -math.inf)
-        return varlen.run("fa2_forward", dict(q=q.detach(), k=k.detach(), v=v.detach()), cu_seqlens_q,
-                          cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                          function="pyfa.torch.attention_varlen", **kw)
+        return _run_varlen("fa2_forward", dict(q=q.detach(), k=k.detach(), v=v.detach()), cu_seqlens_q,
+                           cu_seqlens_k, max_seqlen_q, max_seqlen_k, kw)
 
 
 @_fa2_varlen_forward.register_fake
@@ -690,20 +698,19 @@ def _fa2_varlen_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
                          max_seqlen_k: int, causal: bool, window_left: Optional[int],
                          window_right: Optional[int], causal_align: str, scale: Optional[float],
                          block_r: Optional[int], block_c: Optional[int],
-                         backend: str) -> Tuple[Tensor, Tensor, Tensor]:
+                         backend: str, softcap: Optional[float] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """FA2's backward of fa2_varlen_forward: dq, dk, dv like q, k, v."""
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("do", do)):
         _check_dtype(name, t)
     kw = _varlen_keywords(causal, window_left, window_right, causal_align, scale, block_r, block_c,
-                          backend)
+                          backend, softcap)
     with _on_device_of(q):
         if q.is_cuda and (q.numel() == 0 or k.numel() == 0):
             _check_options(q, {**kw, "layout": "bnhd"})
             return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-        return varlen.run("fa2_backward", dict(q=q.detach(), k=k.detach(), v=v.detach(), o=o.detach(),
-                                               lse=lse.detach(), do=do.detach().contiguous()),
-                          cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                          function="pyfa.torch.attention_varlen", **kw)
+        return _run_varlen("fa2_backward", dict(q=q.detach(), k=k.detach(), v=v.detach(), o=o.detach(),
+                                                lse=lse.detach(), do=do.detach().contiguous()),
+                           cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kw)
 
 
 @_fa2_varlen_backward.register_fake
@@ -765,14 +772,16 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                      causal: bool = False, window: Optional[Tuple[Optional[int], Optional[int]]] = None,
                      causal_align: str = "bottom_right", scale: Optional[float] = None,
                      return_lse: bool = False, block_r: Optional[int] = None,
-                     block_c: Optional[int] = None, backend: str = "auto"):
+                     block_c: Optional[int] = None, backend: str = "auto",
+                     softcap: Optional[float] = None):
     """Attention over packed sequences by FA2's varlen kernels (pyfa.attention_varlen),
     differentiable: q (total_q, H, d), k, v (total_k, Hkv, d) float32, cu_seqlens_q,
     cu_seqlens_k int32 (B + 1,) offsets on q's device. max_seqlen_q, max_seqlen_k: the
     longest lengths (None: computed, which reads the offsets on the host). Masks apply
     per sequence (bottom-right: off = Nk_b - Nq_b). Returns o (total_q, H, d), or (o, lse)
     with return_lse, lse (H, total_q) and differentiable; row r's bits are those of
-    pyfa.torch.attention on its own sequence alone, gradients included."""
+    pyfa.torch.attention on its own sequence alone, gradients included. softcap as in
+    pyfa.torch.attention (no ALiBi, bias or dropout with packed sequences yet)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
         if t.dim() != 3:
@@ -788,8 +797,10 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         scale = float(scale)
     max_q = _longest("max_seqlen_q", cu_seqlens_q, max_seqlen_q)
     max_k = _longest("max_seqlen_k", cu_seqlens_k, max_seqlen_k)
+    softcap = check_softcap(softcap)
     o, lse = torch.ops.pyfa.fa2_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal,
-                                               left, right, causal_align, scale, block_r, block_c, backend)
+                                               left, right, causal_align, scale, block_r, block_c, backend,
+                                               softcap)
     return (o, lse) if return_lse else o
 
 
@@ -817,16 +828,15 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     _check_bool("return_attn_probs", return_attn_probs)
     if block_table is not None:
         raise ValueError("block_table: pyfa has no paged K/V yet; only None is honoured")
-    if mods["softcap"] is not None or mods["alibi_slopes"] is not None:
-        name = "softcap" if mods["softcap"] is not None else "alibi_slopes"
-        raise ValueError(f"{name}: pyfa's varlen kernels take no {name} yet (flash_attn_func "
-                         f"does); only {'0.0' if name == 'softcap' else 'None'} is honoured here")
+    if mods["alibi_slopes"] is not None:
+        raise ValueError("alibi_slopes: pyfa's varlen kernels take no ALiBi yet (flash_attn_func "
+                         "does); only None is honoured here")
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(m, bool) or not isinstance(m, numbers.Integral):
             raise TypeError(f"{name}: expected an int, got {type(m).__name__}")
     o, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                               max_seqlen_k=max_seqlen_k, causal=causal, window=_flash_window(window_size),
-                              scale=softmax_scale, return_lse=True)
+                              scale=softmax_scale, return_lse=True, softcap=mods["softcap"])
     return (o, _flash_lse(lse), None) if return_attn_probs else o
 
 

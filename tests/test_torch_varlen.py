@@ -1,6 +1,6 @@
 """pyfa.torch.attention_varlen: the varlen custom operators give, row for row, the bits of
 pyfa.torch.attention on each sequence alone, forward, LSE and gradients (the LSE's
-included); torch.compile(fullgraph=True) with max_seqlen given. Runs when
+included), softcap too; torch.compile(fullgraph=True) with max_seqlen given. Runs when
 torch imports."""
 
 import pytest
@@ -23,18 +23,18 @@ def packed(seed=0):
     return cq, ck, q, k, v, do, dlse
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_attention_varlen_equals_each_sequence_alone(causal):
+@pytest.mark.parametrize("causal,softcap", [(False, None), (True, None), (True, 1.5)])
+def test_attention_varlen_equals_each_sequence_alone(causal, softcap):
     cq, ck, q, k, v, do, dlse = packed()
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    o, lse = pyfa.torch.attention_varlen(*leaves, cq, ck, causal=causal, return_lse=True, **KW)
+    o, lse = pyfa.torch.attention_varlen(*leaves, cq, ck, causal=causal, return_lse=True, softcap=softcap, **KW)
     grads = torch.autograd.grad((o * do).sum() + (torch.where(torch.isinf(lse), 0, lse) * dlse).sum(), leaves)
     for b in range(len(cq) - 1):
         qa, qz, ka, kz = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
         if qz == qa:
             continue
         alone = [t.clone().requires_grad_() for t in (q[qa:qz], k[ka:kz], v[ka:kz])]
-        ob, lb = pyfa.torch.attention(*alone, causal=causal, layout="bnhd", return_lse=True, **KW)
+        ob, lb = pyfa.torch.attention(*alone, causal=causal, layout="bnhd", return_lse=True, softcap=softcap, **KW)
         assert torch.equal(o[qa:qz], ob) and torch.equal(lse[:, qa:qz], lb)
         if kz == ka:
             continue
@@ -59,3 +59,13 @@ def test_attention_varlen_refuses_int64_offsets():
     cq, ck, q, k, v, _, _ = packed()
     with pytest.raises(TypeError, match="cu_seqlens_k: expected dtype torch.int32"):
         pyfa.torch.attention_varlen(q, k, v, cq, ck.long())
+
+
+def test_flash_attn_varlen_func_passes_softcap_and_refuses_alibi():
+    cq, ck, q, k, v, _, _ = packed(1)
+    got = pyfa.torch.flash_attn_varlen_func(q, k, v, cq, ck, 12, 16, causal=True, softcap=1.5)
+    want = pyfa.torch.attention_varlen(q, k, v, cq, ck, causal=True, softcap=1.5)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, pyfa.torch.attention_varlen(q, k, v, cq, ck, causal=True))
+    with pytest.raises(ValueError, match="alibi_slopes: pyfa's varlen kernels take no ALiBi"):
+        pyfa.torch.flash_attn_varlen_func(q, k, v, cq, ck, 12, 16, alibi_slopes=torch.ones(4))
