@@ -649,9 +649,9 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
 
 
 def _varlen_keywords(causal, window_left, window_right, causal_align, scale, block_r, block_c,
-                     backend, softcap=None):
+                     backend, softcap=None, alibi_slopes=None):
     kw = _keywords(causal, window_left, window_right, causal_align, scale, "bnhd", block_r,
-                   block_c, backend, softcap=softcap)
+                   block_c, backend, softcap=softcap, alibi_slopes=alibi_slopes)
     del kw["layout"]
     return kw
 
@@ -660,7 +660,7 @@ def _run_varlen(op_name, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     """pyfa.varlen.run with the flat keywords of _varlen_keywords (the score modifications
     travel as its mods)."""
     kw = dict(kw)
-    mods = {name: kw.pop(name) for name in ("softcap",) if name in kw}
+    mods = {name: kw.pop(name) for name in ("softcap", "alibi_slopes") if name in kw}
     return varlen.run(op_name, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                       max_seqlen_k=max_seqlen_k, function="pyfa.torch.attention_varlen", mods=mods, **kw)
 
@@ -670,13 +670,14 @@ def _fa2_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, c
                         max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                         window_left: Optional[int], window_right: Optional[int], causal_align: str,
                         scale: Optional[float], block_r: Optional[int], block_c: Optional[int],
-                        backend: str, softcap: Optional[float] = None) -> Tuple[Tensor, Tensor]:
+                        backend: str, softcap: Optional[float] = None,
+                        alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Packed sequences (pyfa.attention_varlen): q (total_q, H, d), k, v (total_k, Hkv, d),
     int32 offsets; returns o like q and lse (H, total_q)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_dtype(name, t)
     kw = _varlen_keywords(causal, window_left, window_right, causal_align, scale, block_r, block_c,
-                          backend, softcap)
+                          backend, softcap, alibi_slopes)
     with _on_device_of(q):
         if q.is_cuda and (q.numel() == 0 or k.numel() == 0):
             _check_options(q, {**kw, "layout": "bnhd"})
@@ -698,12 +699,13 @@ def _fa2_varlen_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
                          max_seqlen_k: int, causal: bool, window_left: Optional[int],
                          window_right: Optional[int], causal_align: str, scale: Optional[float],
                          block_r: Optional[int], block_c: Optional[int],
-                         backend: str, softcap: Optional[float] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                         backend: str, softcap: Optional[float] = None,
+                         alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """FA2's backward of fa2_varlen_forward: dq, dk, dv like q, k, v."""
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("do", do)):
         _check_dtype(name, t)
     kw = _varlen_keywords(causal, window_left, window_right, causal_align, scale, block_r, block_c,
-                          backend, softcap)
+                          backend, softcap, alibi_slopes)
     with _on_device_of(q):
         if q.is_cuda and (q.numel() == 0 or k.numel() == 0):
             _check_options(q, {**kw, "layout": "bnhd"})
@@ -773,15 +775,16 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                      causal_align: str = "bottom_right", scale: Optional[float] = None,
                      return_lse: bool = False, block_r: Optional[int] = None,
                      block_c: Optional[int] = None, backend: str = "auto",
-                     softcap: Optional[float] = None):
+                     softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None):
     """Attention over packed sequences by FA2's varlen kernels (pyfa.attention_varlen),
     differentiable: q (total_q, H, d), k, v (total_k, Hkv, d) float32, cu_seqlens_q,
     cu_seqlens_k int32 (B + 1,) offsets on q's device. max_seqlen_q, max_seqlen_k: the
     longest lengths (None: computed, which reads the offsets on the host). Masks apply
     per sequence (bottom-right: off = Nk_b - Nq_b). Returns o (total_q, H, d), or (o, lse)
     with return_lse, lse (H, total_q) and differentiable; row r's bits are those of
-    pyfa.torch.attention on its own sequence alone, gradients included. softcap as in
-    pyfa.torch.attention (no ALiBi, bias or dropout with packed sequences yet)."""
+    pyfa.torch.attention on its own sequence alone, gradients included. softcap and
+    alibi_slopes ((H,) or (B, H), B the sequences) as in pyfa.torch.attention (no bias or
+    dropout with packed sequences yet)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
         if t.dim() != 3:
@@ -798,9 +801,12 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     max_q = _longest("max_seqlen_q", cu_seqlens_q, max_seqlen_q)
     max_k = _longest("max_seqlen_k", cu_seqlens_k, max_seqlen_k)
     softcap = check_softcap(softcap)
+    if alibi_slopes is not None:
+        _check_tensor("alibi_slopes", alibi_slopes)
+        alibi_slopes = alibi_slopes.detach().to(q.device, torch.float32).contiguous()
     o, lse = torch.ops.pyfa.fa2_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal,
                                                left, right, causal_align, scale, block_r, block_c, backend,
-                                               softcap)
+                                               softcap, alibi_slopes)
     return (o, lse) if return_lse else o
 
 
@@ -828,15 +834,13 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     _check_bool("return_attn_probs", return_attn_probs)
     if block_table is not None:
         raise ValueError("block_table: pyfa has no paged K/V yet; only None is honoured")
-    if mods["alibi_slopes"] is not None:
-        raise ValueError("alibi_slopes: pyfa's varlen kernels take no ALiBi yet (flash_attn_func "
-                         "does); only None is honoured here")
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(m, bool) or not isinstance(m, numbers.Integral):
             raise TypeError(f"{name}: expected an int, got {type(m).__name__}")
     o, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                               max_seqlen_k=max_seqlen_k, causal=causal, window=_flash_window(window_size),
-                              scale=softmax_scale, return_lse=True, softcap=mods["softcap"])
+                              scale=softmax_scale, return_lse=True, softcap=mods["softcap"],
+                              alibi_slopes=mods["alibi_slopes"])
     return (o, _flash_lse(lse), None) if return_attn_probs else o
 
 

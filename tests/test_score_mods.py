@@ -462,11 +462,29 @@ def test_torch_attention_with_mods_against_float64():
         assert same_bits(fa.transpose(1, 2).detach().numpy(), o.detach().numpy())
 
 
-def test_alibi_with_packed_sequences_is_refused_by_name():
-    q = np.ones((5, 2, 8), np.float32)
-    cu = np.array([0, 2, 5], np.int32)
-    with pytest.raises(pyfa.InvalidArgumentError, match="alibi_slopes: not with packed sequences"):
-        pyfa.attention_varlen(q, q, q, cu, cu, alibi_slopes=np.ones(2, np.float32))
-    # softcap is index-free: packed sequences take it.
-    o = pyfa.attention_varlen(q, q, q, cu, cu, softcap=1.5)
-    assert same_bits(o[:2], pyfa.attention(q[None, :2], q[None, :2], q[None, :2], layout="bnhd", softcap=1.5)[0])
+@pytest.mark.parametrize("algo", ["fa1", "fa2"])
+def test_packed_sequences_take_alibi_and_softcap_as_each_sequence_alone(algo):
+    # ALiBi's distance uses each sequence's own diagonal offset (Nk_b - Nq_b bottom-right)
+    # and its row b of (B, H) slopes: every row equals the dense call of its sequence
+    # alone, forward and gradients, on emu, cpu and the simulator.
+    rng = np.random.default_rng(21)
+    cu_q, cu_k = np.array([0, 6, 6, 17], np.int32), np.array([0, 9, 13, 30], np.int32)
+    q, do = (rng.standard_normal((17, 4, 16), dtype=np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((30, 2, 16), dtype=np.float32) for _ in range(2))
+    slopes = rng.random((3, 4), dtype=np.float32)
+    kw = dict(causal=True, softcap=3.0, algo=algo)
+    sim = pyfa.sim.attention_varlen(q, k, v, cu_q, cu_k, alibi_slopes=slopes, **kw)
+    for backend in ("cpu", "emu"):
+        opts = pyfa.Options(backend=backend)
+        o, dq, dk, dv = pyfa.attention_varlen_grad(q, k, v, do, cu_q, cu_k, alibi_slopes=slopes, options=opts, **kw)
+        assert same_bits(o, sim.o), backend
+        for b in (0, 2):  # sequence 1 has no queries
+            qa, qz, ka, kz = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+            alone = pyfa.attention_grad(q[None, qa:qz], k[None, ka:kz], v[None, ka:kz], do[None, qa:qz],
+                                        layout="bnhd", alibi_slopes=slopes[b:b + 1], options=opts, **kw)
+            assert same_bits(o[qa:qz], alone[0][0]) and same_bits(dq[qa:qz], alone[1][0]), (backend, b)
+            assert same_bits(dk[ka:kz], alone[2][0]) and same_bits(dv[ka:kz], alone[3][0]), (backend, b)
+    with pytest.raises(pyfa.InvalidArgumentError, match="alibi_slopes"):
+        pyfa.attention_varlen(q, k, v, cu_q, cu_k, alibi_slopes=slopes[:2])
+    with pytest.raises(pyfa.InvalidArgumentError, match="alibi_slopes"):
+        pyfa.sim.attention_varlen(q, k, v, cu_q, cu_k, alibi_slopes=slopes[:2])

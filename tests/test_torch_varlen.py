@@ -61,11 +61,14 @@ def test_attention_varlen_refuses_int64_offsets():
         pyfa.torch.attention_varlen(q, k, v, cq, ck.long())
 
 
-def test_flash_attn_varlen_func_passes_softcap_and_refuses_alibi():
+def test_flash_attn_varlen_func_passes_softcap_and_alibi():
     cq, ck, q, k, v, _, _ = packed(1)
-    got = pyfa.torch.flash_attn_varlen_func(q, k, v, cq, ck, 12, 16, causal=True, softcap=1.5)
-    want = pyfa.torch.attention_varlen(q, k, v, cq, ck, causal=True, softcap=1.5)
+    slopes = torch.rand(4, 4, generator=torch.Generator().manual_seed(2))  # (B, H): one row per sequence
+    got = pyfa.torch.flash_attn_varlen_func(q, k, v, cq, ck, 12, 16, causal=True, softcap=1.5, alibi_slopes=slopes)
+    want = pyfa.torch.attention_varlen(q, k, v, cq, ck, causal=True, softcap=1.5, alibi_slopes=slopes)
     assert torch.equal(got, want)
-    assert not torch.equal(got, pyfa.torch.attention_varlen(q, k, v, cq, ck, causal=True))
-    with pytest.raises(ValueError, match="alibi_slopes: pyfa's varlen kernels take no ALiBi"):
-        pyfa.torch.flash_attn_varlen_func(q, k, v, cq, ck, 12, 16, alibi_slopes=torch.ones(4))
+    assert not torch.equal(got, pyfa.torch.attention_varlen(q, k, v, cq, ck, causal=True, softcap=1.5))
+    # Sequence 3 (queries 19..21, keys 14..29) alone, with its row of slopes.
+    alone = pyfa.torch.attention(q[19:22], k[14:30], v[14:30], causal=True, softcap=1.5, layout="bnhd",
+                                 alibi_slopes=slopes[3])
+    assert torch.equal(got[19:22], alone)

@@ -65,13 +65,21 @@ def _run(algo, passes, function, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen
     if options.progress is not None:
         raise InvalidArgumentError(f"options.progress: {function} does not report progress")
 
+    slopes = kwargs.get("alibi_slopes")
+    if slopes is not None and np.ndim(slopes) == 2 and np.shape(slopes)[0] != len(offsets_q) - 1:
+        raise InvalidArgumentError(f"alibi_slopes: expected shape ({H},) or ({len(offsets_q) - 1}, {H}), "
+                                   f"got {np.shape(slopes)}")
     parts, io = [], IORecord(label=f"{function} (simulated, {len(offsets_q) - 1} sequences)")
     for (qa, qz), (ka, kz) in zip(zip(offsets_q, offsets_q[1:]), zip(offsets_k, offsets_k[1:])):
         args = [tensors[n][:, qa:qz] if n in _STATS else
                 tensors[n][ka:kz] if n in _KEY_ROWS else tensors[n][qa:qz] for n in names]
-        # Sequence b draws dropout as batch element b (score.batch_offset).
+        # Sequence b draws dropout as batch element b (score.batch_offset) and takes row b
+        # of (B, H) ALiBi slopes.
+        kw = kwargs
+        if slopes is not None and np.ndim(slopes) == 2:
+            kw = dict(kwargs, alibi_slopes=np.asarray(slopes)[len(parts):len(parts) + 1])
         with score.batch_offset(len(parts)):
-            r = kernel(*args, layout="bnhd", options=options, **kwargs)
+            r = kernel(*args, layout="bnhd", options=options, **kw)
         if qz == qa or kz == ka:  # answered without a kernel: count what the varlen kernels move
             r.io = count_io_varlen(algo, passes=passes, cu_seqlens_q=[0, qz - qa], cu_seqlens_k=[0, kz - ka],
                                    heads=H, head_dim=d, heads_kv=heads_kv, block_r=options.block_r,

@@ -91,10 +91,12 @@ PYFA_HD T score_mod(const AttentionParams& p, T s, int64_t b, int64_t h, I i, J 
     // softcap: S = c tanh(s / c), a division (correctly rounded), not s times a rounded 1/c.
     if (p.softcap != 0.0f) s = p.softcap * pyfa_tanh(s / p.softcap);
     // ALiBi, after softcap: S = S - slope * |i + off - j|, a product and a difference (two
-    // roundings, no fma); off is the mask's (causal_align's) diagonal offset.
+    // roundings, no fma); off is the mask's (causal_align's) diagonal offset: a packed
+    // sequence's own (Nk_b - Nq_b bottom-right), as in the call of that sequence alone.
     if (p.alibi_slopes) {
         const float slope = p.alibi_slopes[p.alibi_strides.at(b, h, 0)];
-        s = s - slope * alibi_distance(s, i, j, p.mask.off);
+        const int64_t off = p.cu_seqlens_q ? p.sequence(b).mask.off : p.mask.off;
+        s = s - slope * alibi_distance(s, i, j, off);
     }
     // The additive bias, last (after scaling, softcap and ALiBi): its gradient is dS itself.
     if (p.bias) s = s + BiasAt<T>::get(p, b, h, i, j);

@@ -832,11 +832,6 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
                     static_cast<long long>(alibi_strides.row));
     if (!alibi.data && !all_zero(alibi.strides))
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "tensors->alibi_slopes.strides: given without data");
-    // ALiBi's distance is the mask's diagonal offset from the padded shape; a packed
-    // sequence has its own, which the kernels' score pipeline does not see yet.
-    if (pr.varlen && alibi.data)
-        return fail(PYFA_ERROR_INVALID_ARGUMENT,
-                    "tensors->alibi_slopes: not with packed sequences (problem->varlen) in this version");
     // One past the last slope read, in elements (the strides are below 2^61 each, B, H below 2^31).
     const int64_t alibi_extent = (pr.batch - 1) * alibi_strides.batch + (pr.heads - 1) * alibi_strides.head + 1;
     if (pr.split_size < 0)

@@ -322,8 +322,9 @@ typedef struct pyfa_tensors {
     pyfa_tensor dbias;
     /* ---- ALiBi (read only when struct_size reaches past it); an input of every op.
        NULL: off. Else each scaled score (after softcap) becomes
-       S - slope[b, h] * |i + off - j|, off = Nk - Nq (PYFA_ALIGN_BOTTOM_RIGHT) or 0
-       (PYFA_ALIGN_TOP_LEFT), slope[b, h] = data[b * strides.batch + h * strides.head]:
+       S - slope[b, h] * |i + off - j|, off = Nk - Nq (PYFA_ALIGN_BOTTOM_RIGHT; with packed
+       sequences each sequence's own lengths) or 0 (PYFA_ALIGN_TOP_LEFT),
+       slope[b, h] = data[b * strides.batch + h * strides.head]:
        strides all 0 means a dense (B, H) array, (0, 1, 0) an (H,) one shared by every
        batch element; strides.row must be 0. Finite slopes are the caller's to give. */
     pyfa_tensor alibi_slopes;
