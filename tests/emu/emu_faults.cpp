@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common/smem.h"
+#include "dense_params.h"
 #include "kernels/fa1_backward.cuh"
 #include "kernels/fa1_forward.cuh"
 #include "kernels/fa2_backward.cuh"
@@ -56,7 +57,7 @@ struct Problem {
     }
 
     AttentionParams params() {
-        AttentionParams p{};
+        AttentionParams p = dense_params(B, H, N, d, /*causal=*/1, Br, Bc);
         p.q = q.data();
         p.k = k.data();
         p.v = v.data();
@@ -69,19 +70,6 @@ struct Problem {
         p.dk = dk.data();
         p.dv = dv.data();
         p.drow = drow.data();
-        p.batch = B;
-        p.heads = H;
-        p.heads_kv = H;
-        p.seqlen_q = N;
-        p.seqlen_k = N;
-        p.head_dim = d;
-        p.scale = 0.125f;
-        p.mask = make_mask(/*causal=*/1, /*window=*/0, 0, 0, /*align=*/0, N, N);
-        const TensorStrides dense{H * N * d, N * d, d};
-        p.q_strides = p.k_strides = p.v_strides = p.o_strides = dense;
-        p.dout_strides = p.dq_strides = p.dk_strides = p.dv_strides = dense;
-        p.block_r = Br;
-        p.block_c = Bc;
         return p;
     }
 };

@@ -22,6 +22,7 @@
 
 #include "backends/emu/strict_params.h"
 #include "common/smem.h"
+#include "dense_params.h"
 #include "kernels/fa2_backward.cuh"
 #include "kernels/fa2_forward.cuh"
 #include "kernels/fast/fa2_forward_fast.cuh"
@@ -52,25 +53,12 @@ struct Problem {
     }
 
     AttentionParams params(int Br, int Bc) {
-        AttentionParams p{};
+        AttentionParams p = dense_params(B, H, N, d, /*causal=*/0, Br, Bc);
         p.q = q.data();
         p.k = k.data();
         p.v = v.data();
         p.o = o.data();
         p.lse = lse.data();
-        p.batch = B;
-        p.heads = H;
-        p.heads_kv = H;
-        p.seqlen_q = N;
-        p.seqlen_k = N;
-        p.head_dim = d;
-        p.scale = 0.125f;
-        p.mask = make_mask(/*causal=*/0, /*window=*/0, 0, 0, /*align=*/0, N, N);
-        const TensorStrides dense{H * N * d, N * d, d};
-        p.q_strides = p.k_strides = p.v_strides = p.o_strides = dense;
-        p.dout_strides = p.dq_strides = p.dk_strides = p.dv_strides = dense;
-        p.block_r = Br;
-        p.block_c = Bc;
         return p;
     }
 };
