@@ -197,7 +197,7 @@ def _problem(dims, scale, causal, window, causal_align, mods):
     the pyfa_problem field of its name); the strides are set by the caller. A window side wider than Nq + Nk is passed
     as Nq + Nk (checks.mask_bounds: the same mask), so any int fits int64_t."""
     ffi, _ = _lib.load()
-    bounds = mask_bounds(causal, window, causal_align, dims[2], dims[3])
+    bounds = mask_bounds(causal, window, causal_align, dims[2], dims[3], mods.diagonal_offset)
     pr = ffi.new("pyfa_problem *")
     pr.struct_size = ffi.sizeof("pyfa_problem")
     pr.batch, pr.heads, pr.seqlen_q, pr.seqlen_k, pr.head_dim, pr.heads_kv = dims

@@ -293,19 +293,20 @@ class MaskBounds(NamedTuple):
     off: int    # the diagonal: row i's own key is i + off
 
 
-def mask_bounds(causal, window, causal_align, Nq, Nk):
+def mask_bounds(causal, window, causal_align, Nq, Nk, diagonal_offset=0):
     """The mask arguments checked (TypeError, ValueError naming causal, window or
     causal_align) and made finite for Nq query rows and Nk keys: an unbounded side, or one
-    wider than any distance between a row and a key, is Nq + Nk, which hides nothing more
-    (every |i + off - j| < Nq + Nk). The simulator's Mask and the library call both take
-    these bounds, so a window of any size means the same thing to both."""
+    wider than any distance between a row and a key, is Nq + Nk + |diagonal_offset|, which
+    hides nothing more (every |i + off - j| is below it). The simulator's Mask and the
+    library call both take these bounds, so a window of any size means the same thing to
+    both. diagonal_offset (checked by ScoreMods.resolve) is added to the alignment's off."""
     causal = check_causal(causal)
     left, right = check_window(window)
     causal_align = check_causal_align(causal_align)
-    wide = Nq + Nk
+    wide = Nq + Nk + abs(diagonal_offset)
     left = wide if left is None else min(left, wide)
     right = 0 if causal else wide if right is None else min(right, wide)
-    off = Nk - Nq if causal_align == "bottom_right" else 0
+    off = (Nk - Nq if causal_align == "bottom_right" else 0) + diagonal_offset
     return MaskBounds(left, right, off)
 
 
@@ -442,8 +443,14 @@ class ScoreMods:
     softcap: None, or a float > 0 (a float32 value): S = softcap * tanh(s / softcap).
     alibi_slopes: None, or float32 (B, H) (an (H,) array broadcast: batch stride 0), or a
     CUDA array of shape (H,) or (B, H): S = S - slope[b, h] * |i + off - j|.
+    diagonal_offset: an int in [-2^40, 2^40], 0 by default: the call as a block of a
+    larger problem whose query row i and key j are rows P + i and K + j there,
+    diagonal_offset = P - K (context parallelism). Not a score modification but a move of
+    the mask's diagonal, which ALiBi's distance reads too; it travels with them because
+    every call takes them alike. Refused with dropout (its decisions are keyed on the
+    call's own i, j).
     off: the mask's diagonal offset (Nk - Nq for causal_align "bottom_right", 0 for
-    "top_left"), set by resolve() from the call's causal_align, not a keyword.
+    "top_left", plus diagonal_offset), set by resolve(), not a keyword.
 
     A modification adds its field here, its check to resolve(), and its formula to
     pyfa/sim/score.py and src/common/score.h. A field whose pyfa_problem field has
@@ -460,7 +467,8 @@ class ScoreMods:
     softcap: "float | None" = None
     # Not compared, as bias: an array has no one truth (is_identity tests it).
     alibi_slopes: "np.ndarray | None" = dataclasses.field(default=None, compare=False)
-    # Not a pyfa_problem field: the library has it from causal_align.
+    diagonal_offset: int = 0
+    # Not a pyfa_problem field: the library has it from causal_align and diagonal_offset.
     off: int = dataclasses.field(default=0, metadata={"pyfa_problem": False})
 
     @classmethod
@@ -479,13 +487,20 @@ class ScoreMods:
             mods["softcap"] = check_softcap(mods["softcap"])
         if "alibi_slopes" in mods:
             mods["alibi_slopes"] = check_alibi_slopes(mods["alibi_slopes"], dims)
-        off = dims[3] - dims[2] if causal_align == "bottom_right" else 0
+        if "diagonal_offset" in mods:
+            mods["diagonal_offset"] = check_int("diagonal_offset", mods["diagonal_offset"], -(1 << 40), 1 << 40)
+            if mods["diagonal_offset"] and mods["dropout_p"]:
+                raise InvalidArgumentError(
+                    "diagonal_offset: dropout's decisions are keyed on the call's own (i, j), not the larger "
+                    f"problem's, so a call with dropout_p > 0 takes 0; got {mods['diagonal_offset']}")
+        shift = mods.get("diagonal_offset", 0)
+        off = (dims[3] - dims[2] if causal_align == "bottom_right" else 0) + shift
         return cls(off=off, **mods)
 
     def is_identity(self):
         """True when no modification is on: the score pipeline is the identity (off, the
         mask's offset that ALiBi reads, is none)."""
-        plain = dataclasses.replace(self, off=0) == type(self)()
+        plain = dataclasses.replace(self, off=0, diagonal_offset=0) == type(self)()
         return plain and self.bias is None and self.alibi_slopes is None
 
 

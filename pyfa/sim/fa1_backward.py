@@ -52,8 +52,8 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, window=None, causal_alig
     G = H // Hkv
     scale = resolve_scale(scale, d)
     Br, Bc = launch_tiles("fa1_backward", d, block_r, block_c)
-    mask = Mask.resolve(causal, window, causal_align, Nq, Nk)
     mods = ScoreMods.resolve("pyfa.sim.fa1_backward", (B, H, Nq, Nk, d, Hkv), causal_align, **mods)
+    mask = Mask.resolve(causal, window, causal_align, Nq, Nk, mods.diagonal_offset)
 
     BH, BHkv, Tr, Tc = B * H, B * Hkv, ceil_div(Nq, Br), ceil_div(Nk, Bc)
     # Array widths: a tile never holds more rows than Nq or more columns than Nk (a tile

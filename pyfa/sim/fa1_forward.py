@@ -44,8 +44,8 @@ def fa1_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_righ
     Nk = k4.shape[2]
     scale = resolve_scale(scale, d)
     Br, Bc = launch_tiles("fa1_forward", d, block_r, block_c)
-    mask = Mask.resolve(causal, window, causal_align, Nq, Nk)
     mods = ScoreMods.resolve("pyfa.sim.fa1_forward", (B, H, Nq, Nk, d, Hkv), causal_align, **mods)
+    mask = Mask.resolve(causal, window, causal_align, Nq, Nk, mods.diagonal_offset)
 
     BH, Tr, Tc = B * H, ceil_div(Nq, Br), ceil_div(Nk, Bc)
     # Array widths: a tile never holds more rows than Nq or more columns than Nk (a tile

@@ -219,8 +219,8 @@ def fa2_backward(q, k, v, o, lse, do, *, causal=False, window=None, causal_align
     Nk = k4.shape[2]
     G = H // Hkv
     scale = resolve_scale(scale, d)
-    mask = Mask.resolve(causal, window, causal_align, Nq, Nk)
     mods = ScoreMods.resolve("pyfa.sim.fa2_backward", (B, H, Nq, Nk, d, Hkv), causal_align, **mods)
+    mask = Mask.resolve(causal, window, causal_align, Nq, Nk, mods.diagonal_offset)
     BH, BHkv = B * H, B * Hkv
     Q, dO, LSE = q4.reshape(BH, Nq, d), do4.reshape(BH, Nq, d), lse3.reshape(BH, Nq)
     O = o4.reshape(BH, Nq, d)

@@ -44,8 +44,8 @@ def fa2_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_righ
     scale = resolve_scale(scale, d)
     Br, Bc = launch_tiles("fa2_forward", d, block_r, block_c)
     split_size = check_split_size(split_size, d, Bc)
-    mask = Mask.resolve(causal, window, causal_align, Nq, Nk)
     mods = ScoreMods.resolve("pyfa.sim.fa2_forward", (B, H, Nq, Nk, d, Hkv), causal_align, **mods)
+    mask = Mask.resolve(causal, window, causal_align, Nq, Nk, mods.diagonal_offset)
 
     BH, Tr, Tc = B * H, ceil_div(Nq, Br), ceil_div(Nk, Bc)
     io = IORecord(label=f"FA2 forward (simulated), Br={Br}, Bc={Bc}")

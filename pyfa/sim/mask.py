@@ -33,10 +33,11 @@ class Mask:
     off: int    # the diagonal: row i's own key is i + off
 
     @classmethod
-    def resolve(cls, causal, window, causal_align, Nq, Nk):
+    def resolve(cls, causal, window, causal_align, Nq, Nk, diagonal_offset=0):
         """The mask of the Python-level arguments, checked (TypeError, ValueError naming
-        causal, window or causal_align), for Nq query rows and Nk keys."""
-        return cls(*mask_bounds(causal, window, causal_align, Nq, Nk))
+        causal, window or causal_align), for Nq query rows and Nk keys, its diagonal moved
+        by diagonal_offset (a ScoreMods field, checked there)."""
+        return cls(*mask_bounds(causal, window, causal_align, Nq, Nk, diagonal_offset))
 
     @classmethod
     def none(cls, Nq, Nk):

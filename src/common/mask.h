@@ -3,9 +3,11 @@
 //
 // Key column j is visible to query row i iff  i + off - left <= j <= i + off + right,
 // with off = Nk - Nq (bottom-right alignment, flash-attn's) or 0 (top-left, PyTorch's
-// is_causal). Causal is right = 0; a sliding window bounds both sides. The sides are
+// is_causal), plus the call's shift (pyfa.h's diagonal_offset: the call as a block of a
+// larger problem). Causal is right = 0; a sliding window bounds both sides. The sides are
 // resolved once on the host (make_mask) into finite values: an unbounded side becomes
-// Nq + Nk, which already reaches every key from every row, so nothing below overflows.
+// Nq + Nk + |shift|, which already reaches every key from every row, so nothing below
+// overflows.
 #pragma once
 
 #include "common/device.h"
@@ -50,9 +52,10 @@ struct Band {
 };
 
 struct Mask {
-    int64_t left;   // keys visible left of the diagonal, in [0, Nq + Nk]
-    int64_t right;  // keys visible right of the diagonal, in [0, Nq + Nk]
+    int64_t left;   // keys visible left of the diagonal, in [0, Nq + Nk + |shift|]
+    int64_t right;  // keys visible right of the diagonal, in [0, Nq + Nk + |shift|]
     int64_t off;    // the diagonal of row i is key i + off
+    int64_t shift;  // the part of off that the alignment does not give (diagonal_offset)
 
     // The band of the tile whose first row is row0 and first key col0.
     PYFA_HD Band band(int64_t row0, int64_t col0) const {
@@ -83,20 +86,20 @@ struct Mask {
     }
 
     // The same mask for a sequence of Nq queries and Nk keys (a packed batch's): off is
-    // its own. left and right stay those resolved for the longest lengths, which reach
-    // every key of a shorter sequence too, so each row sees the keys its sequence's dense
-    // call shows it.
+    // its own (its alignment's, plus the call's shift). left and right stay those
+    // resolved for the longest lengths, which reach every key of a shorter sequence too,
+    // so each row sees the keys its sequence's dense call shows it.
     PYFA_HD Mask for_lengths(int align, int64_t Nq, int64_t Nk) const {
-        return Mask{left, right, align == 1 ? 0 : Nk - Nq};
+        return Mask{left, right, (align == 1 ? 0 : Nk - Nq) + shift, shift};
     }
 };
 
-// align: a pyfa_causal_align (0 bottom-right, 1 top-left). The arguments are checked by
+// align: a pyfa_causal_align (0 bottom-right, 1 top-left); shift: diagonal_offset. The arguments are checked by
 // the caller (src/core/api.cpp); a negative side, or no window, is unbounded.
 inline Mask make_mask(int causal, int window, int64_t left, int64_t right, int align,
-                      int64_t Nq, int64_t Nk) {
-    const int64_t unbounded = Nq + Nk;
-    Mask mask = Mask{0, 0, 0}.for_lengths(align, Nq, Nk);  // the off of these lengths
+                      int64_t Nq, int64_t Nk, int64_t shift) {
+    const int64_t unbounded = Nq + Nk + (shift < 0 ? -shift : shift);
+    Mask mask = Mask{0, 0, 0, shift}.for_lengths(align, Nq, Nk);  // the off of these lengths
     mask.left = (window && left >= 0 && left < unbounded) ? left : unbounded;
     mask.right = (window && right >= 0 && right < unbounded) ? right : unbounded;
     if (causal) mask.right = 0;

@@ -304,8 +304,9 @@ struct Layouts;
 template <>
 struct Layouts<pyfa_problem> {
     static constexpr size_t sizes[] = {offsetof(pyfa_problem, varlen),      // ABI 3 to 5
-                                       offsetof(pyfa_problem, split_size),  // ABI 6: packed sequences, score modifications
-                                       sizeof(pyfa_problem)};               // ABI 7: split_size
+                                       offsetof(pyfa_problem, split_size),       // ABI 6: packed sequences, score modifications
+                                       offsetof(pyfa_problem, diagonal_offset),  // ABI 7: split_size
+                                       sizeof(pyfa_problem)};                    // ABI 8: diagonal_offset
     static constexpr int first_abi = 3;
 };
 static_assert(offsetof(pyfa_problem, varlen) == offsetof(pyfa_problem, dv) + sizeof(pyfa_strides),
@@ -841,6 +842,15 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         return fail(PYFA_ERROR_INVALID_ARGUMENT,
                     "problem->split_size: only pyfa_fa2_forward splits the keys; %s takes 0, got %lld", op.name,
                     static_cast<long long>(pr.split_size));
+    constexpr int64_t kMaxDiagonalOffset = int64_t{1} << 40;
+    if (pr.diagonal_offset < -kMaxDiagonalOffset || pr.diagonal_offset > kMaxDiagonalOffset)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->diagonal_offset: must be in [-2^40, 2^40], got %lld",
+                    static_cast<long long>(pr.diagonal_offset));
+    if (pr.diagonal_offset != 0 && pr.dropout_p > 0.0f)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                    "problem->diagonal_offset: dropout's decisions are keyed on this call's own (i, j), not "
+                    "the larger problem's, so a call with dropout_p > 0 takes 0; got %lld",
+                    static_cast<long long>(pr.diagonal_offset));
     pyfa_config cfg;
     if ((st = check_config(config, &cfg)) != PYFA_OK) return st;
     BiasTensors bt;
@@ -903,7 +913,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     base.scale = pr.scale != 0.0f ? pr.scale : 1.0f / std::sqrt(static_cast<float>(pr.head_dim));
     base.split_size = pr.split_size;  // the fast FA2 forward does not split: select_kernel
     base.mask = make_mask(pr.causal, pr.window, pr.window_left, pr.window_right, pr.causal_align, pr.seqlen_q,
-                          pr.seqlen_k);
+                          pr.seqlen_k, pr.diagonal_offset);
     if (pr.varlen) {
         base.cu_seqlens_q = static_cast<const int32_t*>(named.cu_seqlens_q.data);
         base.cu_seqlens_k = static_cast<const int32_t*>(named.cu_seqlens_k.data);

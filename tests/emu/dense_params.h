@@ -17,7 +17,7 @@ inline AttentionParams dense_params(int64_t B, int64_t H, int64_t N, int64_t d, 
     p.seqlen_k = N;
     p.head_dim = d;
     p.scale = 0.125f;
-    p.mask = make_mask(causal, /*window=*/0, 0, 0, /*align=*/0, N, N);
+    p.mask = make_mask(causal, /*window=*/0, 0, 0, /*align=*/0, N, N, /*shift=*/0);
     const TensorStrides dense{H * N * d, N * d, d};
     p.q_strides = p.k_strides = p.v_strides = p.o_strides = dense;
     p.dout_strides = p.dq_strides = p.dk_strides = p.dv_strides = dense;
