@@ -40,7 +40,7 @@ from . import api, varlen
 from .checks import check_int, check_softcap, check_window
 from .options import Options
 
-__all__ = ["attention", "attention_varlen", "scaled_dot_product_attention", "flash_attn_func",
+__all__ = ["attention", "context_parallel_attention", "attention_varlen", "scaled_dot_product_attention", "flash_attn_func",
            "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
 _LAYOUTS = ("bhnd", "bnhd")
@@ -83,7 +83,7 @@ def _dims(q, k, v, layout):
 
 
 def _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r, block_c,
-              backend, dropout_p=0.0, seed=0, offset=0, softcap=None, alibi_slopes=None):
+              backend, dropout_p=0.0, seed=0, offset=0, softcap=None, alibi_slopes=None, split_size=0):
     """pyfa's keywords from the operators' flat arguments (a window with both sides
     unbounded is no window; seed and offset travel as int64, their two's complement),
     the score modifications (pyfa.checks.ScoreMods) included."""
@@ -92,6 +92,8 @@ def _keywords(causal, window_left, window_right, causal_align, scale, layout, bl
     mods = {name: x for name, x in (("softcap", softcap), ("alibi_slopes", alibi_slopes)) if x is not None}
     if alibi_slopes is not None:
         mods["alibi_slopes"] = alibi_slopes.detach()
+    if split_size:
+        mods["split_size"] = split_size
     return dict(causal=causal, window=window, causal_align=causal_align, scale=scale,
                 layout=layout, options=_options(backend, block_r, block_c), **drop, **mods)
 
@@ -117,7 +119,7 @@ def _check_options(q, kw):
 # The operators' non-tensor arguments, in schema order after the tensors.
 _OPTION_NAMES = ("causal", "window_left", "window_right", "causal_align", "scale", "layout",
                  "block_r", "block_c", "backend", "dropout_p", "seed", "offset", "softcap",
-                 "alibi_slopes")
+                 "alibi_slopes", "split_size")
 
 
 @torch.library.custom_op("pyfa::fa2_forward", mutates_args=())
@@ -126,14 +128,14 @@ def _fa2_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, window_left: Opt
                  layout: str, block_r: Optional[int], block_c: Optional[int],
                  backend: str, dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
                  softcap: Optional[float] = None,
-                 alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                 alibi_slopes: Optional[Tensor] = None, split_size: int = 0) -> Tuple[Tensor, Tensor]:
     """q: (B, H, Nq, d) in `layout`; k, v: (B, Hkv, Nk, d) in `layout`, float32. Returns
     o (like q, C-contiguous) and lse (B, H, Nq)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_dtype(name, t)
     B, H, Nq, Nk, _, _ = _dims(q, k, v, layout)
     kw = _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r,
-                   block_c, backend, dropout_p, seed, offset, softcap, alibi_slopes)
+                   block_c, backend, dropout_p, seed, offset, softcap, alibi_slopes, split_size)
     if q.numel() == 0 or k.numel() == 0:
         # No query rows, or no keys: every row sees nothing (O = 0, LSE = -inf).
         _check_options(q, kw)
@@ -146,7 +148,7 @@ def _fa2_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, window_left: Opt
 @_fa2_forward.register_fake
 def _fa2_forward_fake(q, k, v, causal, window_left, window_right, causal_align, scale, layout,
                       block_r, block_c, backend, dropout_p=0.0, seed=0, offset=0, softcap=None,
-                      alibi_slopes=None):
+                      alibi_slopes=None, split_size=0):
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_dtype(name, t)
     B, H, Nq, _, _, _ = _dims(q, k, v, layout)
@@ -160,14 +162,14 @@ def _fa2_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: T
                   block_r: Optional[int], block_c: Optional[int],
                   backend: str, dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
                   softcap: Optional[float] = None,
-                  alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                  alibi_slopes: Optional[Tensor] = None, split_size: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
     """FA2's backward from fa2_forward's o and lse and the gradient do (like o); returns
     dq, dk, dv like q, k, v (C-contiguous)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("do", do)):
         _check_dtype(name, t)
     _dims(q, k, v, layout)
     kw = _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r,
-                   block_c, backend, dropout_p, seed, offset, softcap, alibi_slopes)
+                   block_c, backend, dropout_p, seed, offset, softcap, alibi_slopes, split_size)
     if q.numel() == 0 or k.numel() == 0:
         _check_options(q, kw)
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
@@ -277,13 +279,14 @@ def _fa2_forward_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, causal: boo
                       scale: Optional[float], layout: str, block_r: Optional[int],
                       block_c: Optional[int], backend: str,
                       dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
-                      softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                      softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
+                      split_size: int = 0) -> Tuple[Tensor, Tensor]:
     """pyfa::fa2_forward with an additive float32 bias broadcastable to (B, H, Nq, Nk)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("bias", bias)):
         _check_dtype(name, t)
     B, H, Nq, Nk, _, _ = _dims(q, k, v, layout)
     kw = _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r,
-                   block_c, backend, dropout_p, seed, offset, softcap, alibi_slopes)
+                   block_c, backend, dropout_p, seed, offset, softcap, alibi_slopes, split_size)
     if q.numel() == 0 or k.numel() == 0:
         _check_options(q, kw)
         return q.new_zeros(q.shape), q.new_full((B, H, Nq), -math.inf)
@@ -306,14 +309,15 @@ def _fa2_backward_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, o: Tensor,
                        layout: str, block_r: Optional[int], block_c: Optional[int],
                        backend: str, dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
                        softcap: Optional[float] = None,
-                       alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                       alibi_slopes: Optional[Tensor] = None,
+                       split_size: int = 0) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """pyfa::fa2_backward with the forward's bias; returns dq, dk, dv and dbias (the
     bias's shape: dS summed over its broadcast axes, docs/numerics.md §2)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("bias", bias), ("o", o), ("lse", lse), ("do", do)):
         _check_dtype(name, t)
     _dims(q, k, v, layout)
     kw = _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r,
-                   block_c, backend, dropout_p, seed, offset, softcap, alibi_slopes)
+                   block_c, backend, dropout_p, seed, offset, softcap, alibi_slopes, split_size)
     if q.numel() == 0 or k.numel() == 0:
         _check_options(q, kw)
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), bias.new_zeros(bias.shape)
@@ -431,7 +435,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
               layout: str = "bhnd", return_lse: bool = False, block_r: Optional[int] = None,
               block_c: Optional[int] = None, backend: str = "auto", dropout_p: float = 0.0,
               seed: Optional[int] = None, offset: int = 0, bias: Optional[Tensor] = None,
-              softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None):
+              softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
+              split_size: Optional[int] = None):
     """O = softmax(scale * Q K^T [mask]) V by FlashAttention-2, differentiable.
 
     q: (B, H, Nq, d), (H, Nq, d) or (Nq, d) float32 in layout "bhnd"; (B, Nq, H, d),
@@ -460,7 +465,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     float > 0; 0 is off, as in flash-attn): each scaled score s becomes softcap * tanh(s /
     softcap), before the mask; alibi_slopes (None, or a tensor (H,) or (B, H), moved to
     q's device as float32; no gradient): then S - slope * |i + off - j|, after softcap,
-    off causal_align's offset (flash-attn's ALiBi)."""
+    off causal_align's offset (flash-attn's ALiBi).
+
+    split_size: None, or keys per chunk (a multiple of the kernels' tiles): the split
+    structure (docs/numerics.md, "Split-KV"), forward and backward, whose bits
+    pyfa.torch.context_parallel_attention reproduces on any number of ranks."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
     if not isinstance(layout, str) or layout not in _LAYOUTS:
@@ -481,6 +490,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         scale = float(scale)
     dropout_p, seed, offset = _dropout_args(dropout_p, seed, offset)
     softcap = check_softcap(softcap)
+    split = 0 if split_size is None else check_int("split_size", split_size, 1, 1 << 40)
     if alibi_slopes is not None:
         _check_tensor("alibi_slopes", alibi_slopes)
         alibi_slopes = alibi_slopes.detach().to(q.device, torch.float32).contiguous()
@@ -492,10 +502,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             raise ValueError("softcap: pyfa.torch takes it with a bias only without gradients in this "
                              "version (pyfa's backward refuses a bias under softcap)")
         o, lse = torch.ops.pyfa.fa2_forward_bias(*tensors, _bias_operand(bias), *options, dropout_p, seed,
-                                                 offset, softcap, alibi_slopes)
+                                                 offset, softcap, alibi_slopes, split)
     else:
         o, lse = torch.ops.pyfa.fa2_forward(*tensors, *options, dropout_p, seed, offset, softcap,
-                                            alibi_slopes)
+                                            alibi_slopes, split)
     if rank < 4:
         o = o.reshape(q.shape)
         lse = lse.reshape(lse.shape[4 - rank:])
@@ -944,3 +954,7 @@ def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, 
                                  window=window, scale=scale, return_lse=True, **mods)
     o, lse = (torch.from_numpy(np.ascontiguousarray(x)) for x in out)
     return (o, _flash_lse(lse)) if return_lse else o
+
+
+# Context parallelism (docs/context_parallel.md): its own module, beside these operators.
+from .context_parallel import context_parallel_attention  # noqa: E402

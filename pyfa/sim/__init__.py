@@ -13,6 +13,7 @@ bytes of the call's IO record, and returning True cancels (pyfa.CancelledError).
 raise pyfa's exceptions (pyfa/errors.py), as the library's API does.
 """
 
+from .context_parallel import context_parallel_bytes
 from .count import count_io, count_io_varlen
 from .dropout import dropout_mask
 from .fa1_backward import Fa1BackwardResult, fa1_backward
@@ -30,7 +31,7 @@ from .varlen import (attention_varlen, attention_with_kvcache, fa1_backward_varl
 __all__ = [
     "count_standard_io", "standard_backward", "standard_forward",
     "DeviceProfile", "EMU_PROFILE", "Mask", "TileTooLargeError", "Fa2ForwardResult", "IORecord",
-    "count_io", "count_io_varlen", "dropout_mask",
+    "context_parallel_bytes", "count_io", "count_io_varlen", "dropout_mask",
     "attention_varlen", "attention_with_kvcache", "fa1_backward_varlen", "fa1_forward_varlen", "fa2_backward_varlen",
     "fa2_forward_varlen",
     "default_tiles", "fa2_forward", "format_bytes", "merge_states", "smem_bytes", "smem_terms",

@@ -1,0 +1,403 @@
+"""Context parallelism on torch.distributed (docs/context_parallel.md): attention over a
+sequence sharded across the ranks of a process group, with the bits of one device.
+
+Each rank holds a shard of L rows of q, k and v. The sequence (N = P * L rows, P ranks)
+is cut into chunks of split_size rows, and every reduction is a fold over those chunks
+in ascending order, exactly as pyfa.torch.attention(..., split_size=S) folds them on one
+device (docs/numerics.md, "Split-KV" and "FA2 backward"): O and LSE merge the per-key-chunk
+partials (pyfa.merge_states), dQ adds the per-key-chunk partials, dK and dV add the
+per-query-chunk partials, each from +0, chunks ascending. Each partial is one pyfa call
+on a block (query rows, key chunk) of the whole problem, its mask placed by
+diagonal_offset, so it is the very partial the one-device split computes. The number of
+ranks, the order in which K/V arrive and the sharding change which rank computes a
+block, never its bits or the order of a fold: the same bits on 1, 2 or 8 ranks.
+
+Modes: "ring" passes K/V shards between neighbours (rank r sends to r - 1 and receives
+from r + 1, the next step's transfer overlapping this step's blocks); "ulysses" turns the
+sequence shards into head shards with all-to-all, runs one pyfa.torch.attention per
+rank over the whole sequence, and turns the result back.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import math
+import numbers
+from typing import NamedTuple, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import api
+from .checks import check_int, check_softcap, check_window, mask_bounds
+from .kvcache import merge_states
+from .sim.context_parallel import block_sees, chunks, shard_rows
+
+_MODES = ("ring", "ulysses")
+
+
+class _Plan(NamedTuple):
+    group: object
+    rank: int
+    world: int
+    peers: tuple        # global rank of each group rank
+    shard_len: int
+    split: int
+    zigzag: bool
+    axis: int           # the sequence axis of q, k, v (2 in "bhnd", 1 in "bnhd")
+    left: int           # the mask's sides over the whole sequence, finite
+    right: int
+    call: dict          # the keywords of every block's pyfa call but diagonal_offset
+    timeout: datetime.timedelta
+    stats: Optional[dict]
+
+    def sees(self, q0, nq, k0, nk):
+        return block_sees(self.left, self.right, q0, nq, k0, nk)
+
+    def rows(self, t, start, n):
+        return t.narrow(self.axis, start, n)
+
+
+def _wait(plan, works, step):
+    for w in works:
+        try:
+            w.wait(timeout=plan.timeout)
+        except RuntimeError as e:
+            raise TimeoutError(f"pyfa.torch.context_parallel_attention: {step}: no answer within "
+                               f"{plan.timeout.total_seconds():g} s on rank {plan.rank}, or a peer failed "
+                               f"({e})") from None
+
+
+def _send_recv(plan, sends, recvs, dst, src, tag0):
+    """Starts sending the tensors `sends` to group rank dst and receiving into `recvs`
+    from group rank src; returns the works."""
+    works = []
+    for n, t in enumerate(sends):
+        works.append(dist.isend(t, plan.peers[dst], group=plan.group, tag=tag0 + n))
+        if plan.stats is not None:
+            plan.stats["bytes_sent"] = plan.stats.get("bytes_sent", 0) + t.numel() * t.element_size()
+    for n, t in enumerate(recvs):
+        works.append(dist.irecv(t, plan.peers[src], group=plan.group, tag=tag0 + n))
+    return works
+
+
+def _ring(plan, kv, step_name):
+    """Yields (owner, tensors) of each rank's K/V-side tensors `kv` in ring order (the own
+    shard first, then ranks r + 1, r + 2, ... mod P), receiving the next while the caller
+    computes on the current one."""
+    P, r = plan.world, plan.rank
+    cur = [t.contiguous() for t in kv]
+    for t in range(P):
+        works, nxt = [], None
+        if t < P - 1:
+            nxt = [torch.empty_like(x) for x in cur]
+            works = _send_recv(plan, cur, nxt, (r - 1) % P, (r + 1) % P, tag0=16 * t)
+        yield (r + t) % P, cur
+        _wait(plan, works, f"{step_name} step {t + 1} of {P - 1} (K/V from rank {(r + 1) % P})")
+        cur = nxt
+
+
+def _in_order(plan, kv, step_name, needed):
+    """Yields (owner, local row, sequence row, tensors) of every key chunk of the sequence
+    in ascending sequence order, the K/V-side tensors `kv` of its owner's shard received
+    through the ring (_ring). A shard that arrives before its chunks' turn is held (its
+    K/V, not partial results) until then, and dropped once its chunks are done; one none
+    of whose chunks is needed(sequence row) is not held (tensors None)."""
+    P, S = plan.world, plan.split
+    order = sorted((k0, owner, kl) for owner in range(P)
+                   for kl, k0 in chunks(shard_rows(owner, P, plan.shard_len, plan.zigzag), S))
+    held, left = {}, {owner: plan.shard_len // S for owner in range(P)}
+    n = 0
+    for owner, tensors in _ring(plan, kv, step_name):
+        mine = chunks(shard_rows(owner, P, plan.shard_len, plan.zigzag), S)
+        held[owner] = tensors if any(needed(k0) for _, k0 in mine) else None
+        while n < len(order) and order[n][1] in held:
+            k0, o, kl = order[n]
+            yield o, kl, k0, held[o]
+            n += 1
+            left[o] -= 1
+            if left[o] == 0:
+                del held[o]
+
+
+def _merge(acc, part, axis):
+    """merge_states of two (O, LSE) states, the accumulator first (None: empty); O's
+    sequence axis is `axis` (LSE's is 2)."""
+    if acc is None:
+        return part
+    (oa, la), (oc, lc) = acc, part
+    rows = (lambda t: t.cpu().numpy()) if axis == 2 else (lambda t: t.transpose(1, 2).cpu().numpy())
+    o, lse = merge_states(np.stack([rows(oa), rows(oc)]), np.stack([la.cpu().numpy(), lc.cpu().numpy()]))
+    o = torch.from_numpy(o).to(oa.device)
+    return (o if axis == 2 else o.transpose(1, 2)), torch.from_numpy(lse).to(la.device)
+
+
+def _add(acc, part):
+    """acc + part, the accumulator starting at +0."""
+    return (torch.zeros_like(part) if acc is None else acc) + part
+
+
+def _ring_forward(plan, q, k, v):
+    S = plan.split
+    pieces = shard_rows(plan.rank, plan.world, plan.shard_len, plan.zigzag)
+    acc = [None] * len(pieces)  # (O, LSE) of each query piece over the key chunks so far
+
+    def needed(k0):
+        return any(plan.sees(p.start, p.length, k0, S) for p in pieces)
+
+    for _, kl, k0, kv_src in _in_order(plan, (k, v), "forward", needed):
+        for n, p in enumerate(pieces):
+            if plan.sees(p.start, p.length, k0, S):
+                k_src, v_src = kv_src
+                part = api.fa2_forward(plan.rows(q, p.local, p.length), plan.rows(k_src, kl, S),
+                                       plan.rows(v_src, kl, S), diagonal_offset=p.start - k0, **plan.call)
+                acc[n] = _merge(acc[n], part, plan.axis)
+    o, lse = torch.zeros_like(q), q.new_full(q.shape[:1] + (q.shape[1 if plan.axis == 2 else 2], q.shape[plan.axis]),
+                                             -math.inf)
+    for p, state in zip(pieces, acc):
+        if state is not None:
+            plan.rows(o, p.local, p.length).copy_(state[0])
+            lse.narrow(2, p.local, p.length).copy_(state[1])
+    return o, lse
+
+
+def _ring_backward(plan, q, k, v, o, lse, do):
+    S, P, r = plan.split, plan.world, plan.rank
+    mine = chunks(shard_rows(r, P, plan.shard_len, plan.zigzag), S)
+    dq_acc = {ql: None for ql, _ in mine}
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    # dK/dV partials of this rank's key chunks, from every rank: {(key local row, query row): (dk, dv)}
+    kv_parts = {}
+    outgoing = {owner: [] for owner in range(P)}
+    left = {owner: plan.shard_len // S for owner in range(P)}
+    sends = []
+    def needed(k0):
+        return any(plan.sees(q0, S, k0, S) for _, q0 in mine)
+
+    for owner, kl, k0, kv_src in _in_order(plan, (k, v), "backward", needed):
+        for ql, q0 in mine:
+            if not plan.sees(q0, S, k0, S):
+                continue
+            k_src, v_src = kv_src
+            dq_b, dk_b, dv_b = api.fa2_backward(
+                plan.rows(q, ql, S), plan.rows(k_src, kl, S), plan.rows(v_src, kl, S), plan.rows(o, ql, S),
+                lse.narrow(2, ql, S), plan.rows(do, ql, S), diagonal_offset=q0 - k0, **plan.call)
+            dq_acc[ql] = _add(dq_acc[ql], dq_b)
+            if owner == r:
+                kv_parts[(kl, q0)] = (dk_b, dv_b)
+            else:
+                outgoing[owner] += [dk_b, dv_b]
+        left[owner] -= 1
+        if left[owner] == 0 and outgoing[owner]:
+            # One message of this rank's partials for the owner's key chunks, in the order
+            # the owner enumerates them (its key chunks ascending, then this rank's query chunks).
+            msg = torch.stack(outgoing.pop(owner)).contiguous()
+            sends += _send_recv(plan, [msg], [], owner, None, tag0=1 << 20)
+    # The other ranks' partials of this rank's key chunks: each rank sends one message.
+    mine_k = sorted(chunks(shard_rows(r, P, plan.shard_len, plan.zigzag), S), key=lambda c: c[1])
+    recvs = []
+    for other in range(P):
+        if other == r:
+            continue
+        theirs_q = chunks(shard_rows(other, P, plan.shard_len, plan.zigzag), S)
+        blocks = [(kl, q0) for kl, k0 in mine_k for _, q0 in theirs_q if plan.sees(q0, S, k0, S)]
+        if not blocks:
+            continue
+        like = plan.rows(k, 0, S)
+        msg = torch.empty((2 * len(blocks),) + tuple(like.shape), dtype=k.dtype, device=k.device)
+        recvs.append((blocks, msg, _send_recv(plan, [], [msg], None, other, tag0=1 << 20)))
+    for blocks, msg, works in recvs:
+        _wait(plan, works, "backward: dK/dV partials from another rank")
+        for n, key in enumerate(blocks):
+            kv_parts[key] = (msg[2 * n], msg[2 * n + 1])
+    _wait(plan, sends, "backward: sending dK/dV partials")
+    dq = torch.zeros_like(q)
+    for ql, _ in mine:
+        if dq_acc[ql] is not None:
+            plan.rows(dq, ql, S).copy_(dq_acc[ql])
+    # dK_b, dV_b: the partials of the query chunks in ascending sequence order.
+    for kl, _ in mine_k:
+        acc_k = acc_v = None
+        for _, (pk, pv) in sorted(((key, val) for key, val in kv_parts.items() if key[0] == kl),
+                                  key=lambda item: item[0][1]):
+            acc_k, acc_v = _add(acc_k, pk), _add(acc_v, pv)
+        if acc_k is not None:
+            plan.rows(dk, kl, S).copy_(acc_k)
+            plan.rows(dv, kl, S).copy_(acc_v)
+    return dq, dk, dv
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan):
+        q, k, v = q.detach(), k.detach(), v.detach()
+        o, lse = _ring_forward(plan, q, k, v)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.plan = plan
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = (t.detach() for t in ctx.saved_tensors)
+        do = torch.zeros_like(o) if do is None else do.detach().contiguous()
+        dq, dk, dv = _ring_backward(ctx.plan, q, k, v, o, lse, do)
+        return dq, dk, dv, None
+
+
+def _all_to_all(plan, x, scatter, gather):
+    """x split into P parts along axis `scatter`, part s sent to rank s; the P parts
+    received concatenated along axis `gather` in rank order."""
+    P = plan.world
+    parts = torch.stack(x.chunk(P, dim=scatter)).contiguous()
+    out = torch.empty_like(parts)
+    if plan.stats is not None:
+        plan.stats["bytes_sent"] = plan.stats.get("bytes_sent", 0) + parts[0].numel() * parts.element_size() * (P - 1)
+    work = dist.all_to_all_single(out, parts, group=plan.group, async_op=True)
+    _wait(plan, [work], "ulysses all-to-all")
+    return torch.cat(out.unbind(0), dim=gather)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, plan, scatter, gather):
+        ctx.args = (plan, scatter, gather)
+        return _all_to_all(plan, x, scatter, gather)
+
+    @staticmethod
+    def backward(ctx, g):
+        plan, scatter, gather = ctx.args
+        return _all_to_all(plan, g, gather, scatter), None, None, None
+
+
+def _ulysses(plan, q, k, v, causal, window, scale, softcap, alibi_slopes, H):
+    from . import torch as pt
+    head_axis = 1 if plan.axis == 2 else 2
+    seq, heads = plan.axis, head_axis
+    qh, kh, vh = (_AllToAll.apply(t, plan, heads, seq) for t in (q, k, v))
+    slopes = None
+    if alibi_slopes is not None:
+        per = H // plan.world
+        slopes = alibi_slopes.narrow(alibi_slopes.dim() - 1, plan.rank * per, per)
+    o, lse = pt.attention(qh, kh, vh, causal=causal, window=window, scale=scale, layout=plan.call["layout"],
+                          return_lse=True, block_r=plan.call["options"].block_r,
+                          block_c=plan.call["options"].block_c, backend=plan.call["options"].backend,
+                          softcap=softcap, alibi_slopes=slopes, split_size=plan.split)
+    o = _AllToAll.apply(o, plan, seq, heads)
+    lse = _all_to_all(plan, lse.detach(), 2, 1)
+    return o, lse
+
+
+def _agree(plan, q, k, v, signature):
+    """Every rank's shapes and arguments, compared (one all-gather of a digest per field,
+    waited on with the call's timeout): a clear error instead of a hang or wrong bits
+    when the ranks disagree."""
+    names = ("q's shape", "k's shape", "v's shape", "device kind") + tuple(signature)
+    fields = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.device.type) + tuple(signature.values())
+    digest = [int.from_bytes(hashlib.sha256(repr(f).encode()).digest()[:7], "little") for f in fields]
+    mine = torch.tensor(digest, dtype=torch.int64, device=q.device)
+    everyone = [torch.empty_like(mine) for _ in range(plan.world)]
+    work = dist.all_gather(everyone, mine, group=plan.group, async_op=True)
+    _wait(plan, [work], "agreeing on the shapes and arguments of every rank")
+    for rank, theirs in enumerate(everyone):
+        for name, field, a, b in zip(names, fields, digest, theirs.tolist()):
+            if a != b:
+                raise ValueError(f"pyfa.torch.context_parallel_attention: rank {rank}'s {name} differs from "
+                                 f"rank {plan.rank}'s ({field!r}); every rank holds an equal shard and passes "
+                                 f"the same arguments")
+
+
+def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, split_size: int,
+                               group=None, mode: str = "ring", zigzag: bool = False,
+                               causal: bool = False, window=None, scale: Optional[float] = None,
+                               layout: str = "bhnd", softcap: Optional[float] = None,
+                               alibi_slopes: Optional[Tensor] = None, return_lse: bool = False,
+                               block_r: Optional[int] = None, block_c: Optional[int] = None,
+                               backend: str = "auto", timeout: float = 300.0,
+                               comm_stats: Optional[dict] = None):
+    """Attention over a sequence sharded across the ranks of `group` (default: the world),
+    differentiable; each rank passes its shard and gets its shard of O (and, in the
+    backward, of dQ, dK, dV). The bits equal those of pyfa.torch.attention on the whole
+    sequence with the same split_size, whatever the number of ranks or the mode.
+
+    q: (B, H, L, d) in layout "bhnd" or (B, L, H, d) in "bnhd", float32; k, v likewise with
+    Hkv heads (H % Hkv == 0). Every rank's shard has the same L, a multiple of split_size
+    (with zigzag, of 2 * split_size). The sequence is the ranks' shards in rank order, or,
+    with zigzag=True (ring mode, for causal masks: every rank gets an equal share of the
+    work), 2P pieces of L / 2 of which rank r holds pieces r and 2P - 1 - r, in that order.
+    causal, window, scale, softcap, alibi_slopes: as in pyfa.torch.attention, over the
+    whole sequence (Nq = Nk, so causal_align does not matter). mode: "ring" or "ulysses"
+    (all-to-all over heads: H and Hkv divisible by the world size). return_lse: also
+    return the shard's LSE (B, H, L), not differentiable. timeout: seconds any one
+    transfer may take before TimeoutError names it. comm_stats: a dict that gets
+    "bytes_sent", this rank's bytes sent by the call (forward and backward added up).
+    Refused: dropout and bias (their inputs are keyed on positions of the whole problem
+    in ways a block call does not see), tensors on a device the group's backend cannot
+    serve (gloo: CPU; NCCL: CUDA)."""
+    from . import torch as pt
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        pt._check_tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected 4 dimensions, got shape {tuple(t.shape)}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("pyfa.torch.context_parallel_attention: torch.distributed is not initialised "
+                           "(torch.distributed.init_process_group first)")
+    if mode not in _MODES:
+        raise ValueError(f"mode: expected 'ring' or 'ulysses', got {mode!r}")
+    if layout not in ("bhnd", "bnhd"):
+        raise ValueError(f"layout: expected 'bhnd' or 'bnhd', got {layout!r}")
+    pt._check_bool("causal", causal)
+    pt._check_bool("zigzag", zigzag)
+    pt._check_bool("return_lse", return_lse)
+    B, H, L, Nk, d, Hkv = pt._dims(q, k, v, layout)
+    if Nk != L:
+        raise ValueError(f"k: shard length {Nk} differs from q's {L} (q, k and v are sharded alike)")
+    split = check_int("split_size", split_size, 1, 1 << 40)
+    unit = 2 * split if zigzag else split
+    if L % unit:
+        raise ValueError(f"q: shard length {L} must be a multiple of {'2 * ' if zigzag else ''}split_size "
+                         f"= {unit}")
+    if zigzag and mode != "ring":
+        raise ValueError("zigzag: only mode='ring' takes the zigzag sharding")
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0:
+        raise ValueError(f"timeout: expected seconds > 0, got {timeout!r}")
+    softcap = check_softcap(softcap)
+    left, right = check_window(window)
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    peers = tuple(dist.get_global_rank(group, i) if group is not None else i for i in range(world))
+    kind = dist.get_backend(group)
+    wants = {"gloo": "cpu", "nccl": "cuda"}.get(str(kind))
+    if wants is not None and q.device.type != wants:
+        raise ValueError(f"q: on {q.device}, but the group's backend {kind} takes {wants} tensors")
+    if mode == "ulysses" and (H % world or Hkv % world):
+        raise ValueError(f"mode='ulysses': the heads (H = {H}, Hkv = {Hkv}) must be divisible by the world "
+                         f"size {world}, so that each rank takes whole groups of query heads with their K/V head")
+    bounds = mask_bounds(causal, (left, right) if window is not None else None, "top_left",
+                         world * L, world * L)
+    if alibi_slopes is not None:
+        pt._check_tensor("alibi_slopes", alibi_slopes)
+        alibi_slopes = alibi_slopes.detach().to(q.device, torch.float32).contiguous()
+    call = dict(causal=causal, window=window, causal_align="top_left", scale=scale, layout=layout,
+                options=pt._options(backend, block_r, block_c))
+    if softcap is not None:
+        call["softcap"] = softcap
+    if alibi_slopes is not None:
+        call["alibi_slopes"] = alibi_slopes
+    plan = _Plan(group, rank, world, peers, L, split, zigzag, 2 if layout == "bhnd" else 1, bounds.left,
+                 bounds.right, call, datetime.timedelta(seconds=float(timeout)), comm_stats)
+    signature = dict(mode=mode, zigzag=zigzag, split_size=split, causal=causal, window=window, scale=scale,
+                     layout=layout, softcap=softcap, backend=backend, block_r=block_r, block_c=block_c,
+                     alibi_slopes=None if alibi_slopes is None else alibi_slopes.cpu().tolist())
+    _agree(plan, q, k, v, signature)
+    if mode == "ulysses":
+        o, lse = _ulysses(plan, q, k, v, causal, window, scale, softcap, alibi_slopes, H)
+    else:
+        o, lse = _RingAttention.apply(q, k, v, plan)
+    return (o, lse) if return_lse else o
+
+
+__all__ = ["context_parallel_attention"]

@@ -1,0 +1,131 @@
+"""Runs pyfa.torch.context_parallel_attention in spawned gloo process groups for
+tests/test_context_parallel.py: `python tests/cp_worker.py OUT P...` saves, for each
+world size P and rank, every case's shard of O, dQ, dK, dV and the bytes sent, and the
+outcome of the misuse cases, to OUT/P{P}_r{rank}.pt."""
+
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+B, N, D, S = 1, 192, 16, 8          # N: a multiple of 2 * S * P for P = 1 .. 4
+TILES = dict(block_r=8, block_c=8)  # the split size is a multiple of the tiles
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+
+# name: (heads, heads_kv, layout, keywords); every case is GQA.
+CASES = {
+    "ring": (4, 2, "bhnd", dict()),
+    "ring_causal": (4, 2, "bhnd", dict(causal=True)),
+    "ring_zigzag": (4, 2, "bhnd", dict(causal=True, zigzag=True)),
+    "ring_mods": (4, 2, "bnhd", dict(window=(37, 5), softcap=4.0, alibi_slopes=SLOPES)),
+    "ulysses": (8, 4, "bhnd", dict(mode="ulysses")),
+    "ulysses_causal": (8, 4, "bnhd", dict(mode="ulysses", causal=True)),
+}
+
+
+def inputs(heads, heads_kv, layout):
+    """q, k, v and the upstream gradient do over the whole sequence, (B, H, N, d)."""
+    g = torch.Generator().manual_seed(heads * 7 + heads_kv)
+    shapes = [(B, heads, N, D), (B, heads_kv, N, D), (B, heads_kv, N, D), (B, heads, N, D)]
+    ts = [torch.randn(*s, generator=g) for s in shapes]
+    return [t.transpose(1, 2).contiguous() for t in ts] if layout == "bnhd" else ts
+
+
+def rows_of(rank, P, zigzag):
+    L = N // P
+    if not zigzag:
+        return list(range(rank * L, (rank + 1) * L))
+    h = L // 2
+    return list(range(rank * h, rank * h + h)) + list(range((2 * P - 1 - rank) * h, (2 * P - rank) * h))
+
+
+def run_case(name, rank, P):
+    import pyfa.torch as pt
+    heads, heads_kv, layout, kw = CASES[name]
+    if kw.get("mode") == "ulysses" and heads_kv % P:
+        return None
+    axis = 2 if layout == "bhnd" else 1
+    idx = torch.tensor(rows_of(rank, P, kw.get("zigzag", False)))
+    q, k, v, do = (t.index_select(axis, idx) for t in inputs(heads, heads_kv, layout))
+    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    stats = {}
+    o = pt.context_parallel_attention(q, k, v, split_size=S, layout=layout, comm_stats=stats, **TILES, **kw)
+    o.backward(do)
+    return dict(rows=idx, o=o.detach(), dq=q.grad, dk=k.grad, dv=v.grad, bytes=stats.get("bytes_sent", 0))
+
+
+def misuse(rank, P):
+    """The messages of calls the ranks disagree on (P = 2)."""
+    import pyfa.torch as pt
+    out = {}
+    q = torch.randn(1, 2, 16 if rank == 0 else 32, D)
+    try:
+        pt.context_parallel_attention(q, q, q, split_size=S, **TILES)
+    except ValueError as e:
+        out["shard"] = str(e)
+    q = torch.randn(1, 2, 16, D)
+    try:
+        pt.context_parallel_attention(q, q, q, split_size=S, causal=rank == 1, **TILES)
+    except ValueError as e:
+        out["args"] = str(e)
+    try:
+        pt.context_parallel_attention(q, q, q, split_size=S, mode="ulysses", **TILES)
+    except ValueError as e:
+        out["ulysses_heads"] = str(e) if P == 3 else None
+    # Rank 1 never calls: rank 0 must not hang.
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            pt.context_parallel_attention(q, q, q, split_size=S, timeout=1.0, **TILES)
+        except TimeoutError as e:
+            out["timeout"] = (str(e), time.monotonic() - t0)
+    else:
+        time.sleep(3)  # alive but silent past rank 0's timeout
+    return out
+
+
+def ddp_step(rank, P):
+    """One DDP training step of a small model with pyfa.torch.attention inside, the same
+    batch on every rank: its gradients."""
+    import pyfa.torch as pt
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.qkv = torch.nn.Linear(D, 3 * D)
+            self.out = torch.nn.Linear(D, D)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)
+            return self.out(pt.attention(q, k, v, causal=True, **TILES).squeeze(1))
+
+    model = Block()
+    if P > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    x = torch.randn(2, 24, D, generator=torch.Generator().manual_seed(5))
+    model(x).square().sum().backward()
+    return {n.removeprefix("module."): p.grad.clone() for n, p in model.named_parameters()}
+
+
+def worker(rank, P, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=P, timeout=datetime.timedelta(seconds=60))
+    res = {name: run_case(name, rank, P) for name in CASES}
+    if P in (1, 2):
+        res["ddp"] = ddp_step(rank, P)
+    if P in (2, 3):
+        res["misuse"] = misuse(rank, P)
+    torch.save(res, os.path.join(out, f"P{P}_r{rank}.pt"))
+    if P not in (2, 3):
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    out = sys.argv[1]
+    for P in map(int, sys.argv[2:]):
+        mp.spawn(worker, args=(P, 29400 + P + 10 * (os.getpid() % 500), out), nprocs=P)
