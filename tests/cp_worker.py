@@ -76,6 +76,11 @@ def misuse(rank, P):
         pt.context_parallel_attention(q, q, q, split_size=S, mode="ulysses", **TILES)
     except ValueError as e:
         out["ulysses_heads"] = str(e) if P == 3 else None
+    try:
+        meta = q.to("meta")
+        pt.context_parallel_attention(meta, meta, meta, split_size=S, **TILES)
+    except ValueError as e:
+        out["device"] = str(e)
     # Rank 1 never calls: rank 0 must not hang.
     if rank == 0:
         t0 = time.monotonic()

@@ -129,6 +129,7 @@ def test_misuse_is_named(runs, P):
         m = runs[(P, r)]["misuse"]
         assert "q's shape differs" in m["shard"] and "rank" in m["shard"]
         assert "causal differs" in m["args"]
+        assert "on meta, but the group's backend gloo takes cpu tensors" in m["device"]
         if P == 3:
             assert "divisible by the world size 3" in m["ulysses_heads"]
     message, seconds = runs[(P, 0)]["misuse"]["timeout"]
