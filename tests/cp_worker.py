@@ -12,7 +12,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-B, N, D, S = 1, 192, 16, 8          # N: a multiple of 2 * S * P for P = 1 .. 4
+B, D, S = 1, 16, 8
+
+
+def seqlen(name):
+    """N, a multiple of S * P for P = 1 .. 4 (zigzag: of 2 * S * P)."""
+    return 192 if CASES[name][3].get("zigzag") else 96
 TILES = dict(block_r=8, block_c=8)  # the split size is a multiple of the tiles
 SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
 
@@ -27,15 +32,17 @@ CASES = {
 }
 
 
-def inputs(heads, heads_kv, layout):
-    """q, k, v and the upstream gradient do over the whole sequence, (B, H, N, d)."""
+def inputs(name):
+    """q, k, v and the upstream gradient do of a case over the whole sequence, (B, H, N, d)."""
+    heads, heads_kv, layout, _ = CASES[name]
+    N = seqlen(name)
     g = torch.Generator().manual_seed(heads * 7 + heads_kv)
     shapes = [(B, heads, N, D), (B, heads_kv, N, D), (B, heads_kv, N, D), (B, heads, N, D)]
     ts = [torch.randn(*s, generator=g) for s in shapes]
     return [t.transpose(1, 2).contiguous() for t in ts] if layout == "bnhd" else ts
 
 
-def rows_of(rank, P, zigzag):
+def rows_of(rank, P, zigzag, N):
     L = N // P
     if not zigzag:
         return list(range(rank * L, (rank + 1) * L))
@@ -43,49 +50,50 @@ def rows_of(rank, P, zigzag):
     return list(range(rank * h, rank * h + h)) + list(range((2 * P - 1 - rank) * h, (2 * P - rank) * h))
 
 
-def run_case(name, rank, P):
+def run_case(name, rank, P, group):
     import pyfa.torch as pt
     heads, heads_kv, layout, kw = CASES[name]
     if kw.get("mode") == "ulysses" and heads_kv % P:
         return None
     axis = 2 if layout == "bhnd" else 1
-    idx = torch.tensor(rows_of(rank, P, kw.get("zigzag", False)))
-    q, k, v, do = (t.index_select(axis, idx) for t in inputs(heads, heads_kv, layout))
+    idx = torch.tensor(rows_of(rank, P, kw.get("zigzag", False), seqlen(name)))
+    q, k, v, do = (t.index_select(axis, idx) for t in inputs(name))
     q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
     stats = {}
-    o = pt.context_parallel_attention(q, k, v, split_size=S, layout=layout, comm_stats=stats, **TILES, **kw)
+    o = pt.context_parallel_attention(q, k, v, split_size=S, layout=layout, comm_stats=stats, group=group,
+                                      **TILES, **kw)
     o.backward(do)
     return dict(rows=idx, o=o.detach(), dq=q.grad, dk=k.grad, dv=v.grad, bytes=stats.get("bytes_sent", 0))
 
 
-def misuse(rank, P):
-    """The messages of calls the ranks disagree on (P = 2)."""
+def misuse(rank, P, group):
+    """The messages of calls the ranks of `group` (P ranks) disagree on."""
     import pyfa.torch as pt
     out = {}
     q = torch.randn(1, 2, 16 if rank == 0 else 32, D)
     try:
-        pt.context_parallel_attention(q, q, q, split_size=S, **TILES)
+        pt.context_parallel_attention(q, q, q, split_size=S, group=group, **TILES)
     except ValueError as e:
         out["shard"] = str(e)
     q = torch.randn(1, 2, 16, D)
     try:
-        pt.context_parallel_attention(q, q, q, split_size=S, causal=rank == 1, **TILES)
+        pt.context_parallel_attention(q, q, q, split_size=S, causal=rank == 1, group=group, **TILES)
     except ValueError as e:
         out["args"] = str(e)
     try:
-        pt.context_parallel_attention(q, q, q, split_size=S, mode="ulysses", **TILES)
+        pt.context_parallel_attention(q, q, q, split_size=S, mode="ulysses", group=group, **TILES)
     except ValueError as e:
         out["ulysses_heads"] = str(e) if P == 3 else None
     try:
         meta = q.to("meta")
-        pt.context_parallel_attention(meta, meta, meta, split_size=S, **TILES)
+        pt.context_parallel_attention(meta, meta, meta, split_size=S, group=group, **TILES)
     except ValueError as e:
         out["device"] = str(e)
     # Rank 1 never calls: rank 0 must not hang.
     if rank == 0:
         t0 = time.monotonic()
         try:
-            pt.context_parallel_attention(q, q, q, split_size=S, timeout=1.0, **TILES)
+            pt.context_parallel_attention(q, q, q, split_size=S, timeout=1.0, group=group, **TILES)
         except TimeoutError as e:
             out["timeout"] = (str(e), time.monotonic() - t0)
     else:
@@ -93,7 +101,7 @@ def misuse(rank, P):
     return out
 
 
-def ddp_step(rank, P):
+def ddp_step(rank, P, group):
     """One DDP training step of a small model with pyfa.torch.attention inside, the same
     batch on every rank: its gradients."""
     import pyfa.torch as pt
@@ -111,26 +119,34 @@ def ddp_step(rank, P):
 
     model = Block()
     if P > 1:
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        model = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
     x = torch.randn(2, 24, D, generator=torch.Generator().manual_seed(5))
     model(x).square().sum().backward()
     return {n.removeprefix("module."): p.grad.clone() for n, p in model.named_parameters()}
 
 
-def worker(rank, P, port, out):
+def worker(rank, world, port, out):
+    """One process of `world`; each world size P of the run is the group of ranks 0 .. P-1
+    (every process takes part in making each group, as torch.distributed wants)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=P, timeout=datetime.timedelta(seconds=60))
-    res = {name: run_case(name, rank, P) for name in CASES}
-    if P in (1, 2):
-        res["ddp"] = ddp_step(rank, P)
-    if P in (2, 3):
-        res["misuse"] = misuse(rank, P)
-    torch.save(res, os.path.join(out, f"P{P}_r{rank}.pt"))
-    if P not in (2, 3):
-        dist.destroy_process_group()
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    groups = {P: dist.new_group(list(range(P))) for P in range(1, world + 1)}
+    results = {}
+    for P, group in groups.items():
+        if rank < P:
+            res = {name: run_case(name, rank, P, group) for name in CASES}
+            if P in (1, 2):
+                res["ddp"] = ddp_step(rank, P, group)
+            results[P] = res
+        dist.barrier()
+    # Last: the misuse cases leave their groups' collectives unfinished.
+    for P in (2, 3):
+        if rank < P <= world:
+            results[P]["misuse"] = misuse(rank, P, groups[P])
+    for P, res in results.items():
+        torch.save(res, os.path.join(out, f"P{P}_r{rank}.pt"))
 
 
 if __name__ == "__main__":
-    out = sys.argv[1]
-    for P in map(int, sys.argv[2:]):
-        mp.spawn(worker, args=(P, 29400 + P + 10 * (os.getpid() % 500), out), nprocs=P)
+    out, world = sys.argv[1], int(sys.argv[2])
+    mp.spawn(worker, args=(world, 29400 + os.getpid() % 20000, out), nprocs=world)

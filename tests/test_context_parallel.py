@@ -5,6 +5,8 @@ split_size bit for bit, in ring and Ulysses modes, causal and not, zigzag, GQA, 
 softcap and ALiBi; the bytes each rank sends equal the model's
 (pyfa.sim.context_parallel_bytes); misuse gets an error naming it, and no hang."""
 
+import functools
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,21 +18,29 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
+import pyfa  # noqa: E402
 import pyfa.sim  # noqa: E402
 import pyfa.torch as pt  # noqa: E402
+from conftest import built_once  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 import cp_worker as w  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("context_parallel")]
+pytestmark = pytest.mark.slow
 WORLD_SIZES = (1, 2, 3, 4)
+
+
+def _spawn(out):
+    # The ranks import the pyfa this test imported, installed or not.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(Path(pyfa.__file__).parents[1])] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    subprocess.run([sys.executable, str(Path(w.__file__)), str(out), str(max(WORLD_SIZES))], check=True,
+                   timeout=900, env=env)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("context_parallel")
-    subprocess.run([sys.executable, str(Path(w.__file__)), str(out), *map(str, WORLD_SIZES)], check=True,
-                   timeout=900)
+    out = built_once(tmp_path_factory, "context_parallel", _spawn)
     return {(P, r): torch.load(out / f"P{P}_r{r}.pt") for P in WORLD_SIZES for r in range(P)}
 
 
@@ -46,7 +56,7 @@ def gathered(runs, P, name):
     for key in ("o", "dq", "dk", "dv"):
         like = parts[0][key]
         shape = list(like.shape)
-        shape[axis] = w.N
+        shape[axis] = w.seqlen(name)
         t = torch.zeros(shape)
         for part in parts:
             t.index_copy_(axis, part["rows"], part[key])
@@ -54,10 +64,11 @@ def gathered(runs, P, name):
     return full
 
 
+@functools.lru_cache(maxsize=None)
 def one_device(name):
     heads, heads_kv, layout, kw = w.CASES[name]
     kw = {k: x for k, x in kw.items() if k not in ("mode", "zigzag")}
-    q, k, v, do = w.inputs(heads, heads_kv, layout)
+    q, k, v, do = w.inputs(name)
     q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
     o = pt.attention(q, k, v, layout=layout, split_size=w.S, **w.TILES, **kw)
     o.backward(do)
@@ -92,14 +103,14 @@ def test_bytes_sent_are_the_models(runs, P, name):
     if runs[(P, 0)][name] is None:
         return
     model = pyfa.sim.context_parallel_bytes(
-        kw.get("mode", "ring"), P, batch=w.B, heads=heads, heads_kv=heads_kv, shard_len=w.N // P, head_dim=w.D,
+        kw.get("mode", "ring"), P, batch=w.B, heads=heads, heads_kv=heads_kv, shard_len=w.seqlen(name) // P, head_dim=w.D,
         split_size=w.S, causal=kw.get("causal", False), window=kw.get("window"), zigzag=kw.get("zigzag", False))
     for r in range(P):
         sent = runs[(P, r)][name]["bytes"]
         assert model[r] <= sent * 1.1 and sent <= model[r] * 1.1, (P, r, name, sent, model[r])
     if P > 1 and kw.get("mode", "ring") == "ring":
         # K and V cross each of the P - 1 links once per pass (forward, backward).
-        kv = 2 * w.B * heads_kv * (w.N // P) * w.D * 4
+        kv = 2 * w.B * heads_kv * (w.seqlen(name) // P) * w.D * 4
         assert min(model) >= 2 * (P - 1) * kv
 
 
