@@ -22,6 +22,13 @@ S = 32  # two tiles per chunk
 RUNS = [("emu", "reference"), ("emu", "auto"), ("cpu", "auto")]
 
 
+def run_options(backend, variant):
+    """Options of one RUNS entry; the emulator's readable run checks every access (its
+    split fold reads back the output it wrote: strict mode checks that too)."""
+    strict = dict(emu_check="strict") if (backend, variant) == ("emu", "reference") else {}
+    return pyfa.Options(backend=backend, variant=variant, **strict, **TILES)
+
+
 @functools.lru_cache(maxsize=None)
 def problem(H, Hkv, Nq, Nk, d, seed=0):
     rng = np.random.default_rng(seed)
@@ -58,7 +65,7 @@ def test_split_backward_equals_the_simulator(case, run):
     name, kw = case[0], case[5]
     (q, k, v, do, o, lse), want = simulated(name, S)
     got = pyfa.fa2_backward(q, k, v, o, lse, do, split_size=S, **kw,
-                            options=pyfa.Options(backend=run[0], variant=run[1], **TILES))
+                            options=run_options(*run))
     for g, w, what in zip(got, want, ("dQ", "dK", "dV")):
         assert same_bits(g, w), f"{what} differs from the simulator"
 
@@ -172,3 +179,16 @@ def test_split_backward_refuses_bias_fa1_and_the_fast_kernels():
         pyfa.attention_grad(q, k, v, do, algo="fa1", split_size=S)
     with pytest.raises(pyfa.InvalidArgumentError, match="split_size"):
         pyfa.fa2_backward(q, k, v, o, lse, do, split_size=-1, options=pyfa.Options(backend="cpu"))
+
+
+def test_fast_kernels_do_not_split():
+    """Variant fast refuses split_size by name; auto runs the readable kernels (their bits)."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 2, 64, 64), dtype=np.float32)
+    o, lse = pyfa.fa2_forward(q, q, q, options=pyfa.Options(backend="cpu"))
+    with pytest.raises(pyfa.InvalidArgumentError, match="fast.*split_size"):
+        pyfa.fa2_backward(q, q, q, o, lse, q, split_size=128, options=pyfa.Options(backend="emu", variant="fast"))
+    auto = pyfa.fa2_backward(q, q, q, o, lse, q, split_size=128, options=pyfa.Options(backend="emu", variant="auto"))
+    ref = pyfa.fa2_backward(q, q, q, o, lse, q, split_size=128,
+                            options=pyfa.Options(backend="emu", variant="reference"))
+    assert all(same_bits(a, r) for a, r in zip(auto, ref))
