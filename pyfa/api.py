@@ -711,7 +711,8 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
     take the host entry point, CUDA arrays the device one. varlen: packed sequences (a
     pyfa.varlen.Varlen), the tensors then one (total, heads, d) batch in layout "bnhd";
     function: the public name errors use (default pyfa.<op_name>); split_size: the FA2
-    forward's keys per chunk (checks.check_split_size)."""
+    forward's keys per chunk, the FA2 backward's rows and keys per chunk
+    (checks.check_split_size)."""
     op = OPS[op_name]
     # A backward given a bias also returns dbias, last (docs/numerics.md §2).
     with_dbias = op.pass_ == "backward" and mods.get("bias") is not None
@@ -862,15 +863,22 @@ def fa2_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, lse: Ar
                  causal_align: str = "bottom_right", scale: Optional[float] = None,
                  layout: str = "bhnd", options: Optional[Options] = None,
                  out: Optional[Sequence[Optional[ArrayLike]]] = None, stream: Any = None,
-                 **mods) -> Tuple[Array, Array, Array]:
+                 split_size: Union[None, int, str] = None, **mods) -> Tuple[Array, Array, Array]:
     """FlashAttention-2 backward from the forward's saved o and lse (fa2_forward) and the
     incoming gradient do (like o). Returns (dq, dk, dv), shaped like q, k, v. The mask
     and scale must be the forward's. Deterministic: the same inputs give the same bits.
-    out: (dq, dk, dv), each None to allocate it."""
+    out: (dq, dk, dv), each None to allocate it.
+
+    split_size: the split backward (docs/numerics.md, "FA2 backward"): None or 0, none;
+    an int S, a multiple of the dQ kernel's Bc and the dK/dV kernel's Br: dQ summed per
+    key chunk of S keys and dK, dV per query chunk of S rows, the chunk sums folded in
+    ascending chunk order, so that folding separate calls on the (query chunk, key
+    chunk) blocks gives the same bits; or "decode", pyfa.checks.decode_split_size(d).
+    Not with a bias (dbias)."""
     options, mods = _keywords("pyfa.fa2_backward", options, mods)
     return _run("fa2_backward", dict(q=q, k=k, v=v, o=o, lse=lse, do=do), causal=causal,
                 window=window, causal_align=causal_align, scale=scale, layout=layout,
-                options=options, out=out, stream=stream, mods=mods)
+                options=options, out=out, stream=stream, mods=mods, split_size=split_size)
 
 
 def fa1_forward(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
@@ -947,12 +955,14 @@ def attention_grad(q: ArrayLike, k: ArrayLike, v: ArrayLike, do: ArrayLike, *,
                    causal_align: str = "bottom_right", scale: Optional[float] = None,
                    algo: str = "fa2", layout: str = "bhnd", options: Optional[Options] = None,
                    out: Optional[Sequence[Optional[ArrayLike]]] = None, stream: Any = None,
-                   **mods) -> Tuple[Array, Array, Array, Array]:
+                   split_size: Union[None, int, str] = None, **mods) -> Tuple[Array, Array, Array, Array]:
     """The forward and backward of attention(q, k, v, ...) for the incoming gradient do
     (like the output): returns (o, dq, dk, dv), o like q and the gradients like q, k, v.
     Arguments as in attention(); do is checked before any kernel runs; options.progress
     sees each of the two calls in turn. out: (o, dq, dk, dv), each None to allocate it.
-    With bias=: (o, dq, dk, dv, dbias), dbias of the bias's shape (out= then takes five)."""
+    With bias=: (o, dq, dk, dv, dbias), dbias of the bias's shape (out= then takes five).
+    split_size: algo "fa2" only, given to both the split forward (fa2_forward) and the
+    split backward (fa2_backward)."""
     options, mods = _keywords("pyfa.attention_grad", options, mods)
     _algo(algo)
     with_dbias = mods.get("bias") is not None
@@ -962,11 +972,13 @@ def attention_grad(q: ArrayLike, k: ArrayLike, v: ArrayLike, do: ArrayLike, *,
     kw = dict(causal=causal, window=window, causal_align=causal_align, scale=scale,
               layout=layout, options=options, stream=stream, **mods)
     grads = (outs["dq"], outs["dk"], outs["dv"]) + ((outs["dbias"],) if with_dbias else ())
+    if algo == "fa1" and split_size not in (None, 0):
+        raise InvalidArgumentError(f"split_size: only algo='fa2' splits, got {split_size!r}")
     if algo == "fa1":
         o, m, l = fa1_forward(q, k, v, out=(outs["o"], None, None), **kw)
         return (o, *fa1_backward(q, k, v, o, m, l, do, out=grads, **kw))
-    o, lse = fa2_forward(q, k, v, out=(outs["o"], None), **kw)
-    return (o, *fa2_backward(q, k, v, o, lse, do, out=grads, **kw))
+    o, lse = fa2_forward(q, k, v, out=(outs["o"], None), split_size=split_size, **kw)
+    return (o, *fa2_backward(q, k, v, o, lse, do, out=grads, split_size=split_size, **kw))
 
 
 for _f in (fa2_forward, fa2_backward, fa1_forward, fa1_backward, attention, attention_grad):

@@ -230,35 +230,6 @@ def _ring_backward(plan, q, k, v, o, lse, do):
     return dq, dk, dv
 
 
-def split_backward(q, k, v, o, lse, do, kw):
-    """FA2's backward in the split structure on one process (pyfa.torch.attention with
-    split_size): dQ of each query chunk the sum, from +0 in ascending key-chunk order, of
-    the blocks' dQ; dK, dV of each key chunk that of the blocks' dK, dV in ascending
-    query-chunk order. A block (query chunk, key chunk) is one pyfa.fa2_backward call,
-    placed by diagonal_offset. kw: pyfa's keywords of the call, split_size among them."""
-    kw = dict(kw)
-    S = kw.pop("split_size")
-    axis = 2 if kw.get("layout", "bhnd") == "bhnd" else 1
-    Nq, Nk = q.shape[axis], k.shape[axis]
-    bounds = mask_bounds(kw.get("causal", False), kw.get("window"), kw.get("causal_align", "bottom_right"), Nq, Nk)
-    kw["causal_align"] = "top_left"
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    rows = lambda t, a, n: t.narrow(axis, a, n)  # noqa: E731
-    for b0 in range(0, Nk, S):
-        nb = min(S, Nk - b0)
-        for a0 in range(0, Nq, S):
-            na = min(S, Nq - a0)
-            if not block_sees(bounds.left, bounds.right, a0, na, b0, nb, bounds.off):
-                continue
-            dq_b, dk_b, dv_b = api.fa2_backward(
-                rows(q, a0, na), rows(k, b0, nb), rows(v, b0, nb), rows(o, a0, na), lse.narrow(2, a0, na),
-                rows(do, a0, na), diagonal_offset=bounds.off + a0 - b0, **kw)
-            rows(dq, a0, na).add_(dq_b)
-            rows(dk, b0, nb).add_(dk_b)
-            rows(dv, b0, nb).add_(dv_b)
-    return dq, dk, dv
-
-
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan):

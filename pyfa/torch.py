@@ -175,10 +175,6 @@ def _fa2_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: T
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     # CUDA tensors must be C-contiguous (a gradient may come expanded or transposed).
     with _on_device_of(q):
-        if split_size:
-            from .context_parallel import split_backward
-            return split_backward(q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(),
-                                  do.detach().contiguous(), kw)
         return api.fa2_backward(q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(),
                                 do.detach().contiguous(), **kw)
 

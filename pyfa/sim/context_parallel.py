@@ -31,12 +31,11 @@ def chunks(pieces, S):
     return [(p.local + c, p.start + c) for p in pieces for c in range(0, p.length, S)]
 
 
-def block_sees(left, right, q0, nq, k0, nk, off=0):
+def block_sees(left, right, q0, nq, k0, nk):
     """Some row of [q0, q0 + nq) sees some key of [k0, k0 + nk) under the sides left,
-    right and the diagonal offset off of the whole problem's mask (key j visible to row i
-    iff i + off - left <= j <= i + off + right; a sharded sequence has Nq = Nk, so both
-    alignments give off = 0)."""
-    return max(k0 - (q0 + nq - 1), off - left) <= min(k0 + nk - 1 - q0, off + right)
+    right of the whole sequence's mask (key j visible to row i iff i - left <= j <= i +
+    right: Nq = Nk, so both alignments put the diagonal at j = i)."""
+    return max(k0 - (q0 + nq - 1), -left) <= min(k0 + nk - 1 - q0, right)
 
 
 def context_parallel_bytes(mode: str, world_size: int, *, batch: int, heads: int, heads_kv: int,

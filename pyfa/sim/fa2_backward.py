@@ -21,7 +21,8 @@ import numpy as np
 from . import numerics as nx
 from . import score
 from .calls import simulated
-from ..checks import ScoreMods, check_like, check_qkv, check_rows, resolve_scale, restore_rank
+from ..checks import ScoreMods, check_split_size, check_like, check_qkv, check_rows, resolve_scale, restore_rank
+from ..errors import InvalidArgumentError
 from .io import IORecord
 from .mask import Mask
 from .tiles import launch_tiles
@@ -82,10 +83,12 @@ def _preprocess(O, dO, io):
     return D
 
 
-def _dkdv(Q, K, V, dO, LSE, D, Br, Bc, scale, mods, mask, io, Hkv, dB=None):
+def _dkdv(Q, K, V, dO, LSE, D, Br, Bc, scale, mods, mask, io, Hkv, dB=None, split_size=0):
     """The dK/dV kernel: blocks (j, K/V head) (vectorized) walk, for each query head g of
     their group in increasing order, the Q row blocks i of their band mask.q_tiles(j) in
-    increasing order. Q, dO: (BHkv, G, Nq, d); LSE, D: (BHkv, G, Nq); K, V: (BHkv, Nk, d)."""
+    increasing order. Q, dO: (BHkv, G, Nq, d); LSE, D: (BHkv, G, Nq); K, V: (BHkv, Nk, d).
+    split_size > 0: query chunks of split_size rows outermost, each chunk's sums from +0
+    folded into the output in ascending chunk order (split_fold in common/merge.h)."""
     BHkv, G, Nq, d = Q.shape
     Nk = K.shape[1]
     Tr, Tc = ceil_div(Nq, Br), ceil_div(Nk, Bc)
@@ -100,52 +103,78 @@ def _dkdv(Q, K, V, dO, LSE, D, Br, Bc, scale, mods, mask, io, Hkv, dB=None):
     seen = sum(min(Bc, Nk - j * Bc) for j in range(Tc) if bands[j, 0] < bands[j, 1])
     io.read("K", BHkv * seen * d * 4)
     io.read("V", BHkv * seen * d * 4)
-    for g in range(G):
-        # The score pipeline's query head index b * H + h of each block's head hk * G + g.
-        bh = (np.arange(BHkv) // Hkv * (Hkv * G) + np.arange(BHkv) % Hkv * G + g).reshape(BHkv, 1, 1, 1)
-        Qp, dOp = _pad_rows(Q[:, g], Tr * Br), _pad_rows(dO[:, g], Tr * Br)
-        LSEp = np.full((BHkv, Tr * Br), NEG_INF, F32)
-        LSEp[:, :Nq] = LSE[:, g]
-        Dp = _pad_rows(D[:, g], Tr * Br)
-        for i in range(Tr):
-            row0 = i * Br
-            br = min(Br, Nq - row0)
-            # column blocks whose band holds Q tile i
-            active = np.nonzero((bands[:, 0] <= i) & (i < bands[:, 1]))[0]
-            if active.size == 0:
-                continue
-            sl = slice(row0, row0 + Br)
-            Qi, dOi = Qp[:, None, sl], dOp[:, None, sl]
-            LSEi, Di = LSEp[:, None, sl], Dp[:, None, sl]
-            io.read("Q", BHkv * active.size * br * d * 4)
-            io.read("dO", BHkv * active.size * br * d * 4)
-            io.read("LSE", BHkv * active.size * br * 4)
-            io.read("D", BHkv * active.size * br * 4)
-            keys = int(sum(min(Bc, Nk - j * Bc) for j in active))
-            score.bias_io(mods, io, BHkv * br * keys)
-            if dB is not None:
-                score.dbias_io(mods, io, 0, BHkv * keys, 0)
+    per = split_size // Br if split_size else Tr  # Q tiles per query chunk
+    acc_dK = np.zeros((BHkv, Tc, Bc, d), F32)
+    acc_dV = np.zeros((BHkv, Tc, Bc, d), F32)
+    widths = np.array([min(Bc, Nk - j * Bc) for j in range(Tc)], np.int64)
+    folded = np.zeros(Tc, bool)
+    for lo in range(0, max(Tr, 1), per):
+        for g in range(G):
+            # The score pipeline's query head index b * H + h of each block's head hk * G + g.
+            bh = (np.arange(BHkv) // Hkv * (Hkv * G) + np.arange(BHkv) % Hkv * G + g).reshape(BHkv, 1, 1, 1)
+            Qp, dOp = _pad_rows(Q[:, g], Tr * Br), _pad_rows(dO[:, g], Tr * Br)
+            LSEp = np.full((BHkv, Tr * Br), NEG_INF, F32)
+            LSEp[:, :Nq] = LSE[:, g]
+            Dp = _pad_rows(D[:, g], Tr * Br)
+            for i in range(lo, min(lo + per, Tr)):
+                row0 = i * Br
+                br = min(Br, Nq - row0)
+                # column blocks whose band holds Q tile i
+                active = np.nonzero((bands[:, 0] <= i) & (i < bands[:, 1]))[0]
+                if active.size == 0:
+                    continue
+                sl = slice(row0, row0 + Br)
+                Qi, dOi = Qp[:, None, sl], dOp[:, None, sl]
+                LSEi, Di = LSEp[:, None, sl], Dp[:, None, sl]
+                io.read("Q", BHkv * active.size * br * d * 4)
+                io.read("dO", BHkv * active.size * br * d * 4)
+                io.read("LSE", BHkv * active.size * br * 4)
+                io.read("D", BHkv * active.size * br * 4)
+                keys = int(sum(min(Bc, Nk - j * Bc) for j in active))
+                score.bias_io(mods, io, BHkv * br * keys)
+                if dB is not None:
+                    score.dbias_io(mods, io, 0, BHkv * keys, 0)
 
-            rows = row0 + np.arange(Br)
-            c = cols[active][:, None, :]
-            pad = (c >= Nk) | (rows[None, :, None] >= Nq)
-            masked = mask.masked(rows[None, :, None], c)
-            P, dS, keep = _p_ds(Qi, dOi, LSEi, Di, Kj[:, active], Vj[:, active], masked, pad, scale,
-                                mods, bh, Hkv * G, rows[None, :, None], c)
-            if dB is not None:
-                score.dbias_tiles(mods, dB, dS, keep, bh, rows[None, :], c)
+                rows = row0 + np.arange(Br)
+                c = cols[active][:, None, :]
+                pad = (c >= Nk) | (rows[None, :, None] >= Nq)
+                masked = mask.masked(rows[None, :, None], c)
+                P, dS, keep = _p_ds(Qi, dOi, LSEi, Di, Kj[:, active], Vj[:, active], masked, pad, scale,
+                                    mods, bh, Hkv * G, rows[None, :, None], c)
+                if dB is not None:
+                    score.dbias_tiles(mods, dB, dS, keep, bh, rows[None, :], c)
 
-            # dV_j += P^T dO_i, dK_j += dS^T Q_i, each summed over the rows that see the
-            # key, r in order; a key that no row of the tile sees takes no step.
-            keep_t = np.swapaxes(keep, -1, -2)
-            steps = keep_t.any(axis=-1)[..., None]
-            dv = nx.dot_rows(np.swapaxes(P, -1, -2), np.swapaxes(dOi, -1, -2), keep_t)
-            dk = nx.dot_rows(np.swapaxes(dS, -1, -2), np.swapaxes(Qi, -1, -2), keep_t)
-            dVj[:, active] = np.where(steps, dVj[:, active] + dv, dVj[:, active])
-            dKj[:, active] = np.where(steps, dKj[:, active] + dk, dKj[:, active])
+                # dV_j += P^T dO_i, dK_j += dS^T Q_i, each summed over the rows that see the
+                # key, r in order; a key that no row of the tile sees takes no step.
+                keep_t = np.swapaxes(keep, -1, -2)
+                steps = keep_t.any(axis=-1)[..., None]
+                dv = nx.dot_rows(np.swapaxes(P, -1, -2), np.swapaxes(dOi, -1, -2), keep_t)
+                dk = nx.dot_rows(np.swapaxes(dS, -1, -2), np.swapaxes(Qi, -1, -2), keep_t)
+                dVj[:, active] = np.where(steps, dVj[:, active] + dv, dVj[:, active])
+                dKj[:, active] = np.where(steps, dKj[:, active] + dk, dKj[:, active])
+        if split_size:
+            # Blocks whose band meets the chunk fold its partials; the others skip it.
+            hit = ((bands[:, 0] < lo + per) & (bands[:, 1] > lo) & (bands[:, 0] < bands[:, 1]))[None, :, None, None]
+            acc_dK = np.where(hit, acc_dK + nx.canonical_nan(dKj * scale), acc_dK)
+            acc_dV = np.where(hit, acc_dV + nx.canonical_nan(dVj), acc_dV)
+            dKj[:] = 0
+            dVj[:] = 0
+            # The accumulator is the output (split_fold): written at every fold, read back
+            # at every fold but a block's first.
+            hit_j = hit[0, :, 0, 0]
+            for name in ("dK", "dV"):
+                io.write(name, BHkv * int(widths[hit_j].sum()) * d * 4)
+                io.read(name, BHkv * int(widths[hit_j & folded].sum()) * d * 4)
+            folded |= hit_j
 
     if dB is not None:  # the one-row sums' starts, or every element of the rows of Nq
         score.dbias_io(mods, io, BHkv * G * Nk, 0, BHkv * G * Nq * Nk)
+    if split_size:
+        for name in ("dK", "dV"):  # the blocks no query sees write +0
+            io.write(name, BHkv * int(widths[~folded].sum()) * d * 4)
+        dK = nx.canonical_nan(acc_dK.reshape(BHkv, Tc * Bc, d)[:, :Nk])
+        dV = nx.canonical_nan(acc_dV.reshape(BHkv, Tc * Bc, d)[:, :Nk])
+        return dK, dV
     dK = nx.canonical_nan((dKj * scale).reshape(BHkv, Tc * Bc, d)[:, :Nk])
     dV = nx.canonical_nan(dVj.reshape(BHkv, Tc * Bc, d)[:, :Nk])
     io.write("dK", BHkv * Nk * d * 4)
@@ -153,10 +182,11 @@ def _dkdv(Q, K, V, dO, LSE, D, Br, Bc, scale, mods, mask, io, Hkv, dB=None):
     return dK, dV
 
 
-def _dq(Q, K, V, dO, LSE, D, Br, Bc, scale, mods, mask, io, H):
+def _dq(Q, K, V, dO, LSE, D, Br, Bc, scale, mods, mask, io, H, split_size=0):
     """The dQ kernel: blocks (i, query head) (vectorized) walk the K/V column blocks j of
     their band mask.kv_tiles(i) in increasing order. Q, dO: (BH, Nq, d); K, V: (BH, Nk, d),
-    the K/V head of each query head."""
+    the K/V head of each query head. split_size > 0: each key chunk's dQ_i from +0, folded
+    into the output after the chunk's last tile, chunks ascending (split_fold)."""
     BH, Nq, d = Q.shape
     Nk = K.shape[1]
     Tr, Tc = ceil_div(Nq, Br), ceil_div(Nk, Bc)
@@ -172,6 +202,11 @@ def _dq(Q, K, V, dO, LSE, D, Br, Bc, scale, mods, mask, io, H):
     io.read("D", BH * Nq * 4)
     Kp, Vp = _pad_rows(K, Tc * Bc), _pad_rows(V, Tc * Bc)
     dQi = np.zeros((BH, Tr, Br, d), F32)
+    per = split_size // Bc if split_size else 0  # K/V tiles per key chunk
+    acc = np.zeros((BH, Tr, Br, d), F32)
+    heights = np.array([min(Br, Nq - i * Br) for i in range(Tr)], np.int64)
+    hit = np.zeros(Tr, bool)     # blocks that visit a tile of the current chunk
+    folded = np.zeros(Tr, bool)  # blocks that folded a chunk before
 
     rows = np.arange(Tr)[:, None] * Br + np.arange(Br)[None, :]  # (Tr, Br) query index
     for j in range(Tc):
@@ -179,8 +214,15 @@ def _dq(Q, K, V, dO, LSE, D, Br, Bc, scale, mods, mask, io, H):
         bc = min(Bc, Nk - col0)
         # The row blocks whose band holds j are the band q_tiles(j) (pyfa/sim/mask.py).
         a, z = mask.q_tiles(col0, bc, Br, Nq)
+        if per and ((j + 1) % per == 0 or j + 1 == Tc):
+            end_of_chunk = True
+        else:
+            end_of_chunk = False
         if a == z:
+            if end_of_chunk:
+                acc, dQi, hit, folded = _dq_fold(acc, dQi, hit, folded, scale, heights, d, BH, io)
             continue
+        hit[a:z] = True
         Kj, Vj = Kp[:, None, col0:col0 + Bc], Vp[:, None, col0:col0 + Bc]
         io.read("K", BH * (z - a) * bc * d * 4)
         io.read("V", BH * (z - a) * bc * d * 4)
@@ -198,19 +240,36 @@ def _dq(Q, K, V, dO, LSE, D, Br, Bc, scale, mods, mask, io, H):
         steps = keep.any(axis=-1)[..., None]
         dq = nx.dot_rows(dS, np.swapaxes(Kj, -1, -2), keep)
         dQi[:, a:z] = np.where(steps, dQi[:, a:z] + dq, dQi[:, a:z])
+        if end_of_chunk:
+            acc, dQi, hit, folded = _dq_fold(acc, dQi, hit, folded, scale, heights, d, BH, io)
 
+    if per:
+        io.write("dQ", BH * int(heights[~folded].sum()) * d * 4)  # blocks no key reaches write +0
+        return nx.canonical_nan(acc.reshape(BH, Tr * Br, d)[:, :Nq])
     dQ = nx.canonical_nan((dQi * scale).reshape(BH, Tr * Br, d)[:, :Nq])
     io.write("dQ", BH * Nq * d * 4)
     return dQ
 
 
+def _dq_fold(acc, dQi, hit, folded, scale, heights, d, BH, io):
+    """The blocks that visited a tile of the chunk just ended fold its partial: acc + canonical(dQ_i * scale);
+    the output is the accumulator (written at every fold, read back past a block's first)."""
+    h = hit[None, :, None, None]
+    acc = np.where(h, acc + nx.canonical_nan(dQi * scale), acc)
+    io.write("dQ", BH * int(heights[hit].sum()) * d * 4)
+    io.read("dQ", BH * int(heights[hit & folded].sum()) * d * 4)
+    return acc, np.zeros_like(dQi), np.zeros_like(hit), folded | hit
+
+
 @simulated("fa2", "backward", Fa2BackwardResult)
 @nx.ieee_arithmetic
 def fa2_backward(q, k, v, o, lse, do, *, causal=False, window=None, causal_align="bottom_right",
-                 scale=None, block_r=None, block_c=None, layout="bhnd", **mods):
+                 scale=None, block_r=None, block_c=None, layout="bhnd", split_size=None, **mods):
     """dQ, dK, dV of O = softmax(scale * Q K^T [masked]) V from the forward's O and LSE
     (pyfa.sim.fa2_forward) and dO; .io counts every HBM byte of the three kernels. dK and
-    dV have k's Hkv heads, each summed over its group's query heads in increasing order."""
+    dV have k's Hkv heads, each summed over its group's query heads in increasing order.
+    split_size: the split backward, as pyfa.fa2_backward's (docs/numerics.md, "FA2
+    backward", "Split-KV")."""
     q4, k4, v4, rank, Hkv = check_qkv(q, k, v, layout)
     o4 = check_like("o", o, q4, layout)
     do4 = check_like("do", do, q4, layout)
@@ -228,6 +287,14 @@ def fa2_backward(q, k, v, o, lse, do, *, causal=False, window=None, causal_align
     launch_tiles("fa2_backward_preprocess", d, block_r, block_c)  # refused first, as in the library
     Br_kv, Bc_kv = launch_tiles("fa2_backward_dkdv", d, block_r, block_c)
     Br_q, Bc_q = launch_tiles("fa2_backward_dq", d, block_r, block_c)
+    split_size = check_split_size(split_size, d)
+    if split_size and split_size % Bc_q:
+        raise InvalidArgumentError(f"split_size: must be a multiple of fa2_backward_dq's Bc = {Bc_q}, got {split_size}")
+    if split_size and split_size % Br_kv:
+        raise InvalidArgumentError(f"split_size: must be a multiple of fa2_backward_dkdv's Br = {Br_kv}, "
+                                   f"got {split_size}")
+    if split_size and mods.bias is not None:  # as the library refuses dbias with it (core/api.cpp)
+        raise InvalidArgumentError("split_size: the split backward does not write dbias; leave one of them out")
     io = IORecord(label=f"FA2 backward (simulated), dK/dV Br={Br_kv}, Bc={Bc_kv}; "
                         f"dQ Br={Br_q}, Bc={Bc_q}")
 
@@ -236,10 +303,10 @@ def fa2_backward(q, k, v, o, lse, do, *, causal=False, window=None, causal_align
     group = lambda x: x.reshape((BHkv, G) + x.shape[1:])
     dB = score.dbias_start(mods, BH, ceil_div(Nq, Br_kv) * Br_kv, ceil_div(Nk, Bc_kv) * Bc_kv)
     dK, dV = _dkdv(group(Q), K, V, group(dO), group(LSE), group(D), Br_kv, Bc_kv, scale, mods, mask, io, Hkv,
-                   dB)
+                   dB, split_size)
     K_h = kv_heads(k4, H).reshape(BH, Nk, d)
     V_h = kv_heads(v4, H).reshape(BH, Nk, d)
-    dQ = _dq(Q, K_h, V_h, dO, LSE, D, Br_q, Bc_q, scale, mods, mask, io, H)
+    dQ = _dq(Q, K_h, V_h, dO, LSE, D, Br_q, Bc_q, scale, mods, mask, io, H, split_size)
     return Fa2BackwardResult(restore_rank(dQ.reshape(B, H, Nq, d), rank, layout),
                              restore_rank(dK.reshape(B, Hkv, Nk, d), rank, layout),
                              restore_rank(dV.reshape(B, Hkv, Nk, d), rank, layout), io,

@@ -64,3 +64,18 @@ PYFA_HD void split_combine_tile(const AttentionParams& p, int64_t i, int64_t h, 
     }
 }
 
+// The split FA2 backward's fold (params.h split_size; docs/numerics.md "FA2 backward",
+// "Split-KV"), in the kernels and the cpu backend: one chunk's partial into the written
+// gradient, one element, by the thread that owns that element in every chunk. out: the
+// output element, holding canonical(acc) of the chunks folded so far (storing acc
+// canonical leaves the final bits of canonical(acc): an add with a NaN operand gives a
+// NaN either way). part: the chunk's unscaled sum, reset to +0 for the next chunk; mult:
+// scale for dQ, dK, 1 for dV. The accumulator lives in the output rather than in more
+// shared memory, so that the unsplit kernels' layouts (and so their default tiles and
+// limits) stay as they are.
+PYFA_HD void split_fold(float* out, float* part, float mult, bool first) {
+    const float partial = pyfa_canonical_nan(*part * mult);
+    const float acc = first ? 0.0f : *out;
+    *out = pyfa_canonical_nan(acc + partial);
+    *part = 0.0f;
+}

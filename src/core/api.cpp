@@ -838,10 +838,15 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     if (pr.split_size < 0)
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->split_size: must be >= 0 (0: no split), got %lld",
                     static_cast<long long>(pr.split_size));
-    if (pr.split_size > 0 && op.op != PYFA_OP_FA2_FORWARD)
+    if (pr.split_size > 0 && op.op != PYFA_OP_FA2_FORWARD && op.op != PYFA_OP_FA2_BACKWARD)
         return fail(PYFA_ERROR_INVALID_ARGUMENT,
-                    "problem->split_size: only pyfa_fa2_forward splits the keys; %s takes 0, got %lld", op.name,
-                    static_cast<long long>(pr.split_size));
+                    "problem->split_size: only pyfa_fa2_forward and pyfa_fa2_backward split; %s takes 0, got %lld",
+                    op.name, static_cast<long long>(pr.split_size));
+    // The split backward folds dQ per key chunk and dK, dV per query chunk (docs/numerics.md,
+    // "FA2 backward", "Split-KV"); dBias would have to mirror it and does not yet.
+    if (pr.split_size > 0 && op.op == PYFA_OP_FA2_BACKWARD && named.dbias.data)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                    "problem->split_size: pyfa_fa2_backward does not split with tensors->dbias; leave one of them 0");
     constexpr int64_t kMaxDiagonalOffset = int64_t{1} << 40;
     if (pr.diagonal_offset < -kMaxDiagonalOffset || pr.diagonal_offset > kMaxDiagonalOffset)
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->diagonal_offset: must be in [-2^40, 2^40], got %lld",
@@ -965,9 +970,22 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         shapes[n] = launch_shape(id, p);
         if ((st = backend.check_launch(id, shapes[n])) != PYFA_OK) return st;
     }
+    // Split backward: each kernel walks the chunks itself, in one launch; the chunks are
+    // whole numbers of the dQ kernel's K/V tiles and of the dK/dV kernel's Q tiles.
+    if (pr.split_size > 0 && op.op == PYFA_OP_FA2_BACKWARD) {
+        for (int n = 0; n < op.kernel_count; ++n) {
+            const bool dq = op.kernels[n] == PYFA_KERNEL_FA2_BACKWARD_DQ;
+            if (!dq && op.kernels[n] != PYFA_KERNEL_FA2_BACKWARD_DKDV) continue;
+            const int tile = dq ? tiles[n][1] : tiles[n][0];
+            if (pr.split_size % tile != 0)
+                return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->split_size: must be a multiple of %s's %s = %d, got %lld",
+                            kernel_name(ids[n]), dq ? "Bc" : "Br", tile, static_cast<long long>(pr.split_size));
+        }
+    }
     // Split-KV: chunks of split_size keys, each a whole number of the kernel's K/V tiles.
-    const int64_t split_chunks = pr.split_size > 0 ? ceil_div(pr.seqlen_k, pr.split_size) : 0;
-    if (pr.split_size > 0 && pr.split_size % tiles[0][1] != 0)
+    const int64_t split_chunks =
+        pr.split_size > 0 && op.op == PYFA_OP_FA2_FORWARD ? ceil_div(pr.seqlen_k, pr.split_size) : 0;
+    if (split_chunks > 0 && pr.split_size % tiles[0][1] != 0)
         return fail(PYFA_ERROR_INVALID_ARGUMENT,
                     "problem->split_size: must be a multiple of %s's Bc = %d, got %lld", kernel_name(ids[0]),
                     tiles[0][1], static_cast<long long>(pr.split_size));

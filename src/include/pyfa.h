@@ -221,12 +221,15 @@ typedef struct pyfa_problem {
     float softcap;         /* > 0: each scaled score s becomes softcap * tanh(s / softcap), before
                               the mask (Gemma 2's logit soft-capping); 0: off */
     /* ---- Split-KV (flash-decoding with a fixed split size), read only when struct_size
-       reaches past it; 0: one chunk. FA2 forward only (other ops refuse it). Keys are
-       processed in chunks of split_size (a positive multiple of the forward kernel's Bc):
-       each chunk yields a partial (O, LSE) in scratch, folded in ascending chunk order
-       (docs/numerics.md, "Split-KV"). A row's bits then depend on its q row, its visible
-       keys in order and split_size, never on Nq, the batch or the chunk count. */
-    int64_t split_size;    /* keys per chunk; 0: no split */
+       reaches past it; 0: one chunk. FA2 forward and backward only (other ops refuse it).
+       Forward: keys are processed in chunks of split_size (a positive multiple of the
+       forward kernel's Bc): each chunk yields a partial (O, LSE) in scratch, folded in
+       ascending chunk order (docs/numerics.md, "Split-KV"). A row's bits then depend on
+       its q row, its visible keys in order and split_size, never on Nq, the batch or the
+       chunk count. Backward (a multiple of the dQ kernel's Bc and the dK/dV kernel's Br;
+       not with tensors->dbias): dQ summed per key chunk and dK, dV per query chunk of
+       split_size, folded in ascending chunk order (docs/numerics.md, "FA2 backward"). */
+    int64_t split_size;    /* keys (backward: keys and queries) per chunk; 0: no split */
     /* ---- (ABI 8, read only when struct_size reaches past it) The call as a block of a
        larger problem: query row i and key j of this call are rows P + i and K + j there,
        diagonal_offset = P - K (context parallelism computes such blocks, one per rank

@@ -24,6 +24,7 @@
 #include <cmath>
 
 #include "common/device.h"
+#include "common/merge.h"
 #include "common/numerics.h"
 #include "common/params.h"
 #include "common/score.h"
@@ -134,57 +135,82 @@ __global__ void fa2_backward_dkdv_kernel(const AttentionParams p) {
         dVj[e] = 0.0f;
     }
 
-    for (int64_t g = 0; g < G; ++g) {
-        const int64_t h = hk * G + g;
-        const float* Q = p.q + p.q_strides.at(seq.batch, h, seq.q0);         // (Nq, d), row stride row_q
-        const float* dO = p.dout + p.dout_strides.at(seq.batch, h, seq.q0);  // (Nq, d), row stride row_do
-        const float* LSE = p.lse + p.stat_at(seq, h);                            // (Nq), dense
-        const float* D = p.drow + p.stat_at(seq, h);                             // (Nq), dense
-        if (p.dbias) dbias_clear(p, seq.batch, h, min64(visit.begin * Br, Nq), min64(visit.end * Br, Nq), col0, bc,
-                                 tid, nthreads);
-        for (int64_t i = visit.begin; i < visit.end; ++i) {
-            const int64_t row0 = i * Br;
-            const int64_t br = min64(Br, Nq - row0);
-            __syncthreads();  // the previous step's readers of Q_i, dO_i, P_ij and dS_ij are done
-            for (int64_t e = tid; e < br * d; e += nthreads) {
-                const int64_t r = e / d, x = e % d;
-                Qi[e] = Q[(row0 + r) * row_q + x];
-                dOi[e] = dO[(row0 + r) * row_do + x];
-            }
-            for (int64_t r = tid; r < br; r += nthreads) {
-                LSEi[r] = LSE[row0 + r];
-                Di[r] = D[row0 + r];
-            }
-            __syncthreads();
-
-            // P_ij = exp(S_ij - LSE_i), dS_ij = P_ij o (dO_i V_j^T - D_i), element by element.
-            for (int64_t e = tid; e < br * bc; e += nthreads) {
-                const int64_t r = e / bc, c = e % bc;
-                fa2_backward_p_ds(p, seq.mask, Qi + r * d, dOi + r * d, Kj + c * ld, Vj + c * ld, b, h, row0 + r, col0 + c,
-                                  LSEi[r], Di[r], &Pij[r * Bc + c], &dSij[r * Bc + c]);
-            }
-            __syncthreads();
-            const Band band = seq.mask.band(row0, col0);
-            if (p.dbias) dbias_tile(p, dSij, Bc, band, seq.batch, h, row0, br, col0, bc, tid, nthreads);
-
-            // dV_j += P_ij^T dO_i and dK_j += dS_ij^T Q_i, each tile's product summed over
-            // the rows r that see key c, in increasing order, before it is added to the
-            // accumulator; a key no row of the tile sees takes no step.
-            for (int64_t e = tid; e < bc * d; e += nthreads) {
-                const int64_t c = e / d, x = e % d;
-                const TileRange vis = band.rows(c, br);
-                if (vis.begin == vis.end) continue;
-                float dv = 0.0f, dk = 0.0f;
-                for (int64_t r = vis.begin; r < vis.end; ++r) {
-                    dv = pyfa_fma(Pij[r * Bc + c], dOi[r * d + x], dv);
-                    dk = pyfa_fma(dSij[r * Bc + c], Qi[r * d + x], dk);
+    // Split backward: the Q tiles of the band by query chunk of split_size rows (per tiles
+    // each), chunk c outer, then the group's heads g, then the chunk's tiles i; each chunk's
+    // dK_j, dV_j from +0, folded into dK, dV in ascending chunk order. Unsplit: one chunk.
+    const int64_t per = p.split_size > 0 ? p.split_size / Br : 0;
+    const int64_t c_first = per > 0 && visit.begin < visit.end ? visit.begin / per : 0;
+    const int64_t c_end = per > 0 ? (visit.begin < visit.end ? (visit.end - 1) / per + 1 : 0) : 1;
+    for (int64_t chunk = c_first; chunk < c_end; ++chunk) {
+        const int64_t i_begin = per > 0 ? max64(visit.begin, chunk * per) : visit.begin;
+        const int64_t i_end = per > 0 ? min64(visit.end, (chunk + 1) * per) : visit.end;
+        for (int64_t g = 0; g < G; ++g) {
+            const int64_t h = hk * G + g;
+            const float* Q = p.q + p.q_strides.at(seq.batch, h, seq.q0);         // (Nq, d), row stride row_q
+            const float* dO = p.dout + p.dout_strides.at(seq.batch, h, seq.q0);  // (Nq, d), row stride row_do
+            const float* LSE = p.lse + p.stat_at(seq, h);                            // (Nq), dense
+            const float* D = p.drow + p.stat_at(seq, h);                             // (Nq), dense
+            if (p.dbias) dbias_clear(p, seq.batch, h, min64(visit.begin * Br, Nq), min64(visit.end * Br, Nq), col0, bc,
+                                     tid, nthreads);
+            for (int64_t i = i_begin; i < i_end; ++i) {
+                const int64_t row0 = i * Br;
+                const int64_t br = min64(Br, Nq - row0);
+                __syncthreads();  // the previous step's readers of Q_i, dO_i, P_ij and dS_ij are done
+                for (int64_t e = tid; e < br * d; e += nthreads) {
+                    const int64_t r = e / d, x = e % d;
+                    Qi[e] = Q[(row0 + r) * row_q + x];
+                    dOi[e] = dO[(row0 + r) * row_do + x];
                 }
-                dVj[e] = dVj[e] + dv;
-                dKj[e] = dKj[e] + dk;
+                for (int64_t r = tid; r < br; r += nthreads) {
+                    LSEi[r] = LSE[row0 + r];
+                    Di[r] = D[row0 + r];
+                }
+                __syncthreads();
+
+                // P_ij = exp(S_ij - LSE_i), dS_ij = P_ij o (dO_i V_j^T - D_i), element by element.
+                for (int64_t e = tid; e < br * bc; e += nthreads) {
+                    const int64_t r = e / bc, c = e % bc;
+                    fa2_backward_p_ds(p, seq.mask, Qi + r * d, dOi + r * d, Kj + c * ld, Vj + c * ld, b, h, row0 + r, col0 + c,
+                                      LSEi[r], Di[r], &Pij[r * Bc + c], &dSij[r * Bc + c]);
+                }
+                __syncthreads();
+                const Band band = seq.mask.band(row0, col0);
+                if (p.dbias) dbias_tile(p, dSij, Bc, band, seq.batch, h, row0, br, col0, bc, tid, nthreads);
+
+                // dV_j += P_ij^T dO_i and dK_j += dS_ij^T Q_i, each tile's product summed over
+                // the rows r that see key c, in increasing order, before it is added to the
+                // accumulator; a key no row of the tile sees takes no step.
+                for (int64_t e = tid; e < bc * d; e += nthreads) {
+                    const int64_t c = e / d, x = e % d;
+                    const TileRange vis = band.rows(c, br);
+                    if (vis.begin == vis.end) continue;
+                    float dv = 0.0f, dk = 0.0f;
+                    for (int64_t r = vis.begin; r < vis.end; ++r) {
+                        dv = pyfa_fma(Pij[r * Bc + c], dOi[r * d + x], dv);
+                        dk = pyfa_fma(dSij[r * Bc + c], Qi[r * d + x], dk);
+                    }
+                    dVj[e] = dVj[e] + dv;
+                    dKj[e] = dKj[e] + dk;
+                }
             }
         }
+        if (per > 0)
+            for (int64_t e = tid; e < bc * d; e += nthreads) {
+                const int64_t c = e / d, x = e % d;
+                split_fold(&dK[(col0 + c) * row_dk + x], &dKj[e], p.scale, chunk == c_first);
+                split_fold(&dV[(col0 + c) * row_dv + x], &dVj[e], 1.0f, chunk == c_first);
+            }
     }
     __syncthreads();
+    if (per > 0) {
+        // A tile no query sees folds no chunk: acc = +0.
+        if (c_first == c_end)
+            for (int64_t e = tid; e < bc * d; e += nthreads) {
+                dK[(col0 + e / d) * row_dk + e % d] = 0.0f;
+                dV[(col0 + e / d) * row_dv + e % d] = 0.0f;
+            }
+        return;
+    }
 
     // dK = scale * dK_j: the softmax scale of S = scale * Q K^T, applied once at the end.
     for (int64_t e = tid; e < bc * d; e += nthreads) {
@@ -241,6 +267,7 @@ __global__ void fa2_backward_dq_kernel(const AttentionParams p) {
     }
 
     const TileRange visit = seq.mask.kv_tiles(row0, br, Bc, Nk);
+    const int64_t per = p.split_size > 0 ? p.split_size / Bc : 0;  // K/V tiles per key chunk
     for (int64_t j = visit.begin; j < visit.end; ++j) {
         const int64_t col0 = j * Bc;
         const int64_t bc = min64(Bc, Nk - col0);
@@ -272,8 +299,19 @@ __global__ void fa2_backward_dq_kernel(const AttentionParams p) {
             for (int64_t c = vis.begin; c < vis.end; ++c) dq = pyfa_fma(dSij[r * Bc + c], Kj[c * ld + x], dq);
             dQi[e] = dQi[e] + dq;
         }
+        // Split backward: the last visited tile of key chunk j / per folds its dQ_i into dQ
+        // (split_fold), in ascending chunk order; chunks the tile does not visit are skipped.
+        if (per > 0 && (j + 1 == visit.end || (j + 1) % per == 0)) {
+            for (int64_t e = tid; e < br * d; e += nthreads)
+                split_fold(&dQ[(row0 + e / d) * row_dq + e % d], &dQi[e], p.scale, j / per == visit.begin / per);
+        }
     }
     __syncthreads();
+    if (per > 0) {
+        if (visit.begin == visit.end)  // no chunk folded: acc = +0
+            for (int64_t e = tid; e < br * d; e += nthreads) dQ[(row0 + e / d) * row_dq + e % d] = 0.0f;
+        return;
+    }
 
     for (int64_t e = tid; e < br * d; e += nthreads)
         dQ[(row0 + e / d) * row_dq + e % d] = pyfa_canonical_nan(dQi[e] * p.scale);

@@ -229,11 +229,15 @@ void combine_tile(const AttentionParams& p, int64_t i, int64_t h, int64_t b) {
 struct Plan {
     Ctx ctx{};
     std::vector<int64_t> kv_begin, kv_end, q_begin, q_end;
-    Plan(const AttentionParams& p, bool fa1, float* D) {
+    // backward: the split backward walks every chunk of the band itself (split_size there
+    // folds the chunks, backward_kv and backward_dq), so its bands are not cut to one chunk.
+    Plan(const AttentionParams& p, bool fa1, float* D, bool backward = false) {
         ctx.p = p;
         ctx.fa1 = fa1;
         ctx.D = D;
-        kv_bands(p, &kv_begin, &kv_end);
+        AttentionParams whole = p;
+        if (backward) whole.split_size = 0;
+        kv_bands(whole, &kv_begin, &kv_end);
         q_bands(p, &q_begin, &q_end);
         ctx.kv_begin = kv_begin.data();
         ctx.kv_end = kv_end.data();
@@ -311,9 +315,9 @@ pyfa_status cpu_run(int op, const AttentionParams* params, size_t count, const p
             fa1_D.resize(static_cast<size_t>(p0.cu_seqlens_q ? p0.heads * p0.total_q : BH * p0.seqlen_q));
             D = fa1_D.data();
         }
-        plans.emplace_back(p0, fa1, D);                            // D = rowsum(dO o O)
-        plans.emplace_back(fa1 ? p0 : params[1], fa1, D);          // dK, dV
-        plans.emplace_back(fa1 ? p0 : params[2], fa1, D);          // dQ
+        plans.emplace_back(p0, fa1, D, true);                      // D = rowsum(dO o O)
+        plans.emplace_back(fa1 ? p0 : params[1], fa1, D, true);    // dK, dV
+        plans.emplace_back(fa1 ? p0 : params[2], fa1, D, true);    // dQ
         const Plan& pre = plans[0];
         const Plan& kv = plans[1];
         const Plan& dq = plans[2];
@@ -324,8 +328,10 @@ pyfa_status cpu_run(int op, const AttentionParams* params, size_t count, const p
         // the threads busy: K/V tiles j in increasing order on one thread give each dQ row
         // of the head's group its sum over j in the dQ kernel's order.
         const int64_t G = p0.heads / p0.heads_kv, BHkv = p0.batch * p0.heads_kv;
+        // The split backward folds dQ per key chunk, which the fused pass (dQ summed in
+        // place across K/V tiles) does not: it takes the two kernels' passes.
         const bool fused = kv.ctx.p.block_r == dq.ctx.p.block_r && kv.ctx.p.block_c == dq.ctx.p.block_c &&
-                           BHkv >= threads;
+                           BHkv >= threads && p0.split_size == 0;
         const int64_t Tc = kv.Tc(), Tr = dq.Tr();
         if (!fused)
             phases.push_back({BH * Trp, [&, Trp](int64_t k, float*) {

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common/merge.h"
 #include "common/numerics.h"
 #include "common/params.h"
 #include "common/score.h"
@@ -967,65 +968,86 @@ void backward_kv(const Ctx& ctx, int64_t bkv, int64_t j, bool with_dq, float* ws
         b.dVT[e] = 0.0f;
     }
 
+    float* dK = p.dk + kv_rows(p, bkv) + col0 * d;  // (bc, d)
+    float* dV = p.dv + kv_rows(p, bkv) + col0 * d;  // (bc, d)
     const int64_t G = p.heads / p.heads_kv;
-    for (int64_t g = 0; g < G; ++g) {
-        const int64_t bh = (bkv / p.heads_kv) * p.heads + (bkv % p.heads_kv) * G + g;
-        const TileRange visit = ctx.q_tiles(bkv / p.heads_kv, j);
-        if (p.dbias)
-            dbias_clear(p, bh / p.heads, bh % p.heads, min64(visit.begin * Br, Nq), min64(visit.end * Br, Nq), col0,
-                        bc, 0, 1);
-        for (int64_t i = visit.begin; i < visit.end; ++i) {
-            const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
-            load_q(ctx, b, bh, i);
-            tile_pair(ctx, b, bh, i, j);
+    // Split backward (the kernel's order): query chunks of per Q tiles, chunk outer, then
+    // the group's heads, then the chunk's tiles; each chunk's sums folded into dK, dV.
+    const TileRange band_all = ctx.q_tiles(bkv / p.heads_kv, j);
+    const int64_t per = p.split_size > 0 ? p.split_size / Br : 0;
+    const bool any = band_all.begin < band_all.end;
+    const int64_t c_first = per > 0 && any ? band_all.begin / per : 0;
+    const int64_t c_end = per > 0 ? (any ? (band_all.end - 1) / per + 1 : 0) : 1;
+    for (int64_t chunk = c_first; chunk < c_end; ++chunk) {
+        const TileRange visit =
+            per > 0 ? TileRange{max64(band_all.begin, chunk * per), min64(band_all.end, (chunk + 1) * per)} : band_all;
+        for (int64_t g = 0; g < G; ++g) {
+            const int64_t bh = (bkv / p.heads_kv) * p.heads + (bkv % p.heads_kv) * G + g;
             if (p.dbias)
-                dbias_tile(p, b.dS, Cp, seq.mask.band(row0, col0), bh / p.heads, bh % p.heads, row0, br, col0, bc, 0, 1);
-            // In a tile the mask cuts, hidden scores are left out of every product and a
-            // key (a row) that no row (key) of the tile sees takes no step.
-            const Band band = seq.mask.band(row0, col0);
-            const bool cut = band.cuts(br, bc);
-            const VBand vb(band, Cp + Br + 1);
-            const SelKeysRows by_keys{&vb, lane};
-            auto step = [&](int64_t c, vf next, vf old) {
-                return cut ? (reinterpret_cast<vi>(ld(b.g + c)) ? next : old) : next;
-            };
-            // dv^T[x][c] = sum_r P[r,c] dO[r,x]; dk^T[x][c] = sum_r dS[r,c] Q[r,x].
-            auto dv_step = [&](int64_t x, int64_t c, vf dv) {
-                float* a = b.dVT + x * Cp + c;
-                st(a, step(c, ld(a) + dv, ld(a)));
-            };
-            auto dk_step = [&](int64_t x, int64_t c, vf dk) {
-                float* a = b.dKT + x * Cp + c;
-                st(a, step(c, ctx.fa1 ? vmadd(scale, dk, ld(a)) : ld(a) + dk, ld(a)));
-            };
-            if (!cut) {
-                gemm(b.P, Cp, Cp, b.dOi, 1, Ep, br, d, dv_step);
-                gemm(b.dS, Cp, Cp, b.Qi, 1, Ep, br, d, dk_step);
-            } else {
-                gemm(b.P, Cp, Cp, b.dOi, 1, Ep, br, d, dv_step, by_keys);
-                gemm(b.dS, Cp, Cp, b.Qi, 1, Ep, br, d, dk_step, by_keys);
-            }
-            if (with_dq) {
-                // dq[r][x] = sum_c dS[r,c] K[c,x], added to the head's dQ rows in place.
-                auto store = [&](int64_t r, int64_t x, vf dq) { st(b.dQi + r * Dp + x, dq); };
-                if (!cut) gemm(b.Kp, Ep, Dp, b.dS, Cp, 1, bc, br, store);
-                else gemm(b.Kp, Ep, Dp, b.dS, Cp, 1, bc, br, store, SelOpsKeys{&band});
-                float* dQ = p.dq + q_head(p, bh).rows + row0 * d;  // (br, d)
-                for (int64_t r = 0; r < br; ++r) {
-                    if (cut && band.cols(r, bc).begin == band.cols(r, bc).end) continue;
-                    const float* dq = b.dQi + r * Dp;
-                    float* out = dQ + r * d;
-                    if (!ctx.fa1)
-                        for (int64_t x = 0; x < d; ++x) out[x] = out[x] + dq[x];
-                    else
-                        for (int64_t x = 0; x < d; ++x) out[x] = madd(p.scale, dq[x], out[x]);
+                dbias_clear(p, bh / p.heads, bh % p.heads, min64(visit.begin * Br, Nq), min64(visit.end * Br, Nq), col0,
+                            bc, 0, 1);
+            for (int64_t i = visit.begin; i < visit.end; ++i) {
+                const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
+                load_q(ctx, b, bh, i);
+                tile_pair(ctx, b, bh, i, j);
+                if (p.dbias)
+                    dbias_tile(p, b.dS, Cp, seq.mask.band(row0, col0), bh / p.heads, bh % p.heads, row0, br, col0, bc, 0, 1);
+                // In a tile the mask cuts, hidden scores are left out of every product and a
+                // key (a row) that no row (key) of the tile sees takes no step.
+                const Band band = seq.mask.band(row0, col0);
+                const bool cut = band.cuts(br, bc);
+                const VBand vb(band, Cp + Br + 1);
+                const SelKeysRows by_keys{&vb, lane};
+                auto step = [&](int64_t c, vf next, vf old) {
+                    return cut ? (reinterpret_cast<vi>(ld(b.g + c)) ? next : old) : next;
+                };
+                // dv^T[x][c] = sum_r P[r,c] dO[r,x]; dk^T[x][c] = sum_r dS[r,c] Q[r,x].
+                auto dv_step = [&](int64_t x, int64_t c, vf dv) {
+                    float* a = b.dVT + x * Cp + c;
+                    st(a, step(c, ld(a) + dv, ld(a)));
+                };
+                auto dk_step = [&](int64_t x, int64_t c, vf dk) {
+                    float* a = b.dKT + x * Cp + c;
+                    st(a, step(c, ctx.fa1 ? vmadd(scale, dk, ld(a)) : ld(a) + dk, ld(a)));
+                };
+                if (!cut) {
+                    gemm(b.P, Cp, Cp, b.dOi, 1, Ep, br, d, dv_step);
+                    gemm(b.dS, Cp, Cp, b.Qi, 1, Ep, br, d, dk_step);
+                } else {
+                    gemm(b.P, Cp, Cp, b.dOi, 1, Ep, br, d, dv_step, by_keys);
+                    gemm(b.dS, Cp, Cp, b.Qi, 1, Ep, br, d, dk_step, by_keys);
+                }
+                if (with_dq) {
+                    // dq[r][x] = sum_c dS[r,c] K[c,x], added to the head's dQ rows in place.
+                    auto store = [&](int64_t r, int64_t x, vf dq) { st(b.dQi + r * Dp + x, dq); };
+                    if (!cut) gemm(b.Kp, Ep, Dp, b.dS, Cp, 1, bc, br, store);
+                    else gemm(b.Kp, Ep, Dp, b.dS, Cp, 1, bc, br, store, SelOpsKeys{&band});
+                    float* dQ = p.dq + q_head(p, bh).rows + row0 * d;  // (br, d)
+                    for (int64_t r = 0; r < br; ++r) {
+                        if (cut && band.cols(r, bc).begin == band.cols(r, bc).end) continue;
+                        const float* dq = b.dQi + r * Dp;
+                        float* out = dQ + r * d;
+                        if (!ctx.fa1)
+                            for (int64_t x = 0; x < d; ++x) out[x] = out[x] + dq[x];
+                        else
+                            for (int64_t x = 0; x < d; ++x) out[x] = madd(p.scale, dq[x], out[x]);
+                    }
                 }
             }
         }
+        if (per > 0)
+            for (int64_t c = 0; c < bc; ++c)
+                for (int64_t x = 0; x < d; ++x) {
+                    split_fold(&dK[c * d + x], &b.dKT[x * Cp + c], p.scale, chunk == c_first);
+                    split_fold(&dV[c * d + x], &b.dVT[x * Cp + c], 1.0f, chunk == c_first);
+                }
+    }
+    if (per > 0) {
+        if (c_first == c_end)  // no query sees the tile: acc = +0
+            for (int64_t e = 0; e < bc * d; ++e) dK[e] = dV[e] = 0.0f;
+        return;
     }
 
-    float* dK = p.dk + kv_rows(p, bkv) + col0 * d;  // (bc, d)
-    float* dV = p.dv + kv_rows(p, bkv) + col0 * d;  // (bc, d)
     for (int64_t c = 0; c < bc; ++c)
         for (int64_t x = 0; x < d; ++x) {
             const float dk = b.dKT[x * Cp + c];
@@ -1048,6 +1070,8 @@ void backward_dq(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
     load_q(ctx, b, bh, i);
 
     const TileRange visit = ctx.kv_tiles(qh.b, i);
+    const int64_t per = p.split_size > 0 ? p.split_size / Bc : 0;  // K/V tiles per key chunk
+    float* dQ = p.dq + qh.rows + row0 * d;  // (br, d)
     for (int64_t j = visit.begin; j < visit.end; ++j) {
         const int64_t bc = min64(Bc, Nk - j * Bc);
         load_kv(ctx, b, kv_head(p, bh), j, true);
@@ -1063,8 +1087,17 @@ void backward_dq(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
         };
         if (!cut) gemm(b.Kp, b.Ep, Dp, b.dS, Cp, 1, bc, br, dq_step);
         else gemm(b.Kp, b.Ep, Dp, b.dS, Cp, 1, bc, br, dq_step, SelOpsKeys{&band});
+        // Split backward: the chunk's last visited tile folds its dQ_i into dQ (the kernel's).
+        if (per > 0 && (j + 1 == visit.end || (j + 1) % per == 0))
+            for (int64_t r = 0; r < br; ++r)
+                for (int64_t x = 0; x < d; ++x)
+                    split_fold(&dQ[r * d + x], &b.dQi[r * Dp + x], p.scale, j / per == visit.begin / per);
     }
-    float* dQ = p.dq + qh.rows + row0 * d;  // (br, d)
+    if (per > 0) {
+        if (visit.begin == visit.end)  // no chunk folded: acc = +0
+            for (int64_t e = 0; e < br * d; ++e) dQ[e] = 0.0f;
+        return;
+    }
     for (int64_t r = 0; r < br; ++r)
         for (int64_t x = 0; x < d; ++x) {
             const float dq = b.dQi[r * Dp + x];
