@@ -335,3 +335,32 @@ def test_doc_lists_every_entry_point_with_its_signature():
     listed = normalized_declarations("\n".join(b for b in blocks if "int main" not in b))
     assert "pyfa_run" in header and len(header) >= 18
     assert listed == header
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("cmake_build")
+def test_no_vector_function_is_shared_between_instruction_sets(cmake_build, tmp_path):
+    # The cpu backend's portable and AVX2 files both use 8-lane GCC vectors, passed in
+    # memory in one and in registers in the other; an out-of-line copy of a shared
+    # header's function on them would be kept once for both (common/device.h,
+    # PYFA_LANES). This -O0 build inlines nothing it need not, so such a copy shows here.
+    need("nm")
+    library = cmake_build[0] / "libpyfa.so"
+    out = subprocess.run(["nm", "-C", "--defined-only", str(library)], capture_output=True, text=True,
+                         check=True).stdout
+    shared = [line for line in out.splitlines() if "__vector" in line and "pyfa_cpu::" not in line]
+    assert not shared, "\n".join(shared[:10])
+    # And the documented program runs on every instruction set this CPU has.
+    program = tmp_path / "my.c"
+    program.write_text(doc_blocks("file")["my.c"])
+    for isa in ("portable", "avx2", "avx512"):
+        env = dict(os.environ, PYFA_CPU_ISA=isa)
+        built = subprocess.run(["cc", "-O0", f"-I{cmake_build[1] / 'include'}", str(program),
+                                f"-L{installed_libdir(cmake_build[1])}", "-lpyfa",
+                                f"-Wl,-rpath,{installed_libdir(cmake_build[1])}", "-o", str(tmp_path / "my")],
+                               capture_output=True, text=True)
+        assert built.returncode == 0, built.stderr
+        run = subprocess.run([str(tmp_path / "my")], capture_output=True, text=True, env=env)
+        if "cannot run that instruction set" in run.stderr:
+            continue
+        assert run.returncode == 0 and "o[0] = -1" in run.stdout, (isa, run.returncode, run.stderr)

@@ -26,3 +26,14 @@
 #define PYFA_HD inline
 #define PYFA_DYNAMIC_SMEM(name) unsigned char* name = ::pyfa_emu::dynamic_smem()
 #endif
+
+// On a function of these headers that the cpu backend calls on its GCC vectors: always
+// inlined. Its portable and AVX2 files both use 8-lane vectors, passed in memory in one
+// and in ymm registers in the other, and the linker keeps one out-of-line copy of a
+// template for both: at -O0 (or wherever the compiler declines to inline) the other
+// file's calls then read garbage. Inlined, no copy is called.
+#if defined(__CUDACC__)
+#define PYFA_LANES
+#else
+#define PYFA_LANES __attribute__((always_inline))
+#endif

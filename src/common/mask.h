@@ -27,7 +27,7 @@ struct Band {
     // type: a scalar here, a GCC vector of lanes in the cpu backend (whose edges are the
     // band's, clamped to its lanes' range), so that the formula is written once.
     template <class T, class E>
-    PYFA_HD static T visible_diff(T dc, E lo_edge, E hi_edge) {
+    PYFA_LANES PYFA_HD static T visible_diff(T dc, E lo_edge, E hi_edge) {
         return (dc >= lo_edge) & (dc <= hi_edge);
     }
 

@@ -228,7 +228,7 @@ PYFA_HD float pyfa_log(float x) {
 #define PYFA_TANH_T6 0x1.c497cap-10f
 
 template <class T>
-PYFA_HD T pyfa_tanh(T x) {
+PYFA_LANES PYFA_HD T pyfa_tanh(T x) {
     const T a = x < 0.0f ? -x : x;  // NaN stays NaN, and takes the clamp below
 
     // |x| < SMALL: x + x*q, q = z*P(z) by Horner's rule. The exact x leads and |x*q| < |x|/5,

@@ -41,16 +41,16 @@ PYFA_HD float alibi_distance(float, I i, J j, int64_t off) {
 // The cpu backend's vectors: V a GCC vector of floats, VI of int32 lane indices (rows in
 // its forward, keys in its backward), the other index a scalar. Its indices fit int32.
 template <class V, class VI>
-inline V alibi_lanes(VI d) {
+PYFA_LANES inline V alibi_lanes(VI d) {
     d = d < 0 ? -d : d;
     return __builtin_convertvector(d, V);
 }
 template <class V, class VI, std::enable_if_t<!std::is_arithmetic<VI>::value, int> = 0>
-inline V alibi_distance(V, VI i, int64_t j, int64_t off) {
+PYFA_LANES inline V alibi_distance(V, VI i, int64_t j, int64_t off) {
     return alibi_lanes<V>(i + static_cast<int32_t>(off - j));
 }
 template <class V, class VI, std::enable_if_t<!std::is_arithmetic<VI>::value, int> = 0>
-inline V alibi_distance(V, int64_t i, VI j, int64_t off) {
+PYFA_LANES inline V alibi_distance(V, int64_t i, VI j, int64_t off) {
     return alibi_lanes<V>(static_cast<int32_t>(i + off) - j);
 }
 #endif
@@ -64,12 +64,12 @@ inline V alibi_distance(V, int64_t i, VI j, int64_t off) {
 // The cpu backend's vectors carry lanes past Nq or Nk (tile padding), which read 0.
 inline int64_t score_lane(int64_t x, int) { return x; }
 template <class V>
-inline int64_t score_lane(const V& x, int k) { return x[k]; }
+PYFA_LANES inline int64_t score_lane(const V& x, int k) { return x[k]; }
 
 template <class T>
 struct BiasAt {  // T a GCC vector of floats: one lane at a time
     template <class I, class J>
-    static T get(const AttentionParams& p, int64_t b, int64_t h, I i, J j) {
+    PYFA_LANES static inline T get(const AttentionParams& p, int64_t b, int64_t h, I i, J j) {
         T out = T{};
         for (int k = 0; k < static_cast<int>(sizeof(T) / sizeof(float)); ++k) {
             const int64_t ik = score_lane(i, k), jk = score_lane(j, k);
@@ -86,7 +86,7 @@ struct BiasAt<float> {  // the fast kernels form scores of tile padding too (row
 };
 
 template <class T, class I, class J>
-PYFA_HD T score_mod(const AttentionParams& p, T s, int64_t b, int64_t h, I i, J j) {
+PYFA_LANES PYFA_HD T score_mod(const AttentionParams& p, T s, int64_t b, int64_t h, I i, J j) {
     (void)p, (void)b, (void)h, (void)i, (void)j;
     // softcap: S = c tanh(s / c), a division (correctly rounded), not s times a rounded 1/c.
     if (p.softcap != 0.0f) s = p.softcap * pyfa_tanh(s / p.softcap);
@@ -133,7 +133,7 @@ PYFA_HD ScoreAt<T> score_at(const AttentionParams& p, T s, int64_t b, int64_t h,
 
 // dS of the modified score -> dS of the scaled score s it was made from.
 template <class T, class I, class J>
-PYFA_HD T score_mod_grad(const AttentionParams& p, T dS, ScoreAt<T> at, int64_t b, int64_t h, I i, J j) {
+PYFA_LANES PYFA_HD T score_mod_grad(const AttentionParams& p, T dS, ScoreAt<T> at, int64_t b, int64_t h, I i, J j) {
     (void)p, (void)at, (void)b, (void)h, (void)i, (void)j;
     // softcap: dS_s = dS (1 - t^2), t = S_c / c, S_c softcap's output: S itself unless
     // ALiBi or the bias changed it after, else recomputed from s by the forward's steps
