@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import api
-from .checks import check_int, check_softcap, check_window, mask_bounds
+from .checks import check_int, check_softcap, mask_bounds
 from .kvcache import merge_states
 from .sim.context_parallel import block_sees, chunks, shard_rows
 
@@ -197,7 +197,7 @@ def _ring_backward(plan, q, k, v, o, lse, do):
             msg = torch.stack(outgoing.pop(owner)).contiguous()
             sends += _send_recv(plan, [msg], [], owner, None, tag0=1 << 20)
     # The other ranks' partials of this rank's key chunks: each rank sends one message.
-    mine_k = sorted(chunks(shard_rows(r, P, plan.shard_len, plan.zigzag), S), key=lambda c: c[1])
+    mine_k = sorted(mine, key=lambda c: c[1])
     recvs = []
     for other in range(P):
         if other == r:
@@ -365,7 +365,6 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, split_size: i
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0:
         raise ValueError(f"timeout: expected seconds > 0, got {timeout!r}")
     softcap = check_softcap(softcap)
-    left, right = check_window(window)
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     peers = tuple(dist.get_global_rank(group, i) if group is not None else i for i in range(world))
@@ -376,8 +375,7 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, split_size: i
     if mode == "ulysses" and (H % world or Hkv % world):
         raise ValueError(f"mode='ulysses': the heads (H = {H}, Hkv = {Hkv}) must be divisible by the world "
                          f"size {world}, so that each rank takes whole groups of query heads with their K/V head")
-    bounds = mask_bounds(causal, (left, right) if window is not None else None, "top_left",
-                         world * L, world * L)
+    bounds = mask_bounds(causal, window, "top_left", world * L, world * L)
     if alibi_slopes is not None:
         pt._check_tensor("alibi_slopes", alibi_slopes)
         alibi_slopes = alibi_slopes.detach().to(q.device, torch.float32).contiguous()
