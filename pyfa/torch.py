@@ -659,9 +659,9 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
 
 
 def _varlen_keywords(causal, window_left, window_right, causal_align, scale, block_r, block_c,
-                     backend, softcap=None, alibi_slopes=None):
+                     backend, softcap=None, alibi_slopes=None, split_size=0):
     kw = _keywords(causal, window_left, window_right, causal_align, scale, "bnhd", block_r,
-                   block_c, backend, softcap=softcap, alibi_slopes=alibi_slopes)
+                   block_c, backend, softcap=softcap, alibi_slopes=alibi_slopes, split_size=split_size)
     del kw["layout"]
     return kw
 
@@ -681,13 +681,13 @@ def _fa2_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, c
                         window_left: Optional[int], window_right: Optional[int], causal_align: str,
                         scale: Optional[float], block_r: Optional[int], block_c: Optional[int],
                         backend: str, softcap: Optional[float] = None,
-                        alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                        alibi_slopes: Optional[Tensor] = None, split_size: int = 0) -> Tuple[Tensor, Tensor]:
     """Packed sequences (pyfa.attention_varlen): q (total_q, H, d), k, v (total_k, Hkv, d),
     int32 offsets; returns o like q and lse (H, total_q)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_dtype(name, t)
     kw = _varlen_keywords(causal, window_left, window_right, causal_align, scale, block_r, block_c,
-                          backend, softcap, alibi_slopes)
+                          backend, softcap, alibi_slopes, split_size)
     with _on_device_of(q):
         if q.is_cuda and (q.numel() == 0 or k.numel() == 0):
             _check_options(q, {**kw, "layout": "bnhd"})
@@ -710,12 +710,12 @@ def _fa2_varlen_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
                          window_right: Optional[int], causal_align: str, scale: Optional[float],
                          block_r: Optional[int], block_c: Optional[int],
                          backend: str, softcap: Optional[float] = None,
-                         alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                         alibi_slopes: Optional[Tensor] = None, split_size: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
     """FA2's backward of fa2_varlen_forward: dq, dk, dv like q, k, v."""
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("do", do)):
         _check_dtype(name, t)
     kw = _varlen_keywords(causal, window_left, window_right, causal_align, scale, block_r, block_c,
-                          backend, softcap, alibi_slopes)
+                          backend, softcap, alibi_slopes, split_size)
     with _on_device_of(q):
         if q.is_cuda and (q.numel() == 0 or k.numel() == 0):
             _check_options(q, {**kw, "layout": "bnhd"})
@@ -785,7 +785,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                      causal_align: str = "bottom_right", scale: Optional[float] = None,
                      return_lse: bool = False, block_r: Optional[int] = None,
                      block_c: Optional[int] = None, backend: str = "auto",
-                     softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None):
+                     softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
+                     split_size: Optional[int] = None):
     """Attention over packed sequences by FA2's varlen kernels (pyfa.attention_varlen),
     differentiable: q (total_q, H, d), k, v (total_k, Hkv, d) float32, cu_seqlens_q,
     cu_seqlens_k int32 (B + 1,) offsets on q's device. max_seqlen_q, max_seqlen_k: the
@@ -794,7 +795,9 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     with return_lse, lse (H, total_q) and differentiable; row r's bits are those of
     pyfa.torch.attention on its own sequence alone, gradients included. softcap and
     alibi_slopes ((H,) or (B, H), B the sequences) as in pyfa.torch.attention (no bias or
-    dropout with packed sequences yet)."""
+    dropout with packed sequences yet). split_size: as in pyfa.torch.attention, the split
+    forward and backward per sequence, so that each row keeps the bits of its sequence's
+    split call alone."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
         if t.dim() != 3:
@@ -814,9 +817,10 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     if alibi_slopes is not None:
         _check_tensor("alibi_slopes", alibi_slopes)
         alibi_slopes = alibi_slopes.detach().to(q.device, torch.float32).contiguous()
+    split = 0 if split_size is None else check_int("split_size", split_size, 1, 1 << 40)
     o, lse = torch.ops.pyfa.fa2_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal,
                                                left, right, causal_align, scale, block_r, block_c, backend,
-                                               softcap, alibi_slopes)
+                                               softcap, alibi_slopes, split)
     return (o, lse) if return_lse else o
 
 

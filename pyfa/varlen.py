@@ -15,7 +15,7 @@ statistics come back as (H, total_q), flash-attn's softmax_lse.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Tuple, Union
 
 import numpy as np
 
@@ -125,11 +125,16 @@ def run(op_name, args, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seq
                     varlen=varlen, function=function, split_size=split_size)
 
 
+def _fa2_splits(function, algo, split_size):
+    if algo == "fa1" and split_size not in (None, 0):
+        raise InvalidArgumentError(f"split_size: only algo='fa2' splits ({function}), got {split_size!r}")
+
+
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: Optional[int] = None,
                      max_seqlen_k: Optional[int] = None, causal: bool = False, window=None,
                      causal_align: str = "bottom_right", scale: Optional[float] = None,
                      algo: str = "fa2", return_lse: bool = False, options: Optional[Options] = None,
-                     out=None, stream: Any = None, **mods):
+                     out=None, stream: Any = None, split_size: Union[None, int, str] = None, **mods):
     """Attention over packed sequences (flash-attn's flash_attn_varlen_func): each of the B
     sequences attends only to itself.
 
@@ -143,17 +148,20 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: Optio
     off = Nk_b - Nq_b. A sequence may be empty; one with queries and no keys gets O = 0
     (LSE = -inf). Returns o (total_q, H, d), or (o, lse) with return_lse (lse (H, total_q),
     flash-attn's softmax_lse; algo "fa2" only). Row r's bits equal those of the dense
-    call (pyfa.attention) of its own sequence alone. Other arguments as in
-    pyfa.attention; out: an array like q to write O into."""
+    call (pyfa.attention) of its own sequence alone. split_size: FA2's split-KV, as in
+    pyfa.fa2_forward (each sequence's keys in chunks of split_size from its own first key),
+    so row r also has the bits of the split dense call of its sequence. Other arguments as
+    in pyfa.attention; out: an array like q to write O into."""
     options, mods = api._keywords("pyfa.attention_varlen", options, mods)
     api._algo(algo)
+    _fa2_splits("pyfa.attention_varlen", algo, split_size)
     if not isinstance(return_lse, bool):
         raise ArgumentTypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
     if return_lse and algo != "fa2":
         raise InvalidArgumentError("return_lse: only algo='fa2' keeps the LSE (FA1 keeps m and l)")
     kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, window=window,
               causal_align=causal_align, scale=scale, options=options, stream=stream, mods=mods,
-              function="pyfa.attention_varlen")
+              function="pyfa.attention_varlen", split_size=split_size)
     extra = 2 if algo == "fa1" else 1
     outs = run(f"{algo}_forward", dict(q=q, k=k, v=v), cu_seqlens_q, cu_seqlens_k,
                out=None if out is None else (out,) + (None,) * extra, **kw)
@@ -165,13 +173,17 @@ def attention_varlen_grad(q, k, v, do, cu_seqlens_q, cu_seqlens_k, *,
                           causal: bool = False, window=None, causal_align: str = "bottom_right",
                           scale: Optional[float] = None, algo: str = "fa2",
                           options: Optional[Options] = None, out=None, stream: Any = None,
-                          **mods) -> Tuple[Any, Any, Any, Any]:
+                          split_size: Union[None, int, str] = None, **mods) -> Tuple[Any, Any, Any, Any]:
     """The forward and backward of attention_varlen for the incoming gradient do (like q):
     returns (o, dq, dk, dv), shaped like q, q, k, v. Arguments as in attention_varlen; out:
-    (o, dq, dk, dv), each None to allocate it. Deterministic, and row for row the bits of
-    pyfa.attention_grad on each sequence alone."""
+    (o, dq, dk, dv), each None to allocate it. split_size (FA2): given to the split forward
+    and the split backward (pyfa.fa2_backward's: dQ folded per key chunk, dK and dV per
+    query chunk, each sequence chunked from its own first row and key). Deterministic, and
+    row for row the bits of pyfa.attention_grad (with the same split_size) on each sequence
+    alone."""
     options, mods = api._keywords("pyfa.attention_varlen_grad", options, mods)
     api._algo(algo)
+    _fa2_splits("pyfa.attention_varlen_grad", algo, split_size)
     outs = api._out_dict("attention_varlen_grad", ("o", "dq", "dk", "dv"), out)
     check_varlen_rank("do", _shape("do", do))
     for name, x in (("q", q), ("k", k)):
@@ -181,7 +193,7 @@ def attention_varlen_grad(q, k, v, do, cu_seqlens_q, cu_seqlens_k, *,
                                            outs), outs)
     kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, window=window,
               causal_align=causal_align, scale=scale, options=options, stream=stream, mods=mods,
-              function="pyfa.attention_varlen_grad")
+              function="pyfa.attention_varlen_grad", split_size=split_size)
     grads = (outs["dq"], outs["dk"], outs["dv"])
     if algo == "fa1":
         o, m, l = run("fa1_forward", dict(q=q, k=k, v=v), cu_seqlens_q, cu_seqlens_k,

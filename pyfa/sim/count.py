@@ -46,7 +46,7 @@ class Walk:
     mask: Mask
     e: int          # bytes per tensor element
     bias_rows: object = None  # an additive bias (issue 27): its rows, Nq or 1; None: none
-    split: int = 0  # FA2 forward's split_size (split-KV); 0: one chunk
+    split: int = 0  # FA2's split_size (split-KV, the split backward); 0: one chunk
 
     def bias_io(self, io, scores, backward=False, tiles=0):
         """A bias's traffic (pyfa/sim/score.py bias_io, dbias_io): `scores` scores of visited
@@ -96,6 +96,23 @@ class Walk:
         """Query rows in the Q tiles that visit K/V tile j."""
         begin, end = self.mask.q_tiles(*self.col_tile(j), self.Br, self.Nq)
         return max(0, min(self.Nq, end * self.Br) - begin * self.Br)
+
+    def chunks_meeting_rows(self, j):
+        """Split backward: the query chunks (split rows each) that K/V tile j's band of Q
+        tiles meets, each of which the dK/dV block folds once."""
+        begin, end = self.mask.q_tiles(*self.col_tile(j), self.Br, self.Nq)
+        per = self.split // self.Br
+        return (end - 1) // per - begin // per + 1 if begin < end else 0
+
+    def chunks_meeting_keys(self):
+        """Split backward: for each Q tile i, the key chunks (split keys each) holding a K/V
+        tile whose band holds i, each of which the dQ block folds once."""
+        per, hits = self.split // self.Bc, [set() for _ in range(self.Tr)]
+        for j in range(self.Tc):
+            begin, end = self.mask.q_tiles(*self.col_tile(j), self.Br, self.Nq)
+            for i in range(begin, end):
+                hits[i].add(j // per)
+        return [len(h) for h in hits]
 
     @property
     def Tr(self):
@@ -151,8 +168,18 @@ def fa2_backward_dkdv_io(w):
         io.read("dO", rows * w.d * w.e)
         io.read("LSE", rows * STAT_BYTES)
         io.read("D", rows * STAT_BYTES)
-    io.write("dK", w.Nk * w.d * w.e)
-    io.write("dV", w.Nk * w.d * w.e)
+    if w.split:
+        # The split backward: dK_j, dV_j (the accumulators, split_fold) written at each
+        # query chunk the block folds and read back at each but its first; a block no
+        # query reaches writes +0 once.
+        for j in range(w.Tc):
+            folds, bc = w.chunks_meeting_rows(j), w.col_tile(j)[1]
+            for name in ("dK", "dV"):
+                io.write(name, max(folds, 1) * bc * w.d * w.e)
+                io.read(name, max(folds - 1, 0) * bc * w.d * w.e)
+    else:
+        io.write("dK", w.Nk * w.d * w.e)
+        io.write("dV", w.Nk * w.d * w.e)
     for _ in range(w.G):
         w.bias_io(io, sum(w.rows_visited(j) * w.col_tile(j)[1] for j in range(w.Tc)), True, w.tile_keys())
     return io
@@ -170,7 +197,12 @@ def fa2_backward_dq_io(w):
         keys = w.keys_visited(i)
         io.read("K", keys * w.d * w.e)
         io.read("V", keys * w.d * w.e)
-    io.write("dQ", w.Nq * w.d * w.e)
+    if w.split:  # as dK/dV's above, per key chunk
+        for i, folds in enumerate(w.chunks_meeting_keys()):
+            io.write("dQ", max(folds, 1) * w.row_tile(i)[1] * w.d * w.e)
+            io.read("dQ", max(folds - 1, 0) * w.row_tile(i)[1] * w.d * w.e)
+    else:
+        io.write("dQ", w.Nq * w.d * w.e)
     w.bias_io(io, sum(w.row_tile(i)[1] * w.keys_visited(i) for i in range(w.Tr)))
     return io.scaled(w.G)
 
@@ -266,9 +298,7 @@ def count_kernels(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, h
         raise ArgumentTypeError(f"profile: expected a sim.DeviceProfile, got {type(profile).__name__}")
     bias_rows = _bias_rows(bias, algo, batch, heads, seqlen_q, seqlen_k)
     wanted = ["forward", "backward"] if passes == "both" else [passes]
-    if split_size not in (None, 0) and (algo != "fa2" or "forward" not in wanted):
-        raise InvalidArgumentError(f"split_size: only fa2's forward splits the keys, got {split_size!r} "
-                                   f"for {algo} {passes}")
+    _check_split_algo(split_size, algo, bias, wanted)
     record, tiles = IORecord(), []
     for p in wanted:
         if (algo, p) not in WALKERS:
@@ -279,13 +309,36 @@ def count_kernels(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, h
             else:
                 Br, Bc = resolve_tiles(kernel, head_dim, block_r, block_c, profile)
                 tiles.append({"pass": p, "kernel": kernel, "block_r": Br, "block_c": Bc})
-            split = check_split_size(split_size, head_dim, Bc) if p == "forward" else 0
+            split = _kernel_split(split_size, head_dim, kernel, Br, Bc)
             w = Walk(seqlen_q, seqlen_k, head_dim, heads // Hkv, Br, Bc, mask, dtype_bytes, bias_rows,
                      split)
             record = record + walker(w)
     out = record.scaled(batch * Hkv)
     out.label = f"{algo} {passes}"
     return out, tiles
+
+
+def _check_split_algo(split_size, algo, bias, wanted):
+    if split_size in (None, 0):
+        return
+    if algo != "fa2":
+        raise InvalidArgumentError(f"split_size: only fa2 splits, got {split_size!r} for {algo}")
+    if bias is not None and "backward" in wanted:  # as the library refuses dbias with it
+        raise InvalidArgumentError("split_size: the split backward does not write dbias; leave one of them out")
+
+
+def _kernel_split(split_size, head_dim, kernel, Br, Bc):
+    """The split a kernel is counted with: a multiple of its Bc (the forward, dQ) or its Br
+    (dK/dV, whose chunks are of query rows), as the library checks it; 0 for the rest."""
+    if kernel in ("fa2_forward", "fa2_backward_dq"):
+        return check_split_size(split_size, head_dim, Bc)
+    if kernel == "fa2_backward_dkdv":
+        split = check_split_size(split_size, head_dim)
+        if split % Br:
+            raise InvalidArgumentError(f"split_size: must be a multiple of fa2_backward_dkdv's Br = {Br}, "
+                                       f"got {split}")
+        return split
+    return 0
 
 
 def count_io(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, head_dim,
@@ -298,8 +351,10 @@ def count_io(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, head_d
     tiles are each kernel's defaults on `profile` (sim.tiles.default_tiles). bias: the
     shape of an additive bias (issue 27; broadcastable to (B, H, Nq, Nk)) or None: its
     reads per visited tile and, in a backward, dBias's traffic (docs/io_closed_forms.md).
-    split_size: FA2's split-KV (pyfa.fa2_forward's; "decode" its constant): each chunk's
-    partial O and LSE written and read back by the combine step."""
+    split_size: FA2's split (pyfa.fa2_forward's and fa2_backward's; "decode" its
+    constant): in the forward each chunk's partial O and LSE written and read back by the
+    combine step; in the backward dQ, dK and dV written at each chunk a block folds and read
+    back at each but its first (split_fold: the output is the accumulator)."""
     return count_kernels(algo, passes=passes, batch=batch, heads=heads, seqlen_q=seqlen_q,
                          seqlen_k=seqlen_k, head_dim=head_dim, heads_kv=heads_kv,
                          block_r=block_r, block_c=block_c, causal=causal, window=window,
@@ -333,13 +388,14 @@ WALKERS[("standard", "backward")] = [(None, standard_backward_io)]
 
 def count_io_varlen(algo, *, passes="forward", cu_seqlens_q, cu_seqlens_k, heads, head_dim,
                     heads_kv=None, block_r=None, block_c=None, causal=False, window=None,
-                    causal_align="bottom_right", dtype_bytes=4, profile=EMU_PROFILE):
+                    causal_align="bottom_right", dtype_bytes=4, profile=EMU_PROFILE, split_size=None):
     """count_io of packed sequences (pyfa.attention_varlen): the sum over the sequences of
     each one's walk, as the varlen kernels read them. A block past its sequence's rows
     (keys) returns at once and moves nothing, so a sequence costs what its own dense call
     would, empty ones included: with Nq_b = 0 FA2's dK/dV kernel still writes dK = dV = 0,
     with Nk_b = 0 the forward still reads Q and writes O = 0, LSE = -inf. algo "fa1" or
-    "fa2"; the offsets are int32 arrays (or sequences of ints) of B + 1 entries."""
+    "fa2"; the offsets are int32 arrays (or sequences of ints) of B + 1 entries; split_size
+    as count_io's, each sequence split alone."""
     if algo not in ("fa1", "fa2"):
         raise InvalidArgumentError(f"algo: expected 'fa1' or 'fa2' for packed sequences, got {algo!r}")
     offsets = []
@@ -356,14 +412,16 @@ def count_io_varlen(algo, *, passes="forward", cu_seqlens_q, cu_seqlens_k, heads
     if not isinstance(profile, DeviceProfile):
         raise ArgumentTypeError(f"profile: expected a sim.DeviceProfile, got {type(profile).__name__}")
     wanted = ["forward", "backward"] if passes == "both" else [passes]
+    _check_split_algo(split_size, algo, None, wanted)
     record = IORecord()
     for p in wanted:
         for kernel, walker in WALKERS[(algo, p)]:
             Br, Bc = resolve_tiles(kernel, head_dim, block_r, block_c, profile)
+            split = _kernel_split(split_size, head_dim, kernel, Br, Bc)
             for (qa, qz), (ka, kz) in zip(zip(offsets[0], offsets[0][1:]), zip(offsets[1], offsets[1][1:])):
                 mask = Mask.resolve(causal, window, causal_align, qz - qa, kz - ka)
                 record = record + walker(Walk(qz - qa, kz - ka, head_dim, heads // Hkv, Br, Bc, mask,
-                                              dtype_bytes))
+                                              dtype_bytes, None, split))
     out = record.scaled(Hkv)
     out.label = f"{algo} {passes} (packed, {len(offsets[0]) - 1} sequences)"
     return out
