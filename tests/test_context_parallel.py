@@ -1,9 +1,10 @@
 """Context parallelism (pyfa.torch.context_parallel_attention, issue 22) in spawned gloo
 process groups of 1, 2, 3 and 4 ranks (tests/cp_worker.py): the shards of O, dQ, dK and
 dV gathered from the ranks equal one process's pyfa.torch.attention with the same
-split_size bit for bit, in ring and Ulysses modes, causal and not, zigzag, GQA, windows,
-softcap and ALiBi; the bytes each rank sends equal the model's
-(pyfa.sim.context_parallel_bytes); misuse gets an error naming it, and no hang."""
+split_size bit for bit, in ring mode (both schedules, wavefront and ring, equal to each
+other) and Ulysses mode, causal and not, zigzag, GQA, windows, softcap and ALiBi; the
+bytes each rank sends equal the model's (pyfa.sim.context_parallel_bytes); the wavefront
+holds O(1) shards per rank; misuse gets an error naming it, and no hang."""
 
 import functools
 import os
