@@ -12,10 +12,13 @@ diagonal_offset, so it is the very partial the one-device split computes. The nu
 ranks, the order in which K/V arrive and the sharding change which rank computes a
 block, never its bits or the order of a fold: the same bits on 1, 2 or 8 ranks.
 
-Modes: "ring" passes K/V shards between neighbours (rank r sends to r - 1 and receives
-from r + 1, the next step's transfer overlapping this step's blocks); "ulysses" turns the
-sequence shards into head shards with all-to-all, runs one pyfa.torch.attention per
-rank over the whole sequence, and turns the result back.
+Modes: "ring" moves K/V shards between the ranks, in one of two schedules: "ring" passes
+them between neighbours (rank r sends to r - 1 and receives from r + 1, the next step's
+transfer overlapping this step's blocks), "wavefront" sends each from its owner to the
+ranks that need it and passes each key shard's dK/dV accumulator up the ranks, so that no
+rank holds more than a few shards (docs/context_parallel.md, "Memory per rank");
+"ulysses" turns the sequence shards into head shards with all-to-all, runs one
+pyfa.torch.attention per rank over the whole sequence, and turns the result back.
 """
 
 from __future__ import annotations
@@ -34,9 +37,12 @@ from torch import Tensor
 from . import api
 from .checks import check_int, check_softcap, mask_bounds
 from .kvcache import merge_states
-from .sim.context_parallel import block_sees, chunks, shard_rows
+from .sim.context_parallel import block_sees, chunks, ring_schedule, shard_rows, shard_sees, wavefront_chain
 
 _MODES = ("ring", "ulysses")
+# Tags of the wavefront schedule's messages (each pass waits for all of its own, so the
+# forward and the backward may use the same): + 2 * shard, one per tensor of a pair.
+_KV_TAG, _ACC_TAG, _HOME_TAG = 2 << 20, 3 << 20, 4 << 20
 
 
 class _Plan(NamedTuple):
@@ -47,6 +53,7 @@ class _Plan(NamedTuple):
     shard_len: int
     split: int
     zigzag: bool
+    schedule: str       # "ring" or "wavefront" (ring mode)
     axis: int           # the sequence axis of q, k, v (2 in "bhnd", 1 in "bnhd")
     left: int           # the mask's sides over the whole sequence, finite
     right: int
@@ -59,6 +66,23 @@ class _Plan(NamedTuple):
 
     def rows(self, t, start, n):
         return t.narrow(self.axis, start, n)
+
+    def shard_sees(self, r, j):
+        return shard_sees(self.left, self.right, self.world, self.shard_len, self.zigzag, r, j)
+
+    def hold(self, tensors):
+        """Counts the buffers `tensors` (received K/V, dK/dV partials or accumulators) as
+        held; comm_stats["peak_held_bytes"] is the most held at once."""
+        if self.stats is not None:
+            held = self.stats.get("_held", 0) + sum(t.numel() * t.element_size() for t in tensors)
+            self.stats["_held"] = held
+            self.stats["peak_held_bytes"] = max(self.stats.get("peak_held_bytes", 0), held)
+
+    def drop(self, tensors):
+        if self.stats is not None:
+            self.stats["_held"] -= sum(t.numel() * t.element_size() for t in tensors)
+            if not self.stats["_held"]:
+                del self.stats["_held"]
 
 
 def _wait(plan, works, step):
@@ -94,6 +118,7 @@ def _ring(plan, kv, step_name):
         works, nxt = [], None
         if t < P - 1:
             nxt = [torch.empty_like(x) for x in cur]
+            plan.hold(nxt)
             works = _send_recv(plan, cur, nxt, (r - 1) % P, (r + 1) % P, tag0=16 * t)
         yield (r + t) % P, cur
         _wait(plan, works, f"{step_name} step {t + 1} of {P - 1} (K/V from rank {(r + 1) % P})")
@@ -114,12 +139,16 @@ def _in_order(plan, kv, step_name, needed):
     for owner, tensors in _ring(plan, kv, step_name):
         mine = chunks(shard_rows(owner, P, plan.shard_len, plan.zigzag), S)
         held[owner] = tensors if any(needed(k0) for _, k0 in mine) else None
+        if held[owner] is None and owner != plan.rank:
+            plan.drop(tensors)
         while n < len(order) and order[n][1] in held:
             k0, o, kl = order[n]
             yield o, kl, k0, held[o]
             n += 1
             left[o] -= 1
             if left[o] == 0:
+                if o != plan.rank and held[o] is not None:
+                    plan.drop(held[o])
                 del held[o]
 
 
@@ -140,6 +169,51 @@ def _add(acc, part):
     return (torch.zeros_like(part) if acc is None else acc) + part
 
 
+def _from_owners(plan, kv, step_name):
+    """The wavefront schedule's K/V: yields (j, tensors) for each key shard j that some row
+    of this rank sees, j ascending, the K/V-side tensors `kv` of rank j's shard received
+    straight from its owner (the own shard: `kv`), the next one's transfer overlapping the
+    caller's compute on the current one: at most two received shards held. Sends `kv` to
+    every rank whose rows see this rank's keys, each once."""
+    P, r = plan.world, plan.rank
+    mine = [t.contiguous() for t in kv]
+    sends = []
+    for dst in range(P):
+        if dst != r and plan.shard_sees(dst, r):
+            sends += _send_recv(plan, mine, [], dst, None, tag0=_KV_TAG + 2 * r)
+    need = [j for j in range(P) if plan.shard_sees(r, j)]
+
+    def start(j):
+        if j == r:
+            return mine, []
+        bufs = [torch.empty_like(t) for t in mine]
+        plan.hold(bufs)
+        return bufs, _send_recv(plan, [], bufs, None, j, tag0=_KV_TAG + 2 * j)
+
+    nxt = start(need[0]) if need else None
+    for n, j in enumerate(need):
+        cur, works = nxt
+        if n + 1 < len(need):
+            nxt = start(need[n + 1])
+        _wait(plan, works, f"{step_name}: K/V of rank {j}")
+        yield j, cur
+        if j != r:
+            plan.drop(cur)
+    _wait(plan, sends, f"{step_name}: sending this rank's K/V")
+
+
+def _key_chunks(plan, kv, step_name, needed):
+    """(owner, local row, sequence row, tensors) of every key chunk, ascending, that this
+    rank may need (needed(sequence row) in the ring; in the wavefront, of every shard some
+    row sees), the K/V-side tensors `kv` of its owner's shard from the plan's schedule."""
+    if plan.schedule == "ring":
+        yield from _in_order(plan, kv, step_name, needed)
+        return
+    for j, tensors in _from_owners(plan, kv, step_name):
+        for kl, k0 in chunks(shard_rows(j, plan.world, plan.shard_len, False), plan.split):
+            yield j, kl, k0, tensors
+
+
 def _ring_forward(plan, q, k, v):
     S = plan.split
     pieces = shard_rows(plan.rank, plan.world, plan.shard_len, plan.zigzag)
@@ -148,7 +222,7 @@ def _ring_forward(plan, q, k, v):
     def needed(k0):
         return any(plan.sees(p.start, p.length, k0, S) for p in pieces)
 
-    for _, kl, k0, kv_src in _in_order(plan, (k, v), "forward", needed):
+    for _, kl, k0, kv_src in _key_chunks(plan, (k, v), "forward", needed):
         for n, p in enumerate(pieces):
             if plan.sees(p.start, p.length, k0, S):
                 k_src, v_src = kv_src
@@ -173,7 +247,8 @@ def _ring_backward(plan, q, k, v, o, lse, do):
     kv_parts = {}
     outgoing = {owner: [] for owner in range(P)}
     left = {owner: plan.shard_len // S for owner in range(P)}
-    sends = []
+    sends, messages, own_parts = [], [], []
+
     def needed(k0):
         return any(plan.sees(q0, S, k0, S) for _, q0 in mine)
 
@@ -186,16 +261,22 @@ def _ring_backward(plan, q, k, v, o, lse, do):
                 plan.rows(q, ql, S), plan.rows(k_src, kl, S), plan.rows(v_src, kl, S), plan.rows(o, ql, S),
                 lse.narrow(2, ql, S), plan.rows(do, ql, S), diagonal_offset=q0 - k0, **plan.call)
             dq_acc[ql] = _add(dq_acc[ql], dq_b)
+            plan.hold((dk_b, dv_b))
             if owner == r:
                 kv_parts[(kl, q0)] = (dk_b, dv_b)
+                own_parts += [dk_b, dv_b]
             else:
                 outgoing[owner] += [dk_b, dv_b]
         left[owner] -= 1
         if left[owner] == 0 and outgoing[owner]:
             # One message of this rank's partials for the owner's key chunks, in the order
             # the owner enumerates them (its key chunks ascending, then this rank's query chunks).
-            msg = torch.stack(outgoing.pop(owner)).contiguous()
+            parts = outgoing.pop(owner)
+            msg = torch.stack(parts).contiguous()
+            plan.hold([msg])
+            plan.drop(parts)
             sends += _send_recv(plan, [msg], [], owner, None, tag0=1 << 20)
+            messages.append(msg)
     # The other ranks' partials of this rank's key chunks: each rank sends one message.
     mine_k = sorted(mine, key=lambda c: c[1])
     recvs = []
@@ -208,16 +289,16 @@ def _ring_backward(plan, q, k, v, o, lse, do):
             continue
         like = plan.rows(k, 0, S)
         msg = torch.empty((2 * len(blocks),) + tuple(like.shape), dtype=k.dtype, device=k.device)
+        plan.hold([msg])
+        messages.append(msg)
         recvs.append((blocks, msg, _send_recv(plan, [], [msg], None, other, tag0=1 << 20)))
     for blocks, msg, works in recvs:
         _wait(plan, works, "backward: dK/dV partials from another rank")
         for n, key in enumerate(blocks):
             kv_parts[key] = (msg[2 * n], msg[2 * n + 1])
     _wait(plan, sends, "backward: sending dK/dV partials")
-    dq = torch.zeros_like(q)
-    for ql, _ in mine:
-        if dq_acc[ql] is not None:
-            plan.rows(dq, ql, S).copy_(dq_acc[ql])
+    plan.drop(messages)
+    dq = _dq_out(plan, q, mine, dq_acc)
     # dK_b, dV_b: the partials of the query chunks in ascending sequence order.
     for kl, _ in mine_k:
         acc_k = acc_v = None
@@ -227,7 +308,89 @@ def _ring_backward(plan, q, k, v, o, lse, do):
         if acc_k is not None:
             plan.rows(dk, kl, S).copy_(acc_k)
             plan.rows(dv, kl, S).copy_(acc_v)
+    plan.drop(own_parts)
     return dq, dk, dv
+
+
+def _wavefront_backward(plan, q, k, v, o, lse, do):
+    """The backward in the wavefront schedule (contiguous shards): rank r takes the key
+    shards j its rows see in ascending order, K/V from their owners (_from_owners), and
+    with them the dK/dV accumulator of shard j from the previous rank of j's chain
+    (wavefront_chain: the ranks that see j, ascending, so ascending query chunks), adds its
+    own query chunks' partials to it in ascending order and passes it on; the last rank
+    sends it home. So every fold is the one-device split's (dQ over key chunks ascending,
+    dK/dV over query chunks ascending, each from +0) with O(1) shards in flight: rank r
+    works on shard j at step r + j, 2P - 1 steps in all."""
+    S, P, r = plan.split, plan.world, plan.rank
+    mine = chunks(shard_rows(r, P, plan.shard_len, False), S)
+    dq_acc = {ql: None for ql, _ in mine}
+    dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)  # contiguous: received into
+    dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    chains = [wavefront_chain(plan.left, plan.right, P, plan.shard_len, j) for j in range(P)]
+    home = []
+    if chains[r] and chains[r][-1] != r:
+        # The last rank of this shard's chain sends its dK/dV home, straight into the outputs.
+        home = _send_recv(plan, [], [dk, dv], None, chains[r][-1], tag0=_HOME_TAG)
+    need = [j for j in range(P) if r in chains[j]]
+
+    def start(j):
+        """Shard j's accumulator (dK, dV): +0 at the chain's first rank, else received; the
+        outputs themselves where this rank is the whole chain of its own shard."""
+        if chains[j] == [r]:
+            return (dk, dv), [], None
+        at = chains[j].index(r)
+        bufs = [torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (dk, dv)]
+        plan.hold(bufs)
+        if at == 0:
+            return bufs, [], None
+        return bufs, _send_recv(plan, [], bufs, None, chains[j][at - 1], tag0=_ACC_TAG + 2 * j), chains[j][at - 1]
+
+    nxt = start(need[0]) if need else None
+    sending = None  # (tensors, works) of the accumulator last sent on: at most one in flight
+    for n, (j, (k_src, v_src)) in enumerate(_from_owners(plan, (k, v), "backward")):
+        (acc_k, acc_v), works, src = nxt
+        if n + 1 < len(need):
+            nxt = start(need[n + 1])
+        _wait(plan, works, f"backward: the dK/dV of rank {j}'s keys from rank {src}")
+        for ql, q0 in mine:
+            for kl, k0 in chunks(shard_rows(j, P, plan.shard_len, False), S):
+                if not plan.sees(q0, S, k0, S):
+                    continue
+                dq_b, dk_b, dv_b = api.fa2_backward(
+                    plan.rows(q, ql, S), plan.rows(k_src, kl, S), plan.rows(v_src, kl, S), plan.rows(o, ql, S),
+                    lse.narrow(2, ql, S), plan.rows(do, ql, S), diagonal_offset=q0 - k0, **plan.call)
+                dq_acc[ql] = _add(dq_acc[ql], dq_b)
+                plan.rows(acc_k, kl, S).add_(dk_b)
+                plan.rows(acc_v, kl, S).add_(dv_b)
+        if sending is not None:
+            _wait(plan, sending[1], "backward: passing on a dK/dV accumulator")
+            plan.drop(sending[0])
+            sending = None
+        at = chains[j].index(r)
+        if at + 1 < len(chains[j]):
+            sending = ((acc_k, acc_v), _send_recv(plan, [acc_k, acc_v], [], chains[j][at + 1], None,
+                                                  tag0=_ACC_TAG + 2 * j))
+        elif j != r:
+            sending = ((acc_k, acc_v), _send_recv(plan, [acc_k, acc_v], [], j, None, tag0=_HOME_TAG))
+        elif acc_k is not dk:
+            dk.copy_(acc_k)
+            dv.copy_(acc_v)
+            plan.drop((acc_k, acc_v))
+    if sending is not None:
+        _wait(plan, sending[1], "backward: passing on the last dK/dV accumulator")
+        plan.drop(sending[0])
+    if home:
+        _wait(plan, home, f"backward: this rank's dK/dV from rank {chains[r][-1]}")
+    return _dq_out(plan, q, mine, dq_acc), dk, dv
+
+
+def _dq_out(plan, q, mine, dq_acc):
+    """The shard's dQ from the folded chunks (a chunk no key reaches: +0)."""
+    dq = torch.zeros_like(q)
+    for ql, _ in mine:
+        if dq_acc[ql] is not None:
+            plan.rows(dq, ql, plan.split).copy_(dq_acc[ql])
+    return dq
 
 
 class _RingAttention(torch.autograd.Function):
@@ -244,7 +407,8 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = (t.detach() for t in ctx.saved_tensors)
         do = torch.zeros_like(o) if do is None else do.detach().contiguous()
-        dq, dk, dv = _ring_backward(ctx.plan, q, k, v, o, lse, do)
+        backward = _ring_backward if ctx.plan.schedule == "ring" else _wavefront_backward
+        dq, dk, dv = backward(ctx.plan, q, k, v, o, lse, do)
         return dq, dk, dv, None
 
 
@@ -311,7 +475,8 @@ def _agree(plan, q, k, v, signature):
 
 
 def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, split_size: int,
-                               group=None, mode: str = "ring", zigzag: bool = False,
+                               group=None, mode: str = "ring", schedule: str = "auto",
+                               zigzag: bool = False,
                                causal: bool = False, window=None, scale: Optional[float] = None,
                                layout: str = "bhnd", softcap: Optional[float] = None,
                                alibi_slopes: Optional[Tensor] = None, return_lse: bool = False,
@@ -330,10 +495,18 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, split_size: i
     work), 2P pieces of L / 2 of which rank r holds pieces r and 2P - 1 - r, in that order.
     causal, window, scale, softcap, alibi_slopes: as in pyfa.torch.attention, over the
     whole sequence (Nq = Nk, so causal_align does not matter). mode: "ring" or "ulysses"
-    (all-to-all over heads: H and Hkv divisible by the world size). return_lse: also
+    (all-to-all over heads: H and Hkv divisible by the world size). schedule (ring mode):
+    "wavefront" (each owner sends its K/V to the ranks that need them, the dK/dV
+    accumulator of each key shard passes up the ranks and goes home: O(1) shards held per
+    rank, 2P - 1 steps in the backward; contiguous shards only), "ring" (K/V round the
+    ring, each rank holding shards that come before their turn and the owner every dK/dV
+    partial of its keys: P steps), or "auto" (the wavefront, the ring with zigzag); the
+    bits are the same for every schedule. return_lse: also
     return the shard's LSE (B, H, L), not differentiable. timeout: seconds any one
     transfer may take before TimeoutError names it. comm_stats: a dict that gets
-    "bytes_sent", this rank's bytes sent by the call (forward and backward added up).
+    "bytes_sent", this rank's bytes sent by the call (forward and backward added up), and
+    in ring mode "peak_held_bytes", the most bytes of received K/V and of dK/dV partials or
+    accumulators the rank held at once beyond its own shards.
     Refused: dropout and bias (their inputs are keyed on positions of the whole problem
     in ways a block call does not see), tensors on a device the group's backend cannot
     serve (gloo: CPU; NCCL: CUDA)."""
@@ -342,9 +515,6 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, split_size: i
         pt._check_tensor(name, t)
         if t.dim() != 4:
             raise ValueError(f"{name}: expected 4 dimensions, got shape {tuple(t.shape)}")
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("pyfa.torch.context_parallel_attention: torch.distributed is not initialised "
-                           "(torch.distributed.init_process_group first)")
     if mode not in _MODES:
         raise ValueError(f"mode: expected 'ring' or 'ulysses', got {mode!r}")
     if layout not in ("bhnd", "bnhd"):
@@ -362,9 +532,15 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, split_size: i
                          f"= {unit}")
     if zigzag and mode != "ring":
         raise ValueError("zigzag: only mode='ring' takes the zigzag sharding")
+    if mode == "ulysses" and schedule != "auto":
+        raise ValueError(f"schedule: only mode='ring' takes a schedule, got {schedule!r} with mode='ulysses'")
+    plan_schedule = ring_schedule(schedule, zigzag)
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0:
         raise ValueError(f"timeout: expected seconds > 0, got {timeout!r}")
     softcap = check_softcap(softcap)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("pyfa.torch.context_parallel_attention: torch.distributed is not initialised "
+                           "(torch.distributed.init_process_group first)")
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     peers = tuple(dist.get_global_rank(group, i) if group is not None else i for i in range(world))
@@ -385,9 +561,9 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, split_size: i
         call["softcap"] = softcap
     if alibi_slopes is not None:
         call["alibi_slopes"] = alibi_slopes
-    plan = _Plan(group, rank, world, peers, L, split, zigzag, 2 if layout == "bhnd" else 1, bounds.left,
+    plan = _Plan(group, rank, world, peers, L, split, zigzag, plan_schedule, 2 if layout == "bhnd" else 1, bounds.left,
                  bounds.right, call, datetime.timedelta(seconds=float(timeout)), comm_stats)
-    signature = dict(mode=mode, zigzag=zigzag, split_size=split, causal=causal, window=window, scale=scale,
+    signature = dict(mode=mode, schedule=plan_schedule, zigzag=zigzag, split_size=split, causal=causal, window=window, scale=scale,
                      layout=layout, softcap=softcap, backend=backend, block_r=block_r, block_c=block_c,
                      alibi_slopes=None if alibi_slopes is None else alibi_slopes.cpu().tolist())
     _agree(plan, q, k, v, signature)

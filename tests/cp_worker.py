@@ -21,12 +21,15 @@ def seqlen(name):
 TILES = dict(block_r=8, block_c=8)  # the split size is a multiple of the tiles
 SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
 
-# name: (heads, heads_kv, layout, keywords); every case is GQA.
+# name: (heads, heads_kv, layout, keywords); every case is GQA. Ring mode's schedule
+# "auto" is the wavefront for contiguous shards and the ring for zigzag ones.
 CASES = {
     "ring": (4, 2, "bhnd", dict()),
-    "ring_causal": (4, 2, "bhnd", dict(causal=True)),
+    "ring_causal": (4, 2, "bhnd", dict(causal=True, schedule="wavefront")),
     "ring_zigzag": (4, 2, "bhnd", dict(causal=True, zigzag=True)),
     "ring_mods": (4, 2, "bnhd", dict(window=(37, 5), softcap=4.0, alibi_slopes=SLOPES)),
+    "ring_by_ring": (4, 2, "bhnd", dict(schedule="ring")),
+    "ring_by_ring_causal": (4, 2, "bhnd", dict(causal=True, schedule="ring")),
     "ulysses": (8, 4, "bhnd", dict(mode="ulysses")),
     "ulysses_causal": (8, 4, "bnhd", dict(mode="ulysses", causal=True)),
 }
@@ -63,7 +66,8 @@ def run_case(name, rank, P, group):
     o = pt.context_parallel_attention(q, k, v, split_size=S, layout=layout, comm_stats=stats, group=group,
                                       **TILES, **kw)
     o.backward(do)
-    return dict(rows=idx, o=o.detach(), dq=q.grad, dk=k.grad, dv=v.grad, bytes=stats.get("bytes_sent", 0))
+    return dict(rows=idx, o=o.detach(), dq=q.grad, dk=k.grad, dv=v.grad, bytes=stats.get("bytes_sent", 0),
+                held=stats.get("peak_held_bytes", 0))
 
 
 def misuse(rank, P, group):

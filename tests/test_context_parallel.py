@@ -1,9 +1,10 @@
 """Context parallelism (pyfa.torch.context_parallel_attention, issue 22) in spawned gloo
 process groups of 1, 2, 3 and 4 ranks (tests/cp_worker.py): the shards of O, dQ, dK and
 dV gathered from the ranks equal one process's pyfa.torch.attention with the same
-split_size bit for bit, in ring and Ulysses modes, causal and not, zigzag, GQA, windows,
-softcap and ALiBi; the bytes each rank sends equal the model's
-(pyfa.sim.context_parallel_bytes); misuse gets an error naming it, and no hang."""
+split_size bit for bit, in ring mode (both schedules, wavefront and ring, equal to each
+other) and Ulysses mode, causal and not, zigzag, GQA, windows, softcap and ALiBi; the
+bytes each rank sends equal the model's (pyfa.sim.context_parallel_bytes); the wavefront
+holds O(1) shards per rank; misuse gets an error naming it, and no hang."""
 
 import functools
 import os
@@ -67,7 +68,7 @@ def gathered(runs, P, name):
 @functools.lru_cache(maxsize=None)
 def one_device(name):
     heads, heads_kv, layout, kw = w.CASES[name]
-    kw = {k: x for k, x in kw.items() if k not in ("mode", "zigzag")}
+    kw = {k: x for k, x in kw.items() if k not in ("mode", "zigzag", "schedule")}
     q, k, v, do = w.inputs(name)
     q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
     o = pt.attention(q, k, v, layout=layout, split_size=w.S, **w.TILES, **kw)
@@ -104,26 +105,88 @@ def test_bytes_sent_are_the_models(runs, P, name):
         return
     model = pyfa.sim.context_parallel_bytes(
         kw.get("mode", "ring"), P, batch=w.B, heads=heads, heads_kv=heads_kv, shard_len=w.seqlen(name) // P, head_dim=w.D,
-        split_size=w.S, causal=kw.get("causal", False), window=kw.get("window"), zigzag=kw.get("zigzag", False))
-    for r in range(P):
-        sent = runs[(P, r)][name]["bytes"]
-        assert model[r] <= sent * 1.1 and sent <= model[r] * 1.1, (P, r, name, sent, model[r])
-    if P > 1 and kw.get("mode", "ring") == "ring":
-        # K and V cross each of the P - 1 links once per pass (forward, backward).
+        split_size=w.S, causal=kw.get("causal", False), window=kw.get("window"), zigzag=kw.get("zigzag", False),
+        schedule=kw.get("schedule", "auto"))
+    assert [runs[(P, r)][name]["bytes"] for r in range(P)] == model, (P, name)
+    if P > 1 and kw.get("mode", "ring") == "ring" and not kw.get("causal") and kw.get("window") is None:
+        # Without a mask K and V cross each of the P - 1 links once per pass (forward,
+        # backward), and the dK/dV come back.
         kv = 2 * w.B * heads_kv * (w.seqlen(name) // P) * w.D * 4
-        assert min(model) >= 2 * (P - 1) * kv
+        assert min(model) >= 3 * (P - 1) * kv
+
+
+SCHEDULE_PAIRS = (("ring", "ring_by_ring"), ("ring_causal", "ring_by_ring_causal"))
+
+
+@pytest.mark.parametrize("P", WORLD_SIZES)
+def test_schedules_equal_each_other(runs, P):
+    for wave, ring in SCHEDULE_PAIRS:
+        assert w.CASES[wave][3].get("schedule", "auto") != "ring" and w.CASES[ring][3]["schedule"] == "ring"
+        a, b = gathered(runs, P, wave), gathered(runs, P, ring)
+        assert all(torch.equal(a[key], b[key]) for key in a), (P, wave, ring)
+
+
+def _kv_shard_bytes(name, P):
+    """Bytes of one rank's K and V shards in case `name`."""
+    return 2 * w.B * w.CASES[name][1] * (w.seqlen(name) // P) * w.D * 4
+
+
+@pytest.mark.parametrize("P", WORLD_SIZES)
+def test_wavefront_holds_O1_shards(runs, P):
+    # docs/context_parallel.md, "Memory per rank": at most two received K/V shards and
+    # three dK/dV accumulators (being folded, arriving, leaving), whatever P.
+    for name in ("ring", "ring_causal", "ring_mods"):
+        for r in range(P):
+            held = runs[(P, r)][name]["held"]
+            assert held <= 5 * _kv_shard_bytes(name, P), (P, r, name, held)
+            assert (held > 0) == (P > 1), (P, r, name, held)
+    if P == 4:
+        # Non-causal, every shard needed: rank 1 holds all five at once.
+        assert runs[(4, 1)]["ring"]["held"] == 5 * _kv_shard_bytes("ring", 4)
+        # The ring holds K/V shards before their turn and every dK/dV partial of its keys:
+        # more, growing with P.
+        assert runs[(4, 1)]["ring_by_ring"]["held"] > 5 * _kv_shard_bytes("ring_by_ring", 4)
+
+
+@pytest.mark.parametrize("P", (2, 3, 4, 8))
+def test_wavefront_volume_against_the_formula(P):
+    # Non-causal, c = 4 chunks per shard. The formula: K and V cross every link once in the
+    # forward, twice with their gradients in the backward, 3 (P - 1) shards per rank. The
+    # wavefront's dK/dV accumulator of each shard visits every rank and then goes home
+    # (unless its owner is the last rank): one shard more on every rank but the last.
+    B, Hkv, L, d, S = 1, 2, 32, 16, 8
+    kv = 2 * B * Hkv * L * d * 4
+    sizes = dict(batch=B, heads=4, heads_kv=Hkv, shard_len=L, head_dim=d, split_size=S)
+    wave = pyfa.sim.context_parallel_bytes("ring", P, schedule="wavefront", **sizes)
+    assert wave == [(3 * P - 2) * kv] * (P - 1) + [3 * (P - 1) * kv]
+    assert pyfa.sim.context_parallel_bytes("ring", P, schedule="auto", **sizes) == wave
+    # The ring schedule returns every block's partial: c partials per (rank, owner).
+    ring = pyfa.sim.context_parallel_bytes("ring", P, schedule="ring", **sizes)
+    assert ring == [(P - 1) * (2 + L // S) * kv] * P
+    fwd = pyfa.sim.context_parallel_bytes("ring", P, schedule="wavefront", backward=False, **sizes)
+    assert fwd == [(P - 1) * kv] * P
+
+
+def test_wavefront_chain_for_causal_masks():
+    # Causal: key shard j is seen by ranks j .. P - 1 only; its K/V go to ranks > j and its
+    # accumulator starts at the owner, so rank P - 1 sends only the accumulators home.
+    from pyfa.sim.context_parallel import wavefront_chain
+    P, L = 4, 16
+    assert [wavefront_chain(P * L, 0, P, L, j) for j in range(P)] == [[0, 1, 2, 3], [1, 2, 3], [2, 3], [3]]
+    kv = 2 * 1 * 1 * L * 8 * 4
+    got = pyfa.sim.context_parallel_bytes("ring", P, batch=1, heads=1, heads_kv=1, shard_len=L, head_dim=8,
+                                          split_size=8, causal=True, schedule="wavefront")
+    assert got == [kv * (2 * (P - 1 - r) + (r + 1 if r < P - 1 else P - 1)) for r in range(P)]
 
 
 def test_ring_kv_volume_formula():
-    # One chunk per shard, non-causal: K, V round twice plus one dK, dV partial per other rank.
+    # The ring schedule, one chunk per shard, non-causal: K, V round twice plus one dK, dV
+    # partial per other rank, the formula exactly.
     P, L = 4, 64
     kv = 2 * 1 * 2 * L * 16 * 4
-    got = pyfa.sim.context_parallel_bytes("ring", P, batch=1, heads=4, heads_kv=2, shard_len=L, head_dim=16,
-                                          split_size=L)
-    assert got == [3 * (P - 1) * kv] * P
-    fwd = pyfa.sim.context_parallel_bytes("ring", P, batch=1, heads=4, heads_kv=2, shard_len=L, head_dim=16,
-                                          split_size=L, backward=False)
-    assert fwd == [(P - 1) * kv] * P
+    sizes = dict(batch=1, heads=4, heads_kv=2, shard_len=L, head_dim=16, split_size=L, schedule="ring")
+    assert pyfa.sim.context_parallel_bytes("ring", P, **sizes) == [3 * (P - 1) * kv] * P
+    assert pyfa.sim.context_parallel_bytes("ring", P, backward=False, **sizes) == [(P - 1) * kv] * P
 
 
 def test_ddp_step_gradients_equal_on_both_ranks_and_one_process(runs):
@@ -154,3 +217,9 @@ def test_refusals_without_a_group():
         pt.context_parallel_attention(q, q, q, split_size=8)
     with pytest.raises(TypeError, match="dropout_p"):
         pt.context_parallel_attention(q, q, q, split_size=8, dropout_p=0.1)
+    with pytest.raises(ValueError, match="schedule: expected one of 'auto', 'ring', 'wavefront', got 'tree'"):
+        pt.context_parallel_attention(q, q, q, split_size=8, schedule="tree")
+    with pytest.raises(ValueError, match="schedule='wavefront' takes contiguous shards"):
+        pt.context_parallel_attention(q, q, q, split_size=8, causal=True, zigzag=True, schedule="wavefront")
+    with pytest.raises(ValueError, match="only mode='ring' takes a schedule"):
+        pt.context_parallel_attention(q, q, q, split_size=8, mode="ulysses", schedule="ring")

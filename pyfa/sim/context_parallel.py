@@ -38,14 +38,53 @@ def block_sees(left, right, q0, nq, k0, nk):
     return max(k0 - (q0 + nq - 1), -left) <= min(k0 + nk - 1 - q0, right)
 
 
+SCHEDULES = ("auto", "ring", "wavefront")
+
+
+def ring_schedule(schedule: str, zigzag: bool) -> str:
+    """The schedule a ring-mode call runs: "auto" is the wavefront for contiguous shards
+    and the ring for zigzag ones (the wavefront takes contiguous shards only)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule: expected one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}")
+    if schedule == "auto":
+        return "ring" if zigzag else "wavefront"
+    if schedule == "wavefront" and zigzag:
+        raise ValueError("schedule='wavefront' takes contiguous shards: with zigzag=True the dK/dV of a key "
+                         "piece would visit each rank twice (query pieces r and 2P - 1 - r); use "
+                         "schedule='ring' or 'auto'")
+    return schedule
+
+
+def shard_sees(left, right, world_size, shard_len, zigzag, r, j):
+    """Some row of rank r's shard sees some key of rank j's shard (then r computes blocks
+    with j's K/V)."""
+    return any(block_sees(left, right, a.start, a.length, b.start, b.length)
+               for a in shard_rows(r, world_size, shard_len, zigzag)
+               for b in shard_rows(j, world_size, shard_len, zigzag))
+
+
+def wavefront_chain(left, right, world_size, shard_len, j):
+    """The ranks whose rows see key shard j, ascending: the wavefront schedule sends j's K/V
+    from its owner to each of them and passes j's dK/dV accumulator along them in this
+    order (ascending ranks are ascending query chunks for contiguous shards), the last
+    sending it home to j."""
+    return [r for r in range(world_size) if shard_sees(left, right, world_size, shard_len, False, r, j)]
+
+
 def context_parallel_bytes(mode: str, world_size: int, *, batch: int, heads: int, heads_kv: int,
-                        shard_len: int, head_dim: int, split_size: int, causal: bool = False,
-                        window=None, zigzag: bool = False, backward: bool = True) -> List[int]:
+                           shard_len: int, head_dim: int, split_size: int, causal: bool = False,
+                           window=None, zigzag: bool = False, backward: bool = True,
+                           schedule: str = "auto") -> List[int]:
     """Bytes each rank sends in one context_parallel_attention call (forward, plus the
     backward when backward=True), as a formula of the sizes: pyfa.sim.io's model of the
-    communication. Ring: K and V (2 B Hkv L d floats) cross the P - 1 links of the ring
-    once per pass; the backward sends K and V round again and returns one dK and one dV
-    partial per (query chunk of the rank, key chunk of the owner) block that some row sees.
+    communication (docs/context_parallel.md, "Modes and what is communicated").
+    Ring mode, schedule "ring": K and V (2 B Hkv L d floats) cross the P - 1 links of the
+    ring once per pass; the backward sends K and V round again and returns one dK and one
+    dV partial per (query chunk of the rank, key chunk of the owner) block that some row
+    sees. Schedule "wavefront": each owner sends its K and V to every rank whose rows see
+    them, once per pass; in the backward the dK/dV accumulator of each key shard (2 B Hkv L
+    d floats) passes along those ranks ascending (wavefront_chain), the last sending it
+    home. "auto": ring_schedule.
     Ulysses: each all-to-all sends (P - 1) / P of its tensor; q, k, v and O in the forward,
     dO, dq, dk, dv in the backward (LSE, B H L floats, goes back in the forward too)."""
     P, L, S = world_size, shard_len, split_size
@@ -56,10 +95,22 @@ def context_parallel_bytes(mode: str, world_size: int, *, batch: int, heads: int
         bwd = (2 * q + kv) * (P - 1) // P
         return [fwd + (bwd if backward else 0)] * P
     bounds = mask_bounds(causal, window, "top_left", P * L, P * L)
+    passes = 2 if backward else 1
+    if ring_schedule(schedule, zigzag) == "wavefront":
+        out = []
+        for r in range(P):
+            kv_sends = sum(shard_sees(bounds.left, bounds.right, P, L, False, x, r) for x in range(P) if x != r)
+            acc_sends = 0
+            for j in range(P):
+                chain = wavefront_chain(bounds.left, bounds.right, P, L, j)
+                if r in chain and (r != chain[-1] or r != j):
+                    acc_sends += 1
+            out.append(kv * (passes * kv_sends + (acc_sends if backward else 0)))
+        return out
     out = []
     block = 2 * batch * heads_kv * S * head_dim * 4
     for r in range(P):
-        sent = (P - 1) * kv * (2 if backward else 1)
+        sent = (P - 1) * kv * passes
         if backward:
             mine = chunks(shard_rows(r, P, L, zigzag), S)
             for other in range(P):
@@ -70,4 +121,5 @@ def context_parallel_bytes(mode: str, world_size: int, *, batch: int, heads: int
     return out
 
 
-__all__ = ["block_sees", "chunks", "context_parallel_bytes", "shard_rows"]
+__all__ = ["SCHEDULES", "block_sees", "chunks", "context_parallel_bytes", "ring_schedule", "shard_rows",
+           "shard_sees", "wavefront_chain"]
