@@ -410,6 +410,32 @@ def test_softcap_backends_equal_simulator(algo, si):
             assert same_bits(a, b), (name, run)
 
 
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+def test_softcap_every_cpu_isa_equals_simulator(isa, monkeypatch):
+    """The cpu backend's instruction-set builds (PYFA_CPU_ISA) give the simulator's bits
+    for dBias, dQ, dK, dV under softcap, ALiBi and dropout; a build this CPU cannot run
+    is skipped, naming it."""
+    shape, ci, extra = SOFTCAP_CASES[3]
+    case = CASES[ci]
+    q, k, v, do = softcap_inputs(case[3])
+    bias = make_bias(shape, 23)
+    kw = dict(mask_kw(case), bias=bias, softcap=SOFTCAP, **extra)
+    f = pyfa.sim.fa2_forward(q, k, v, options=pyfa.Options(**TILES), **kw)
+    want = pyfa.sim.fa2_backward(q, k, v, f.o, f.lse, do, options=pyfa.Options(**TILES), **kw)
+    f1 = pyfa.sim.fa1_forward(q, k, v, options=pyfa.Options(**TILES), **kw)
+    want1 = pyfa.sim.fa1_backward(q, k, v, f1.o, f1.m, f1.l, do, options=pyfa.Options(**TILES), **kw)
+    monkeypatch.setenv("PYFA_CPU_ISA", isa)
+    options = pyfa.Options(backend="cpu", threads=2, **TILES)
+    try:
+        got = pyfa.fa2_backward(q, k, v, f.o, f.lse, do, options=options, **kw)
+    except pyfa.BackendUnavailableError as e:
+        pytest.skip(f"this CPU cannot run the {isa} build: {e}")
+    got1 = pyfa.fa1_backward(q, k, v, f1.o, f1.m, f1.l, do, options=options, **kw)
+    for name, a, b in zip(("dq", "dk", "dv", "dbias") * 2, tuple(got) + tuple(got1),
+                          (want.dq, want.dk, want.dv, want.dbias, want1.dq, want1.dk, want1.dv, want1.dbias)):
+        assert same_bits(a, b), (isa, name)
+
+
 def test_softcap_backward_tiles_and_threads_leave_dbias_alone():
     """Under softcap too, dBias does not depend on the backward's tiles or its threads."""
     q, k, v, do = softcap_inputs(1)
