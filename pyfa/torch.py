@@ -459,7 +459,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     bias: a float32 tensor broadcastable to (B, H, Nq, Nk) (in both layouts), added to
     the scaled scores before the mask (pyfa.attention's bias=); it gets a gradient when
     it requires one, summed over the axes it broadcasts in one fixed order; it combines
-    with dropout and ALiBi below, and with softcap without gradients (ValueError).
+    with dropout, softcap and ALiBi below (its gradient is that of the score it is added
+    to, after softcap).
 
     Score modifications (docs/numerics.md §2), differentiated too: softcap (None, or a
     float > 0; 0 is off, as in flash-attn): each scaled score s becomes softcap * tanh(s /
@@ -497,10 +498,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     tensors = (_to_4d(q, rank, layout), _to_4d(k, rank, layout), _to_4d(v, rank, layout))
     options = (causal, left, right, causal_align, scale, layout, block_r, block_c, backend)
     if bias is not None:
-        if softcap is not None and torch.is_grad_enabled() and any(
-                t.requires_grad for t in (q, k, v, bias)):
-            raise ValueError("softcap: pyfa.torch takes it with a bias only without gradients in this "
-                             "version (pyfa's backward refuses a bias under softcap)")
         o, lse = torch.ops.pyfa.fa2_forward_bias(*tensors, _bias_operand(bias), *options, dropout_p, seed,
                                                  offset, softcap, alibi_slopes, split)
     else:

@@ -1,8 +1,9 @@
 """The additive bias and its gradient dBias (issue 27; docs/numerics.md §2): emu, cpu and
 the simulator give the same bits, FA1 and FA2, forward and backward, over broadcast
-shapes, masks, alignments and GQA; -inf entries (whole rows too) behave as a row with no
-visible key; the gradients match a float64 NumPy reference, and dBias matches finite
-differences of it."""
+shapes, masks, alignments and GQA, and under softcap (with ALiBi and dropout); -inf
+entries (whole rows too) behave as a row with no visible key; the gradients match a
+float64 NumPy reference (and, under softcap, torch's float64 autograd within twice its
+fp32 error), and dBias matches finite differences of it."""
 
 import functools
 
@@ -125,9 +126,10 @@ def test_backward_tiles_leave_dbias_alone():
             assert same_bits(got[3], ref), (shape, tiles)
 
 
-def reference64(q, k, v, do, bias, case):
-    """Attention with an additive bias in float64, and its gradients, dBias reduced to the
-    bias's shape. A row with no visible key gets O = 0 and zero gradients."""
+def reference64(q, k, v, do, bias, case, softcap=None):
+    """Attention with an additive bias (after softcap c tanh(s / c), if given) in float64,
+    and its gradients, dBias reduced to the bias's shape: dBias of S, dQ and dK of s. A row
+    with no visible key gets O = 0 and zero gradients."""
     causal, window, align, hkv = case
     g = q.shape[1] // hkv
     q, k, v, do = (x.astype(np.float64) for x in (q, k, v, do))
@@ -135,7 +137,9 @@ def reference64(q, k, v, do, bias, case):
     scale = 1 / np.sqrt(q.shape[-1])
     hidden = Mask.resolve(causal, window, align, q.shape[2], k.shape[2]).masked(
         np.arange(q.shape[2])[:, None], np.arange(k.shape[2])[None, :])
-    S = scale * q @ np.swapaxes(k, -1, -2) + bias.astype(np.float64)
+    s = scale * q @ np.swapaxes(k, -1, -2)
+    slope = 1.0 if softcap is None else 1 - np.tanh(s / softcap) ** 2  # dS/ds
+    S = (s if softcap is None else softcap * np.tanh(s / softcap)) + bias.astype(np.float64)
     S = np.where(hidden, -np.inf, S)
     m = S.max(axis=-1, keepdims=True)
     with np.errstate(invalid="ignore"):
@@ -144,9 +148,10 @@ def reference64(q, k, v, do, bias, case):
     P = np.divide(E, den, out=np.zeros_like(E), where=den > 0)
     o = P @ v
     dP = do @ np.swapaxes(v, -1, -2)
-    dS = P * (dP - (do * o).sum(axis=-1, keepdims=True))
-    dq = scale * dS @ k
-    dk = (scale * np.swapaxes(dS, -1, -2) @ q).reshape(q.shape[0], hkv, g, k.shape[2], -1).sum(axis=2)
+    dS = P * (dP - (do * o).sum(axis=-1, keepdims=True))  # of S
+    dS_s = dS * slope
+    dq = scale * dS_s @ k
+    dk = (scale * np.swapaxes(dS_s, -1, -2) @ q).reshape(q.shape[0], hkv, g, k.shape[2], -1).sum(axis=2)
     dv = (np.swapaxes(P, -1, -2) @ do).reshape(q.shape[0], hkv, g, k.shape[2], -1).sum(axis=2)
     full = (1,) * (4 - bias.ndim) + bias.shape
     axes = tuple(a for a in range(3) if full[a] == 1 and dS.shape[a] > 1)
@@ -349,16 +354,176 @@ def test_c_abi_dbias_overlap():
     assert np.array_equal(q, problem(H)[0])
 
 
-@pytest.mark.parametrize("backend", ["cpu", "emu", "sim"])
-def test_backward_with_bias_under_softcap_is_refused(backend):
-    # dBias is dS of the score after softcap; the backwards do not form it yet. The forward
-    # takes both.
-    rng = np.random.default_rng(9)
-    q, k, v, do = (rng.standard_normal((1, 2, 5, 8), dtype=np.float32) for _ in range(4))
-    bias = rng.standard_normal((5, 7), dtype=np.float32)[:, :5]
-    mod = pyfa.sim if backend == "sim" else pyfa
-    kw = {} if backend == "sim" else dict(options=pyfa.Options(backend=backend))
-    fwd = mod.fa2_forward(q, k, v, bias=bias, softcap=3.0, **kw)
-    o, lse = (fwd.o, fwd.lse) if backend == "sim" else fwd
-    with pytest.raises(pyfa.InvalidArgumentError, match="softcap: not with .*bias"):
-        mod.fa2_backward(q, k, v, o, lse, do, bias=bias, softcap=3.0, **kw)
+# ---- under softcap: dBias is dS of S (the score the bias is added to), dQ and dK of s
+
+SOFTCAP = 1.5  # |s / c| reaches the tanh's non-linear range (and beyond its polynomial branch)
+# (bias shape, CASES index, further modifications): broadcast biases, masks, alignments,
+# GQA (CASES 1 and 3), ALiBi and dropout, each with softcap.
+SOFTCAP_CASES = [
+    ((1, H, NQ, NK), 1, {}),
+    ((B, 1, 1, NK), 3, dict(alibi_slopes=np.array([0.5, 0.25], np.float32))),
+    ((NQ, NK), 2, dict(dropout_p=0.25, seed=77)),
+    ((B, H, NQ, NK), 0, dict(alibi_slopes=np.array([[0.3, 0.1], [0.2, 0.4]], np.float32), dropout_p=0.2, seed=5)),
+    ((NQ, NK), 1, dict(alibi_slopes=np.array([0.5, 0.125], np.float32), dropout_p=0.1, seed=3)),
+]
+
+
+def softcap_inputs(hkv):
+    # Scores of a few units, so that softcap's derivative 1 - tanh^2 ranges over (0, 1].
+    q, k, v, do = problem(hkv, seed=4)
+    return q * np.float32(2), k * np.float32(2), v, do
+
+
+@pytest.mark.parametrize("algo", ["fa2", "fa1"])
+@pytest.mark.parametrize("si", range(len(SOFTCAP_CASES)))
+def test_softcap_backends_equal_simulator(algo, si):
+    """dBias, dQ, dK, dV with a bias under softcap: every run (emulator orders, cpu thread
+    counts) gives the simulator's bits."""
+    shape, ci, extra = SOFTCAP_CASES[si]
+    case = CASES[ci]
+    q, k, v, do = softcap_inputs(case[3])
+    bias = make_bias(shape, 20 + si)
+    kw = dict(mask_kw(case), bias=bias, softcap=SOFTCAP, **extra)
+    tiles = pyfa.Options(**TILES)
+    if algo == "fa2":
+        f = pyfa.sim.fa2_forward(q, k, v, options=tiles, **kw)
+        fwd = (f.o, f.lse)
+        g = pyfa.sim.fa2_backward(q, k, v, *fwd, do, options=tiles, **kw)
+        backward = pyfa.fa2_backward
+    else:
+        f = pyfa.sim.fa1_forward(q, k, v, options=tiles, **kw)
+        fwd = (f.o, f.m, f.l)
+        g = pyfa.sim.fa1_backward(q, k, v, *fwd, do, options=tiles, **kw)
+        backward = pyfa.fa1_backward
+    want = (g.dq, g.dk, g.dv, g.dbias)
+    assert g.dbias.shape == shape and np.any(g.dbias != 0)
+    # dBias is not the sum of dQ's dS_s: without softcap's derivative it differs.
+    plain = dict(kw, softcap=None)
+    assert not same_bits(backward(q, k, v, *fwd, do, options=pyfa.Options(backend="cpu", **TILES), **plain)[3],
+                         g.dbias)
+    # The emulator's first order under strict access checks: dS_ij is rewritten in place
+    # between barriers (score.h score_mod_grad_tile).
+    runs = [dict(RUNS[0], emu_check="strict")] + RUNS[1:]
+    for run in runs:
+        got = backward(q, k, v, *fwd, do, options=pyfa.Options(**TILES, **run), **kw)
+        for name, a, b in zip(("dq", "dk", "dv", "dbias"), got, want):
+            assert same_bits(a, b), (name, run)
+
+
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+def test_softcap_every_cpu_isa_equals_simulator(isa, monkeypatch):
+    """The cpu backend's instruction-set builds (PYFA_CPU_ISA) give the simulator's bits
+    for dBias, dQ, dK, dV under softcap, ALiBi and dropout; a build this CPU cannot run
+    is skipped, naming it."""
+    shape, ci, extra = SOFTCAP_CASES[3]
+    case = CASES[ci]
+    q, k, v, do = softcap_inputs(case[3])
+    bias = make_bias(shape, 23)
+    kw = dict(mask_kw(case), bias=bias, softcap=SOFTCAP, **extra)
+    f = pyfa.sim.fa2_forward(q, k, v, options=pyfa.Options(**TILES), **kw)
+    want = pyfa.sim.fa2_backward(q, k, v, f.o, f.lse, do, options=pyfa.Options(**TILES), **kw)
+    f1 = pyfa.sim.fa1_forward(q, k, v, options=pyfa.Options(**TILES), **kw)
+    want1 = pyfa.sim.fa1_backward(q, k, v, f1.o, f1.m, f1.l, do, options=pyfa.Options(**TILES), **kw)
+    monkeypatch.setenv("PYFA_CPU_ISA", isa)
+    options = pyfa.Options(backend="cpu", threads=2, **TILES)
+    try:
+        got = pyfa.fa2_backward(q, k, v, f.o, f.lse, do, options=options, **kw)
+    except pyfa.BackendUnavailableError as e:
+        pytest.skip(f"this CPU cannot run the {isa} build: {e}")
+    got1 = pyfa.fa1_backward(q, k, v, f1.o, f1.m, f1.l, do, options=options, **kw)
+    for name, a, b in zip(("dq", "dk", "dv", "dbias") * 2, tuple(got) + tuple(got1),
+                          (want.dq, want.dk, want.dv, want.dbias, want1.dq, want1.dk, want1.dv, want1.dbias)):
+        assert same_bits(a, b), (isa, name)
+
+
+def test_softcap_backward_tiles_and_threads_leave_dbias_alone():
+    """Under softcap too, dBias does not depend on the backward's tiles or its threads."""
+    q, k, v, do = softcap_inputs(1)
+    bias = make_bias((1, H, 1, NK), 8)
+    kw = dict(causal=True, bias=bias, softcap=SOFTCAP)
+    o, lse = pyfa.fa2_forward(q, k, v, options=pyfa.Options(backend="cpu"), **kw)
+    ref = None
+    for tiles, threads in [((8, 8), 1), ((16, 4), 2), ((32, 32), 3), ((4, 16), 2)]:
+        got = pyfa.fa2_backward(q, k, v, o, lse, do, options=pyfa.Options(
+            backend="cpu", threads=threads, block_r=tiles[0], block_c=tiles[1]), **kw)
+        ref = got[3] if ref is None else ref
+        assert same_bits(got[3], ref), tiles
+
+
+@pytest.mark.parametrize("shape", [(NQ, NK), (1, H, NQ, NK), (B, 1, 1, NK)], ids=lambda s: "x".join(map(str, s)))
+def test_softcap_float64_reference(shape):
+    case = CASES[3]  # a window, top-left, GQA
+    q, k, v, do = softcap_inputs(case[3])
+    bias = make_bias(shape, 13)
+    o64, grads64 = reference64(q, k, v, do, bias, case, softcap=SOFTCAP)
+    for algo in ("fa2", "fa1"):
+        got = pyfa.attention_grad(q, k, v, do, bias=bias, softcap=SOFTCAP, algo=algo,
+                                  options=pyfa.Options(backend="cpu"), **mask_kw(case))
+        np.testing.assert_allclose(got[0], o64, atol=2e-5, rtol=1e-4)
+        for name, a, b in zip(("dq", "dk", "dv", "dbias"), got[1:], grads64):
+            assert a.shape == b.shape, name
+            np.testing.assert_allclose(a, b, atol=5e-5, rtol=1e-4, err_msg=f"{algo} {name}")
+
+
+def test_softcap_dbias_finite_differences():
+    """The float64 reference's dBias under softcap is the derivative of sum(O * dO) along
+    the bias, and pyfa's (FA1 and FA2) is the reference's."""
+    case = (True, (3, 1), "top_left", 1)
+    rng = np.random.default_rng(6)
+    q, k, v, do = (rng.standard_normal(s) for s in [(1, 2, 5, 4), (1, 1, 6, 4), (1, 1, 6, 4), (1, 2, 5, 4)])
+    q, k = 3 * q, 3 * k
+    bias = rng.standard_normal((2, 5, 6))
+    bias[1, 3, 2] = -np.inf
+    c = 1.25
+    _, (_, _, _, dbias) = reference64(q, k, v, do, bias, case, softcap=c)
+    loss = lambda b: float((reference64(q, k, v, do, b, case, softcap=c)[0] * do).sum())
+    eps = 1e-6
+    for idx in np.ndindex(bias.shape):
+        if not np.isfinite(bias[idx]):
+            continue
+        up, down = bias.copy(), bias.copy()
+        up[idx] += eps
+        down[idx] -= eps
+        assert abs((loss(up) - loss(down)) / (2 * eps) - dbias[idx]) < 1e-6, idx
+    assert dbias[1, 3, 2] == 0
+    f32 = [x.astype(np.float32) for x in (q, k, v, do, bias)]
+    for algo in ("fa2", "fa1"):
+        got = pyfa.attention_grad(*f32[:4], bias=f32[4], softcap=c, algo=algo, options=pyfa.Options(backend="cpu"),
+                                  **mask_kw(case))[4]
+        np.testing.assert_allclose(got, dbias, atol=2e-6, rtol=1e-5, err_msg=algo)
+
+
+def test_softcap_against_torch_float64():
+    """dQ, dK, dV and dBias under softcap (and a broadcast bias, a causal mask, GQA) within
+    twice PyTorch fp32's error of torch's float64 autograd through the explicit formula."""
+    torch = pytest.importorskip("torch")
+    case = CASES[1]
+    q, k, v, do = softcap_inputs(case[3])
+    c = SOFTCAP
+    hidden = torch.from_numpy(Mask.resolve(True, None, "bottom_right", NQ, NK).masked(
+        np.arange(NQ)[:, None], np.arange(NK)[None, :]))
+    for shape in [(NQ, NK), (B, 1, 1, NK), (1, H, NQ, NK)]:
+        bias = make_bias(shape, 31)
+
+        def torch_grads(dtype):
+            t = [torch.tensor(x, dtype=dtype, requires_grad=True) for x in (q, k, v, bias)]
+            kr, vr = (x.repeat_interleave(H // case[3], 1) for x in t[1:3])
+            S = c * torch.tanh(t[0] @ kr.transpose(-1, -2) / np.sqrt(D) / c) + t[3]
+            S = S.masked_fill(hidden, -float("inf"))
+            # A softmax whose rows with no visible key (the causal mask's first rows, and
+            # make_bias's row 3, all -inf) give P = 0 and no NaN, as pyfa's.
+            m = S.detach().amax(-1, keepdim=True)
+            E = torch.exp(S - torch.where(torch.isinf(m), torch.zeros_like(m), m))
+            den = E.sum(-1, keepdim=True)
+            P = E / torch.where(den > 0, den, torch.ones_like(den))
+            ((P @ vr) * torch.tensor(do, dtype=dtype)).sum().backward()
+            return [x.grad.numpy().astype(np.float64) for x in t]
+
+        exact, f32 = torch_grads(torch.float64), torch_grads(torch.float32)
+        for algo in ("fa2", "fa1"):
+            got = pyfa.attention_grad(q, k, v, do, bias=bias, softcap=c, algo=algo, options=pyfa.Options(backend="cpu"),
+                                      **mask_kw(case))[1:]
+            for name, a, p, e in zip(("dq", "dk", "dv", "dbias"), got, f32, exact):
+                err, ref = np.linalg.norm(a - e), np.linalg.norm(p - e)
+                bound = 2.5 if name == "dv" else 2  # dv: as in test_score_mods' accuracy test
+                assert err <= bound * ref, (shape, algo, name, err, ref)

@@ -84,14 +84,45 @@ def test_bias_with_alibi_and_dropout_against_float64():
         assert err <= 2 * ref + 1e-6, (name, err, ref)
 
 
-def test_bias_with_softcap_forward_only():
-    q, k, v, bias = (t.float() for t in inputs((B, 1, NQ, NK), seed=4))
-    kw = dict(causal=True, softcap=2.0)
-    out = pyfa.torch.attention(q, k, v, bias=bias, **kw)
-    want = pyfa.attention(q.numpy(), k.numpy(), v.numpy(), bias=bias.numpy(), **kw)
-    assert torch.equal(out, torch.from_numpy(want))
-    with pytest.raises(ValueError, match="softcap: pyfa.torch takes it with a bias only without gradients"):
-        pyfa.torch.attention(q.requires_grad_(), k, v, bias=bias, **kw)
+@pytest.mark.parametrize("bias_shape", [(B, 1, NQ, NK), (1, H, 1, NK)], ids=lambda s: "x".join(map(str, s)))
+def test_bias_with_softcap_against_float64(bias_shape):
+    # softcap, then the bias, then the causal mask, written out in float64: the bias's
+    # gradient is that of the score after softcap, q's and k's go on through tanh. O and
+    # LSE both weigh in (LSE's gradient takes its own backward call).
+    q, k, v, bias = inputs(bias_shape, seed=4)
+    q, k = 2 * q, 2 * k  # scores in softcap's non-linear range
+    c = 2.0
+
+    def written_out(q, k, v, b):
+        k, v = k.repeat_interleave(H // HKV, 1), v.repeat_interleave(H // HKV, 1)
+        s = c * torch.tanh(q @ k.transpose(-1, -2) / math.sqrt(D) / c) + b
+        s = s.masked_fill(torch.ones(NQ, NK, dtype=torch.bool).triu(1), -math.inf)
+        return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(B, H, NQ, D, dtype=torch.float64, generator=g)
+    w_lse = torch.randn(B, H, NQ, dtype=torch.float64, generator=g)
+
+    def loss_grads(fn, tensors, dtype):
+        xs = [t.detach().to(dtype).requires_grad_() for t in tensors]
+        o, lse = fn(*xs)
+        ((o * weight.to(dtype)).sum() + (lse * w_lse.to(dtype)).sum()).backward()
+        return [x.grad.double() for x in xs], o
+
+    want, _ = loss_grads(written_out, (q, k, v, bias), torch.float64)
+    torch32, _ = loss_grads(written_out, (q, k, v, bias), torch.float32)
+    kw = dict(causal=True, causal_align="top_left", softcap=c, backend="cpu")
+    got, o = loss_grads(lambda q, k, v, b: pyfa.torch.attention(q, k, v, bias=b, return_lse=True, **kw),
+                        (q, k, v, bias), torch.float32)
+    f32 = [t.float() for t in (q, k, v, bias)]
+    want_o = pyfa.attention(*(t.numpy() for t in f32[:3]), bias=f32[3].numpy(), causal=True, causal_align="top_left",
+                            softcap=c)
+    assert torch.equal(o.detach(), torch.from_numpy(want_o))
+    for name, a, t, w in zip(("q", "k", "v", "bias"), got, torch32, want):
+        assert a.shape == w.shape, name
+        assert torch.isfinite(a).all(), name
+        err, ref = (a - w).abs().max().item(), (t - w).abs().max().item()
+        assert err <= 2 * ref + 1e-6, (name, err, ref)
 
 
 def test_expanded_bias_gradient_reaches_its_source():

@@ -162,8 +162,6 @@ def test_what_pyfa_cannot_honour_is_refused():
         pyfa_hf.attention_forward(module, q, q, q, torch.zeros(1, 1, 4, 4, dtype=torch.int32))
     with pytest.raises(ValueError, match="attention_mask: expected shape"):
         pyfa_hf.attention_forward(module, q, q, q, holes[:, :, :3])
-    with pytest.raises(ValueError, match="softcap: pyfa.torch takes it with a bias only without gradients"):
-        pyfa_hf.attention_forward(module, q.clone().requires_grad_(), q, q, holes, softcap=30.0)
     with pytest.raises(ValueError, match="position_bias: not supported"):
         pyfa_hf.attention_forward(module, q, q, q, None, position_bias=torch.zeros(1))
 

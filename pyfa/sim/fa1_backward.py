@@ -134,9 +134,11 @@ def fa1_backward(q, k, v, o, m, l, do, *, causal=False, window=None, causal_alig
             # dP_ij = dO_i V_j^T and D_i = rowsum(dO_i o O_i), x in order.
             dP = nx.dot_rows(dO_a, Vg)
             D = nx.dot(dO_a, O_a)
-            dS = np.where(keep, score.score_grad(mods, P, dP, D[..., None], s, S, bh // H, bh % H, r_a, c_a), F32(0))
+            # dS_S with respect to S (dBias's), dS with respect to s (dQ's and dK's).
+            dS_S = score.score_grad_S(mods, P, dP, D[..., None], bh // H, bh % H, r_a, c_a)
+            dS = np.where(keep, score.score_mod_grad(mods, dS_S, s, S, bh // H, bh % H, r_a, c_a), F32(0))
             if dB is not None:
-                score.dbias_tiles(mods, dB, dS, keep, bh, rows[a:z], c_a)
+                score.dbias_tiles(mods, dB, np.where(keep, dS_S, F32(0)), keep, bh, rows[a:z], c_a)
             keep_t = np.swapaxes(keep, -1, -2)
             # A row that sees no key of the tile, or a key that no row of it sees, takes no step.
             row_steps = keep.any(axis=-1)                # (1, 1, z-a, Wr)

@@ -49,8 +49,9 @@ def _pad_rows(x, rows):
 
 
 def _p_ds(Qi, dOi, LSEi, Di, Kj, Vj, masked, pad, scale, mods, bh, H, rows, cols):
-    """fa2_backward_p_ds on whole tiles: P_ij, dS_ij of shape (..., Br, Bc) and keep, the
-    scores that take part in the products.
+    """fa2_backward_p_ds on whole tiles: P_ij, dS_ij (with respect to s, score_grad) of
+    shape (..., Br, Bc), keep, the scores that take part in the products, and dS_S (with
+    respect to S, score_grad_S: dBias's; the kernel's dS_ij before score_mod_grad_tile).
 
     Qi, dOi: (BH, X, Br, d); LSEi, Di: (BH, X, Br); Kj, Vj: (BH, Y, Bc, d) with X and Y
     broadcastable; masked, pad: (X or Y, Br, Bc), True where the mask hides the
@@ -66,11 +67,13 @@ def _p_ds(Qi, dOi, LSEi, Di, Kj, Vj, masked, pad, scale, mods, bh, H, rows, cols
     # -inf - (-inf) out of the arithmetic and is never selected.
     lse = np.where(no_key, F32(0), LSEi[..., None])
     P = np.where(no_key, F32(0), nx.exp(S - lse))
-    dS = score.score_grad(mods, P, nx.dot_rows(dOi, Vj), Di[..., None], s, S, bh // H, bh % H, rows, cols)
+    dS_S = score.score_grad_S(mods, P, nx.dot_rows(dOi, Vj), Di[..., None], bh // H, bh % H, rows, cols)
+    dS = score.score_mod_grad(mods, dS_S, s, S, bh // H, bh % H, rows, cols)
     keep = ~(hidden | pad[None])
     # dV takes P o Z / (1 - p) (dropout), dS above P undropped.
     P = score.dropped(mods, P, bh // H, bh % H, rows, cols)
-    return np.where(keep, P, F32(0)), np.where(keep, dS, F32(0)), keep
+    zero = F32(0)
+    return np.where(keep, P, zero), np.where(keep, dS, zero), keep, np.where(keep, dS_S, zero)
 
 
 def _preprocess(O, dO, io):
@@ -139,10 +142,10 @@ def _dkdv(Q, K, V, dO, LSE, D, Br, Bc, scale, mods, mask, io, Hkv, dB=None, spli
                 c = cols[active][:, None, :]
                 pad = (c >= Nk) | (rows[None, :, None] >= Nq)
                 masked = mask.masked(rows[None, :, None], c)
-                P, dS, keep = _p_ds(Qi, dOi, LSEi, Di, Kj[:, active], Vj[:, active], masked, pad, scale,
-                                    mods, bh, Hkv * G, rows[None, :, None], c)
+                P, dS, keep, dS_S = _p_ds(Qi, dOi, LSEi, Di, Kj[:, active], Vj[:, active], masked, pad, scale,
+                                          mods, bh, Hkv * G, rows[None, :, None], c)
                 if dB is not None:
-                    score.dbias_tiles(mods, dB, dS, keep, bh, rows[None, :], c)
+                    score.dbias_tiles(mods, dB, dS_S, keep, bh, rows[None, :], c)
 
                 # dV_j += P^T dO_i, dK_j += dS^T Q_i, each summed over the rows that see the
                 # key, r in order; a key that no row of the tile sees takes no step.
@@ -232,7 +235,7 @@ def _dq(Q, K, V, dO, LSE, D, Br, Bc, scale, mods, mask, io, H, split_size=0):
         pad = (c >= Nk) | (r >= Nq)
         masked = mask.masked(r, c)
         bh = np.arange(BH).reshape(BH, 1, 1, 1)
-        _, dS, keep = _p_ds(Qi[:, a:z], dOi[:, a:z], LSEi[:, a:z], Di[:, a:z], Kj, Vj, masked, pad, scale,
+        _, dS, keep, _ = _p_ds(Qi[:, a:z], dOi[:, a:z], LSEi[:, a:z], Di[:, a:z], Kj, Vj, masked, pad, scale,
                             mods, bh, H, r, c)
 
         # dQ_i += dS_ij K_j, summed over the row's visible keys, c in order; a row that

@@ -3,8 +3,9 @@ where a score is formed, modified and differentiated (docs/numerics.md, "The sco
 pipeline").
 
 Forward:  s = dot_rows(Q, K) * scale; S = score_mod(s, ...); S = -inf where hidden.
-Backward: dS = P * (dP - D); dS = score_mod_grad(dS, s, S, ...), reading the scaled score s
-or the modified S, whichever the modification's gradient is written in (score.h ScoreAt).
+Backward: dS_S = P * (dP - D) (score_grad_S, what dBias sums); dS_s = score_mod_grad(dS_S,
+s, S, ...) (what dQ and dK take), reading the scaled score s or the modified S, whichever
+the modification's gradient is written in (score.h ScoreAt).
 A hidden score takes no part in any product: the simulators pass `keep` (the visible
 scores) to numerics.dot_rows, which leaves such a step out rather than multiplying it by 0.
 
@@ -20,7 +21,6 @@ import functools
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
 from . import numerics as nx
 from .dropout import Dropout
 
@@ -69,12 +69,17 @@ def scores(mods, Q, K, scale, hidden, b, h, i, j):
     return finish(mods, scaled_scores(Q, K, scale), hidden, b, h, i, j)
 
 
-def score_grad(mods, P, dp, D, s, S, b, h, i, j):
-    """dS with respect to the scaled scores s, S = score_mod(s) (score.h score_grad); D
-    broadcasts against P."""
+def score_grad_S(mods, P, dp, D, b, h, i, j):
+    """dS with respect to the modified scores S (score.h score_grad_S, softmax_grad): what
+    dBias sums; D broadcasts against P."""
     # Dropout: dP = (dO_i V_j^T) o Z / (1 - p), the forward's decisions.
-    dp = dropped(mods, dp, b, h, i, j)
-    return score_mod_grad(mods, P * (dp - D), s, S, b, h, i, j)
+    return P * (dropped(mods, dp, b, h, i, j) - D)
+
+
+def score_grad(mods, P, dp, D, s, S, b, h, i, j):
+    """dS with respect to the scaled scores s, S = score_mod(s) (score.h score_grad): the
+    two steps score_grad_S, then score_mod_grad."""
+    return score_mod_grad(mods, score_grad_S(mods, P, dp, D, b, h, i, j), s, S, b, h, i, j)
 
 
 @functools.lru_cache(maxsize=64)
@@ -116,14 +121,12 @@ def dbias_start(mods, BH, Nq_pad, Nk_pad):
     visits), or None without a bias."""
     if mods.bias is None:
         return None
-    if mods.softcap is not None:  # as the library refuses it (core/api.cpp check_bias)
-        raise InvalidArgumentError("softcap: not with a bias in a backward in this version "
-                                   "(the forward takes both)")
     return np.zeros((BH, 1 if mods.bias.sums_rows() else Nq_pad, Nk_pad), np.float32)
 
 
 def dbias_tiles(mods, dB, dS, keep, bh, rows, cols):
-    """Adds visited tiles to dB (dbias_start): dS and keep (..., T, Br, Bc), T tiles of rows
+    """Adds visited tiles to dB (dbias_start): dS (dS_S, score_grad_S's) and keep
+    (..., T, Br, Bc), T tiles of rows
     rows (T, Br) in increasing order, whose keys are cols (..., T, 1, Bc) or broadcast; bh
     the query head b * H + h of each, broadcasting. Rows of Nq: dS where kept, else +0.
     One row: per tile, the sum over its kept rows r in order, added to the running one."""

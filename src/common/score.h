@@ -10,8 +10,10 @@
 // Backward, from the same S:
 //     P  = the forward's probabilities (recomputed from LSE, or m and l)
 //     dP = pyfa_dot(dO_i, V_j)
-//     dS = P * (dP - D_i)                     the gradient with respect to S
-//     dS = score_mod_grad(p, dS, {s, S}, b, h, i, j), the gradient with respect to s
+//     dS_S = P * (dP - D_i)                   the gradient with respect to S (score_grad_S)
+//     dS_s = score_mod_grad(p, dS_S, {s, S}, b, h, i, j), the gradient with respect to s
+// (score_grad: both at once). dQ and dK take dS_s; dBias takes dS_S, the gradient of the
+// score the bias is added to (equal to dS_s without softcap).
 //
 // A hidden score takes no part in any product (P V, P^T dO, dO V^T, dS^T Q, dS K): it is
 // left out by selection, never multiplied by zero, so an Inf or NaN in a hidden key's V or
@@ -184,23 +186,37 @@ PYFA_HD float attention_score(const AttentionParams& p, const Mask& mask, const 
     return mask.masked(i, j) ? -INFINITY : score_finish(p, scaled_score(p, Q_i, K_j), false, b, h, i, j);
 }
 
+// The softmax's gradient: dS_S = P o (dP - D_i), dP with dropout applied. T is float in
+// the kernels, a GCC vector of floats in the cpu backend (which drops dP a row at a time).
+template <class T>
+PYFA_LANES PYFA_HD T softmax_grad(T P, T dP, T D) {
+    return P * (dP - D);
+}
+
+// dS of a visible score with respect to S, the modified score (what dBias sums), from P,
+// dp = dO_i . V_j and D_i.
+PYFA_HD float score_grad_S(const AttentionParams& p, float P, float dp, float D, int64_t b, int64_t h, int64_t i,
+                           int64_t j) {
+    // Dropout: dP = (dO_i V_j^T) o Z / (1 - p) (common/dropout.h), the forward's decisions.
+    return softmax_grad(P, p.dropout.apply(dp, b, h, i, j), D);
+}
+
 // dS of a visible score with respect to its scaled score s, from P, dp = dO_i . V_j, D_i
 // and what the modification's gradient reads of the score (ScoreAt): every kernel's dS,
-// readable and fast, is formed here.
+// readable and fast, is formed here (in two steps where dBias needs the first,
+// dbias_splits_grad).
 PYFA_HD float score_grad(const AttentionParams& p, float P, float dp, float D, ScoreAt<float> at, int64_t b,
                          int64_t h, int64_t i, int64_t j) {
-    // Dropout: dP = (dO_i V_j^T) o Z / (1 - p) (common/dropout.h), the forward's decisions.
-    dp = p.dropout.apply(dp, b, h, i, j);
-    return score_mod_grad(p, P * (dp - D), at, b, h, i, j);
+    return score_mod_grad(p, score_grad_S(p, P, dp, D, b, h, i, j), at, b, h, i, j);
 }
 
 // score_grad with the dropout decision Z of (i, j) already drawn (by another thread).
 PYFA_HD float score_grad_kept(const AttentionParams& p, float P, float dp, float D, bool kept, ScoreAt<float> at,
                               int64_t b, int64_t h, int64_t i, int64_t j) {
-    return score_mod_grad(p, P * (p.dropout.apply_kept(dp, kept) - D), at, b, h, i, j);
+    return score_mod_grad(p, softmax_grad(P, p.dropout.apply_kept(dp, kept), D), at, b, h, i, j);
 }
 
-// ---- dBias (issue 27): dS of every (b, h, i, j), into p.dbias (params.h), written by the
+// ---- dBias (issue 27): dS_S of every (b, h, i, j), into p.dbias (params.h), written by the
 // kernel that visits each (i, j) of a (b, h) exactly once (FA2: dK/dV, FA1: its one
 // kernel), by the threads of one block. Rows of Nq (bias_strides.row != 0): dS as is, +0
 // where hidden or never visited. One row (bias_strides.row == 0): the sum over the visible
@@ -242,7 +258,8 @@ PYFA_HD float dbias_fold_at(const DbiasFold& f, int64_t e) {
     return pyfa_canonical_nan(sum);
 }
 
-// One visited tile: dS_ij (br, bc) of rows row0.., row stride ld, +0 where hidden.
+// One visited tile: dS_ij (br, bc; dS_S, score_grad_S's) of rows row0.., row stride ld, +0
+// where hidden.
 PYFA_HD void dbias_tile(const AttentionParams& p, const float* dS_ij, int64_t ld, const Band& band, int64_t b,
                         int64_t h, int64_t row0, int64_t br, int64_t col0, int64_t bc, int64_t tid,
                         int64_t nthreads) {
@@ -259,5 +276,26 @@ PYFA_HD void dbias_tile(const AttentionParams& p, const float* dS_ij, int64_t ld
     for (int64_t e = tid; e < br * bc; e += nthreads) {
         const int64_t r = e / bc, c = e % bc;
         dbias_row(p, b, h, row0 + r)[col0 + c] = band.visible(r, c) ? pyfa_canonical_nan(dS_ij[r * ld + c]) : 0.0f;
+    }
+}
+
+// Whether dBias (dS_S) and the dS_s of dQ and dK differ: a modification's gradient that is
+// not the identity (softcap's) comes between them. Then the kernel that writes dBias forms
+// the tile's dS_S (score_grad_S), sums it in dbias_tile, and after a barrier turns it into
+// dS_s in place (score_mod_grad_tile), the same bits as score_grad's (the same two steps);
+// otherwise it forms dS_s = dS_S at once.
+PYFA_HD bool dbias_splits_grad(const AttentionParams& p) { return p.dbias && !score_mod_is_identity(p); }
+
+// The tile's dS_ij (br, bc, row stride ld) from dS_S to dS_s for its visible scores, after
+// dbias_tile: score_mod_grad of each, its ScoreAt recomputed by the forward's fused steps
+// from Q_i (br, d, row stride ldq) and K_j (bc, d, row stride ldk). Hidden scores stay +0.
+PYFA_HD void score_mod_grad_tile(const AttentionParams& p, float* dS_ij, int64_t ld, const float* Q_i, int64_t ldq,
+                                 const float* K_j, int64_t ldk, const Band& band, int64_t b, int64_t h, int64_t row0,
+                                 int64_t br, int64_t col0, int64_t bc, int64_t tid, int64_t nthreads) {
+    for (int64_t e = tid; e < br * bc; e += nthreads) {
+        const int64_t r = e / bc, c = e % bc;
+        if (!band.visible(r, c)) continue;
+        const ScoreAt<float> at = score_at(p, scaled_score(p, Q_i + r * ldq, K_j + c * ldk), b, h, row0 + r, col0 + c);
+        dS_ij[r * ld + c] = score_mod_grad(p, dS_ij[r * ld + c], at, b, h, row0 + r, col0 + c);
     }
 }

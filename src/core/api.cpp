@@ -422,12 +422,6 @@ pyfa_status check_bias(const Op& op, const pyfa_tensors& named, const pyfa_probl
                     op.name);
     if (out->dbias && !out->bias)
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "tensors->dbias: given without tensors->bias");
-    // dBias is dS of the score after softcap, and the kernels form dS of the score before
-    // it (score_grad): the two differ by softcap's derivative, which no kernel keeps apart yet.
-    const bool backward = op.op == PYFA_OP_FA2_BACKWARD || op.op == PYFA_OP_FA1_BACKWARD;
-    if (out->bias && backward && pr.softcap != 0.0f)
-        return fail(PYFA_ERROR_INVALID_ARGUMENT,
-                    "problem->softcap: not with tensors->bias in %s in this version (the forward takes both)", op.name);
     if (!out->bias) return PYFA_OK;
     const pyfa_strides& s = pr.bias_strides;
     const struct { const char* name; int64_t value; } fields[] = {{"batch", s.batch}, {"head", s.head}, {"row", s.row}};

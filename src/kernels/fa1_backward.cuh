@@ -74,6 +74,7 @@ __global__ void fa1_backward_kernel(const AttentionParams p) {
         for (int64_t e = tid; e < Nq * d; e += nthreads) dQ[(e / d) * row_dq + e % d] = 0.0f;
     }
 
+    const bool split_grad = dbias_splits_grad(p);  // dS_ij holds dS_S for dbias_tile first
     const int64_t Tc = ceil_div(Nk, Bc);
     for (int64_t j = 0; j < Tc; ++j) {
         const int64_t col0 = j * Bc;
@@ -144,10 +145,16 @@ __global__ void fa1_backward_kernel(const AttentionParams p) {
                 const Band band = seq.mask.band(row0, col0);
 
                 // dS_ij = P_ij o (dP_ij - D_i), in place over dP_ij, for the visible scores
-                // (what the modification's gradient reads of the score, ScoreAt, recomputed here).
+                // (what the modification's gradient reads of the score, ScoreAt, recomputed here);
+                // with respect to S (dS_S) where dBias needs it apart (dbias_splits_grad).
                 for (int64_t e = tid; e < br * bc; e += nthreads) {
                     const int64_t r = e / bc, c = e % bc;
                     if (!band.visible(r, c)) continue;
+                    if (split_grad) {
+                        dSij[r * Bc + c] = score_grad_S(p, Pij[r * Bc + c], dSij[r * Bc + c], Di[r], b, h, row0 + r,
+                                                        col0 + c);
+                        continue;
+                    }
                     const ScoreAt<float> at =
                         score_mod_is_identity(p)
                             ? ScoreAt<float>{}
@@ -174,6 +181,11 @@ __global__ void fa1_backward_kernel(const AttentionParams p) {
                 }
                 __syncthreads();
                 if (p.dbias) dbias_tile(p, dSij, Bc, band, seq.batch, h, row0, br, col0, bc, tid, nthreads);
+                if (split_grad) {
+                    __syncthreads();  // dbias_tile's column sums have read dS_S
+                    score_mod_grad_tile(p, dSij, Bc, Qi, d, Kj, ld, band, b, h, row0, br, col0, bc, tid, nthreads);
+                    __syncthreads();
+                }
 
                 // dQ_i = fma(scale, dS_ij K_j, dQ_i), the product summed over the row's
                 // visible keys c in increasing order; read from and written back to HBM. A

@@ -38,10 +38,11 @@ namespace PYFA_KERNELS {
 // row. S is the forward's (common/score.h), so exp(S - LSE) uses the very S the forward's
 // LSE was computed from. A hidden score gets P = dS = 0 by selection (its dP is not even
 // formed), and a row that sees no key (LSE = -inf) gets P = 0 outright instead of
-// exp(S + inf). mask: the sequence's; i, j its rows.
+// exp(S + inf). mask: the sequence's; i, j its rows. wrt_S: dS with respect to S (dS_S,
+// score_grad_S), else with respect to s (dS_s, score_grad): see dbias_splits_grad.
 PYFA_HD void fa2_backward_p_ds(const AttentionParams& p, const Mask& mask, const float* Q_i, const float* dO_i, const float* K_j,
                                const float* V_j, int64_t b, int64_t h, int64_t i, int64_t j, float lse,
-                               float D_i, float* P_ij, float* dS_ij) {
+                               float D_i, bool wrt_S, float* P_ij, float* dS_ij) {
     if (mask.masked(i, j)) {
         *P_ij = 0.0f;
         *dS_ij = 0.0f;
@@ -52,7 +53,7 @@ PYFA_HD void fa2_backward_p_ds(const AttentionParams& p, const Mask& mask, const
     const float P = lse == -INFINITY ? 0.0f : pyfa_exp(S - lse);
     const float dp = pyfa_dot(dO_i, V_j, p.head_dim);
     *P_ij = p.dropout.apply(P, b, h, i, j);  // dV = (P o Z / (1 - p))^T dO; dS reads P undropped
-    *dS_ij = score_grad(p, P, dp, D_i, ScoreAt<float>{s, S}, b, h, i, j);
+    *dS_ij = wrt_S ? score_grad_S(p, P, dp, D_i, b, h, i, j) : score_grad(p, P, dp, D_i, ScoreAt<float>{s, S}, b, h, i, j);
 }
 
 // D_i = rowsum(dO_i o O_i): D[r] = pyfa_dot(dO_r, O_r), x = 0 .. d-1 in order.
@@ -125,6 +126,7 @@ __global__ void fa2_backward_dkdv_kernel(const AttentionParams p) {
     // nothing and are skipped. The band is the same for every query head of the group;
     // when it is empty, K_j and V_j are not loaded and dK_j = dV_j = 0.
     const TileRange visit = seq.mask.q_tiles(col0, bc, Br, Nq);
+    const bool split_grad = dbias_splits_grad(p);  // dS_ij holds dS_S for dbias_tile first
     for (int64_t e = tid; e < bc * d; e += nthreads) {
         const int64_t c = e / d, x = e % d;
         if (visit.begin < visit.end) {
@@ -171,11 +173,16 @@ __global__ void fa2_backward_dkdv_kernel(const AttentionParams p) {
                 for (int64_t e = tid; e < br * bc; e += nthreads) {
                     const int64_t r = e / bc, c = e % bc;
                     fa2_backward_p_ds(p, seq.mask, Qi + r * d, dOi + r * d, Kj + c * ld, Vj + c * ld, b, h, row0 + r, col0 + c,
-                                      LSEi[r], Di[r], &Pij[r * Bc + c], &dSij[r * Bc + c]);
+                                      LSEi[r], Di[r], split_grad, &Pij[r * Bc + c], &dSij[r * Bc + c]);
                 }
                 __syncthreads();
                 const Band band = seq.mask.band(row0, col0);
                 if (p.dbias) dbias_tile(p, dSij, Bc, band, seq.batch, h, row0, br, col0, bc, tid, nthreads);
+                if (split_grad) {
+                    __syncthreads();  // dbias_tile's column sums have read dS_S
+                    score_mod_grad_tile(p, dSij, Bc, Qi, d, Kj, ld, band, b, h, row0, br, col0, bc, tid, nthreads);
+                    __syncthreads();
+                }
 
                 // dV_j += P_ij^T dO_i and dK_j += dS_ij^T Q_i, each tile's product summed over
                 // the rows r that see key c, in increasing order, before it is added to the
@@ -284,7 +291,7 @@ __global__ void fa2_backward_dq_kernel(const AttentionParams p) {
             const int64_t r = e / bc, c = e % bc;
             float P_rc;
             fa2_backward_p_ds(p, seq.mask, Qi + r * d, dOi + r * d, Kj + c * ld, Vj + c * ld, b, h, row0 + r, col0 + c,
-                              LSEi[r], Di[r], &P_rc, &dSij[r * Bc + c]);
+                              LSEi[r], Di[r], false, &P_rc, &dSij[r * Bc + c]);
         }
         __syncthreads();
         const Band band = seq.mask.band(row0, col0);

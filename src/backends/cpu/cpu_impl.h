@@ -830,6 +830,7 @@ void forward_group(const Ctx& ctx, int64_t bkv, int64_t i, float* ws) {
 struct BwdBufs {
     int64_t Cp, Dp, Ep;
     float *KT, *VT, *Kp, *P, *dS, *dKT, *dVT, *dQi, *Qi, *dOi, *g;
+    float* dSS;  // dbias_splits_grad only: dS_S for dbias_tile, b.dS then holds dS_s; else null
 };
 
 inline BwdBufs bwd_bufs(const AttentionParams& p, float* ws) {
@@ -849,13 +850,15 @@ inline BwdBufs bwd_bufs(const AttentionParams& p, float* ws) {
     b.Qi = b.dQi + Br * b.Dp;  // (Br, Ep)  Q_i, rows padded to Ep
     b.dOi = b.Qi + Br * b.Ep;  // (Br, Ep)  dO_i, rows padded to Ep
     b.g = b.dOi + Br * b.Ep;   // (Cp)      lanes of keys that a row of a cut tile sees (vi bits)
+    b.dSS = dbias_splits_grad(p) ? b.g + b.Cp : nullptr;  // (Br, Cp) dS_S
     return b;
 }
 
 inline size_t bwd_floats(const AttentionParams& p) {
     const int64_t d = p.head_dim, Br = p.block_r, Bc = p.block_c;
     const int64_t Cp = round_up(Bc, W), Dp = round_up(d, W), Ep = pad_stride(d);
-    return static_cast<size_t>(4 * d * Cp + Bc * Ep + 2 * Br * Cp + Br * Dp + 2 * Br * Ep + Cp);
+    const int64_t dSS = dbias_splits_grad(p) ? Br * Cp : 0;
+    return static_cast<size_t>(4 * d * Cp + Bc * Ep + 2 * Br * Cp + Br * Dp + 2 * Br * Ep + Cp + dSS);
 }
 
 size_t workspace_floats(const Ctx& ctx) {
@@ -897,7 +900,8 @@ void load_q(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i) {
 // P_ij into b.P and dS_ij into b.dS, rows r < br of Q tile i (loaded by load_q), columns
 // of K/V tile j (loaded by load_kv): the score pipeline (common/score.h), lanes along keys.
 // In a tile the mask cuts, a hidden score gets P = dS = 0 by selection and b.g marks the
-// keys some row of the tile sees.
+// keys some row of the tile sees. With b.dSS, dS with respect to S (dBias's) goes there
+// too, b.dS takes it through score_mod_grad (the kernels' two steps in one pass).
 void tile_pair(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i, int64_t j) {
     const AttentionParams& p = ctx.p;
     const QHead qh = q_head(p, bh);
@@ -934,16 +938,18 @@ void tile_pair(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i, int64_t 
             vf P;
             if (!ctx.fa1) P = lse == -INFINITY ? zero : vexp(S - vlse);
             else P = lr == 0.0f ? zero : vexp(S - ms) / vl;
-            vf dS = score_mod_grad(p, P * (ld(dSr + cv) - Dr), ScoreAt<vf>{s, S}, bi, hi, row0 + r,
-                                   cl + static_cast<int32_t>(col0));
+            vf dS_S = softmax_grad(P, ld(dSr + cv), Dr);
+            vf dS = score_mod_grad(p, dS_S, ScoreAt<vf>{s, S}, bi, hi, row0 + r, cl + static_cast<int32_t>(col0));
             if (cut) {
                 const vi vis = vb.keys_seen(cl, r);
                 P = vis ? P : zero;
                 dS = vis ? dS : zero;
+                dS_S = vis ? dS_S : zero;
                 st(b.g + cv, reinterpret_cast<vf>(reinterpret_cast<vi>(ld(b.g + cv)) | vis));
             }
             st(Pr + cv, P);
             st(dSr + cv, dS);
+            if (b.dSS) st(b.dSS + r * Cp + cv, dS_S);
         }
         p.dropout.apply_row(Pr, bc, bi, hi, row0 + r, col0);  // dV takes P o Z / (1 - p), dS P undropped
     }
@@ -991,7 +997,8 @@ void backward_kv(const Ctx& ctx, int64_t bkv, int64_t j, bool with_dq, float* ws
                 load_q(ctx, b, bh, i);
                 tile_pair(ctx, b, bh, i, j);
                 if (p.dbias)
-                    dbias_tile(p, b.dS, Cp, seq.mask.band(row0, col0), bh / p.heads, bh % p.heads, row0, br, col0, bc, 0, 1);
+                    dbias_tile(p, b.dSS ? b.dSS : b.dS, Cp, seq.mask.band(row0, col0), bh / p.heads, bh % p.heads, row0,
+                               br, col0, bc, 0, 1);
                 // In a tile the mask cuts, hidden scores are left out of every product and a
                 // key (a row) that no row (key) of the tile sees takes no step.
                 const Band band = seq.mask.band(row0, col0);
