@@ -149,3 +149,24 @@ def test_profiles_are_those_of_the_guide():
     assert a["sm_86"].smem_block_optin == a["sm_89"].smem_block_optin == a["sm_120"].smem_block_optin == 101376
     assert re.fullmatch(r"sm_\d+", next(iter(a)))
     assert [x.cc for x in a.values()] == sorted(x.cc for x in a.values())
+
+
+@pytest.mark.parametrize("arch_name", list(gpu_limits.ARCHS))
+def test_copy_stages_follow_the_architecture(fake, arch_name):
+    """The fast FA2 backward at d = 128 runs its two-stage dQ and dK/dV rows (tile j+1's
+    copies behind tile j's arithmetic) exactly where a block may hold their shared memory
+    (sm_90, sm_100: 227 KiB), and the one-stage rows where only those fit (sm_80)."""
+    arch = gpu_limits.ARCHS[arch_name]
+    names = {row: name for row, name, _ in gpu_limits.table_rows()}
+    _, _, checks = fake.call("fa2_backward", arch, head_dim=128, variant=gpu_limits.VARIANTS["fast"],
+                             block_r=64, block_c=64)
+    launched = {names[row]: smem for row, _, smem, *_ in checks}
+    two = {"fa2_backward_dq/fast d=128 64x64 2 stages", "fa2_backward_dkdv/fast d=128 64x64 2 stages"}
+    one = {"fa2_backward_dq/fast d=128 64x64", "fa2_backward_dkdv/fast d=128 64x64"}
+    if arch.smem_block_optin >= 231424:  # two K_j, V_j (or Q_i, dO_i) buffers
+        assert two <= set(launched) and not one & set(launched)
+        assert all(launched[n] == 231424 for n in two)
+    elif arch.smem_block_optin >= 165888:
+        assert one <= set(launched) and not two & set(launched)
+    else:
+        assert not (one | two) & set(launched)
