@@ -238,6 +238,30 @@ def test_fast_variants():
     assert all(same_bits(a, b) for a, b in zip(got, want))
 
 
+@pytest.mark.parametrize("shape", [(150, 97), (2, 1, 150, 97), (1, 3, 1, 97), (3, 150, 97)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("d", [64, 128])
+def test_fast_forward_bias_at_every_instantiation(d, shape):
+    """The fast forwards add the bias from a row pointer of their own per tile
+    (kernels/fast/forward_tiles.h, fast_scale_mask): at both head dims and row tiles
+    (tails, a causal mask, GQA, a bias of one row whose row stride is 0), the simulator's
+    bits. FA2's forward depends on Bc only, so one simulated run serves both Br."""
+    rng = np.random.default_rng(d + len(shape))
+    q = rng.standard_normal((2, 3, 150, d)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 1, 97, d)).astype(np.float32) for _ in range(2))
+    bias = make_bias(shape, d)
+    sim = pyfa.sim.fa2_forward(q, k, v, causal=True, bias=bias, block_r=64, block_c=64)
+    for br in (64, 128):
+        o, lse = pyfa.fa2_forward(q, k, v, causal=True, bias=bias,
+                                  options=pyfa.Options(backend="emu", variant="fast", block_r=br, block_c=64))
+        assert same_bits(o, sim.o) and same_bits(lse, sim.lse), br
+    if d == 64:  # FA1's fast forward shares the bias step (it takes the bias at d = 64 only)
+        fa1 = pyfa.sim.fa1_forward(q, k, v, causal=True, bias=bias, block_r=64, block_c=64)
+        got = pyfa.fa1_forward(q, k, v, causal=True, bias=bias,
+                               options=pyfa.Options(backend="emu", variant="fast", block_r=64, block_c=64))
+        assert all(same_bits(a, b) for a, b in zip(got, (fa1.o, fa1.m, fa1.l)))
+
+
 def test_argument_errors():
     q, k, v, do = problem(H)
     with pytest.raises(TypeError, match="bias: expected dtype float32, got bool"):

@@ -4,8 +4,11 @@ back, fast names what it lacks); and the argument behind the ordered row-max tre
 
 import functools
 import itertools
+import os
 import re
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -418,6 +421,92 @@ def test_fast_dkdv_tiles():
         with pytest.raises(ValueError, match=r"variant: fast: .*fa2_backward_dkdv is compiled for "
                                              rf"head_dim 64, 128, not {d}"):
             pyfa.default_tiles("fa2_backward_dkdv", d, backend="emu", variant="fast")
+
+
+# The copy stages of the fast FA2 backward at d = 128 (kernel table rows 21, 22: tile j+1's
+# K_j, V_j, the next step's Q_i, dO_i copied behind this one's arithmetic) need 231,424
+# bytes a block: the emulator's H200 profile runs them in every test above. An A100's
+# 166,912 bytes (PYFA_EMU_SMEM_PER_BLOCK, read once per process: a process of its own)
+# leave the chooser only the one-stage rows (12, 20, 165,888 bytes), the ones an A100 runs:
+# both must give the simulator's bits, plainly and in strict mode.
+ONE_STAGE_CASES = [  # (H, Hkv, Nq, Nk, mask): tails, GQA (the dK/dV kernel's next head), masks
+    (2, 1, 131, 67, dict(causal=True)),
+    (1, 1, 70, 200, dict()),
+    (3, 1, 129, 130, dict(window=(20, 5))),
+]
+ONE_STAGE_SCRIPT = """
+import ast, sys
+import numpy as np, pyfa
+folder = sys.argv[1]
+data = np.load(folder + "/in.npz")
+out = {"smem": np.array(pyfa.device_profile("emu")["smem_per_block"])}
+for n, (_, _, _, _, mask) in enumerate(ast.literal_eval(sys.argv[2])):
+    args = [data[f"{n}-{t}"] for t in ("q", "k", "v", "o", "lse", "do")]
+    for check in ("off", "strict"):
+        options = pyfa.Options(backend="emu", block_r=64, block_c=64, variant="fast", emu_check=check)
+        for name, x in zip(("dq", "dk", "dv"), pyfa.fa2_backward(*args, options=options, **mask)):
+            out[f"{n}-{check}-{name}"] = x
+np.savez(folder + "/out.npz", **out)
+"""
+
+
+def run_emulated_elsewhere(script, smem, *args):
+    env = dict(os.environ, PYFA_EMU_SMEM_PER_BLOCK=smem)
+    env.pop("PYFA_EMU_CHECK", None)
+    return subprocess.run([sys.executable, "-c", script, *map(str, args)], cwd=Path(__file__).resolve().parents[1],
+                          env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.xdist_group("one_stage")
+def test_fast_backward_one_stage_rows_equal_the_simulator(tmp_path):
+    rng = np.random.default_rng(61)
+    inputs, sims = {}, []
+    for n, (H, Hkv, Nq, Nk, mask) in enumerate(ONE_STAGE_CASES):
+        q, do = (rng.standard_normal((1, H, Nq, 128), dtype=np.float32) for _ in range(2))
+        k, v = (rng.standard_normal((1, Hkv, Nk, 128), dtype=np.float32) for _ in range(2))
+        fwd = pyfa.sim.fa2_forward(q, k, v, **mask)
+        sims.append(pyfa.sim.fa2_backward(q, k, v, fwd.o, fwd.lse, do, block_r=64, block_c=64, **mask))
+        inputs.update({f"{n}-q": q, f"{n}-k": k, f"{n}-v": v, f"{n}-o": fwd.o, f"{n}-lse": fwd.lse, f"{n}-do": do})
+        # Here (the H200 profile): the two-stage rows, the same bits.
+        dq, dk, dv = pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, block_r=64, block_c=64, backend="emu",
+                                       variant="fast", **mask)
+        assert same_bits(dq, sims[n].dq) and same_bits(dk, sims[n].dk) and same_bits(dv, sims[n].dv), n
+    np.savez(tmp_path / "in.npz", **inputs)
+    run = run_emulated_elsewhere(ONE_STAGE_SCRIPT, "166912", tmp_path, repr(ONE_STAGE_CASES))
+    assert run.returncode == 0, run.stdout + run.stderr
+    got = np.load(tmp_path / "out.npz")
+    assert int(got["smem"]) == 166912
+    for n, sim in enumerate(sims):
+        for check in ("off", "strict"):
+            assert same_bits(got[f"{n}-{check}-dq"], sim.dq), (n, check)
+            assert same_bits(got[f"{n}-{check}-dk"], sim.dk), (n, check)
+            assert same_bits(got[f"{n}-{check}-dv"], sim.dv), (n, check)
+
+
+PROFILE_SCRIPT = """
+import numpy as np, pyfa
+print("profile", pyfa.device_profile("emu")["smem_per_block"])
+q = np.ones((1, 1, 70, 128), np.float32)
+fwd = pyfa.sim.fa2_forward(q, q, q)
+try:
+    pyfa.fa2_backward(q, q, q, fwd.o, fwd.lse, q, options=pyfa.Options(backend="emu", variant="fast"))
+    print("fast ran")
+except pyfa.Error as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.parametrize("smem, expect", [
+    # The one-stage rows' 165,888 bytes are the least the fast backward at d = 128 takes.
+    ("165888", ["profile 165888", "fast ran"]),
+    ("165887", ["profile 165887", "refused:", "65887 bytes"]),
+    ("lots", ["PYFA_EMU_SMEM_PER_BLOCK: expected bytes, 1024 to 1073741824, got \"lots\""]),
+    ("512", ["PYFA_EMU_SMEM_PER_BLOCK: expected bytes"]),
+])
+def test_the_emulated_shared_memory_per_block(smem, expect):
+    run = run_emulated_elsewhere(PROFILE_SCRIPT, smem)
+    for words in expect:
+        assert words in run.stdout + run.stderr, run.stdout + run.stderr
 
 
 @pytest.mark.parametrize("d,tiles", [(128, (32, 32)), (128, (64, 32)), (96, (64, 64)), (256, (32, 32))])

@@ -173,8 +173,9 @@ KERNELS = {"fa1_forward": 0, "fa2_forward": 1, "fa1_backward": 2, "fa2_backward_
 
 
 def fast_tiles(name):
-    """(kernel, d, Br, Bc) of a fast row ("fa2_forward/fast d=64 128x64"), or None."""
-    m = re.match(r"(\w+)/fast d=(\d+) (\d+)x(\d+)$", name)
+    """(kernel, d, Br, Bc) of a fast row ("fa2_forward/fast d=64 128x64", or with copy
+    stages: "fa2_backward_dq/fast d=128 64x64 2 stages"), or None."""
+    m = re.match(r"(\w+)/fast d=(\d+) (\d+)x(\d+)( \d+ stages)?$", name)
     return m and (m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4)))
 
 
@@ -209,6 +210,18 @@ def ptxas_facts(arch_name, folder):
     return {k["kernel"]: k for k in json.loads(path.read_text())["kernels"]}
 
 
+def row_smem(fake, row, name):
+    """Dynamic shared memory of a fast row at its own tiles: the least of its tiles' rows
+    (pyfa_variant_smem_bytes) or, for a row of more copy stages, what the chooser launches
+    it with on a device that holds any (a fake profile of 1 GiB per block)."""
+    kernel, d, br, bc = fast_tiles(name) or (name, 0, 0, 0)
+    if not name.endswith(" stages"):
+        return fake.lib.pyfa_variant_smem_bytes(KERNELS.get(kernel, -1), 2, br, bc, d)
+    huge = Arch(0, "", 1 << 30, 1 << 30, 0, 1024, 2048, 32, 65536, 255)
+    _, _, checks = fake.call(op_of(kernel), huge, head_dim=d, variant=VARIANTS["fast"], block_r=br, block_c=bc)
+    return next((smem for r, _, smem, *_ in checks if r == row), -1)
+
+
 def check_launches(arch, plans, facts, rows, fake):
     """[(row name, function, registers, spills, static smem, threads, largest dynamic
     smem, where (op, variant, d) or a reason it is never launched, blocks per SM, limiter,
@@ -227,11 +240,20 @@ def check_launches(arch, plans, facts, rows, fake):
         regs, static = k["registers"], k["smem_static"]
         spills = k["spill_stores"] + k["spill_loads"]
         if row not in worst:
-            kernel, d, br, bc = fast_tiles(name) or (name, 0, 0, 0)
-            need = fake.lib.pyfa_variant_smem_bytes(KERNELS.get(kernel, -1), 2, br, bc, d)
-            why = f"never: needs {need} B > {arch.smem_block_optin}" if need > arch.smem_block_optin else "never"
+            tiles = fast_tiles(name)
+            need = row_smem(fake, row, name)
+            # Rows of the same tiles in other copy stages (the same bits): the chooser runs
+            # the one with the most shared memory that fits.
+            twin = next((n for r, n, _ in rows if r in worst and r != row and fast_tiles(n) == tiles), None)
+            if tiles and twin and need <= arch.smem_block_optin:
+                why = f"never: {twin} runs its tiles"
+            elif need > arch.smem_block_optin:
+                why = f"never: needs {need} B > {arch.smem_block_optin}"
+            else:
+                why = "never"
+            fine = (tiles and twin) or need > arch.smem_block_optin
             out.append((name, fn, regs, spills, static, None, None, why, 0, "-",
-                        [] if need > arch.smem_block_optin else [f"{name} is never launched"]))
+                        [] if fine else [f"{name} is never launched"]))
             continue
         threads, smem, where = worst[row]
         total = static + smem

@@ -299,18 +299,41 @@ def split_name(demangled):
     return base, "reference", targs
 
 
-def tiles_and_smem(kernel, variant, d, targs=()):
-    """(Br, Bc, dynamic smem bytes, default): a fast kernel's own tiles (its template
-    arguments d, Br; Bc from the library's default) and whether they are the variant's
-    default; the readable kernel's default tiles. From the library (pyfa), or from
-    pyfa.sim for the readable kernels when the library cannot be loaded; None if
-    neither knows the kernel, variant and head dim."""
+def fast_rows():
+    """{(kernel, template arguments): (Br, Bc, copy stages, the most stages of its tiles)}
+    of the kernel table's fast rows (src/kernels/table.h, through gpu_limits.table_rows):
+    a fast kernel's template arguments are not all tiles (the dK/dV kernel's second is its
+    copy stages), so its tiles are read from its row."""
+    import gpu_limits
+    rows = {}
+    for _, name, fn in gpu_limits.table_rows():
+        tiles = gpu_limits.fast_tiles(name)
+        if tiles and "<" in fn:
+            stages = re.search(r" (\d+) stages$", name)
+            targs = tuple(int(t) for t in re.findall(r"-?\d+", fn.split("<", 1)[1]))
+            rows[(tiles[0], targs)] = (tiles[2], tiles[3], int(stages.group(1)) if stages else 1)
+    most = {}
+    for (kernel, targs), (br, bc, stages) in rows.items():
+        key = (kernel, targs[0], br, bc)
+        most[key] = max(most.get(key, 1), stages)
+    return {k: (*v, most[(k[0], k[1][0], v[0], v[1])]) for k, v in rows.items()}
+
+
+def tiles_and_smem(kernel, variant, d, row=None):
+    """(Br, Bc, dynamic smem bytes, default): a fast kernel's own tiles (`row`, its
+    fast_rows entry) and whether they are the variant's default (of rows of the same tiles
+    in several copy stages, the one of the most: the one an H200 runs); the readable
+    kernel's default tiles. From the library (pyfa), or from pyfa.sim for the readable
+    kernels when the library cannot be loaded; None if neither knows the kernel, variant
+    and head dim. The bytes are pyfa.smem_bytes', the least of the rows of those tiles (a
+    row of more stages holds more; on an H200 either leaves room for one block)."""
     try:
         import pyfa
         br, bc = pyfa.default_tiles(kernel, d, backend="emu", variant=variant)
         default = True
-        if variant == "fast" and len(targs) >= 2 and targs[1] != br:
-            br, default = targs[1], False
+        if variant == "fast" and row:
+            default = (row[0], row[1]) == (br, bc) and row[2] == row[3]
+            br, bc = row[0], row[1]
         return br, bc, pyfa.smem_bytes(kernel, br, bc, d, variant=variant), default
     except Exception:
         if variant != "reference":
@@ -435,6 +458,7 @@ def main(argv=None):
     if args.cubin:
         resources = {m: by_function.get(names[m], {}) for m in sass}
     ref_threads = reference_threads()
+    table = fast_rows()
     rows = []
     sources = {}
     for mangled, insns in sass.items():
@@ -447,7 +471,8 @@ def main(argv=None):
         for d in args.head_dim:
             if variant == "fast" and targs and targs[0] != d:
                 continue  # a fast kernel is compiled for one head dim (its first template argument)
-            ts = tiles_and_smem(kernel, variant, d, targs)
+            row = table.get((kernel, targs)) if variant == "fast" else None
+            ts = tiles_and_smem(kernel, variant, d, row)
             br, bc, smem, default = ts if ts else (None, None, None, True)
             if threads is None or res.get("registers") is None:
                 occ = (0, 0, "unknown")
@@ -456,8 +481,9 @@ def main(argv=None):
             fc = None
             if agg and br:
                 fc = forecast(kernel, agg, occ[0], threads, br, bc, d)
+            stages = f" {row[2]} stage{'s' if row[2] > 1 else ''}" if row and row[3] > 1 else ""
             rows.append({
-                "name": f"{kernel}/{variant}", "kernel": kernel, "variant": variant,
+                "name": f"{kernel}/{variant}{stages}", "kernel": kernel, "variant": variant,
                 "default_tiles": default,
                 "function": names[mangled], "head_dim": d, "block_r": br, "block_c": bc,
                 "threads": threads, "registers": res.get("registers"),

@@ -82,8 +82,16 @@ struct BiasAt {  // T a GCC vector of floats: one lane at a time
 };
 template <>
 struct BiasAt<float> {  // the fast kernels form scores of tile padding too (rows past Nq): those read 0
+    // get's two halves, for a kernel that walks row pointers of its own (fast_scale_mask):
+    // whether (i, j) reads the bias at all, and row i of bias[b, h] (key j at row[j]).
+    PYFA_HD static bool reads(const AttentionParams& p, int64_t i, int64_t j) {
+        return i < p.seqlen_q && j < p.seqlen_k;
+    }
+    PYFA_HD static const float* row(const AttentionParams& p, int64_t b, int64_t h, int64_t i) {
+        return p.bias + p.bias_strides.at(b, h, i);
+    }
     PYFA_HD static float get(const AttentionParams& p, int64_t b, int64_t h, int64_t i, int64_t j) {
-        return i < p.seqlen_q && j < p.seqlen_k ? p.bias[p.bias_strides.at(b, h, i) + j] : 0.0f;
+        return reads(p, i, j) ? row(p, b, h, i)[j] : 0.0f;
     }
 };
 

@@ -216,42 +216,66 @@ PYFA_HD SmemLayout fa2_backward_dq_fast_smem(int64_t Br, int64_t Bc, int64_t d) 
 }
 
 // At d = 128 (Br = Bc = 64) the dQ fast kernel runs 8 warps in two roles, like the dK/dV
-// one (4 * Bc threads): dQ_i in registers, K_j and V_j once row-major (by cp.async, no
-// transposed copies), P_ij and dS_ij each a buffer. 165,888 bytes.
+// one (4 * Bc threads): dQ_i in registers, K_j and V_j row-major (by cp.async, no
+// transposed copies), P_ij and dS_ij each a buffer. With one stage K_j and V_j are one
+// buffer each, 165,888 bytes; with two (fa2_backward_dq_fast_roles_smem2) tile j+1's K_j,
+// V_j are copied into a second buffer while tile j is computed, 231,424 bytes: only a
+// 227 KiB block (sm_90, sm_100) holds them.
 PYFA_HD int fa2_backward_dq_fast_roles_threads(int64_t) { return 4 * kFastBc; }
 
 enum Fa2BackwardDqRolesTerm { FA2DQR_QiT, FA2DQR_dOiT, FA2DQR_Kj, FA2DQR_Vj, FA2DQR_Pij, FA2DQR_dSij };
 
-PYFA_HD SmemLayout fa2_backward_dq_fast_roles_smem(int64_t Br, int64_t Bc, int64_t d) {
+template <int STAGES>
+PYFA_HD SmemLayout fa2_backward_dq_fast_roles_layout(int64_t Br, int64_t Bc, int64_t d) {
     SmemLayout L;
     L.add("Q_i^T", d, Br);       // loaded once, rows permuted
     L.add("dO_i^T", d, Br);
-    L.add("K_j", Bc, d);         // for S = Q K^T and dS K, chunks swizzled
-    L.add("V_j", Bc, d);         // for dP = dO V^T
+    // Stage s at s * Bc rows. (STAGES == 1 spelled apart: ptxas, left a checked_mul in the
+    // kernel's offsets, spills at d = 64 in the dK/dV kernel.)
+    const int64_t rows = STAGES == 1 ? Bc : checked_mul(STAGES, Bc);
+    L.add("K_j", rows, d);  // for S = Q K^T and dS K, chunks swizzled
+    L.add("V_j", rows, d);  // for dP = dO V^T
     L.add("P_ij", Br, fast_p_stride(Bc));
     L.add("dS_ij", Br, fast_p_stride(Bc));
     return L;
+}
+PYFA_HD SmemLayout fa2_backward_dq_fast_roles_smem(int64_t Br, int64_t Bc, int64_t d) {
+    return fa2_backward_dq_fast_roles_layout<1>(Br, Bc, d);
+}
+PYFA_HD SmemLayout fa2_backward_dq_fast_roles_smem2(int64_t Br, int64_t Bc, int64_t d) {
+    return fa2_backward_dq_fast_roles_layout<2>(Br, Bc, d);
 }
 
 // ---- FA2 backward dK/dV, fast variant (src/kernels/fast/fa2_backward_dkdv_fast.cuh):
 // Br = Bc = 64, d = 64 or 128; 8 warps, two per 16 keys (warps 0..3: S, P, dV; warps
 // 4..7: dP, dS, dK), so 4 * Bc threads. dK_j and dV_j live in registers; Q_i and dO_i are
-// kept once, row-major (no transposed copies), and P_ij^T and dS_ij^T each get a buffer,
-// since the dV warps read P^T while the dK warps write dS^T. 165,888 bytes at d = 128: an
-// A100's 163 KiB holds it.
+// kept row-major (no transposed copies), and P_ij^T and dS_ij^T each get a buffer, since
+// the dV warps read P^T while the dK warps write dS^T. With one stage Q_i and dO_i are one
+// buffer each: 165,888 bytes at d = 128, which an A100's 163 KiB holds. With two
+// (fa2_backward_dkdv_fast_smem2) the next step's Q_i, dO_i are copied into a second buffer
+// while this step is computed: 231,424 bytes at d = 128, for a 227 KiB block (sm_90,
+// sm_100).
 PYFA_HD int fa2_backward_dkdv_fast_threads(int64_t) { return 4 * kFastBc; }
 
 enum Fa2BackwardDkdvFastTerm { FA2KVF_KjT, FA2KVF_VjT, FA2KVF_Qi, FA2KVF_dOi, FA2KVF_PT, FA2KVF_dST };
 
-PYFA_HD SmemLayout fa2_backward_dkdv_fast_smem(int64_t Br, int64_t Bc, int64_t d) {
+template <int STAGES>
+PYFA_HD SmemLayout fa2_backward_dkdv_fast_layout(int64_t Br, int64_t Bc, int64_t d) {
     SmemLayout L;
     L.add("K_j^T", d, Bc);       // loaded once: a thread's 8 keys at one x are 32 bytes
     L.add("V_j^T", d, Bc);
-    L.add("Q_i", Br, d);         // for S^T = K Q^T and dS^T Q, chunks swizzled
-    L.add("dO_i", Br, d);        // for dP^T = V dO^T and P^T dO
+    const int64_t rows = STAGES == 1 ? Br : checked_mul(STAGES, Br);  // stage s at s * Br rows (as above)
+    L.add("Q_i", rows, d);   // for S^T = K Q^T and dS^T Q, chunks swizzled
+    L.add("dO_i", rows, d);  // for dP^T = V dO^T and P^T dO
     L.add("P_ij^T", Bc, fast_p_stride(Br));
     L.add("dS_ij^T", Bc, fast_p_stride(Br));
     return L;
+}
+PYFA_HD SmemLayout fa2_backward_dkdv_fast_smem(int64_t Br, int64_t Bc, int64_t d) {
+    return fa2_backward_dkdv_fast_layout<1>(Br, Bc, d);
+}
+PYFA_HD SmemLayout fa2_backward_dkdv_fast_smem2(int64_t Br, int64_t Bc, int64_t d) {
+    return fa2_backward_dkdv_fast_layout<2>(Br, Bc, d);
 }
 
 // ---- FA1 backward, fast variant (src/kernels/fast/fa1_backward_fast.cuh): 8 warps, two

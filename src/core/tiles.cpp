@@ -180,7 +180,9 @@ LaunchShape launch_shape(int kernel, const AttentionParams& p) {
 namespace {
 
 // The fast row for `kernel` at head dim d with the asked tiles (0: any) that fits the
-// device, the one with the most rows per tile; nullptr if none. *why names what is
+// device, the one with the most rows per tile, and of rows with the same tiles (the same
+// bits) the one with the most shared memory: more copy stages, so more of the copies run
+// behind the arithmetic; nullptr if none. *why names what is
 // missing when there is none.
 const Row* fast_row(int kernel, int64_t d, int want_br, int want_bc, const pyfa_device_profile& profile,
                     char* why, size_t why_size) {
@@ -201,7 +203,9 @@ const Row* fast_row(int kernel, int64_t d, int want_br, int want_bc, const pyfa_
         if ((want_br && want_br != r.br) || (want_bc && want_bc != r.bc)) continue;
         any_tiles = true;
         if (!smem_fits(r.id, r.br, r.bc, r.d, profile.smem_per_block)) continue;
-        if (!best || r.br > best->br) best = &r;
+        if (!best || r.br > best->br ||
+            (r.br == best->br && smem_bytes(r.id, r.br, r.bc, r.d) > smem_bytes(best->id, best->br, best->bc, best->d)))
+            best = &r;
     }
     if (best) return best;
     const char* name = kernel_name(kernel);
@@ -336,9 +340,15 @@ int64_t variant_smem_bytes(int kernel, int variant, int64_t Br, int64_t Bc, int6
     if (!row_of(kernel) || row_of(kernel)->variant != PYFA_VARIANT_REFERENCE) return -1;
     if (variant < PYFA_VARIANT_AUTO || variant > PYFA_VARIANT_FAST) return -1;
     if (variant == PYFA_VARIANT_REFERENCE || one_form(kernel)) return smem_bytes(kernel, Br, Bc, d);
+    // Of a kernel's rows at these tiles (one per number of copy stages) the least: what
+    // a device must hold for the fast variant to run at all.
+    int64_t least = -1;
     for (const Row& r : kRows)
-        if (r.kernel == kernel && r.variant == PYFA_VARIANT_FAST && r.d == d && r.br == Br && r.bc == Bc)
-            return smem_bytes(r.id, Br, Bc, d);
+        if (r.kernel == kernel && r.variant == PYFA_VARIANT_FAST && r.d == d && r.br == Br && r.bc == Bc) {
+            const int64_t need = smem_bytes(r.id, Br, Bc, d);
+            if (least < 0 || (need >= 0 && need < least)) least = need;
+        }
+    if (least >= 0) return least;
     return variant == PYFA_VARIANT_AUTO ? smem_bytes(kernel, Br, Bc, d) : -1;
 }
 

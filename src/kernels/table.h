@@ -9,6 +9,8 @@
 //   KERNEL   the pyfa_kernel it computes; VARIANT PYFA_VARIANT_REFERENCE or _FAST
 //   D, BR, BC  the head dim and tiles it is compiled for; 0: any (runtime arguments)
 //   FN       the __global__ function (in PYFA_KERNELS)
+//            (rows of one kernel, d and tiles differ only in shared memory, e.g. copy stages:
+//            the chooser takes the largest that fits the device, src/core/tiles.cpp fast_row)
 //   LAYOUT   its shared-memory layout (common/smem.h), a function of (Br, Bc, d)
 //   THREADS  threads per block, an expression in Br
 //   GRID     kGridQTiles (Tr, H, B), kGridKvTilesKvHeads (Tc, Hkv, B), kGridHeads (1, H, B)
@@ -42,16 +44,16 @@
       (fa2_forward_fast_kernel<128, 128>), fa2_forward_fast_smem, fa2_forward_fast_threads(Br),      \
       kGridQTiles)                                                                                    \
     X(10, "fa2_backward_dq/fast d=64 64x64", PYFA_KERNEL_FA2_BACKWARD_DQ, PYFA_VARIANT_FAST, 64, 64, 64, \
-      (fa2_backward_dq_fast_kernel<64, 64>), fa2_backward_dq_fast_smem,                                \
+      (fa2_backward_dq_fast_kernel<64, 64, 1>), fa2_backward_dq_fast_smem,                                \
       fa2_backward_dq_fast_threads(Br), kGridQTiles)                                                  \
     X(11, "fa2_backward_dq/fast d=64 128x64", PYFA_KERNEL_FA2_BACKWARD_DQ, PYFA_VARIANT_FAST, 64, 128,  \
-      64, (fa2_backward_dq_fast_kernel<64, 128>), fa2_backward_dq_fast_smem,                           \
+      64, (fa2_backward_dq_fast_kernel<64, 128, 1>), fa2_backward_dq_fast_smem,                           \
       fa2_backward_dq_fast_threads(Br), kGridQTiles)                                                  \
     X(12, "fa2_backward_dq/fast d=128 64x64", PYFA_KERNEL_FA2_BACKWARD_DQ, PYFA_VARIANT_FAST, 128, 64,  \
-      64, (fa2_backward_dq_fast_kernel<128, 64>), fa2_backward_dq_fast_roles_smem,                     \
+      64, (fa2_backward_dq_fast_kernel<128, 64, 1>), fa2_backward_dq_fast_roles_smem,                     \
       fa2_backward_dq_fast_roles_threads(Br), kGridQTiles)                                                  \
     X(13, "fa2_backward_dkdv/fast d=64 64x64", PYFA_KERNEL_FA2_BACKWARD_DKDV, PYFA_VARIANT_FAST, 64, 64, \
-      64, (fa2_backward_dkdv_fast_kernel<64>), fa2_backward_dkdv_fast_smem,                            \
+      64, (fa2_backward_dkdv_fast_kernel<64, 1>), fa2_backward_dkdv_fast_smem,                            \
       fa2_backward_dkdv_fast_threads(Br), kGridKvTilesKvHeads)                                        \
     X(14, "fa1_forward/fast d=64 64x64", PYFA_KERNEL_FA1_FORWARD, PYFA_VARIANT_FAST, 64, 64, 64,      \
       (fa1_forward_fast_kernel<64, 64>), fa1_forward_fast_smem, fa1_forward_fast_threads(Br),         \
@@ -72,8 +74,14 @@
       (fa1_backward_fast_kernel<128>), fa1_backward_fast_smem, fa1_backward_fast_threads(Br),       \
       kGridKvHeads)                                                                                   \
     X(20, "fa2_backward_dkdv/fast d=128 64x64", PYFA_KERNEL_FA2_BACKWARD_DKDV, PYFA_VARIANT_FAST, 128, \
-      64, 64, (fa2_backward_dkdv_fast_kernel<128>), fa2_backward_dkdv_fast_smem,                       \
+      64, 64, (fa2_backward_dkdv_fast_kernel<128, 1>), fa2_backward_dkdv_fast_smem,                       \
+      fa2_backward_dkdv_fast_threads(Br), kGridKvTilesKvHeads)                                        \
+    X(21, "fa2_backward_dq/fast d=128 64x64 2 stages", PYFA_KERNEL_FA2_BACKWARD_DQ, PYFA_VARIANT_FAST, 128, \
+      64, 64, (fa2_backward_dq_fast_kernel<128, 64, 2>), fa2_backward_dq_fast_roles_smem2,              \
+      fa2_backward_dq_fast_roles_threads(Br), kGridQTiles)                                            \
+    X(22, "fa2_backward_dkdv/fast d=128 64x64 2 stages", PYFA_KERNEL_FA2_BACKWARD_DKDV, PYFA_VARIANT_FAST, \
+      128, 64, 64, (fa2_backward_dkdv_fast_kernel<128, 2>), fa2_backward_dkdv_fast_smem2,              \
       fa2_backward_dkdv_fast_threads(Br), kGridKvTilesKvHeads)
 
 // Rows in the table (ids 0 .. kKernelRows - 1).
-constexpr int kKernelRows = 21;
+constexpr int kKernelRows = 23;

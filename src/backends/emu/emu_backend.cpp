@@ -1,5 +1,6 @@
 // emu_backend.cpp: the kernels compiled as C++ and launched on the emulator (src/backends/emu).
 // The kernel files are the very ones nvcc compiles in cuda_backend.cu.
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -54,6 +55,24 @@ EnvCheck env_check() {
         return std::strcmp(v, "strict") == 0 ? EnvCheck::Strict : EnvCheck::Invalid;
     }();
     return check;
+}
+
+// PYFA_EMU_SMEM_PER_BLOCK: the emulated device's shared memory per block, in bytes, so that
+// the tiles and kernel rows chosen are a smaller GPU's (166912: an A100's, whose fast FA2
+// backward at d = 128 runs its one-stage rows); unset or empty: an H200's. Read once; 0
+// when the value is not a whole number of bytes from 1024 to 1 GiB.
+constexpr int64_t kMinEnvSmem = 1024, kMaxEnvSmem = int64_t(1) << 30;
+int64_t env_smem_per_block() {
+    static const int64_t bytes = [] {
+        const char* v = std::getenv("PYFA_EMU_SMEM_PER_BLOCK");
+        if (!v || !*v) return int64_t(-1);
+        char* end = nullptr;
+        errno = 0;
+        const long long n = std::strtoll(v, &end, 10);
+        const bool ok = errno == 0 && *end == '\0' && n >= kMinEnvSmem && n <= kMaxEnvSmem;
+        return ok ? static_cast<int64_t>(n) : int64_t(0);
+    }();
+    return bytes;
 }
 
 struct RowFacts {
@@ -154,7 +173,21 @@ public:
     int id() const override { return PYFA_BACKEND_EMU; }
     const char* label() const override { return "the emulator"; }
     pyfa_status profile(pyfa_device_profile* profile) const override {
+        const int64_t smem = env_smem_per_block();
+        if (smem == 0) {
+            char message[192];
+            std::snprintf(message, sizeof message,
+                          "environment variable PYFA_EMU_SMEM_PER_BLOCK: expected bytes, %lld to %lld, got \"%.40s\"",
+                          static_cast<long long>(kMinEnvSmem), static_cast<long long>(kMaxEnvSmem),
+                          std::getenv("PYFA_EMU_SMEM_PER_BLOCK"));
+            return report(PYFA_ERROR_INVALID_ARGUMENT, message);
+        }
         emulated_h200_profile("pyfa emulator (H200 profile)", profile);
+        if (smem > 0) {
+            profile->smem_per_block = smem;
+            std::snprintf(profile->name, sizeof profile->name, "pyfa emulator (%lld B per block)",
+                          static_cast<long long>(smem));
+        }
         return PYFA_OK;
     }
     pyfa_status launch(int kernel, const AttentionParams& p, const LaunchShape& shape, const pyfa_config& cfg,

@@ -12,8 +12,13 @@
 // own them. K_j, V_j are stored transposed once (keys permuted by fast_q_pos: a thread's
 // 8 keys at one x are 32 bytes); Q_i and dO_i only row-major, chunks swizzled (swz_qk), by
 // cp.async: S^T reads 4 query rows at 4 x, the products 4 rows at one chunk, both 128 bits.
+// STAGES = 2 (where a block may hold 227 KiB): Q_i, dO_i have two buffers, and the next
+// step's (the next Q tile of the band, or the next query head's first) are copied right
+// after the barrier that opens a step, into the buffer the step before left, so that they
+// run while this step is computed; STAGES = 1 waits for each step's copies before it.
+// The arithmetic is the same either way, so are the bits.
 // Shared memory: K_j^T, V_j^T, Q_i, dO_i, P_ij^T, dS_ij^T, 98 KiB at d = 64 and 162 KiB at
-// d = 128 (an A100's 163 KiB holds both). 128-bit global loads, 32-bit indices inside a
+// d = 128 (an A100's 163 KiB holds both), 226 KiB at d = 128 with two stages. 128-bit global loads, 32-bit indices inside a
 // head, d compile-time.
 //
 // Per element (docs/numerics.md, FA2 dK/dV): S by pyfa_fma over x in order, times scale,
@@ -43,7 +48,7 @@ namespace PYFA_KERNELS {
 #else
 #define PYFA_DKDV_FAST_D64_BLOCKS 2
 #endif
-template <int D>
+template <int D, int STAGES = 1>
 __global__ void __launch_bounds__(4 * kFastBc, D == 64 ? PYFA_DKDV_FAST_D64_BLOCKS : 1)
     fa2_backward_dkdv_fast_kernel(const AttentionParams params) {
     // Built without the additive bias: no registers left for it (sm_80 to sm_89 spill);
@@ -54,10 +59,10 @@ __global__ void __launch_bounds__(4 * kFastBc, D == 64 ? PYFA_DKDV_FAST_D64_BLOC
     constexpr int BC = kFastBc;
     constexpr int BR = kFastBc;
     constexpr int NT = 4 * BC;
-    constexpr int DC = D / 4;
     constexpr int XC = D / 64;
     constexpr int LDP = BR + 4;  // fast_p_stride(BR)
     static_assert(D == 64 || D == 128, "head dims 64 and 128");
+    static_assert(STAGES == 1 || STAGES == 2, "one or two Q_i, dO_i buffers");
     constexpr bool kDrops = fast_kernel_drops(PYFA_KERNEL_FA2_BACKWARD_DKDV, D);  // else never called with dropout
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -83,46 +88,52 @@ __global__ void __launch_bounds__(4 * kFastBc, D == 64 ? PYFA_DKDV_FAST_D64_BLOC
 
     PYFA_DYNAMIC_SMEM(smem_raw);
     float* smem = reinterpret_cast<float*>(smem_raw);
-    const SmemLayout L = fa2_backward_dkdv_fast_smem(BR, BC, D);
+    const SmemLayout L = fa2_backward_dkdv_fast_layout<STAGES>(BR, BC, D);
     float* KjT = smem + L.offset[FA2KVF_KjT];    // (d, Bc), keys permuted by fast_q_pos
     float* VjT = smem + L.offset[FA2KVF_VjT];    // (d, Bc), the same permutation
-    float* Qi = smem + L.offset[FA2KVF_Qi];      // (Br, d), chunks swizzled by swz_qk
-    float* dOi = smem + L.offset[FA2KVF_dOi];    // (Br, d), chunks swizzled by swz_qk
+    float* Qis = smem + L.offset[FA2KVF_Qi];     // STAGES x (Br, d), chunks swizzled by swz_qk
+    float* dOis = smem + L.offset[FA2KVF_dOi];   // STAGES x (Br, d), chunks swizzled by swz_qk
     float* PT = smem + L.offset[FA2KVF_PT];      // (Bc, Br), row stride LDP: P_ij^T
     float* dST = smem + L.offset[FA2KVF_dST];    // (Bc, Br), row stride LDP: dS_ij^T
 
+    // Query head g's Q and dO (head hk * G + g), each (Nq, d) with row stride ldq, lddo.
+    auto head_q = [&](int64_t g) { return p.q + p.q_strides.at(seq.batch, hk * G + g, seq.q0); };
+    auto head_do = [&](int64_t g) { return p.dout + p.dout_strides.at(seq.batch, hk * G + g, seq.q0); };
+    // Q tile i of Q and dO into buffer `stage`, one commit group; rows past the tile's end are 0.
+    auto copy_q = [&](const float* Q, const float* dO, int i, int stage) {
+        const int row0 = i * BR;
+        fast_copy_rows2_async<D, BR, NT>(Qis + stage * BR * D, dOis + stage * BR * D, Q, ldq, dO, lddo, row0,
+                                         imin(BR, Nq - row0), tid);
+    };
+    const int ibegin = static_cast<int>(visit.begin), iend = static_cast<int>(visit.end);
+    // Two stages: the first step's copies run while K_j^T and V_j^T load.
+    if (STAGES == 2 && ibegin < iend) copy_q(head_q(0), head_do(0), ibegin, 0);
+
     // K_j^T and V_j^T, once (not at all for an empty band); keys past bc are 0.
     if (visit.begin < visit.end) fast_load_transposed2<D, BC, NT>(KjT, VjT, K, ldk, V, ldv, col0, bc, tid);
-    // The role's operands: the scores' A^T and B, the product's A^T rows and B.
+    // The role's operands: the scores' A^T, the product's A^T rows.
     const float* score_at = (dk_role ? VjT : KjT) + wcol + rg * 8;
-    const float* score_b = dk_role ? dOi : Qi;
     float* prod_at = (dk_role ? dST : PT) + (wcol + rg) * LDP;
-    const float* prod_b = dk_role ? Qi : dOi;
     float acc[8][4 * XC];  // dK_j (unscaled) or dV_j of the thread's keys and columns
 PYFA_UNROLL
     for (int ii = 0; ii < 8; ++ii)
 PYFA_UNROLL
         for (int x = 0; x < 4 * XC; ++x) acc[ii][x] = 0.0f;
 
+    int step = 0;  // steps (g, i) done, for the stage with two
     for (int64_t g = 0; g < G; ++g) {
         const int64_t h = hk * G + g;
-        const float* Q = p.q + p.q_strides.at(seq.batch, h, seq.q0);         // (Nq, d), row stride ldq
-        const float* dO = p.dout + p.dout_strides.at(seq.batch, h, seq.q0);  // (Nq, d), row stride lddo
+        const float* Q = head_q(g);
+        const float* dO = head_do(g);
         const float* LSE = p.lse + p.stat_at(seq, h);                              // (Nq), dense
         const float* Drow = p.drow + p.stat_at(seq, h);                            // (Nq), dense
-        for (int i = static_cast<int>(visit.begin); i < static_cast<int>(visit.end); ++i) {
+        for (int i = ibegin; i < iend; ++i, ++step) {
             const int row0 = i * BR, br = imin(BR, Nq - row0);
-            __syncthreads();  // every warp is done with the previous step's Q_i, dO_i, P^T, dS^T
-            // Q_i and dO_i, 16 bytes a copy; rows past br are 0.
-PYFA_UNROLL
-            for (int t = 0; t < BR * DC / NT; ++t) {
-                const int e = tid + t * NT, r = e / DC, ch = e % DC;
-                const bool ok = r < br;
-                const int at = swz_at(r, ch, DC, swz_qk(r)), src = (ok ? row0 + r : 0);
-                pyfa_cp_async16(Qi + at, Q + src * ldq + 4 * ch, ok);
-                pyfa_cp_async16(dOi + at, dO + src * lddo + 4 * ch, ok);
+            const int stage = STAGES == 2 ? step & 1 : 0;
+            if (STAGES == 1) {
+                __syncthreads();  // every warp is done with the previous step's Q_i, dO_i, P^T, dS^T
+                copy_q(Q, dO, i, 0);
             }
-            pyfa_cp_async_commit();
             // The role's row values: LSE (-inf past br) for P, D (0 past br) for dS.
             float rowv[4];
 PYFA_UNROLL
@@ -130,8 +141,21 @@ PYFA_UNROLL
                 const int r = cg * 4 + kk;
                 rowv[kk] = dk_role ? (r < br ? Drow[row0 + r] : 0.0f) : (r < br ? LSE[row0 + r] : -INFINITY);
             }
-            pyfa_cp_async_wait<0>();
+            pyfa_cp_async_wait<0>();  // this thread's copies of this step (two stages: the only group in flight)
+            // Every thread's copies of this step have landed; every warp is done with the
+            // previous step's P^T, dS^T and (two stages) the Q_i, dO_i buffer the next step goes to.
             __syncthreads();
+            if (STAGES == 2) {
+                if (i + 1 < iend)
+                    copy_q(Q, dO, i + 1, stage ^ 1);
+                else if (g + 1 < G)
+                    copy_q(head_q(g + 1), head_do(g + 1), ibegin, stage ^ 1);
+            }
+            const float* Qi = Qis + stage * BR * D;
+            const float* dOi = dOis + stage * BR * D;
+            // The role's operands: the scores' B, the product's B.
+            const float* score_b = dk_role ? dOi : Qi;
+            const float* prod_b = dk_role ? Qi : dOi;
 
             // S^T = K_j Q_i^T (warps 0..3) or dP^T = V_j dO_i^T (warps 4..7), over x in order.
             float s[8][4];

@@ -275,32 +275,47 @@ PYFA_UNROLL
 // dS_ij; then warps 0..3 add dS_ij K_j's columns 0..63 to dQ_i, warps 4..7 its columns
 // 64..127, each in registers (8 rows x 4 columns a thread). Q_i, dO_i transposed once
 // (rows permuted by fast_q_pos); K_j, V_j row-major only, chunks swizzled, by cp.async.
-template <int D>
+// STAGES = 2 (where a block may hold 227 KiB): K_j, V_j have two buffers, and tile j+1's
+// copies are issued right after the barrier that opens tile j, into the buffer tile j-1
+// left, so they run while tile j is computed; one barrier a tile then serves both the
+// copies' visibility and the buffers' reuse. STAGES = 1: each tile's copies are waited for
+// before it is computed. The arithmetic is the same either way, so are the bits.
+template <int D, int STAGES>
 PYFA_DEV void fa2_backward_dq_fast_roles(const AttentionParams& p) {
     constexpr int BC = kFastBc;
     constexpr int BR = kFastBc;
     constexpr int NT = 4 * BC;
-    constexpr int DC = D / 4;
     constexpr int LDP = BC + 4;  // fast_p_stride(BC)
     static_assert(D == 128, "head dim 128: two column halves of 64");
+    static_assert(STAGES == 1 || STAGES == 2, "one or two K_j, V_j buffers");
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int rg = lane >> 4, cg = lane & 15;
     const int role = warp >> 2;  // 0: S, P and dQ's columns 0..63; 1: dP, dS and columns 64..127
     const int wrow = (warp & 3) * 16;
-    const auto [Q, dO, K, V, dQ, LSE, Drow, ldq, lddo, ldk, ldv, lddq, Nk, row0, br, tiles, mask] =
-        fast_dq_block(p, BR, BC);
+    const FastDqBlock f = fast_dq_block(p, BR, BC);
+    const auto [Q, dO, K, V, dQ, LSE, Drow, ldq, lddo, ldk, ldv, lddq, Nk, row0, br, tiles, mask] = f;
     if (br <= 0) return;  // past its sequence's rows
 
     PYFA_DYNAMIC_SMEM(smem_raw);
     float* smem = reinterpret_cast<float*>(smem_raw);
-    const SmemLayout L = fa2_backward_dq_fast_roles_smem(BR, BC, D);
+    const SmemLayout L = fa2_backward_dq_fast_roles_layout<STAGES>(BR, BC, D);
     float* QiT = smem + L.offset[FA2DQR_QiT];    // (d, Br), rows permuted by fast_q_pos
     float* dOiT = smem + L.offset[FA2DQR_dOiT];  // (d, Br), the same permutation
-    float* Kj = smem + L.offset[FA2DQR_Kj];      // (Bc, d), chunks swizzled by swz_qk
-    float* Vj = smem + L.offset[FA2DQR_Vj];      // (Bc, d), chunks swizzled by swz_qk
+    float* Kjs = smem + L.offset[FA2DQR_Kj];     // STAGES x (Bc, d), chunks swizzled by swz_qk
+    float* Vjs = smem + L.offset[FA2DQR_Vj];     // STAGES x (Bc, d), chunks swizzled by swz_qk
     float* Pij = smem + L.offset[FA2DQR_Pij];    // (Br, Bc), row stride LDP
     float* dSij = smem + L.offset[FA2DQR_dSij];  // (Br, Bc), row stride LDP
+
+    // Tile j's K_j and V_j into buffer `stage`, one commit group; keys past the tile's end are 0.
+    auto copy_kv = [&](int j, int stage) {
+        const int col0 = j * BC;
+        fast_copy_rows2_async<D, BC, NT>(Kjs + stage * BC * D, Vjs + stage * BC * D, f.K, f.ldk, f.V, f.ldv, col0,
+                                         imin(BC, f.Nk - col0), tid);
+    };
+    const int jbegin = static_cast<int>(tiles.begin), jend = static_cast<int>(tiles.end);
+    // Two stages: the first tile's copies run while Q_i^T and dO_i^T load.
+    if (STAGES == 2 && jbegin < jend) copy_kv(jbegin, 0);
 
     // Q_i^T and dO_i^T, once; rows past br are 0.
     fast_load_transposed2<D, BR, NT>(QiT, dOiT, Q, ldq, dO, lddo, row0, br, tid);
@@ -312,28 +327,27 @@ PYFA_UNROLL
         rowv[ii] = role ? (r < br ? Drow[row0 + r] : 0.0f) : (r < br ? LSE[row0 + r] : -INFINITY);
     }
     const float* score_at = (role ? dOiT : QiT) + wrow + rg * 8;
-    const float* score_b = role ? Vj : Kj;
     float acc[8][4];  // dQ_i (unscaled) of the thread's rows and columns
 PYFA_UNROLL
     for (int ii = 0; ii < 8; ++ii)
 PYFA_UNROLL
         for (int x = 0; x < 4; ++x) acc[ii][x] = 0.0f;
 
-    for (int j = static_cast<int>(tiles.begin); j < static_cast<int>(tiles.end); ++j) {
+    for (int j = jbegin; j < jend; ++j) {
         const int col0 = j * BC, bc = imin(BC, Nk - col0);
-        __syncthreads();  // every warp is done with tile j-1's K_j, V_j, P_ij, dS_ij
-        // K_j and V_j, 16 bytes a copy; keys past bc are 0.
-PYFA_UNROLL
-        for (int t = 0; t < BC * DC / NT; ++t) {
-            const int e = tid + t * NT, c = e / DC, ch = e % DC;
-            const bool ok = c < bc;
-            const int at = swz_at(c, ch, DC, swz_qk(c)), src = ok ? col0 + c : 0;
-            pyfa_cp_async16(Kj + at, K + src * ldk + 4 * ch, ok);
-            pyfa_cp_async16(Vj + at, V + src * ldv + 4 * ch, ok);
+        const int stage = STAGES == 2 ? (j - jbegin) & 1 : 0;
+        if (STAGES == 1) {
+            __syncthreads();  // every warp is done with tile j-1's K_j, V_j, P_ij, dS_ij
+            copy_kv(j, 0);
         }
-        pyfa_cp_async_commit();
-        pyfa_cp_async_wait<0>();
+        pyfa_cp_async_wait<0>();  // this thread's copies of tile j (two stages: the only group in flight)
+        // Every thread's copies of tile j have landed; every warp is done with tile j-1's
+        // P_ij, dS_ij and (two stages) the K_j, V_j buffer tile j+1 goes to.
         __syncthreads();
+        if (STAGES == 2 && j + 1 < jend) copy_kv(j + 1, stage ^ 1);
+        const float* Kj = Kjs + stage * BC * D;
+        const float* Vj = Vjs + stage * BC * D;
+        const float* score_b = role ? Vj : Kj;
 
         // S = Q_i K_j^T (warps 0..3) or dP = dO_i V_j^T (warps 4..7), over x in order.
         float s[8][4];
@@ -407,12 +421,14 @@ PYFA_UNROLL
 // Threads per block: 2 * Br at d = 64, 4 * Bc at d = 128. At d = 128 one block per SM is
 // asked for (left to itself, ptxas holds sm_120 to 128 registers and spills); 0 asks
 // nothing at d = 64.
-template <int D, int BR>
+// STAGES: K_j, V_j buffers of the d = 128 kernel (fa2_backward_dq_fast_roles); 1 at d = 64.
+template <int D, int BR, int STAGES = 1>
 __global__ void __launch_bounds__(D == 128 ? 4 * kFastBc : 2 * BR, D == 128 ? 1 : 0)
     fa2_backward_dq_fast_kernel(const AttentionParams params) {
+    static_assert(D == 128 || STAGES == 1, "d = 64 loads K_j, V_j through registers, one stage");
     const AttentionParams p = fast_score_params(params);  // no softcap, no ALiBi (common/score.h)
     if constexpr (D == 128)
-        fa2_backward_dq_fast_roles<D>(p);
+        fa2_backward_dq_fast_roles<D, STAGES>(p);
     else
         fa2_backward_dq_fast_rows<D, BR>(p);
 }

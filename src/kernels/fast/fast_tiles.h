@@ -12,6 +12,7 @@
 // row at 16 chunks (the products), each in two wavefronts per 128-bit load.
 #pragma once
 
+#include "common/async_copy.h"
 #include "common/mask.h"
 #include "common/numerics.h"
 #include "common/params.h"
@@ -43,6 +44,25 @@ PYFA_UNROLL
         bt[(4 * x4 + 2) * ROWS + pos] = bv.z;
         bt[(4 * x4 + 3) * ROWS + pos] = bv.w;
     }
+}
+
+// Rows row0 .. row0+n-1 of two (N, D) tensors a and b (row strides lda, ldb) into shared
+// memory row-major, as (ROWS, D) with 16-byte chunks swizzled by swz_qk, by cp.async: one
+// commit group, which the caller waits for (and follows with a barrier) before any thread
+// reads it. Rows past n are 0 (row 0 is the address given, not read). NT threads.
+template <int D, int ROWS, int NT>
+PYFA_DEV void fast_copy_rows2_async(float* as, float* bs, const float* a, int lda, const float* b, int ldb,
+                                    int row0, int n, int tid) {
+    constexpr int DC = D / 4;
+PYFA_UNROLL
+    for (int t = 0; t < ROWS * DC / NT; ++t) {
+        const int e = tid + t * NT, r = e / DC, ch = e % DC;
+        const bool ok = r < n;
+        const int at = swz_at(r, ch, DC, swz_qk(r)), src = ok ? row0 + r : 0;
+        pyfa_cp_async16(as + at, a + src * lda + 4 * ch, ok);
+        pyfa_cp_async16(bs + at, b + src * ldb + 4 * ch, ok);
+    }
+    pyfa_cp_async_commit();
 }
 
 // s[ii][kk] = sum_x A[a_ii, x] B[cg*4 + kk, x] (x = 0 .. D-1 in order, from +0) over the

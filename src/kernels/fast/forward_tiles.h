@@ -87,11 +87,30 @@ PYFA_UNROLL
 // passes over (pyfa_max(m, -inf) = m) and the row sum and P V never visit. kBias false: a
 // kernel built without the additive bias (no registers left for it; core/tiles.cpp sends a
 // call with a bias to the readable kernel).
+//
+// With PYFA_FAST_BIAS_ROWS the bias is added here rather than in score_finish, by
+// score_mod's rule (last, the value BiasAt::get reads), from one pointer per tile: the
+// thread's first row at key col0, its rows 2 row strides apart. Addressed per element as
+// score_mod does (at(b, h, i) + j), the compiler keeps the 8 rows' 64-bit offsets live
+// across the whole key loop: ptxas for sm_100 spilled the fast FA2 forward at d = 128 with
+// them (56 and 128 bytes at Br = 64, 128), and spills nothing with the row pointers. For
+// sm_75 to sm_90 the row pointers are what spill (sm_90: 52 bytes at d = 128, Br = 128;
+// sm_75, sm_80: 92 bytes at Br = 64), so there the element addresses stay. The emulator
+// takes the row pointers: the bits are the same either way, and tests/test_bias.py holds
+// it to the simulator at every fast forward instantiation.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 1000
+#define PYFA_FAST_BIAS_ROWS 0
+#else
+#define PYFA_FAST_BIAS_ROWS 1
+#endif
 template <bool kBias = true>
 PYFA_DEV void fast_scale_mask(float (&s)[8][4], const AttentionParams& params, const Mask& mask, int64_t b,
                               int64_t h, int row0, int br, int col0, int bc, int wrow, int rg, int cg) {
+    const float* bias_tile = kBias && PYFA_FAST_BIAS_ROWS && params.bias
+                                 ? BiasAt<float>::row(params, b, h, row0 + wrow + rg) + col0
+                                 : nullptr;
     AttentionParams p = params;
-    if (!kBias) p.bias = nullptr;
+    if (!kBias || PYFA_FAST_BIAS_ROWS) p.bias = nullptr;  // none, or added below
     const Band band = mask.band(row0, col0);
     const bool whole = !band.cuts(br, bc);
 PYFA_UNROLL
@@ -101,7 +120,12 @@ PYFA_UNROLL
         for (int kk = 0; kk < 4; ++kk) {
             const int c = cg * 4 + kk;
             const bool hidden = c >= bc || (!whole && !band.visible(r, c));
-            s[ii][kk] = score_finish(p, s[ii][kk] * p.scale, hidden, b, h, row0 + r, col0 + c);
+            float S = score_finish(p, s[ii][kk] * p.scale, hidden, b, h, row0 + r, col0 + c);
+            if (bias_tile && !hidden)
+                S = S + (BiasAt<float>::reads(params, row0 + r, col0 + c)
+                             ? bias_tile[2 * ii * params.bias_strides.row + c]
+                             : 0.0f);
+            s[ii][kk] = S;
         }
     }
 }
