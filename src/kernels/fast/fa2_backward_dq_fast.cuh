@@ -410,7 +410,7 @@ PYFA_UNROLL
 template <int D, int BR>
 __global__ void __launch_bounds__(D == 128 ? 4 * kFastBc : 2 * BR, D == 128 ? 1 : 0)
     fa2_backward_dq_fast_kernel(const AttentionParams params) {
-    const AttentionParams p = fast_score_params(params);  // no softcap, no ALiBi (common/score.h)
+    const AttentionParams p = fast_score_params<PYFA_KERNEL_FA2_BACKWARD_DQ, D>(params);  // what the row takes (common/score.h)
     if constexpr (D == 128)
         fa2_backward_dq_fast_roles<D>(p);
     else
