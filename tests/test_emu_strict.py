@@ -197,8 +197,9 @@ def test_library_kernels_run_clean_in_strict_mode_with_the_same_bits(case):
 # The score modifications and packed sequences, whose tensors strict mode registers with
 # their true extents (src/backends/emu/strict_params.h): bias (broadcast: stride-0 axes)
 # and dbias, ALiBi's slopes, dropout, cu_seqlens. Small reference cases, and the fast
-# kernels of d = 64 on a tail where they take the modification (the forward and dQ take a
-# bias, those that drop take dropout; the rest run the readable kernel).
+# kernels on a tail where they take the modification (at d = 64 the forward and dQ take a
+# bias, those that drop take dropout; softcap and ALiBi where common/fast_takes.h says,
+# the FA2 forward at d = 128 too; the rest run the readable kernel).
 def mods_of(name, B, H, Nq, Nk, rng):
     if name == "bias":  # broadcast over the batch
         return dict(bias=rng.standard_normal((1, H, Nq, Nk), dtype=np.float32))
@@ -208,6 +209,10 @@ def mods_of(name, B, H, Nq, Nk, rng):
         return dict(alibi_slopes=rng.uniform(0.1, 1.0, H).astype(np.float32))
     if name == "dropout":
         return dict(dropout_p=0.25, seed=11)
+    if name == "softcap_alibi":
+        return dict(softcap=2.0, alibi_slopes=rng.uniform(0.1, 1.0, (B, H)).astype(np.float32))
+    if name == "softcap_dropout":
+        return dict(softcap=2.0, dropout_p=0.25, seed=11)
     if name == "bias_dropout":
         return dict(dropout_p=0.25, seed=11, bias=rng.standard_normal((B, H, Nq, Nk), dtype=np.float32))
     raise AssertionError(name)
@@ -219,6 +224,12 @@ MOD_CASES = [
     ("alibi", (2, 2, 1, 9, 11, 8, 4, 4, "reference", (True, None, "top_left"), False)),
     ("dropout", (1, 2, 1, 9, 11, 8, 8, 4, "reference", (False, None, "bottom_right"), False)),
     ("bias_dropout", (1, 2, 1, 70, 70, 64, 64, 64, "auto", (True, None, "bottom_right"), False)),
+    # The fast kernels with softcap and ALiBi (their rows of common/fast_takes.h), the
+    # role-split backwards recomputing the score for softcap's gradient.
+    ("softcap_alibi", (1, 2, 1, 70, 70, 64, 64, 64, "auto", (True, None, "bottom_right"), False)),
+    ("softcap_dropout", (1, 2, 1, 70, 66, 64, 64, 64, "auto", (False, (9, 3), "top_left"), False)),
+    ("alibi", (1, 2, 1, 66, 70, 64, 64, 64, "auto", (False, None, "bottom_right"), False)),
+    ("softcap_alibi", (1, 1, 1, 66, 66, 128, 64, 64, "auto", (True, None, "top_left"), False)),
 ]
 
 

@@ -7,6 +7,7 @@ formula, NumPy's and, where torch imports, PyTorch's.
 A modification is one entry of MODS: its keywords and its formula in float64, written
 here from the definition (not from pyfa's code). The shared tests walk every entry."""
 
+import re
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -105,9 +106,9 @@ def _runs(case):
     runs = [(f"emu-{order}-reference", pyfa.Options(backend="emu", emu_order=order, variant="reference"))
             for order in ("forward", "reverse")]
     if (d, Br, Bc) in FAST_TILES:
-        # No fast kernel takes softcap or ALiBi this round (common/score.h
-        # fast_score_params): variant auto at the fast kernels' tiles runs the readable
-        # ones (test_variant_fast_refuses_softcap_and_alibi).
+        # Variant auto at the fast kernels' tiles: the fast kernels whose rows take the
+        # modification (common/fast_takes.h), the readable ones for the rest
+        # (test_variant_fast_equals_the_reference_and_the_simulator forces "fast").
         runs += [(f"emu-{order}-auto", pyfa.Options(backend="emu", emu_order=order, variant="auto"))
                  for order in ("forward", "reverse")]
     runs += [(f"cpu-threads{t}", pyfa.Options(backend="cpu", threads=t)) for t in (1, 2, 3)]
@@ -143,24 +144,111 @@ def test_every_backend_and_variant_equals_the_simulator(mod, case, mask):
         assert all(same_bits(g, w) for g, w in zip(got, (b1.dq, b1.dk, b1.dv))), ("fa1_backward", name)
 
 
-@pytest.mark.parametrize("mod", ["softcap", "alibi-H"])
-@pytest.mark.parametrize("function", ["fa2_forward", "fa2_backward", "fa1_forward", "fa1_backward"])
-def test_variant_fast_refuses_softcap_and_alibi(mod, function):
-    case = CASES[1][0]
-    q, k, v, do = _inputs(case)
-    kw = MODS[mod].kwargs(*case[:2])
-    options = pyfa.Options(backend="emu", variant="fast", block_r=case[6], block_c=case[7])
-    f2 = pyfa.fa2_forward(q, k, v, options=options.replace(variant="reference"), **kw)
-    f1 = pyfa.fa1_forward(q, k, v, options=options.replace(variant="reference"), **kw)
-    args = {"fa2_forward": (q, k, v), "fa2_backward": (q, k, v, f2[0], f2[1], do),
-            "fa1_forward": (q, k, v), "fa1_backward": (q, k, v, f1[0], f1[1], f1[2], do)}[function]
-    name = "softcap" if mod == "softcap" else "ALiBi"
-    with pytest.raises(pyfa.InvalidArgumentError, match=f"config->variant: fast: the fast .* takes no {name}"):
-        getattr(pyfa, function)(*args, options=options, **kw)
-    # Without the modification the same call runs the fast kernel.
-    plain = {"fa2_backward": (q, k, v, *pyfa.fa2_forward(q, k, v, options=options), do),
-             "fa1_backward": (q, k, v, *pyfa.fa1_forward(q, k, v, options=options), do)}.get(function, args)
-    getattr(pyfa, function)(*plain, options=options)
+# ---- the fast (register-tiled) kernels: variant "fast" forced, where their rows take the
+# modification (src/common/fast_takes.h), and refused by name where they do not
+
+# What each fast kernel takes, per head dim: fast_takes.h's table as this test expects it
+# (written out, so that a row that gains or loses a modification shows here). No fast
+# kernel writes dBias ("dbias output", asked of the dK/dV and FA1 backward kernels by any
+# backward with a bias). Softcap and ALiBi are left out where ptxas spilled with them (the
+# FA2 dK/dV kernel, the FA1 forward's ALiBi, the FA1 backward's softcap, and the FA1
+# kernels at d = 128) and in the FA2 dQ and dK/dV kernels at d = 128, whose registers
+# their two-stage copies take.
+FAST_TAKES = {
+    ("fa2_forward", 64): {"softcap", "ALiBi", "dropout", "bias"},
+    ("fa2_forward", 128): {"softcap", "ALiBi", "bias"},
+    ("fa1_forward", 64): {"softcap", "dropout", "bias"},
+    ("fa1_forward", 128): set(),
+    ("fa2_backward_dq", 64): {"softcap", "ALiBi", "dropout", "bias"},
+    ("fa2_backward_dq", 128): {"dropout", "bias"},
+    ("fa2_backward_dkdv", 64): set(),
+    ("fa2_backward_dkdv", 128): {"dropout"},
+    ("fa1_backward", 64): {"ALiBi", "dropout", "bias"},
+    ("fa1_backward", 128): {"dropout", "bias"},
+}
+FAST_KERNELS = {"fa2_forward": ["fa2_forward"], "fa2_backward": ["fa2_backward_dq", "fa2_backward_dkdv"],
+                "fa1_forward": ["fa1_forward"], "fa1_backward": ["fa1_backward"]}
+WRITES_DBIAS = {"fa2_backward_dkdv", "fa1_backward"}
+
+# (B, H, Hkv, Nq, Nk), the mask and what else the call asks: GQA under causal masks (rows
+# that see no key with Nq > Nk), a window with a bias broadcast over the batch, dropout
+# with a causal mask and tails.
+FAST_EXTRAS = {
+    "causal-gqa": ((2, 4, 2, 75, 130), (True, None, "bottom_right"), {}),
+    "window-bias": ((2, 2, 1, 130, 70), (False, (20, 5), "top_left"), {"bias": (1, 2, 130, 70)}),
+    "causal-dropout": ((1, 2, 1, 70, 67), (True, None, "top_left"), {"dropout_p": 0.2, "seed": 5}),
+}
+FAST_MODS = ["softcap", "alibi-BH", "softcap+alibi"]
+
+
+def _fast_asks(function, mods):
+    """What a call of `function` with keywords `mods` asks of each of its kernels."""
+    asks = {"softcap": "softcap" in mods, "ALiBi": "alibi_slopes" in mods, "dropout": "dropout_p" in mods,
+            "bias": "bias" in mods}
+    out = {}
+    for kernel in FAST_KERNELS[function]:
+        need = {n for n, on in asks.items() if on}
+        if "bias" in mods and kernel in WRITES_DBIAS:
+            need.add("dbias output")
+        out[kernel] = need
+    return out
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("extra", sorted(FAST_EXTRAS))
+@pytest.mark.parametrize("mod", FAST_MODS)
+def test_variant_fast_equals_the_reference_and_the_simulator(mod, extra, d):
+    shape, (causal, window, align), asked = FAST_EXTRAS[extra]
+    B, H, Hkv, Nq, Nk = shape
+    q, k, v, do = _inputs((B, H, Hkv, Nq, Nk, d, 0, 0), seed=d + len(extra))
+    mods = dict(MODS[mod].kwargs(B, H))
+    if "bias" in asked:
+        mods["bias"] = np.random.default_rng(d).standard_normal(asked["bias"], dtype=np.float32)
+    mods.update({n: x for n, x in asked.items() if n != "bias"})
+    kw = dict(causal=causal, window=window, causal_align=align, **mods)
+    # The forwards at both of their fast row tiles (Br 64 and 128), the backwards at theirs.
+    fwd_tiles = (128, 64) if (d + len(extra) + len(mod)) % 2 else (64, 64)
+    f2 = pyfa.sim.fa2_forward(q, k, v, block_r=fwd_tiles[0], block_c=fwd_tiles[1], **kw)
+    f1 = pyfa.sim.fa1_forward(q, k, v, block_r=fwd_tiles[0], block_c=fwd_tiles[1], **kw)
+    calls = {"fa2_forward": ((q, k, v), fwd_tiles, lambda: (f2.o, f2.lse)),
+             "fa1_forward": ((q, k, v), fwd_tiles, lambda: (f1.o, f1.m, f1.l))}
+    # Under softcap a backward with a bias is refused on every variant (docs/numerics.md,
+    # "The additive bias"): the forwards alone there.
+    if not ("bias" in mods and "softcap" in mods):
+        def b2():
+            r = pyfa.sim.fa2_backward(q, k, v, f2.o, f2.lse, do, block_r=64, block_c=64, **kw)
+            return (r.dq, r.dk, r.dv) + ((r.dbias,) if "bias" in mods else ())
+
+        def b1():
+            r = pyfa.sim.fa1_backward(q, k, v, f1.o, f1.m, f1.l, do, block_r=64, block_c=64, **kw)
+            return (r.dq, r.dk, r.dv) + ((r.dbias,) if "bias" in mods else ())
+        calls["fa2_backward"] = ((q, k, v, f2.o, f2.lse, do), (64, 64), b2)
+        calls["fa1_backward"] = ((q, k, v, f1.o, f1.m, f1.l, do), (64, 64), b1)
+    else:
+        with pytest.raises(pyfa.InvalidArgumentError, match="softcap"):
+            pyfa.fa2_backward(q, k, v, f2.o, f2.lse, do, options=pyfa.Options(backend="emu"), **kw)
+    for function, (args, (br, bc), simulated) in calls.items():
+        fast = pyfa.Options(backend="emu", variant="fast", block_r=br, block_c=bc)
+        missing = {kern: need - FAST_TAKES[kern, d] for kern, need in _fast_asks(function, mods).items()}
+        variant = "fast"
+        if any(missing.values()):
+            # Refused, naming a kernel that lacks something and one thing it lacks; variant
+            # auto runs the fast kernels that take it all (the FA2 dQ of a backward whose
+            # dK/dV kernel lacks it) beside the readable ones.
+            with pytest.raises(pyfa.InvalidArgumentError, match="config->variant: fast: the fast ") as err:
+                getattr(pyfa, function)(*args, options=fast, **kw)
+            named = re.search(r"the fast (\w+) at head_dim (\d+) takes no ([\w ]+?) \(", str(err.value))
+            assert named and int(named[2]) == d and named[3] in missing[named[1]], str(err.value)
+            variant = "auto"
+        want = simulated()
+        ref = getattr(pyfa, function)(*args, options=fast.replace(variant="reference"), **kw)
+        assert all(same_bits(g, w) for g, w in zip(ref, want)) and len(ref) == len(want), (function, "reference")
+        for order in ("forward", "reverse"):
+            got = getattr(pyfa, function)(*args, options=fast.replace(emu_order=order, variant=variant), **kw)
+            assert len(got) == len(want), (function, variant, order)
+            for n, (g, w) in enumerate(zip(got, want)):
+                assert same_bits(g, w), (function, variant, order, n)
+
 
 
 # ---- accuracy against float64

@@ -1,6 +1,7 @@
 // fast_takes.h: what each fast (register-tiled) kernel computes beyond plain masked
 // attention, in one table. A fast kernel is built without the code of what its row lacks
-// (registers: each was dropped where ptxas spilled with it, sm_80 to sm_90), and
+// (registers: each was dropped where ptxas spilled with it, sm_80 to sm_90; softcap and
+// ALiBi, sm_80 to sm_120, below), and
 // select_kernel (core/tiles.cpp) reads the same row: a call that needs more runs the
 // readable kernel under variant auto (same bits: the fast kernels equal the readable ones
 // where the contract says so) and is refused, naming what is missing, under variant fast.
@@ -11,6 +12,18 @@
 // fast_score_params (common/score.h), the bias by clearing it (fa2_backward_dkdv_fast.cuh,
 // fa1_forward_fast.cuh at d = 128), dropout through fast_kernel_drops below, dBias and
 // split-KV by never writing or reading them.
+//
+// Softcap and ALiBi (nvcc 13, ptxas -v, sm_80 to sm_120): the FA2 forward at d = 64 and
+// 128 and the FA2 dQ kernel at d = 64 hold both without a spill (and the FA2 forward's
+// spills at d = 128 on sm_100 and sm_120, docs/gpu_limits.md, are gone with them), the FA1
+// forward at d = 64 softcap and the FA1 backward at d = 64 ALiBi (sm_75 too). Not taken,
+// where ptxas spilled with them: the FA1 forward's ALiBi at d = 64 (with softcap: 4 B of
+// spill stores at sm_120) and both at d = 128 (softcap alone 24-36 B, ALiBi alone 92-116 B
+// at sm_120); the FA2 dK/dV kernel at d = 64 (held to 128 registers for two blocks per SM:
+// 404 B with both at sm_80, 92 B with ALiBi alone); the FA1 backward's softcap (its dS
+// half recomputes the score: 72 B at d = 64, 76 B at d = 128, with ALiBi, at sm_80) and
+// its ALiBi at d = 128 (4 B at sm_80). The FA2 dQ and dK/dV kernels at d = 128 take
+// neither: their registers go to their two-stage copies.
 #pragma once
 
 #include <cstdint>
@@ -30,11 +43,11 @@ enum FastTakes : unsigned {
 // The fast kernel of `kernel` (a pyfa_kernel) at head dim d: what it takes.
 PYFA_HD constexpr unsigned fast_takes(int kernel, int64_t d) {
     switch (kernel) {
-        case PYFA_KERNEL_FA1_FORWARD: return (d == 64 ? kTakesDropout | kTakesBias : 0u);
-        case PYFA_KERNEL_FA2_FORWARD: return (d == 64 ? kTakesDropout : 0u) | kTakesBias;
+        case PYFA_KERNEL_FA1_FORWARD: return d == 64 ? kTakesSoftcap | kTakesDropout | kTakesBias : 0u;
+        case PYFA_KERNEL_FA2_FORWARD: return kTakesSoftcap | kTakesAlibi | (d == 64 ? kTakesDropout : 0u) | kTakesBias;
         case PYFA_KERNEL_FA2_BACKWARD_DKDV: return d == 128 ? kTakesDropout : 0u;
-        case PYFA_KERNEL_FA2_BACKWARD_DQ: return kTakesDropout | kTakesBias;
-        case PYFA_KERNEL_FA1_BACKWARD: return kTakesDropout | kTakesBias;
+        case PYFA_KERNEL_FA2_BACKWARD_DQ: return (d == 64 ? kTakesSoftcap | kTakesAlibi : 0u) | kTakesDropout | kTakesBias;
+        case PYFA_KERNEL_FA1_BACKWARD: return (d == 64 ? kTakesAlibi : 0u) | kTakesDropout | kTakesBias;
         default: return 0u;
     }
 }

@@ -26,6 +26,7 @@
 #include <type_traits>
 
 #include "common/device.h"
+#include "common/fast_takes.h"
 #include "common/mask.h"
 #include "common/numerics.h"
 #include "common/params.h"
@@ -164,13 +165,17 @@ PYFA_HD bool score_mod_is_identity(const AttentionParams& p) {
     return p.softcap == 0.0f;
 }
 
-// softcap and ALiBi in the fast kernels: none takes them (common/fast_takes.h). Each fast
-// kernel works on fast_score_params, its parameters with both cleared, so the compiler
-// drops their code (score_mod_is_identity is then constant true).
+// The parameters a fast kernel works on: those of the call with what the kernel's row of
+// common/fast_takes.h lacks (softcap, ALiBi) cleared, so that the compiler drops that
+// code (with softcap cleared score_mod_is_identity is constant true, and the role-split
+// backwards recompute nothing). KERNEL a pyfa_kernel, D its head dim, both the kernel's
+// compile-time constants; core/tiles.cpp never sends such a kernel a call that needs more.
+template <int KERNEL, int D>
 PYFA_HD AttentionParams fast_score_params(const AttentionParams& p) {
+    constexpr unsigned takes = fast_takes(KERNEL, D);
     AttentionParams q = p;
-    q.softcap = 0.0f;
-    q.alibi_slopes = nullptr;
+    if (!(takes & kTakesSoftcap)) q.softcap = 0.0f;
+    if (!(takes & kTakesAlibi)) q.alibi_slopes = nullptr;
     return q;
 }
 

@@ -41,7 +41,7 @@ namespace PYFA_KERNELS {
 
 template <int D>
 __global__ void __launch_bounds__(4 * kFastBc) fa1_backward_fast_kernel(const AttentionParams params) {
-    const AttentionParams p = fast_score_params(params);  // no softcap, no ALiBi (common/score.h)
+    const AttentionParams p = fast_score_params<PYFA_KERNEL_FA1_BACKWARD, D>(params);  // what the row takes (common/score.h)
     constexpr int BC = kFastBc;
     constexpr int BR = kFastBc;
     constexpr int NT = 4 * BC;          // fa1_backward_fast_threads

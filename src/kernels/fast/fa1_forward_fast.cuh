@@ -32,7 +32,7 @@ namespace PYFA_KERNELS {
 
 template <int D, int BR>
 __global__ void __launch_bounds__(2 * BR) fa1_forward_fast_kernel(const AttentionParams params) {
-    const AttentionParams p = fast_score_params(params);  // no softcap, no ALiBi (common/score.h)
+    const AttentionParams p = fast_score_params<PYFA_KERNEL_FA1_FORWARD, D>(params);  // what the row takes (common/score.h)
     constexpr int BC = kFastBc;
     constexpr int NT = 2 * BR;
     constexpr int DC = D / 4;      // 16-byte chunks per row of Q, K, V, O

@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(4 * kFastBc, D == 64 ? PYFA_DKDV_FAST_D64_BLOC
     // Built without the additive bias: no registers left for it (sm_80 to sm_89 spill);
     // core/tiles.cpp sends a call with a bias to the readable kernel.
     // Nor softcap and ALiBi (common/score.h fast_score_params).
-    AttentionParams p = fast_score_params(params);
+    AttentionParams p = fast_score_params<PYFA_KERNEL_FA2_BACKWARD_DKDV, D>(params);
     p.bias = nullptr;
     constexpr int BC = kFastBc;
     constexpr int BR = kFastBc;

@@ -426,7 +426,7 @@ template <int D, int BR, int STAGES = 1>
 __global__ void __launch_bounds__(D == 128 ? 4 * kFastBc : 2 * BR, D == 128 ? 1 : 0)
     fa2_backward_dq_fast_kernel(const AttentionParams params) {
     static_assert(D == 128 || STAGES == 1, "d = 64 loads K_j, V_j through registers, one stage");
-    const AttentionParams p = fast_score_params(params);  // no softcap, no ALiBi (common/score.h)
+    const AttentionParams p = fast_score_params<PYFA_KERNEL_FA2_BACKWARD_DQ, D>(params);  // what the row takes (common/score.h)
     if constexpr (D == 128)
         fa2_backward_dq_fast_roles<D, STAGES>(p);
     else
