@@ -212,21 +212,16 @@ def test_variant_fast_equals_the_reference_and_the_simulator(mod, extra, d):
     f1 = pyfa.sim.fa1_forward(q, k, v, block_r=fwd_tiles[0], block_c=fwd_tiles[1], **kw)
     calls = {"fa2_forward": ((q, k, v), fwd_tiles, lambda: (f2.o, f2.lse)),
              "fa1_forward": ((q, k, v), fwd_tiles, lambda: (f1.o, f1.m, f1.l))}
-    # Under softcap a backward with a bias is refused on every variant (docs/numerics.md,
-    # "The additive bias"): the forwards alone there.
-    if not ("bias" in mods and "softcap" in mods):
-        def b2():
-            r = pyfa.sim.fa2_backward(q, k, v, f2.o, f2.lse, do, block_r=64, block_c=64, **kw)
-            return (r.dq, r.dk, r.dv) + ((r.dbias,) if "bias" in mods else ())
 
-        def b1():
-            r = pyfa.sim.fa1_backward(q, k, v, f1.o, f1.m, f1.l, do, block_r=64, block_c=64, **kw)
-            return (r.dq, r.dk, r.dv) + ((r.dbias,) if "bias" in mods else ())
-        calls["fa2_backward"] = ((q, k, v, f2.o, f2.lse, do), (64, 64), b2)
-        calls["fa1_backward"] = ((q, k, v, f1.o, f1.m, f1.l, do), (64, 64), b1)
-    else:
-        with pytest.raises(pyfa.InvalidArgumentError, match="softcap"):
-            pyfa.fa2_backward(q, k, v, f2.o, f2.lse, do, options=pyfa.Options(backend="emu"), **kw)
+    def b2():
+        r = pyfa.sim.fa2_backward(q, k, v, f2.o, f2.lse, do, block_r=64, block_c=64, **kw)
+        return (r.dq, r.dk, r.dv) + ((r.dbias,) if "bias" in mods else ())
+
+    def b1():
+        r = pyfa.sim.fa1_backward(q, k, v, f1.o, f1.m, f1.l, do, block_r=64, block_c=64, **kw)
+        return (r.dq, r.dk, r.dv) + ((r.dbias,) if "bias" in mods else ())
+    calls["fa2_backward"] = ((q, k, v, f2.o, f2.lse, do), (64, 64), b2)
+    calls["fa1_backward"] = ((q, k, v, f1.o, f1.m, f1.l, do), (64, 64), b1)
     for function, (args, (br, bc), simulated) in calls.items():
         fast = pyfa.Options(backend="emu", variant="fast", block_r=br, block_c=bc)
         missing = {kern: need - FAST_TAKES[kern, d] for kern, need in _fast_asks(function, mods).items()}
