@@ -175,15 +175,11 @@ def test_float64_reference(shape):
             np.testing.assert_allclose(a, b, atol=5e-5, rtol=1e-4, err_msg=f"{algo} {name}")
 
 
-def test_dbias_finite_differences():
-    """The float64 reference's dBias is the derivative of sum(O * dO) along the bias."""
-    case = (True, None, "top_left", 1)
-    rng = np.random.default_rng(5)
-    q, k, v, do = (rng.standard_normal(s) for s in [(1, 2, 5, 4), (1, 1, 6, 4), (1, 1, 6, 4), (1, 2, 5, 4)])
-    bias = rng.standard_normal((2, 1, 6))
-    bias[0, 0, 2] = -np.inf
-    _, (_, _, _, dbias) = reference64(q, k, v, do, bias, case)
-    loss = lambda b: float((reference64(q, k, v, do, b, case)[0] * do).sum())
+def finite_difference_check(q, k, v, do, bias, case, **mods):
+    """The float64 reference's dBias, checked against central differences of sum(O * dO)
+    along every finite bias element."""
+    _, (_, _, _, dbias) = reference64(q, k, v, do, bias, case, **mods)
+    loss = lambda b: float((reference64(q, k, v, do, b, case, **mods)[0] * do).sum())
     eps = 1e-6
     for idx in np.ndindex(bias.shape):
         if not np.isfinite(bias[idx]):
@@ -191,7 +187,18 @@ def test_dbias_finite_differences():
         up, down = bias.copy(), bias.copy()
         up[idx] += eps
         down[idx] -= eps
-        assert abs((loss(up) - loss(down)) / (2 * eps) - dbias[idx]) < 1e-6
+        assert abs((loss(up) - loss(down)) / (2 * eps) - dbias[idx]) < 1e-6, idx
+    return dbias
+
+
+def test_dbias_finite_differences():
+    """The float64 reference's dBias is the derivative of sum(O * dO) along the bias."""
+    case = (True, None, "top_left", 1)
+    rng = np.random.default_rng(5)
+    q, k, v, do = (rng.standard_normal(s) for s in [(1, 2, 5, 4), (1, 1, 6, 4), (1, 1, 6, 4), (1, 2, 5, 4)])
+    bias = rng.standard_normal((2, 1, 6))
+    bias[0, 0, 2] = -np.inf
+    dbias = finite_difference_check(q, k, v, do, bias, case)
     assert dbias[0, 0, 2] == 0
 
 
@@ -499,16 +506,7 @@ def test_softcap_dbias_finite_differences():
     bias = rng.standard_normal((2, 5, 6))
     bias[1, 3, 2] = -np.inf
     c = 1.25
-    _, (_, _, _, dbias) = reference64(q, k, v, do, bias, case, softcap=c)
-    loss = lambda b: float((reference64(q, k, v, do, b, case, softcap=c)[0] * do).sum())
-    eps = 1e-6
-    for idx in np.ndindex(bias.shape):
-        if not np.isfinite(bias[idx]):
-            continue
-        up, down = bias.copy(), bias.copy()
-        up[idx] += eps
-        down[idx] -= eps
-        assert abs((loss(up) - loss(down)) / (2 * eps) - dbias[idx]) < 1e-6, idx
+    dbias = finite_difference_check(q, k, v, do, bias, case, softcap=c)
     assert dbias[1, 3, 2] == 0
     f32 = [x.astype(np.float32) for x in (q, k, v, do, bias)]
     for algo in ("fa2", "fa1"):
