@@ -412,7 +412,8 @@ def test_bench_sweep_smoke_prints_ratios_on_its_last_line():
 # Decoding shapes (Nq <= kGroupRows = 8, src/backends/cpu/cpu_kernels.h) take the grouped
 # forward (forward_group: a GQA group's query heads together, lanes along keys). Each
 # case: (B, H, Hkv, Nq, Nk, d, Br, Bc, keywords); d = 40 and 20 leave edges of the W x W
-# transposes, Nk not a multiple of Bc a short last tile.
+# transposes, Nk not a multiple of Bc a short last tile; d = 64 and 128 take the transposes
+# with a constant row stride and P~ V's whole-row register tiles over V read in place.
 SLOPES = np.linspace(0.05, 0.6, 8, dtype=np.float32)
 DECODE_CASES = [
     (1, 8, 2, 1, 77, 40, 16, 16, {}),
@@ -422,6 +423,8 @@ DECODE_CASES = [
     (1, 8, 4, 2, 90, 48, 16, 16, dict(causal=True, split_size=48, softcap=3.0, alibi_slopes=SLOPES)),
     (2, 4, 2, 5, 41, 16, 8, 8, dict(causal=True, dropout_p=0.3, seed=7)),
     (1, 4, 2, 2, 37, 24, 8, 8, dict(bias=True)),
+    (1, 4, 1, 1, 150, 128, 16, 32, {}),
+    (1, 8, 2, 2, 97, 64, 8, 32, dict(causal=True, softcap=2.0)),
 ]
 
 

@@ -54,6 +54,12 @@ inline vi splati(int32_t a) {
 // Every buffer a vector is loaded from is 64-byte aligned with rows a multiple of W.
 inline vf ld(const float* p) { return *reinterpret_cast<const vf*>(p); }
 inline void st(float* p, vf v) { *reinterpret_cast<vf*>(p) = v; }
+// A load from the caller's tensors, which need not be aligned (as fast when they are).
+inline vf ldu(const float* p) {
+    vf v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
 
 inline vi iota() {
     vi v;
@@ -218,7 +224,7 @@ __attribute__((always_inline)) inline void micro(const float* A, int64_t lda, co
 #pragma GCC unroll 4
     for (int64_t k = 0; k < K; ++k) {
         vf av[NI];
-        for (int ii = 0; ii < NI; ++ii) av[ii] = ld(a + k * lda + ii * W);
+        for (int ii = 0; ii < NI; ++ii) av[ii] = ldu(a + k * lda + ii * W);
         for (int jj = 0; jj < NJ; ++jj) {
             const vf bv = splat(b[jj * sj + k * sk]);
             for (int ii = 0; ii < NI; ++ii) {
@@ -259,6 +265,25 @@ inline void gemm(const float* A, int64_t lda, int64_t ni, const float* B, int64_
                  int64_t K, int64_t nj, Epi epi, const Sel& sel = Sel{}) {
     int64_t i = 0;
     for (; i + RI * W <= ni; i += RI * W) gemm_cols<RI>(A, lda, B, sj, sk, K, nj, i, epi, sel);
+    for (; i < ni; i += W) gemm_cols<1>(A, lda, B, sj, sk, K, nj, i, epi, sel);
+}
+
+// gemm with the register tile turned on its side: up to WI vectors of lanes by NJW operands,
+// for an A whose rows are streamed from memory once (the decode step's V_j): each step k
+// then reads whole lines of a row in order, where gemm's RI-vector blocks walk the rows
+// once per block. The same sums in the same order; only which independent sums share a
+// pass differs.
+constexpr int WI = W >= 16 ? 8 : 4;
+constexpr int NJW = 2;
+template <class Epi, class Sel = NoSel>
+inline void gemm_wide(const float* A, int64_t lda, int64_t ni, const float* B, int64_t sj, int64_t sk,
+                      int64_t K, int64_t nj, Epi epi, const Sel& sel = Sel{}) {
+    int64_t i = 0;
+    for (; i + WI * W <= ni; i += WI * W) {
+        int64_t j = 0;
+        for (; j + NJW <= nj; j += NJW) micro<WI, NJW>(A, lda, B, sj, sk, K, i, j, epi, sel);
+        micro_tail<WI, NJW - 1>(nj - j, A, lda, B, sj, sk, K, i, j, epi, sel);
+    }
     for (; i < ni; i += W) gemm_cols<1>(A, lda, B, sj, sk, K, nj, i, epi, sel);
 }
 
@@ -589,10 +614,12 @@ inline bool lane_set(float f) {
     return v != 0;
 }
 
-inline vf ldu(const float* p) {  // a load from the caller's K, which need not be aligned
-    vf v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
+// Reads one float of every 64-byte line of x[0 .. n) in address order; sink keeps the
+// reads (its first element is overwritten later).
+inline void touch_lines(const float* x, int64_t n, float* sink) {
+    float t = 0.0f;
+    for (int64_t e = 0; e < n; e += 64 / sizeof(float)) t += x[e];
+    sink[0] = t;
 }
 
 // One stage of a W x W transpose: swaps bit H of the row index with bit H of the lane.
@@ -619,19 +646,31 @@ inline void transpose(vf* rows) {
 }
 
 // KT[x * Cp + c] = K[c * d + x] for c < bc, 0 for bc <= c < Cp: K_j transposed, W x W
-// blocks through registers, the edges element by element.
-inline void transpose_kv_tile(const float* K, int64_t bc, int64_t d, float* KT, int64_t Cp) {
+// blocks through registers, the edges element by element. D: d as a constant where it is
+// one of the usual head dims (0 otherwise): then the W row offsets of a block are
+// immediates instead of W values that outgrow the registers and were spilled.
+template <int64_t D>
+inline void transpose_kv_tile_d(const float* K, int64_t bc, int64_t dd, float* KT, int64_t Cp) {
+    const int64_t d = D ? D : dd;
     const int64_t cw = bc / W * W, xw = d / W * W;
-    for (int64_t c0 = 0; c0 < cw; c0 += W)
+    for (int64_t c0 = 0; c0 < cw; c0 += W) {
+        const float* Kc = K + c0 * d;  // (W, d)
         for (int64_t x0 = 0; x0 < xw; x0 += W) {
             vf rows[W];
-            for (int k = 0; k < W; ++k) rows[k] = ldu(K + (c0 + k) * d + x0);
+            for (int k = 0; k < W; ++k) rows[k] = ldu(Kc + k * d + x0);
             transpose(rows);
             for (int k = 0; k < W; ++k) st(KT + (x0 + k) * Cp + c0, rows[k]);
         }
+    }
     for (int64_t x = 0; x < d; ++x) {
         for (int64_t c = x < xw ? cw : 0; c < Cp; ++c) KT[x * Cp + c] = c < bc ? K[c * d + x] : 0.0f;
     }
+}
+
+inline void transpose_kv_tile(const float* K, int64_t bc, int64_t d, float* KT, int64_t Cp) {
+    if (d == 64) return transpose_kv_tile_d<64>(K, bc, d, KT, Cp);
+    if (d == 128) return transpose_kv_tile_d<128>(K, bc, d, KT, Cp);
+    transpose_kv_tile_d<0>(K, bc, d, KT, Cp);
 }
 
 // out[n] = f(... f(f(init[n], S[n][0]), S[n][1]) ..., S[n][bc - 1]) for the rows n < R of
@@ -735,17 +774,21 @@ void forward_group(const Ctx& ctx, int64_t bkv, int64_t i, float* ws) {
         const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0);
         const float* K = p.k + kv0 + col0 * d;  // (bc, d)
         const float* V = p.v + kv0 + col0 * d;  // (bc, d)
-        // The next tile's K and V into the caches while this one computes: the transpose
-        // reads K down its columns, which the hardware prefetchers follow poorly, and the
-        // step is memory-bound, so memory should stream without a pause between tiles.
-        if (j + 1 < visit.end)
-            for (int64_t e = 0; e < min64(Bc, Nk - col0 - Bc) * d; e += 64 / sizeof(float)) {
-                __builtin_prefetch(K + Bc * d + e, 0, 3);
-                __builtin_prefetch(V + Bc * d + e, 0, 3);
-            }
+        // K_j and V_j read once in address order before they are used: a sequential
+        // stream the hardware prefetchers follow, where the transpose's W-row blocks and
+        // the product's passes alone left most of the step waiting on memory (the step is
+        // memory-bound). Software prefetches of the next tile were mostly dropped: the core
+        // holds few misses in flight (docs/cpu_backend.md, Decoding).
+        touch_lines(K, bc * d, g.S);
+        touch_lines(V, bc * d, g.S);
         transpose_kv_tile(K, bc, d, g.KT, Cp);
-        for (int64_t c = 0; c < bc; ++c)
+        // P~ V reads V_j in place when its rows fill whole vectors (each line once: the
+        // lanes of x partition them), else from a copy padded to Dp.
+        const bool v_in_place = d == Dp;
+        for (int64_t c = 0; !v_in_place && c < bc; ++c)
             std::memcpy(g.Vj + c * Ep, V + c * d, sizeof(float) * static_cast<size_t>(d));
+        const float* Vsrc = v_in_place ? V : g.Vj;
+        const int64_t Vld = v_in_place ? d : Ep;
         // S[n][c] = sum_x Q[n,x] K[c,x].
         gemm_store_kb(g.KT, Cp, Cp, g.Qg, Ep, 1, d, R, g.S, Cp);
         const Band band = seq.mask.band(row0, col0);
@@ -798,8 +841,8 @@ void forward_group(const Ctx& ctx, int64_t bkv, int64_t i, float* ws) {
             const vf next = vmadd(splat(g.alpha[n]), ld(o), pv);
             st(o, cut ? (lane_set(g.sees[n]) ? next : ld(o)) : next);
         };
-        if (!cut) gemm(g.Vj, Ep, Dp, g.S, Cp, 1, bc, R, step);
-        else gemm(g.Vj, Ep, Dp, g.S, Cp, 1, bc, R, step, SelGroupKeys{&band, br});
+        if (!cut) gemm_wide(Vsrc, Vld, Dp, g.S, Cp, 1, bc, R, step);
+        else gemm_wide(Vsrc, Vld, Dp, g.S, Cp, 1, bc, R, step, SelGroupKeys{&band, br});
     }
 
     // O = O / l, LSE = m + log(l); a row that saw no key: O = 0, LSE = -inf.
