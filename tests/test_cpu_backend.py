@@ -73,12 +73,16 @@ def test_isa_switch_runs_exactly_the_builds_this_cpu_supports(name, monkeypatch)
         pytest.skip("no /proc/cpuinfo flags to compare with")
     monkeypatch.setenv("PYFA_CPU_ISA", name)
     q, k, v = make_inputs((1, 1, 8, 8), (1, 1, 8, 8), seed=1)
+    # The cpu profile's name says which build a call takes now (tools/bench.py prints it).
+    profile = pyfa.device_profile("cpu")["name"]
     if expected:
         o = pyfa.attention(q, k, v, backend="cpu")
         assert same_bits(o, pyfa.attention(q, k, v, backend="emu"))
+        assert profile.startswith(f"pyfa cpu {name} "), profile
     else:
         with pytest.raises(pyfa.BackendUnavailableError, match=f"PYFA_CPU_ISA={name}"):
             pyfa.attention(q, k, v, backend="cpu")
+        assert profile.startswith("pyfa cpu none "), profile
 
 
 def test_unknown_isa_names_the_variable(monkeypatch):
@@ -86,6 +90,7 @@ def test_unknown_isa_names_the_variable(monkeypatch):
     q, k, v = make_inputs((1, 1, 4, 4), (1, 1, 4, 4), seed=1)
     with pytest.raises(pyfa.PyfaError, match="PYFA_CPU_ISA.*sse9"):
         pyfa.attention(q, k, v, backend="cpu")
+    assert pyfa.device_profile("cpu")["name"].startswith("pyfa cpu none ")
 
 
 # The shared grid, plus default tiles where the algorithms' defaults differ (FA1 at d = 96

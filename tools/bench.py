@@ -49,6 +49,9 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cpu_probe  # noqa: E402  (tools/cpu_probe.py, beside this script)
+
 import pyfa
 from pyfa.sim.mask import Mask
 
@@ -441,12 +444,22 @@ def sweep(args):
     print(f"{os.cpu_count()} cores ({platform.machine()}), load average {os.getloadavg()[0]:.2f} at the start; "
           f"numpy {np.__version__} (BLAS {blas_name()}); torch {torch.__version__ if torch else 'not used'}; "
           f"PYFA_CPU_ISA={os.environ.get('PYFA_CPU_ISA', 'auto')}")
-    print("GFLOP/s: forward 4*B*H*N^2*d (halved if causal), forward+backward 3.5x that; "
+    ident = cpu_probe.identity()
+    peaks = {t: cpu_probe.fma_peak(ident["isa"], t) for t in sorted(set(args.threads))}
+    print(f"CPU: {ident['model_name']} ({ident['vendor']} family {ident['family']} model {ident['model']}: "
+          f"{ident['microarchitecture']}); the cpu backend runs its {ident['isa']} build")
+    print("FMA peak measured now (tools/fma_peak.c, the best of 5 runs of 0.15 s): " + ", ".join(
+        f"{t} thread(s) {pk:.1f} GFLOP/s" if pk else f"{t} thread(s) not measured ({why})"
+        for t, (pk, why) in peaks.items()))
+    print("GFLOP/s: forward 4*B*H*N^2*d (halved if causal), forward+backward 3.5x that; %pk: that over the "
+          "FMA peak of as many threads; "
           "ms: median over all timed calls (min beside it); RSS: the process's peak, and above its inputs "
           "(one forward+backward's outputs O, LSE, dQ, dK, dV: about 16*B*H*N*d bytes); "
           "cpu: the process's CPU ms per call (all its threads), the steadier figure on a busy machine")
     print(f"{'N':>5} {'d':>4} {'causal':>6} {'thr':>3} {'contender':9} {'fwd ms':>9} {'min':>8} {'GFLOP/s':>8} "
-          f"{'f+b ms':>9} {'min':>8} {'GFLOP/s':>8} {'RSS MiB':>8} {'+MiB':>6} {'fwd cpu':>9} {'f+b cpu':>9}")
+          f"{'%pk':>4} {'f+b ms':>9} {'min':>8} {'GFLOP/s':>8} {'%pk':>4} {'RSS MiB':>8} {'+MiB':>6} "
+          f"{'fwd cpu':>9} {'f+b cpu':>9}")
+    of_peak = []  # (n, d, causal, threads, fwd %, f+b %) of the cpu backend
     ratios = {c: [] for c in contenders if c != "cpu"}
     cpu_ratios = {c: [] for c in contenders if c != "cpu"}
     for n, d, causal, threads in configs:
@@ -477,8 +490,13 @@ def sweep(args):
             f, fb = times[c]["fwd"], times[c]["fwd+bwd"]
             medians[c] = (statistics.median(f), statistics.median(fb))
             cpu_medians[c] = (statistics.median(cpu_times[c]["fwd"]), statistics.median(cpu_times[c]["fwd+bwd"]))
-            print(f"{head} {medians[c][0]:9.2f} {min(f):8.2f} {flops / medians[c][0] / 1e6:8.1f} "
-                  f"{medians[c][1]:9.2f} {min(fb):8.2f} {3.5 * flops / medians[c][1] / 1e6:8.1f} "
+            gf, gfb = flops / medians[c][0] / 1e6, 3.5 * flops / medians[c][1] / 1e6
+            pk = peaks[threads][0]
+            pf, pfb = (f"{100 * gf / pk:4.0f}", f"{100 * gfb / pk:4.0f}") if pk else ("-", "-")
+            if pk and c == "cpu":
+                of_peak.append((n, d, causal, threads, 100 * gf / pk, 100 * gfb / pk))
+            print(f"{head} {medians[c][0]:9.2f} {min(f):8.2f} {gf:8.1f} {pf:>4} "
+                  f"{medians[c][1]:9.2f} {min(fb):8.2f} {gfb:8.1f} {pfb:>4} "
                   f"{info[c]['rss']:8.0f} {info[c]['extra']:6.0f} {cpu_medians[c][0]:9.2f} {cpu_medians[c][1]:9.2f}")
         if "cpu" in medians:
             for c in ratios:
@@ -490,7 +508,9 @@ def sweep(args):
                         if cpu_medians["cpu"][n_pass] > 0:
                             cpu_ratios[c].append((label, name_pass,
                                                   cpu_medians[c][n_pass] / cpu_medians["cpu"][n_pass]))
-    print(f"load average {os.getloadavg()[0]:.2f} at the end")
+    print(f"load average {os.getloadavg()[0]:.2f} at the end; FMA peak again: " + ", ".join(
+        f"{t} thread(s) {pk:.1f} GFLOP/s" for t, (pk, _) in
+        ((t, cpu_probe.fma_peak(ident["isa"], t)) for t in peaks) if pk))
     parts = []
     for c, rs in ratios.items():
         if not rs:
@@ -505,6 +525,13 @@ def sweep(args):
             worst, name, edge = min(rs, key=lambda t: t[2]), f"cpu/{c}", "min"
         parts.append(f"{name} throughput: geomean={geo:.2f}x over {len(rs)}, "
                      f"{edge}={worst[2]:.2f}x ({worst[0]} {worst[1]}){by_cpu}")
+    # Issue 25's peak targets: one thread, non-causal, d >= 64, N >= 1024.
+    target = [(f, fb) for n, d, causal, t, f, fb in of_peak if t == 1 and not causal and d >= 64 and n >= 1024]
+    if target:
+        parts.append("cpu 1 thread non-causal d>=64 of FMA peak: fwd median {:.0f}% (min {:.0f}%), "
+                     "fwd+bwd median {:.0f}% (min {:.0f}%)".format(
+                         statistics.median(f for f, _ in target), min(f for f, _ in target),
+                         statistics.median(fb for _, fb in target), min(fb for _, fb in target)))
     return "summary: sweep B={} H={} ".format(args.batch, args.heads) + " | ".join(parts)
 
 

@@ -50,26 +50,30 @@ const Isa* isa_named(const std::string& name) {
 }
 
 // The best build this CPU runs, or the one PYFA_CPU_ISA names (read at every call, so a
-// test can run each build in one process).
-pyfa_status pick_isa(const Isa** isa) {
+// test can run each build in one process); null, with *why, when that cannot run.
+const Isa* chosen_isa(pyfa_status* code, std::string* why) {
     const char* env = std::getenv("PYFA_CPU_ISA");
     const std::string want = env ? env : "";
     if (want.empty() || want == "auto") {
         for (const char* name : {"avx512", "avx2", "portable"})
-            if (isa_named(name) && cpu_has(name)) {
-                *isa = isa_named(name);
-                return PYFA_OK;
-            }
+            if (isa_named(name) && cpu_has(name)) return isa_named(name);
     }
     if (want == "avx512" || want == "avx2" || want == "portable") {
-        if (!isa_named(want) || !cpu_has(want.c_str()))
-            return fail(PYFA_ERROR_BACKEND_UNAVAILABLE,
-                        "PYFA_CPU_ISA=" + want + ": this CPU (or this build) cannot run that instruction set");
-        *isa = isa_named(want);
-        return PYFA_OK;
+        if (isa_named(want) && cpu_has(want.c_str())) return isa_named(want);
+        *code = PYFA_ERROR_BACKEND_UNAVAILABLE;
+        *why = "PYFA_CPU_ISA=" + want + ": this CPU (or this build) cannot run that instruction set";
+        return nullptr;
     }
-    return fail(PYFA_ERROR_INVALID_ARGUMENT,
-                "PYFA_CPU_ISA: expected avx512, avx2, portable or auto, got '" + want + "'");
+    *code = PYFA_ERROR_INVALID_ARGUMENT;
+    *why = "PYFA_CPU_ISA: expected avx512, avx2, portable or auto, got '" + want + "'";
+    return nullptr;
+}
+
+pyfa_status pick_isa(const Isa** isa) {
+    pyfa_status code = PYFA_OK;
+    std::string why;
+    *isa = chosen_isa(&code, &why);
+    return *isa ? PYFA_OK : fail(code, why);
 }
 
 // Cores this process may run on (its affinity mask where the OS has one).
@@ -390,7 +394,13 @@ public:
     const char* label() const override { return "the cpu backend"; }
     int auto_rank() const override { return 2; }
     pyfa_status profile(pyfa_device_profile* profile) const override {
-        emulated_h200_profile("pyfa cpu (tiles of the emulator's H200 profile)", profile);
+        // The name says which instruction-set build a call would run now (PYFA_CPU_ISA).
+        pyfa_status code = PYFA_OK;
+        std::string why;
+        const Isa* isa = chosen_isa(&code, &why);
+        const std::string name = isa ? std::string("pyfa cpu ") + isa->name + " (tiles of the emulator's H200 profile)"
+                                     : std::string("pyfa cpu none (PYFA_CPU_ISA cannot run here)");
+        emulated_h200_profile(name.c_str(), profile);
         return PYFA_OK;
     }
     bool runs_table_kernels() const override { return false; }

@@ -1,0 +1,113 @@
+"""What CPU this is and how fast its FMA ports go, for tools/bench.py's sweep (issue 25).
+
+identity(): vendor, family, model, the model string, the microarchitecture (from a table
+of the ones this project has met, else "unknown") and the ISA build of the cpu backend a
+call takes now (the library's own answer: the cpu profile's name).
+fma_peak(isa, threads): the FMA peak in GFLOP/s of `threads` cores together, measured
+by tools/fma_peak.c compiled here with the ISA's flags (None, with the reason, without a
+C compiler, off x86, or for the portable build, which has no vector FMA of its own).
+"""
+import ctypes
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+
+# (vendor, family, first model, last model) -> name; families and models as /proc/cpuinfo
+# gives them (decimal). Sources: AMD's and Intel's family/model lists.
+MICROARCHITECTURES = [
+    ("AuthenticAMD", 23, 0, 0x2F, "Zen / Zen+"),
+    ("AuthenticAMD", 23, 0x30, 0xFF, "Zen 2"),
+    ("AuthenticAMD", 25, 0x00, 0x0F, "Zen 3"),
+    ("AuthenticAMD", 25, 0x10, 0x1F, "Zen 4"),
+    ("AuthenticAMD", 25, 0x20, 0x5F, "Zen 3"),
+    ("AuthenticAMD", 25, 0x60, 0x7F, "Zen 4"),
+    ("AuthenticAMD", 25, 0xA0, 0xAF, "Zen 4"),
+    ("AuthenticAMD", 26, 0x00, 0xFF, "Zen 5"),
+    ("GenuineIntel", 6, 85, 85, "Skylake-SP / Cascade Lake"),
+    ("GenuineIntel", 6, 106, 106, "Ice Lake-SP"),
+    ("GenuineIntel", 6, 143, 143, "Sapphire Rapids"),
+    ("GenuineIntel", 6, 207, 207, "Emerald Rapids"),
+    ("GenuineIntel", 6, 173, 173, "Granite Rapids"),
+]
+
+ISA_FLAGS = {"avx512": ["-mavx512f", "-mfma"], "avx2": ["-mavx2", "-mfma"]}
+
+
+def identity():
+    info = {"vendor": "?", "family": None, "model": None, "model_name": platform.processor() or "?"}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key == "vendor_id":
+                    info["vendor"] = value
+                elif key == "cpu family":
+                    info["family"] = int(value)
+                elif key == "model":
+                    info["model"] = int(value)
+                elif key == "model name":
+                    info["model_name"] = value
+                elif not line.strip():
+                    break  # the first processor is enough
+    except OSError:
+        pass
+    info["microarchitecture"] = next(
+        (name for vendor, fam, lo, hi, name in MICROARCHITECTURES
+         if vendor == info["vendor"] and fam == info["family"] and info["model"] is not None
+         and lo <= info["model"] <= hi), "unknown")
+    import pyfa
+    # "pyfa cpu avx512 (tiles of ...)": the build a call takes now, PYFA_CPU_ISA included.
+    info["isa"] = pyfa.device_profile("cpu")["name"].split()[2]
+    return info
+
+
+def _compile(isa):
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        return None, "no C compiler (CC, cc, gcc, clang)"
+    out = os.path.join(tempfile.mkdtemp(prefix="pyfa-fma-"), "fma_peak.so")
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fma_peak.c")
+    p = subprocess.run([cc, "-O2", *ISA_FLAGS[isa], "-shared", "-fPIC", src, "-o", out],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        return None, f"{cc} failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}"
+    lib = ctypes.CDLL(out)
+    lib.fma_peak_loop.restype = ctypes.c_float
+    lib.fma_peak_loop.argtypes = [ctypes.c_int64]
+    return lib, ""
+
+
+def fma_peak(isa, threads, seconds=0.15, tries=5):
+    """(GFLOP/s of `threads` cores together, reason when None): the best of `tries` runs,
+    each `threads` threads running the loop for about `seconds` at once (ctypes releases
+    the GIL). The best, since a peak is what the ports can do, not what a noisy moment let
+    them do."""
+    if isa not in ISA_FLAGS or platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"no vector FMA loop for the {isa} build on {platform.machine()}"
+    lib, why = _compile(isa)
+    if lib is None:
+        return None, why
+    per_step = lib.fma_peak_chains() * lib.fma_peak_width() * 2
+    n = 1 << 16
+    while True:  # calibrate: steps for about `seconds` on one core
+        t0 = time.perf_counter()
+        lib.fma_peak_loop(n)
+        if time.perf_counter() - t0 > seconds / 4:
+            break
+        n *= 2
+    n = int(n * seconds / max(time.perf_counter() - t0, 1e-6))
+    best = 0.0
+    for _ in range(tries):
+        workers = [threading.Thread(target=lib.fma_peak_loop, args=(n,)) for _ in range(threads)]
+        t0 = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = max(best, threads * n * per_step / (time.perf_counter() - t0) / 1e9)
+    return best, ""
