@@ -5,12 +5,8 @@
 #define PYFA_CPU_NS avx512
 #define PYFA_CPU_NAME "avx512"
 #define PYFA_CPU_W 16
-#ifndef PYFA_CPU_RI
 #define PYFA_CPU_RI 2
-#endif
-#ifndef PYFA_CPU_RJ
 #define PYFA_CPU_RJ 6
-#endif
 #define PYFA_CPU_TABLE kIsaAvx512
 #include "backends/cpu/cpu_impl.h"
 #else
