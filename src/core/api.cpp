@@ -27,6 +27,7 @@
 #include <cstring>
 #include <exception>
 #include <new>
+#include <vector>
 
 #include "common/smem.h"
 #include "common/tiling.h"
@@ -1138,11 +1139,13 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     // before any launch.
     const bool polls = backend.polls_progress_per_kernel() && cfg.progress;
     if (backend.runs_whole_op() && split_chunks > 0) {
+        std::vector<AttentionParams> all;  // the chunks, then the combine
+        all.reserve(static_cast<size_t>(launches));
         for (int64_t n = 0; n < launches; ++n) {
             int k = 0;
-            const AttentionParams p = launch_params(n, &k);
-            if ((st = backend.run_op(op.op, &p, 1, cfg)) != PYFA_OK) return st;
+            all.push_back(launch_params(n, &k));
         }
+        if ((st = backend.run_op(op.op, all.data(), all.size(), cfg)) != PYFA_OK) return st;
     } else if (backend.runs_whole_op()) {
         AttentionParams tiled[kMaxKernels];
         for (int n = 0; n < op.kernel_count; ++n) {

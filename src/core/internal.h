@@ -132,7 +132,9 @@ public:
     // Runs (or enqueues on `stream`) one kernel table row.
     virtual pyfa_status launch(int kernel, const AttentionParams& p, const LaunchShape& shape,
                                const pyfa_config& cfg, void* stream) const;
-    // Runs every kernel of `op`, params[n] holding kernel n's tiles (count of them).
+    // Runs every kernel of `op`, params[n] holding kernel n's tiles (count of them); for a
+    // split FA2 forward, every launch of it instead: the chunks' partials, then the
+    // combine (params.h, split-KV).
     virtual pyfa_status run_op(int op, const AttentionParams* params, size_t count,
                                const pyfa_config& cfg) const;
 

@@ -275,20 +275,37 @@ pyfa_status cpu_run(int op, const AttentionParams* params, size_t count, const p
     int64_t total = 0;
     Runner* runner = nullptr;  // set below, before any phase runs
 
-    if (op == PYFA_OP_FA2_FORWARD && count == 1 && p0.split_count > 0) {
-        // Split-KV's combine step, Q tile by Q tile of each head (common/merge.h).
-        const int64_t Tr = ceil_div(p0.seqlen_q, p0.block_r);
-        phases.push_back({BH * Tr, [&, Tr](int64_t k, float*) {
-                              const int64_t bh = k / Tr;
-                              combine_tile(p0, k % Tr, bh % p0.heads, bh / p0.heads);
+    if (op == PYFA_OP_FA2_FORWARD && count > 1 && params[count - 1].split_count > 0) {
+        // Split-KV, every launch at once (api.cpp): params[c] computes chunk c's partial
+        // (O, LSE) for c < count - 1, params[count - 1] folds them (common/merge.h). All
+        // chunks are one phase, so that a long context costs two phases rather than a
+        // pool hand-off per chunk (which at 128 chunks took longer than the chunks);
+        // consecutive items are consecutive chunks of one head, read in address order.
+        const int64_t chunks = static_cast<int64_t>(count) - 1;
+        const bool group = p0.seqlen_q <= pyfa_cpu::kGroupRows;  // as the unsplit decode below
+        plans.reserve(static_cast<size_t>(chunks));
+        for (int64_t c = 0; c < chunks; ++c) {
+            plans.emplace_back(params[c], false, nullptr);
+            plans.back().ctx.group = group;
+        }
+        const int64_t Tr = plans[0].Tr(), units = (group ? p0.batch * p0.heads_kv : BH) * Tr;
+        phases.push_back({chunks * units, [&, Tr, chunks, group](int64_t k, float* ws) {
+                              const Plan& f = plans[static_cast<size_t>(k % chunks)];
+                              const int64_t u = k / chunks;
+                              if (group) isa->forward_group(f.ctx, u / Tr, u % Tr, ws);
+                              else isa->forward(f.ctx, u / Tr, Tr - 1 - u % Tr, ws);
                               runner->done_one();
                           }});
-        total = BH * Tr;
+        const AttentionParams& fold = params[count - 1];
+        phases.push_back({BH * Tr, [&, Tr](int64_t k, float*) {
+                              const int64_t bh = k / Tr;
+                              combine_tile(fold, k % Tr, bh % fold.heads, bh / fold.heads);
+                              runner->done_one();
+                          }});
+        total = chunks * units + BH * Tr;
     } else if (op == PYFA_OP_FA2_FORWARD && count == 1 && p0.seqlen_q <= pyfa_cpu::kGroupRows) {
         // Decoding: one item per Q tile of each K/V head's group of query heads, so that
         // the group reads K_j, V_j once (memory-bound: the bytes of K and V are the cost).
-        // Without split-KV that is B * Hkv items of every key; with it, this call is one
-        // chunk of them and the combine above folds the chunks (api.cpp runs the chunks).
         plans.emplace_back(p0, false, nullptr);
         plans[0].ctx.group = true;
         const Plan& f = plans[0];
