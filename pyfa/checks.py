@@ -597,6 +597,27 @@ def check_offsets(name, cu, total, batch=None):
     return offsets
 
 
+def check_seqused(name, used, offsets):
+    """seqused_k (flash-attn's): None, or CPU int32 (B,) key counts, each within its
+    sequence's keys in `offsets` (checked cu_seqlens_k). Returns a tuple of ints or None."""
+    if used is None:
+        return None
+    if not isinstance(used, np.ndarray):
+        raise ArgumentTypeError(f"{name}: expected a 1-D int32 array (NumPy, or any with __dlpack__), "
+                                f"got {type(used).__name__}")
+    if str(used.dtype) != "int32":
+        raise ArgumentTypeError(f"{name}: expected dtype int32 (flash-attn's seqused_k), got {used.dtype}")
+    if used.shape != (len(offsets) - 1,):
+        raise InvalidArgumentError(f"{name}: expected shape ({len(offsets) - 1},), one count per sequence, "
+                                   f"got {used.shape}")
+    counts = tuple(int(x) for x in used)
+    for b, n in enumerate(counts):
+        if not 0 <= n <= offsets[b + 1] - offsets[b]:
+            raise InvalidArgumentError(f"{name}[{b}]: must be in [0, {offsets[b + 1] - offsets[b]}] (sequence "
+                                       f"{b}'s keys in cu_seqlens_k), got {n}")
+    return counts
+
+
 def check_max_seqlen(name, value, offsets):
     """max_seqlen_q or _k: None (the longest length of `offsets`) or an int >= it."""
     longest = max(b - a for a, b in zip(offsets, offsets[1:]))

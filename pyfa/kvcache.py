@@ -148,21 +148,31 @@ class _Cache:
             self.v_cache[where] = v
 
     def packed(self):
-        """The sequences' visible keys gathered in logical order, as one packed batch:
-        (q (B * Nq, H, d), k, v (total_k, Hkv, d), cu_seqlens_q, cu_seqlens_k)."""
+        """The call as one packed batch: (q (B * Nq, H, d), k, v (total_k, Hkv, d),
+        cu_seqlens_q, cu_seqlens_k, seqused_k). A dense cache is its own packed k, v, read
+        in place: sequence b is its Nmax rows, of which it uses the first lengths[b]
+        (seqused_k). A paged cache's visible keys are gathered in logical order
+        (seqused_k None): the kernels do not yet read pages in place."""
         B, Nq, H, d = self.q.shape
+        cu_q = (np.arange(B + 1) * Nq).astype(np.int32)
+        q = self.q.reshape(B * Nq, H, d)
+        if self.table is None:
+            _, Nmax, Hkv, _ = self.k_cache.shape
+            cu_k = (np.arange(B + 1) * Nmax).astype(np.int32)
+            k = self.k_cache.reshape(B * Nmax, Hkv, d)  # a view where each batch's rows follow the last's
+            v = self.v_cache.reshape(B * Nmax, Hkv, d)
+            return q, k, v, cu_q, cu_k, self.lengths.astype(np.int32)
         idx = [self.rows(b, np.arange(self.lengths[b])) for b in range(B)]
         k = np.concatenate([self.k_cache[i] for i in idx]) if B else self.k_cache[:0, 0]
         v = np.concatenate([self.v_cache[i] for i in idx]) if B else self.v_cache[:0, 0]
-        cu_q = (np.arange(B + 1) * Nq).astype(np.int32)
         cu_k = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int32)
-        return self.q.reshape(B * Nq, H, d), k, v, cu_q, cu_k
+        return q, k, v, cu_q, cu_k, None
 
 
 def with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse):
-    """attention_with_kvcache's steps around `run` (packed q, k, v, cu_q, cu_k -> (o
-    (total_q, H, d), lse (H, total_q))), the library's or the simulator's: checks, the
-    append (undone if run fails), the gather, and the outputs' shapes."""
+    """attention_with_kvcache's steps around `run` (packed q, k, v, cu_q, cu_k, seqused_k
+    -> (o (total_q, H, d), lse (H, total_q))), the library's or the simulator's: checks,
+    the append (undone if run fails), the packing, and the outputs' shapes."""
     cache = _Cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
     saved = cache.append() if cache.n_new else []
     try:
@@ -195,16 +205,17 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     split size, token t decoded step by step through the cache has the bits of row t of
     one prefill. Returns o (B, Nq, H, d), or (o, lse) with return_lse, lse (B, H, Nq).
 
-    The cached keys are gathered (in logical order) into one packed batch and run as
-    pyfa.attention_varlen, whose rows equal the dense call of each sequence alone; the
-    kernels do not yet read pages in place."""
+    The call runs as pyfa.attention_varlen, whose rows equal the dense call of each
+    sequence alone: a dense cache read in place (its batches as packed sequences of Nmax
+    rows, seqused_k the lengths), a paged one's visible keys gathered in logical order
+    (the kernels do not yet read pages in place)."""
     from . import api, varlen
 
     options, mods = api._keywords("pyfa.attention_with_kvcache", options, mods)
 
-    def run(q_p, k_p, v_p, cu_q, cu_k):
+    def run(q_p, k_p, v_p, cu_q, cu_k, used):
         return varlen.run("fa2_forward", dict(q=q_p, k=k_p, v=v_p), cu_q, cu_k, causal=causal,
                           window=window, scale=scale, options=options, mods=mods,
-                          function="pyfa.attention_with_kvcache", split_size=split_size)
+                          function="pyfa.attention_with_kvcache", split_size=split_size, seqused_k=used)
 
     return with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse)

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _arrays, _lib
 from . import api
-from .checks import (check_max_seqlen, check_offsets, check_offsets_shape, check_varlen_rank)
+from .checks import (check_max_seqlen, check_offsets, check_offsets_shape, check_seqused, check_varlen_rank)
 from .errors import ArgumentTypeError, InvalidArgumentError
 from .options import Options
 
@@ -80,25 +80,42 @@ def _host_copy(name, x):
                                f"and max_seqlen_k")
 
 
-def resolve_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    """The offsets checked against q (total_q, H, d) and k (total_k, Hkv, d): a Varlen."""
+def resolve_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None):
+    """The offsets checked against q (total_q, H, d) and k (total_k, Hkv, d), and the key
+    counts seqused_k (None: every key of each sequence): a Varlen."""
     check_varlen_rank("q", _shape("q", q))
     check_varlen_rank("k", _shape("k", k))
     total_q, total_k = _shape("q", q)[0], _shape("k", k)[0]
-    place = _arrays.common_place({"q": q, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k})
+    named = {"q": q, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+    if seqused_k is not None:
+        named["seqused_k"] = seqused_k
+    place = _arrays.common_place(named)
     if place.kind == "cpu":
         cu_q = _arrays.host_array("cu_seqlens_q", cu_seqlens_q)
         cu_k = _arrays.host_array("cu_seqlens_k", cu_seqlens_k)
         offsets_q = check_offsets("cu_seqlens_q", cu_q, total_q)
         offsets_k = check_offsets("cu_seqlens_k", cu_k, total_k, len(offsets_q) - 1)
-        cu_q, cu_k = np.ascontiguousarray(cu_q), np.ascontiguousarray(cu_k)
-        pointers = {"cu_seqlens_q": cu_q.__array_interface__["data"][0],
-                    "cu_seqlens_k": cu_k.__array_interface__["data"][0]}
+        keep = [np.ascontiguousarray(cu_q), np.ascontiguousarray(cu_k)]
+        fields = ["cu_seqlens_q", "cu_seqlens_k"]
+        attended = offsets_k  # the offsets whose lengths bound max_seqlen_k
+        if seqused_k is not None:
+            used = _arrays.host_array("seqused_k", seqused_k)
+            attended = (0,) + tuple(np.cumsum(check_seqused("seqused_k", used, offsets_k)).tolist())
+            keep.append(np.ascontiguousarray(used))
+            fields.append("seqused_k")
+        pointers = {f: a.__array_interface__["data"][0] for f, a in zip(fields, keep)}
         return Varlen(len(offsets_q) - 1, check_max_seqlen("max_seqlen_q", max_seqlen_q, offsets_q),
-                      check_max_seqlen("max_seqlen_k", max_seqlen_k, offsets_k), pointers, (cu_q, cu_k),
+                      check_max_seqlen("max_seqlen_k", max_seqlen_k, attended), pointers, tuple(keep),
                       offsets_q, offsets_k)
     ptr_q, batch = _device_offsets("cu_seqlens_q", cu_seqlens_q, None)
     ptr_k, _ = _device_offsets("cu_seqlens_k", cu_seqlens_k, batch)
+    pointers = {"cu_seqlens_q": ptr_q, "cu_seqlens_k": ptr_k}
+    if seqused_k is not None:
+        cai = getattr(seqused_k, "__cuda_array_interface__", None)
+        if cai is None or cai["typestr"] not in ("<i4", "|i4") or tuple(cai["shape"]) != (batch,) \
+                or cai.get("strides") not in (None, (4,)):
+            raise InvalidArgumentError(f"seqused_k: expected a contiguous int32 CUDA array of shape ({batch},)")
+        pointers["seqused_k"] = int(cai["data"][0])
     maxima = []
     for name, cu, value in (("max_seqlen_q", cu_seqlens_q, max_seqlen_q),
                             ("max_seqlen_k", cu_seqlens_k, max_seqlen_k)):
@@ -106,20 +123,20 @@ def resolve_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
             host = _host_copy(name.replace("max_seqlen", "cu_seqlens"), cu)
             value = int(np.max(np.diff(host.astype(np.int64))))
         maxima.append(check_max_seqlen(name, value, (0, 0)))
-    return Varlen(batch, *maxima, {"cu_seqlens_q": ptr_q, "cu_seqlens_k": ptr_k},
-                  (cu_seqlens_q, cu_seqlens_k))
+    return Varlen(batch, *maxima, pointers, (cu_seqlens_q, cu_seqlens_k, seqused_k))
 
 
 def run(op_name, args, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
         causal=False, window=None, causal_align="bottom_right", scale=None, options=None, out=None,
-        stream=None, mods=None, function=None, split_size=None):
+        stream=None, mods=None, function=None, split_size=None, seqused_k=None):
     """Runs op `op_name` ("fa2_forward", ...) on packed tensors args ({name: array}: q, k,
     v (total, heads, d), o and do like q, lse, m, l (H, total_q)); returns its outputs,
     gradients shaped like their inputs, statistics (H, total_q)."""
     for name in ("q", "k", "v", "o", "do"):
         if name in args:
             check_varlen_rank(name, _shape(name, args[name]))
-    varlen = resolve_varlen(args["q"], args["k"], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    varlen = resolve_varlen(args["q"], args["k"], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            seqused_k)
     return api._run(op_name, args, causal=causal, window=window, causal_align=causal_align, scale=scale,
                     layout="bnhd", options=options, out=out, stream=stream, mods=mods or {},
                     varlen=varlen, function=function, split_size=split_size)
@@ -134,7 +151,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: Optio
                      max_seqlen_k: Optional[int] = None, causal: bool = False, window=None,
                      causal_align: str = "bottom_right", scale: Optional[float] = None,
                      algo: str = "fa2", return_lse: bool = False, options: Optional[Options] = None,
-                     out=None, stream: Any = None, split_size: Union[None, int, str] = None, **mods):
+                     out=None, stream: Any = None, split_size: Union[None, int, str] = None,
+                     seqused_k=None, **mods):
     """Attention over packed sequences (flash-attn's flash_attn_varlen_func): each of the B
     sequences attends only to itself.
 
@@ -150,8 +168,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: Optio
     flash-attn's softmax_lse; algo "fa2" only). Row r's bits equal those of the dense
     call (pyfa.attention) of its own sequence alone. split_size: FA2's split-KV, as in
     pyfa.fa2_forward (each sequence's keys in chunks of split_size from its own first key),
-    so row r also has the bits of the split dense call of its sequence. Other arguments as
-    in pyfa.attention; out: an array like q to write O into."""
+    so row r also has the bits of the split dense call of its sequence. seqused_k
+    (flash-attn's): None, or int32 (B,) on q's device: sequence b attends to its first
+    seqused_k[b] keys only (each at most its cu_seqlens_k length; the mask aligned to that
+    count), the rest of its rows unread, which is how a dense KV cache is read in place
+    (pyfa.attention_with_kvcache). Other arguments as in pyfa.attention; out: an array
+    like q to write O into."""
     options, mods = api._keywords("pyfa.attention_varlen", options, mods)
     api._algo(algo)
     _fa2_splits("pyfa.attention_varlen", algo, split_size)
@@ -161,7 +183,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: Optio
         raise InvalidArgumentError("return_lse: only algo='fa2' keeps the LSE (FA1 keeps m and l)")
     kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, window=window,
               causal_align=causal_align, scale=scale, options=options, stream=stream, mods=mods,
-              function="pyfa.attention_varlen", split_size=split_size)
+              function="pyfa.attention_varlen", split_size=split_size, seqused_k=seqused_k)
     extra = 2 if algo == "fa1" else 1
     outs = run(f"{algo}_forward", dict(q=q, k=k, v=v), cu_seqlens_q, cu_seqlens_k,
                out=None if out is None else (out,) + (None,) * extra, **kw)

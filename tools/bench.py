@@ -597,7 +597,8 @@ def decode(args):
           f"then {DECODE_BURST} timed calls back to back")
     print("columns: cpu = pyfa.fa2_forward on the cpu backend, cache (B, Hkv, N, d) read in place; "
           f"cpu split = the same with split_size={split} ('decode'); kvcache = "
-          "pyfa.attention_with_kvcache on a (B, N, Hkv, d) cache (flash-attn's layout, gathered in Python); "
+          "pyfa.attention_with_kvcache on a (B, N, Hkv, d) cache (flash-attn's layout, read in place as packed "
+          "sequences with seqused_k); "
           "torch gqa = SDPA with enable_gqa=True; torch exp = SDPA on K/V expanded to H heads beforehand "
           "(outside the timing)")
     print(f"{'context':>8} {'column':11} {'ms':>9} {'min ms':>9} {'GB/s':>7} {'% bw':>6} {'x torch':>8}  note")

@@ -13,7 +13,8 @@ simulator answers without a kernel, is counted as the varlen kernels move its by
 
 import numpy as np
 
-from ..checks import (VARLEN_SHAPES, check_max_seqlen, check_offsets, check_qkv, check_varlen_rank)
+from ..checks import (VARLEN_SHAPES, check_max_seqlen, check_offsets, check_qkv, check_seqused,
+                      check_varlen_rank)
 from ..errors import InvalidArgumentError
 from ..options import resolve
 from . import score
@@ -39,7 +40,7 @@ _STATS = ("lse", "m", "l")
 
 
 def _run(algo, passes, function, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-         options, kwargs):
+         options, kwargs, seqused_k=None):
     kernel, names = _KERNELS[(algo, passes)]
     for name in names:
         if name not in _STATS:
@@ -48,8 +49,12 @@ def _run(algo, passes, function, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen
     H, d = q4.shape[1], q4.shape[3]
     offsets_q = check_offsets("cu_seqlens_q", cu_seqlens_q, q4.shape[2])
     offsets_k = check_offsets("cu_seqlens_k", cu_seqlens_k, k4.shape[2], len(offsets_q) - 1)
+    # Sequence b's keys: rows ka .. kz - 1, the first seqused_k[b] of its own where given.
+    used = check_seqused("seqused_k", seqused_k, offsets_k)
+    lengths = used if used is not None else np.diff(offsets_k).tolist()
+    key_rows = [(a, a + n) for a, n in zip(offsets_k, lengths)]
     check_max_seqlen("max_seqlen_q", max_seqlen_q, offsets_q)
-    check_max_seqlen("max_seqlen_k", max_seqlen_k, offsets_k)
+    check_max_seqlen("max_seqlen_k", max_seqlen_k, (0,) + tuple(np.cumsum(lengths).tolist()))
     for name in names:
         x = tensors[name]
         want = (H, q4.shape[2]) if name in _STATS else None
@@ -70,7 +75,7 @@ def _run(algo, passes, function, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen
         raise InvalidArgumentError(f"alibi_slopes: expected shape ({H},) or ({len(offsets_q) - 1}, {H}), "
                                    f"got {np.shape(slopes)}")
     parts, io = [], IORecord(label=f"{function} (simulated, {len(offsets_q) - 1} sequences)")
-    for (qa, qz), (ka, kz) in zip(zip(offsets_q, offsets_q[1:]), zip(offsets_k, offsets_k[1:])):
+    for (qa, qz), (ka, kz) in zip(zip(offsets_q, offsets_q[1:]), key_rows):
         args = [tensors[n][:, qa:qz] if n in _STATS else
                 tensors[n][ka:kz] if n in _KEY_ROWS else tensors[n][qa:qz] for n in names]
         # Sequence b draws dropout as batch element b (score.batch_offset) and takes row b
@@ -98,12 +103,13 @@ def _run(algo, passes, function, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen
 
 
 def fa2_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
-                       options=None, **kwargs):
+                       options=None, seqused_k=None, **kwargs):
     """FA2 forward over packed sequences (pyfa.attention_varlen's kernel): q (total_q, H, d),
-    k, v (total_k, Hkv, d), int32 offsets; returns Fa2ForwardResult with o (total_q, H, d),
-    lse (H, total_q) and the IO record. Keywords as pyfa.sim.fa2_forward's (no layout)."""
+    k, v (total_k, Hkv, d), int32 offsets, seqused_k as in pyfa.attention_varlen; returns
+    Fa2ForwardResult with o (total_q, H, d), lse (H, total_q) and the IO record. Keywords
+    as pyfa.sim.fa2_forward's (no layout)."""
     return _run("fa2", "forward", "pyfa.sim.fa2_forward_varlen", dict(q=q, k=k, v=v), cu_seqlens_q,
-                cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, kwargs)
+                cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, kwargs, seqused_k)
 
 
 def fa2_backward_varlen(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
@@ -114,10 +120,10 @@ def fa2_backward_varlen(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, *, max_
 
 
 def fa1_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
-                       options=None, **kwargs):
+                       options=None, seqused_k=None, **kwargs):
     """FA1 forward over packed sequences: Fa1ForwardResult with o, m and l (H, total_q)."""
     return _run("fa1", "forward", "pyfa.sim.fa1_forward_varlen", dict(q=q, k=k, v=v), cu_seqlens_q,
-                cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, kwargs)
+                cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, kwargs, seqused_k)
 
 
 def fa1_backward_varlen(q, k, v, o, m, l, do, cu_seqlens_q, cu_seqlens_k, *,  # noqa: E741 (the paper's l)
@@ -143,8 +149,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     gather (pyfa/kvcache.py), then fa2_forward_varlen. Returns o, or (o, lse)."""
     from ..kvcache import with_kvcache
 
-    def run(q_p, k_p, v_p, cu_q, cu_k):
-        r = fa2_forward_varlen(q_p, k_p, v_p, cu_q, cu_k, options=options, split_size=split_size, **kwargs)
+    def run(q_p, k_p, v_p, cu_q, cu_k, used):
+        r = fa2_forward_varlen(q_p, k_p, v_p, cu_q, cu_k, options=options, split_size=split_size,
+                               seqused_k=used, **kwargs)
         return r.o, r.lse
 
     return with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse)

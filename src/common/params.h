@@ -77,6 +77,7 @@ struct AttentionParams {
     // (the grid's), and the per-row tensors are (H, total_q).
     const int32_t* cu_seqlens_q;  // (B + 1) offsets, first 0, last total_q
     const int32_t* cu_seqlens_k;  // (B + 1) offsets, first 0, last total_k
+    const int32_t* seqused_k;     // (B) keys sequence b uses, from its first (pyfa.h); null: all
     int64_t total_q;              // rows of q, o, dO, dQ
     int causal_align;             // a pyfa_causal_align: each sequence's off (mask.h)
     // ---- split-KV (pyfa.h's split_size): 0 for one chunk. A split FA2 forward is the
@@ -105,7 +106,7 @@ struct AttentionParams {
     PYFA_HD Sequence sequence(int64_t b) const {
         if (!cu_seqlens_q) return Sequence{b, 0, 0, seqlen_q, seqlen_k, mask};
         const int64_t q0 = cu_seqlens_q[b], k0 = cu_seqlens_k[b];
-        const int64_t nq = cu_seqlens_q[b + 1] - q0, nk = cu_seqlens_k[b + 1] - k0;
+        const int64_t nq = cu_seqlens_q[b + 1] - q0, nk = seqused_k ? seqused_k[b] : cu_seqlens_k[b + 1] - k0;
         return Sequence{0, q0, k0, nq, nk, mask.for_lengths(causal_align, nq, nk)};
     }
 

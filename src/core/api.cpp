@@ -321,11 +321,14 @@ struct Layouts<pyfa_config> {
 template <>
 struct Layouts<pyfa_tensors> {
     static constexpr size_t sizes[] = {offsetof(pyfa_tensors, cu_seqlens_q),  // ABI 5
-                                       sizeof(pyfa_tensors)};                 // ABI 6: cu_seqlens_q, _k, ...
+                                       offsetof(pyfa_tensors, seqused_k),     // ABI 6 to 8: cu_seqlens_q, _k, ...
+                                       sizeof(pyfa_tensors)};                 // ABI 9: seqused_k
     static constexpr int first_abi = 5;
 };
 static_assert(offsetof(pyfa_tensors, cu_seqlens_q) == offsetof(pyfa_tensors, dv) + sizeof(pyfa_tensor),
               "pyfa_tensors.cu_seqlens_q must start where ABI 5's pyfa_tensors ended");
+static_assert(offsetof(pyfa_tensors, seqused_k) == offsetof(pyfa_tensors, alibi_slopes) + sizeof(pyfa_tensor),
+              "pyfa_tensors.seqused_k must start where ABI 8's pyfa_tensors ended");
 // ABI 3's pyfa_config ended after variant, padded to the struct's alignment (unchanged by
 // flags: emu_seed is a uint64_t too).
 static_assert(offsetof(pyfa_config, flags) == (offsetof(pyfa_config, variant) + sizeof(int) + alignof(pyfa_config) - 1) /
@@ -621,6 +624,12 @@ pyfa_status check_varlen(const pyfa_problem& pr, const pyfa_tensors& named) {
             return fail(PYFA_ERROR_INVALID_ARGUMENT,
                         "tensors->%s.data: null pointer, but problem->varlen asks for packed sequences", o.name);
     }
+    const pyfa_tensor& used = named.seqused_k;
+    if (!all_zero(used.strides))
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "tensors->seqused_k.strides: must be 0 (the lengths are dense int32)");
+    if (used.data && !pr.varlen)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                    "tensors->seqused_k: given, but problem->varlen is 0 (it counts the keys of packed sequences)");
     return PYFA_OK;
 }
 
@@ -637,7 +646,9 @@ pyfa_status check_offsets(const pyfa_problem& pr, const pyfa_tensors& named) {
                 return fail(PYFA_ERROR_INVALID_ARGUMENT,
                             "tensors->%s[%lld]: %d is below the offset before it (%d); offsets must not decrease",
                             o.name, static_cast<long long>(b + 1), cu[b + 1], cu[b]);
-            if (len > pr.*o.longest)
+            // With seqused_k the keys a sequence attends to are its counts, bounded below.
+            const bool counted = o.field == &pyfa_tensors::cu_seqlens_k && named.seqused_k.data;
+            if (len > pr.*o.longest && !counted)
                 return fail(PYFA_ERROR_INVALID_ARGUMENT,
                             "tensors->%s: sequence %lld has %lld rows, more than %s = %lld (the longest)", o.name,
                             static_cast<long long>(b), static_cast<long long>(len), o.longest_name,
@@ -648,6 +659,16 @@ pyfa_status check_offsets(const pyfa_problem& pr, const pyfa_tensors& named) {
                         static_cast<long long>(pr.batch), o.total_name, static_cast<long long>(pr.*o.total),
                         cu[pr.batch]);
     }
+    const int32_t* used = static_cast<const int32_t*>(named.seqused_k.data);
+    const int32_t* cu_k = static_cast<const int32_t*>(named.cu_seqlens_k.data);
+    for (int64_t b = 0; used && b < pr.batch; ++b)
+        if (used[b] < 0 || used[b] > cu_k[b + 1] - cu_k[b] || used[b] > pr.seqlen_k)
+            return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                        "tensors->seqused_k[%lld]: must be in [0, %lld] (sequence %lld's keys in cu_seqlens_k, "
+                        "and problem->seqlen_k, the longest), got %d",
+                        static_cast<long long>(b),
+                        static_cast<long long>(std::min<int64_t>(cu_k[b + 1] - cu_k[b], pr.seqlen_k)),
+                        static_cast<long long>(b), used[b]);
     return PYFA_OK;
 }
 
@@ -814,6 +835,11 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     pyfa_problem pr;
     if ((st = check_problem(problem, taken, n_in + n_out, named, &pr)) != PYFA_OK) return st;
     if ((st = check_varlen(pr, named)) != PYFA_OK) return st;
+    if (named.seqused_k.data && op.op != PYFA_OP_FA2_FORWARD && op.op != PYFA_OP_FA1_FORWARD)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                    "tensors->seqused_k: only the forwards take it; %s does not (the gradient rows of unused "
+                    "keys would be left unwritten)",
+                    op.name);
     if (pr.varlen && (named.bias.data || named.dbias.data))
         return fail(PYFA_ERROR_INVALID_ARGUMENT,
                     "tensors->bias: not with packed sequences (problem->varlen) in this version");
@@ -917,6 +943,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     if (pr.varlen) {
         base.cu_seqlens_q = static_cast<const int32_t*>(named.cu_seqlens_q.data);
         base.cu_seqlens_k = static_cast<const int32_t*>(named.cu_seqlens_k.data);
+        base.seqused_k = static_cast<const int32_t*>(named.seqused_k.data);
         base.total_q = pr.total_q;
         base.causal_align = pr.causal_align;
     }
@@ -1040,9 +1067,9 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     }
     // The offsets go to the device as the inputs do.
     if (stage_inputs && pr.varlen) {
-        const int32_t** cu[] = {&bound.cu_seqlens_q, &bound.cu_seqlens_k};
-        const size_t bytes = sizeof(int32_t) * static_cast<size_t>(pr.batch + 1);
-        for (int n = 0; n < 2; ++n) {
+        const int32_t** cu[] = {&bound.cu_seqlens_q, &bound.cu_seqlens_k, &bound.seqused_k};
+        for (int n = 0; n < 3 && *cu[n]; ++n) {
+            const size_t bytes = sizeof(int32_t) * static_cast<size_t>(pr.batch + (n < 2));
             float* copy = nullptr;
             if ((st = owned.alloc(bytes, &copy)) != PYFA_OK) return st;
             if ((st = backend.copy_to_device(copy, *cu[n], bytes, stream)) != PYFA_OK) return st;

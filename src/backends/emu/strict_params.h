@@ -77,6 +77,8 @@ inline bool strict_tensors(pyfa_emu::StrictSession& S, int kernel, const Attenti
         const int64_t offsets[4] = {1, 1, 1, p.batch + 1};
         q.cu_seqlens_q = reinterpret_cast<const int32_t*>(add4("cu_seqlens_q", p.cu_seqlens_q, offsets, flat, 0));
         q.cu_seqlens_k = reinterpret_cast<const int32_t*>(add4("cu_seqlens_k", p.cu_seqlens_k, offsets, flat, 0));
+        const int64_t lengths[4] = {1, 1, 1, p.batch};
+        q.seqused_k = reinterpret_cast<const int32_t*>(add4("seqused_k", p.seqused_k, lengths, flat, 0));
     }
     return ok;
 }
