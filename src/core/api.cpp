@@ -1049,6 +1049,8 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     AttentionParams bound = base;
     const bool stage_inputs = !device_pointers && device_backend;
     const bool dense_only = backend.dense_only();
+    const bool strided_kv = backend.forwards_read_strided_kv() &&
+                            (op.op == PYFA_OP_FA2_FORWARD || op.op == PYFA_OP_FA1_FORWARD);
     const bool host_in_place = !device_backend && (cfg.flags & PYFA_FLAG_IN_PLACE);
     bool staged[kMaxOutputs] = {};
     bool any_staged = false;
@@ -1059,7 +1061,8 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
             const size_t bytes = sizeof(float) * static_cast<size_t>(tensor_extent(op.inputs[t], pr));
             if ((st = owned.alloc(bytes, &slot)) != PYFA_OK) return st;
             if ((st = backend.copy_to_device(slot, inputs[t], bytes, stream)) != PYFA_OK) return st;
-        } else if (dense_only && !kTensors[op.inputs[t]].per_row && !is_dense(op.inputs[t], pr)) {
+        } else if (dense_only && !kTensors[op.inputs[t]].per_row && !is_dense(op.inputs[t], pr) &&
+                   !(strided_kv && (op.inputs[t] == T_K || op.inputs[t] == T_V))) {
             if ((st = owned.alloc(tensor_bytes(op.inputs[t], pr), &slot)) != PYFA_OK) return st;
             gather_rows(op.inputs[t], pr, inputs[t], slot);
             *strides_slot(bound, op.inputs[t]) = dense_strides(op.inputs[t], pr);

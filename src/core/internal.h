@@ -120,6 +120,9 @@ public:
     // Addresses dense tensors only: strided inputs are gathered first and strided
     // outputs are always staged.
     virtual bool dense_only() const { return false; }
+    // A dense_only backend whose forwards still read K and V through their strides (any
+    // row and head stride): a packed batch or a KV cache is not copied before a forward.
+    virtual bool forwards_read_strided_kv() const { return false; }
     // Takes a whole op at once (run_op) rather than kernel by kernel (launch).
     virtual bool runs_whole_op() const { return false; }
     // config->progress is asked by the dispatcher before each kernel (and once more

@@ -422,6 +422,7 @@ public:
     }
     bool runs_table_kernels() const override { return false; }
     bool dense_only() const override { return true; }
+    bool forwards_read_strided_kv() const override { return true; }
     bool runs_whole_op() const override { return true; }
     pyfa_status run_op(int op, const AttentionParams* params, size_t count, const pyfa_config& cfg) const override {
         return cpu_run(op, params, count, cfg);

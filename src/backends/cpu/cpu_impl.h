@@ -465,13 +465,14 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
     }
 
     const int64_t kv0 = kv_rows(p, kv_head(p, bh));
+    const int64_t ldk = p.k_strides.row, ldv = p.v_strides.row;  // the caller's (forwards_read_strided_kv)
     const TileRange visit = ctx.kv_tiles(qh.b, i);
     for (int64_t j = visit.begin; j < visit.end; ++j) {
         const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0);
-        const float* K = p.k + kv0 + col0 * d;  // (bc, d)
-        const float* V = p.v + kv0 + col0 * d;  // (bc, d)
+        const float* K = p.k + kv0 + col0 * ldk;  // (bc, d), row stride ldk
+        const float* V = p.v + kv0 + col0 * ldv;  // (bc, d), row stride ldv
         // S^T[c][r] = sum_x Q[r,x] K[c,x].
-        gemm_store_kb(f.QT, Rp, Rp, K, d, 1, d, bc, f.S, Rp);
+        gemm_store_kb(f.QT, Rp, Rp, K, ldk, 1, d, bc, f.S, Rp);
         // The score pipeline (common/score.h) on S^T, lanes along rows. In a tile the mask
         // cuts, a row that sees none of its keys takes no step (g), and hidden scores are
         // left out of P V; a whole tile keeps the plain loops.
@@ -544,7 +545,7 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
             p.dropout.apply_row(f.S + r, bc, bh / p.heads, bh % p.heads, row0 + r, col0, Rp);
         // pv^T[x][r] = sum_c P~[r,c] V[c,x], then the row update.
         for (int64_t c = 0; c < bc; ++c)
-            std::memcpy(f.Vj + c * f.Ep, V + c * d, sizeof(float) * static_cast<size_t>(d));
+            std::memcpy(f.Vj + c * f.Ep, V + c * ldv, sizeof(float) * static_cast<size_t>(d));
         auto fa2_step = [&](int64_t x, int64_t r, vf pv) {
             float* o = f.OT + x * Rp + r;
             const vf next = vmadd(ld(f.a + r), ld(o), pv);
@@ -614,11 +615,17 @@ inline bool lane_set(float f) {
     return v != 0;
 }
 
-// Reads one float of every 64-byte line of x[0 .. n) in address order; sink keeps the
-// reads (its first element is overwritten later).
-inline void touch_lines(const float* x, int64_t n, float* sink) {
+// Reads one float of every 64-byte line of the rows x[r * ld .. r * ld + d), r < rows, in
+// address order; sink keeps the reads (its first element is overwritten later).
+inline void touch_lines(const float* x, int64_t rows, int64_t d, int64_t ld, float* sink) {
+    constexpr int64_t line = 64 / sizeof(float);
     float t = 0.0f;
-    for (int64_t e = 0; e < n; e += 64 / sizeof(float)) t += x[e];
+    if (ld == d) {
+        for (int64_t e = 0; e < rows * d; e += line) t += x[e];
+    } else {
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t e = 0; e < d; e += line) t += x[r * ld + e];
+    }
     sink[0] = t;
 }
 
@@ -645,32 +652,33 @@ inline void transpose(vf* rows) {
     if constexpr (W >= 16) transpose_stage<8>(rows);
 }
 
-// KT[x * Cp + c] = K[c * d + x] for c < bc, 0 for bc <= c < Cp: K_j transposed, W x W
+// KT[x * Cp + c] = K[c * ld + x] for c < bc, 0 for bc <= c < Cp: K_j transposed, W x W
 // blocks through registers, the edges element by element. D: d as a constant where it is
-// one of the usual head dims (0 otherwise): then the W row offsets of a block are
-// immediates instead of W values that outgrow the registers and were spilled.
+// one of the usual head dims and the rows are dense (ld = d; 0 otherwise): then the W row
+// offsets of a block are immediates instead of W values that outgrow the registers and
+// were spilled.
 template <int64_t D>
-inline void transpose_kv_tile_d(const float* K, int64_t bc, int64_t dd, float* KT, int64_t Cp) {
-    const int64_t d = D ? D : dd;
+inline void transpose_kv_tile_d(const float* K, int64_t bc, int64_t dd, int64_t ldd, float* KT, int64_t Cp) {
+    const int64_t d = D ? D : dd, ld = D ? D : ldd;
     const int64_t cw = bc / W * W, xw = d / W * W;
     for (int64_t c0 = 0; c0 < cw; c0 += W) {
-        const float* Kc = K + c0 * d;  // (W, d)
+        const float* Kc = K + c0 * ld;  // (W, d), row stride ld
         for (int64_t x0 = 0; x0 < xw; x0 += W) {
             vf rows[W];
-            for (int k = 0; k < W; ++k) rows[k] = ldu(Kc + k * d + x0);
+            for (int k = 0; k < W; ++k) rows[k] = ldu(Kc + k * ld + x0);
             transpose(rows);
             for (int k = 0; k < W; ++k) st(KT + (x0 + k) * Cp + c0, rows[k]);
         }
     }
     for (int64_t x = 0; x < d; ++x) {
-        for (int64_t c = x < xw ? cw : 0; c < Cp; ++c) KT[x * Cp + c] = c < bc ? K[c * d + x] : 0.0f;
+        for (int64_t c = x < xw ? cw : 0; c < Cp; ++c) KT[x * Cp + c] = c < bc ? K[c * ld + x] : 0.0f;
     }
 }
 
-inline void transpose_kv_tile(const float* K, int64_t bc, int64_t d, float* KT, int64_t Cp) {
-    if (d == 64) return transpose_kv_tile_d<64>(K, bc, d, KT, Cp);
-    if (d == 128) return transpose_kv_tile_d<128>(K, bc, d, KT, Cp);
-    transpose_kv_tile_d<0>(K, bc, d, KT, Cp);
+inline void transpose_kv_tile(const float* K, int64_t bc, int64_t d, int64_t ld, float* KT, int64_t Cp) {
+    if (d == 64 && ld == 64) return transpose_kv_tile_d<64>(K, bc, d, ld, KT, Cp);
+    if (d == 128 && ld == 128) return transpose_kv_tile_d<128>(K, bc, d, ld, KT, Cp);
+    transpose_kv_tile_d<0>(K, bc, d, ld, KT, Cp);
 }
 
 // out[n] = f(... f(f(init[n], S[n][0]), S[n][1]) ..., S[n][bc - 1]) for the rows n < R of
@@ -769,26 +777,27 @@ void forward_group(const Ctx& ctx, int64_t bkv, int64_t i, float* ws) {
     }
 
     const int64_t kv0 = kv_rows(p, bkv);
+    const int64_t ldk = p.k_strides.row, ldv = p.v_strides.row;  // the caller's (forwards_read_strided_kv)
     const TileRange visit = ctx.kv_tiles(b, i);
     for (int64_t j = visit.begin; j < visit.end; ++j) {
         const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0);
-        const float* K = p.k + kv0 + col0 * d;  // (bc, d)
-        const float* V = p.v + kv0 + col0 * d;  // (bc, d)
+        const float* K = p.k + kv0 + col0 * ldk;  // (bc, d), row stride ldk
+        const float* V = p.v + kv0 + col0 * ldv;  // (bc, d), row stride ldv
         // K_j and V_j read once in address order before they are used: a sequential
         // stream the hardware prefetchers follow, where the transpose's W-row blocks and
         // the product's passes alone left most of the step waiting on memory (the step is
         // memory-bound). Software prefetches of the next tile were mostly dropped: the core
         // holds few misses in flight (docs/cpu_backend.md, Decoding).
-        touch_lines(K, bc * d, g.S);
-        touch_lines(V, bc * d, g.S);
-        transpose_kv_tile(K, bc, d, g.KT, Cp);
+        touch_lines(K, bc, d, ldk, g.S);
+        touch_lines(V, bc, d, ldv, g.S);
+        transpose_kv_tile(K, bc, d, ldk, g.KT, Cp);
         // P~ V reads V_j in place when its rows fill whole vectors (each line once: the
         // lanes of x partition them), else from a copy padded to Dp.
         const bool v_in_place = d == Dp;
         for (int64_t c = 0; !v_in_place && c < bc; ++c)
-            std::memcpy(g.Vj + c * Ep, V + c * d, sizeof(float) * static_cast<size_t>(d));
+            std::memcpy(g.Vj + c * Ep, V + c * ldv, sizeof(float) * static_cast<size_t>(d));
         const float* Vsrc = v_in_place ? V : g.Vj;
-        const int64_t Vld = v_in_place ? d : Ep;
+        const int64_t Vld = v_in_place ? ldv : Ep;
         // S[n][c] = sum_x Q[n,x] K[c,x].
         gemm_store_kb(g.KT, Cp, Cp, g.Qg, Ep, 1, d, R, g.S, Cp);
         const Band band = seq.mask.band(row0, col0);
