@@ -151,22 +151,31 @@ class _Cache:
         """The call as one packed batch: (q (B * Nq, H, d), k, v (total_k, Hkv, d),
         cu_seqlens_q, cu_seqlens_k, seqused_k). A dense cache is its own packed k, v, read
         in place: sequence b is its Nmax rows, of which it uses the first lengths[b]
-        (seqused_k). A paged cache's visible keys are gathered in logical order
-        (seqused_k None): the kernels do not yet read pages in place."""
+        (seqused_k). A paged cache's pages are gathered whole, each sequence's in logical
+        order, and the rows past its length in its last page go unused the same way: one
+        copy of page-sized blocks (the kernels do not yet read pages in place)."""
         B, Nq, H, d = self.q.shape
-        cu_q = (np.arange(B + 1) * Nq).astype(np.int32)
+        cu_q = _offsets("q", np.full(B, Nq))
         q = self.q.reshape(B * Nq, H, d)
+        _, rows, Hkv, _ = self.k_cache.shape
         if self.table is None:
-            _, Nmax, Hkv, _ = self.k_cache.shape
-            cu_k = (np.arange(B + 1) * Nmax).astype(np.int32)
-            k = self.k_cache.reshape(B * Nmax, Hkv, d)  # a view where each batch's rows follow the last's
-            v = self.v_cache.reshape(B * Nmax, Hkv, d)
-            return q, k, v, cu_q, cu_k, self.lengths.astype(np.int32)
-        idx = [self.rows(b, np.arange(self.lengths[b])) for b in range(B)]
-        k = np.concatenate([self.k_cache[i] for i in idx]) if B else self.k_cache[:0, 0]
-        v = np.concatenate([self.v_cache[i] for i in idx]) if B else self.v_cache[:0, 0]
-        cu_k = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int32)
-        return q, k, v, cu_q, cu_k, None
+            k = self.k_cache.reshape(B * rows, Hkv, d)  # a view where each batch's rows follow the last's
+            v = self.v_cache.reshape(B * rows, Hkv, d)
+            return q, k, v, cu_q, _offsets("k_cache", np.full(B, rows)), self.lengths.astype(np.int32)
+        pages = -(-self.lengths // rows)  # each sequence's pages in use
+        order = np.concatenate([self.table[b, :pages[b]] for b in range(B)] + [np.zeros(0, np.int32)])
+        k = self.k_cache[order].reshape(-1, Hkv, d)
+        v = self.v_cache[order].reshape(-1, Hkv, d)
+        return q, k, v, cu_q, _offsets("block_table", pages * rows), self.lengths.astype(np.int32)
+
+
+def _offsets(name, lengths):
+    """int32 offsets (B + 1) of packed rows of these lengths; refused past int32."""
+    cu = np.concatenate([[0], np.cumsum(np.asarray(lengths, np.int64))])
+    if cu[-1] > np.iinfo(np.int32).max:
+        raise InvalidArgumentError(f"{name}: {int(cu[-1])} rows in all, beyond the int32 offsets "
+                                   "packed sequences take")
+    return cu.astype(np.int32)
 
 
 def with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse):
@@ -207,8 +216,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
 
     The call runs as pyfa.attention_varlen, whose rows equal the dense call of each
     sequence alone: a dense cache read in place (its batches as packed sequences of Nmax
-    rows, seqused_k the lengths), a paged one's visible keys gathered in logical order
-    (the kernels do not yet read pages in place)."""
+    rows, seqused_k the lengths), a paged one's pages in use gathered whole, in logical
+    order, seqused_k again the lengths (the kernels do not yet read pages in place)."""
     from . import api, varlen
 
     options, mods = api._keywords("pyfa.attention_with_kvcache", options, mods)

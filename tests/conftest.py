@@ -96,18 +96,22 @@ def _sh(command, cwd):
 def cmake_build(tmp_path_factory):
     """An emulator-only CMake build of this source tree, and its `cmake --install` into a
     prefix: (build folder, prefix), for the tests that need a build tree or a prefix of
-    their own (marked xdist_group("cmake_build"), so that one worker builds it once).
+    their own (marked xdist_group("cmake_build"), and built_once besides, so that it is
+    built once per run even where a second worker asks for it).
     Unoptimised: what is checked here is the layout, linking and the bits (which the
     numerical contract keeps the same at every optimisation level), and -O0 builds it in
     less than half the time."""
     cmake, cc = shutil.which("cmake"), shutil.which("cc")
     if cmake is None or cc is None:
         pytest.skip("cmake and cc are needed to build the library with CMake")
-    tmp = tmp_path_factory.mktemp("cmake-install")
-    build, prefix = tmp / "build", tmp / "prefix"
     q = shlex.quote
-    _sh(f"{q(cmake)} -S {q(str(ROOT))} -B {q(str(build))} -DPYFA_WITH_CUDA=OFF "
-       "-DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG=-O0 "
-       f"&& {q(cmake)} --build {q(str(build))} -j2 "
-       f"&& {q(cmake)} --install {q(str(build))} --prefix {q(str(prefix))}", cwd=tmp)
-    return build, prefix
+
+    def make(tmp):
+        build, prefix = tmp / "build", tmp / "prefix"
+        _sh(f"{q(cmake)} -S {q(str(ROOT))} -B {q(str(build))} -DPYFA_WITH_CUDA=OFF "
+           "-DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG=-O0 "
+           f"&& {q(cmake)} --build {q(str(build))} -j2 "
+           f"&& {q(cmake)} --install {q(str(build))} --prefix {q(str(prefix))}", cwd=tmp)
+
+    tmp = built_once(tmp_path_factory, "cmake-install", make)
+    return tmp / "build", tmp / "prefix"

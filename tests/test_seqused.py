@@ -13,18 +13,9 @@ import pytest
 
 import pyfa
 from pyfa import api
+from test_varlen import offsets, same_bits
 
 pytestmark = pytest.mark.xdist_group("varlen")
-
-
-def same_bits(a, b):
-    a = np.ascontiguousarray(a, np.float32)
-    b = np.ascontiguousarray(b, np.float32)
-    return a.shape == b.shape and bool(np.array_equal(a.view(np.uint32), b.view(np.uint32)))
-
-
-def offsets(lengths):
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
 def problem(seed, H=4, Hkv=2, d=64):
