@@ -618,6 +618,22 @@ def check_seqused(name, used, offsets):
     return counts
 
 
+@dataclasses.dataclass(frozen=True)
+class Pages:
+    """Paged K/V (pyfa.h's problem->page_size): packed key row r of a call lies at row
+    table[r // page_size] * page_size + r % page_size of its k and v, which hold
+    num_pages * page_size rows. table: int32 (total_k / page_size,), contiguous, the
+    entries of every page in use within [0, num_pages) (the caller's to have checked)."""
+    table: np.ndarray
+    page_size: int
+    num_pages: int
+
+    def rows(self, a, z):
+        """The rows of k and v holding packed key rows a .. z - 1."""
+        r = np.arange(a, z, dtype=np.int64)
+        return self.table[r // self.page_size].astype(np.int64) * self.page_size + r % self.page_size
+
+
 def check_max_seqlen(name, value, offsets):
     """max_seqlen_q or _k: None (the longest length of `offsets`) or an int >= it."""
     longest = max(b - a for a, b in zip(offsets, offsets[1:]))

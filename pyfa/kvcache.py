@@ -10,6 +10,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from .checks import Pages
 from .errors import ArgumentTypeError, InvalidArgumentError
 
 ArrayOrParts = Union[np.ndarray, Sequence[np.ndarray]]
@@ -148,25 +149,24 @@ class _Cache:
             self.v_cache[where] = v
 
     def packed(self):
-        """The call as one packed batch: (q (B * Nq, H, d), k, v (total_k, Hkv, d),
-        cu_seqlens_q, cu_seqlens_k, seqused_k). A dense cache is its own packed k, v, read
-        in place: sequence b is its Nmax rows, of which it uses the first lengths[b]
-        (seqused_k). A paged cache's pages are gathered whole, each sequence's in logical
-        order, and the rows past its length in its last page go unused the same way: one
-        copy of page-sized blocks (the kernels do not yet read pages in place)."""
+        """The call as one packed batch, read in place: (q (B * Nq, H, d), k, v (rows,
+        Hkv, d), cu_seqlens_q, cu_seqlens_k, seqused_k, pages). A dense cache is its own
+        packed k, v: sequence b is its Nmax rows, of which it uses the first lengths[b]
+        (seqused_k); pages None. A paged one is its pages as rows, and pages (a
+        checks.Pages: pyfa.h's paged K/V) maps the packed logical rows, b * max_pages *
+        page_size onwards for sequence b, onto them through the block table."""
         B, Nq, H, d = self.q.shape
         cu_q = _offsets("q", np.full(B, Nq))
         q = self.q.reshape(B * Nq, H, d)
         _, rows, Hkv, _ = self.k_cache.shape
+        # Views where each batch's (page's) rows follow the last's.
+        k = self.k_cache.reshape(-1, Hkv, d)
+        v = self.v_cache.reshape(-1, Hkv, d)
+        used = self.lengths.astype(np.int32)
         if self.table is None:
-            k = self.k_cache.reshape(B * rows, Hkv, d)  # a view where each batch's rows follow the last's
-            v = self.v_cache.reshape(B * rows, Hkv, d)
-            return q, k, v, cu_q, _offsets("k_cache", np.full(B, rows)), self.lengths.astype(np.int32)
-        pages = -(-self.lengths // rows)  # each sequence's pages in use
-        order = np.concatenate([self.table[b, :pages[b]] for b in range(B)] + [np.zeros(0, np.int32)])
-        k = self.k_cache[order].reshape(-1, Hkv, d)
-        v = self.v_cache[order].reshape(-1, Hkv, d)
-        return q, k, v, cu_q, _offsets("block_table", pages * rows), self.lengths.astype(np.int32)
+            return q, k, v, cu_q, _offsets("k_cache", np.full(B, rows)), used, None
+        pages = Pages(np.ascontiguousarray(self.table.reshape(-1)), rows, self.k_cache.shape[0])
+        return q, k, v, cu_q, _offsets("block_table", np.full(B, self.table.shape[1] * rows)), used, pages
 
 
 def _offsets(name, lengths):
@@ -179,8 +179,8 @@ def _offsets(name, lengths):
 
 
 def with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse):
-    """attention_with_kvcache's steps around `run` (packed q, k, v, cu_q, cu_k, seqused_k
-    -> (o (total_q, H, d), lse (H, total_q))), the library's or the simulator's: checks,
+    """attention_with_kvcache's steps around `run` (packed q, k, v, cu_q, cu_k, seqused_k,
+    pages -> (o (total_q, H, d), lse (H, total_q))), the library's or the simulator's: checks,
     the append (undone if run fails), the packing, and the outputs' shapes."""
     cache = _Cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
     saved = cache.append() if cache.n_new else []
@@ -216,15 +216,16 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
 
     The call runs as pyfa.attention_varlen, whose rows equal the dense call of each
     sequence alone: a dense cache read in place (its batches as packed sequences of Nmax
-    rows, seqused_k the lengths), a paged one's pages in use gathered whole, in logical
-    order, seqused_k again the lengths (the kernels do not yet read pages in place)."""
+    rows, seqused_k the lengths), a paged one as its pages, the kernels finding each
+    key's row through the block table (pyfa.h's paged K/V): neither is copied."""
     from . import api, varlen
 
     options, mods = api._keywords("pyfa.attention_with_kvcache", options, mods)
 
-    def run(q_p, k_p, v_p, cu_q, cu_k, used):
+    def run(q_p, k_p, v_p, cu_q, cu_k, used, pages):
         return varlen.run("fa2_forward", dict(q=q_p, k=k_p, v=v_p), cu_q, cu_k, causal=causal,
                           window=window, scale=scale, options=options, mods=mods,
-                          function="pyfa.attention_with_kvcache", split_size=split_size, seqused_k=used)
+                          function="pyfa.attention_with_kvcache", split_size=split_size, seqused_k=used,
+                          pages=pages)
 
     return with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse)

@@ -21,7 +21,8 @@ import numpy as np
 
 from . import _arrays, _lib
 from . import api
-from .checks import (check_max_seqlen, check_offsets, check_offsets_shape, check_seqused, check_varlen_rank)
+from .checks import (Pages, check_max_seqlen, check_offsets, check_offsets_shape, check_seqused,
+                     check_varlen_rank)
 from .errors import ArgumentTypeError, InvalidArgumentError
 from .options import Options
 
@@ -38,6 +39,7 @@ class Varlen:
     keep: tuple         # the arrays behind the addresses, alive for the call
     offsets_q: Optional[tuple] = None  # host offsets, where they were read
     offsets_k: Optional[tuple] = None
+    pages: Optional[Pages] = None      # paged K/V: its table is pointers["block_table"]
 
     def apply(self, problem, total_q, total_k):
         """problem (a pyfa_problem made for the packed tensors as one batch) marked packed."""
@@ -47,6 +49,9 @@ class Varlen:
         problem.batch = self.batch
         problem.seqlen_q, problem.seqlen_k = max(1, self.max_q), max(1, self.max_k)
         problem.total_q, problem.total_k = total_q, total_k
+        if self.pages is not None:  # k, v hold the pages; the offsets count logical rows
+            problem.page_size, problem.num_pages = self.pages.page_size, self.pages.num_pages
+            problem.total_k = len(self.pages.table) * self.pages.page_size
 
 
 def _shape(name, x):
@@ -80,12 +85,15 @@ def _host_copy(name, x):
                                f"and max_seqlen_k")
 
 
-def resolve_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None):
+def resolve_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None, pages=None):
     """The offsets checked against q (total_q, H, d) and k (total_k, Hkv, d), and the key
-    counts seqused_k (None: every key of each sequence): a Varlen."""
+    counts seqused_k (None: every key of each sequence): a Varlen. pages (host arrays
+    only): a checks.Pages, k then holding the pages and the offsets logical rows."""
     check_varlen_rank("q", _shape("q", q))
     check_varlen_rank("k", _shape("k", k))
     total_q, total_k = _shape("q", q)[0], _shape("k", k)[0]
+    if pages is not None:
+        total_k = len(pages.table) * pages.page_size
     named = {"q": q, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
     if seqused_k is not None:
         named["seqused_k"] = seqused_k
@@ -103,10 +111,15 @@ def resolve_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             attended = (0,) + tuple(np.cumsum(check_seqused("seqused_k", used, offsets_k)).tolist())
             keep.append(np.ascontiguousarray(used))
             fields.append("seqused_k")
+        if pages is not None:
+            keep.append(pages.table)
+            fields.append("block_table")
         pointers = {f: a.__array_interface__["data"][0] for f, a in zip(fields, keep)}
         return Varlen(len(offsets_q) - 1, check_max_seqlen("max_seqlen_q", max_seqlen_q, offsets_q),
                       check_max_seqlen("max_seqlen_k", max_seqlen_k, attended), pointers, tuple(keep),
-                      offsets_q, offsets_k)
+                      offsets_q, offsets_k, pages)
+    if pages is not None:
+        raise InvalidArgumentError("k: paged K/V is taken from host (NumPy) arrays only in this version")
     ptr_q, batch = _device_offsets("cu_seqlens_q", cu_seqlens_q, None)
     ptr_k, _ = _device_offsets("cu_seqlens_k", cu_seqlens_k, batch)
     pointers = {"cu_seqlens_q": ptr_q, "cu_seqlens_k": ptr_k}
@@ -128,7 +141,7 @@ def resolve_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
 
 def run(op_name, args, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
         causal=False, window=None, causal_align="bottom_right", scale=None, options=None, out=None,
-        stream=None, mods=None, function=None, split_size=None, seqused_k=None):
+        stream=None, mods=None, function=None, split_size=None, seqused_k=None, pages=None):
     """Runs op `op_name` ("fa2_forward", ...) on packed tensors args ({name: array}: q, k,
     v (total, heads, d), o and do like q, lse, m, l (H, total_q)); returns its outputs,
     gradients shaped like their inputs, statistics (H, total_q)."""
@@ -136,7 +149,7 @@ def run(op_name, args, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seq
         if name in args:
             check_varlen_rank(name, _shape(name, args[name]))
     varlen = resolve_varlen(args["q"], args["k"], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            seqused_k)
+                            seqused_k, pages)
     return api._run(op_name, args, causal=causal, window=window, causal_align=causal_align, scale=scale,
                     layout="bnhd", options=options, out=out, stream=stream, mods=mods or {},
                     varlen=varlen, function=function, split_size=split_size)

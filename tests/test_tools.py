@@ -57,12 +57,13 @@ def test_bench_smoke_prints_ratios_on_its_last_line():
 
 
 def test_bench_decode_and_varlen_smoke_print_bandwidth_and_torch_side_by_side():
-    p = run([sys.executable, str(TOOLS / "bench.py"), "--decode", "--varlen", "--smoke", "--decode-threads", "2"])
+    p = run([sys.executable, str(TOOLS / "bench.py"), "--decode", "--varlen", "--smoke", "--decode-threads", "2",
+             "--decode-kvcache"])
     assert p.returncode == 0, p.stdout + p.stderr
     out = p.stdout
     assert "BITS DIFFER" not in out and "cpu == emu bit for bit" in out, out
-    rows = {line.split()[1] for line in out.splitlines() if line.startswith("     256 ")}
-    assert {"bandwidth", "cpu"} <= rows, out
+    rows = {line[9:20].strip() for line in out.splitlines() if line.startswith("     256 ")}
+    assert {"bandwidth", "cpu", "kvcache", "kv paged"} <= rows, out
     summaries = [line for line in out.splitlines() if line.startswith("summary: ")]
     assert len(summaries) == 2, out
     assert re.search(r"N=256: cpu( split)? \d+\.\d GB/s = \d+% of \d+\.\d GB/s measured", summaries[0]), out

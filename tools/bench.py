@@ -563,6 +563,7 @@ def stream_read_blas(buf):
 
 
 DECODE_BURST = 3  # timed calls per column and round
+DECODE_PAGE = 16  # --decode-kvcache's paged column: rows per page (vLLM's default block size)
 
 
 def decode_bytes(b, h, hkv, n, d):
@@ -598,7 +599,8 @@ def decode(args):
     print("columns: cpu = pyfa.fa2_forward on the cpu backend, cache (B, Hkv, N, d) read in place; "
           f"cpu split = the same with split_size={split} ('decode'); kvcache = "
           "pyfa.attention_with_kvcache on a (B, N, Hkv, d) cache (flash-attn's layout, read in place as packed "
-          "sequences with seqused_k); "
+          f"sequences with seqused_k); kv paged = the same on a paged cache, pages of {DECODE_PAGE} rows in "
+          "shuffled order, read through the block table; "
           "torch gqa = SDPA with enable_gqa=True; torch exp = SDPA on K/V expanded to H heads beforehand "
           "(outside the timing)")
     print(f"{'context':>8} {'column':11} {'ms':>9} {'min ms':>9} {'GB/s':>7} {'% bw':>6} {'x torch':>8}  note")
@@ -619,6 +621,15 @@ def decode(args):
         if args.decode_kvcache:
             qc, kc, vc = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v))
             cols.append(Column("kvcache", lambda: pyfa.attention_with_kvcache(qc, kc, vc, lens, options=cpu)))
+            per = -(-n // DECODE_PAGE)
+            table = rng.permutation(b * per).astype(np.int32).reshape(b, per)
+            kp, vp = (np.zeros((b * per, DECODE_PAGE, hkv, d), np.float32) for _ in range(2))
+            for x, pages in ((kc, kp), (vc, vp)):
+                padded = np.zeros((b, per * DECODE_PAGE, hkv, d), np.float32)
+                padded[:, :n] = x
+                pages[table] = padded.reshape(b, per, DECODE_PAGE, hkv, d)
+            cols.append(Column("kv paged", lambda: pyfa.attention_with_kvcache(qc, kp, vp, lens, block_table=table,
+                                                                              options=cpu)))
         if torch is not None:
             sdpa = torch.nn.functional.scaled_dot_product_attention
             tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))

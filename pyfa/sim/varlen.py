@@ -40,7 +40,7 @@ _STATS = ("lse", "m", "l")
 
 
 def _run(algo, passes, function, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-         options, kwargs, seqused_k=None):
+         options, kwargs, seqused_k=None, pages=None):
     kernel, names = _KERNELS[(algo, passes)]
     for name in names:
         if name not in _STATS:
@@ -48,7 +48,9 @@ def _run(algo, passes, function, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen
     q4, k4, _, _, heads_kv = check_qkv(tensors["q"], tensors["k"], tensors["v"], "bnhd")
     H, d = q4.shape[1], q4.shape[3]
     offsets_q = check_offsets("cu_seqlens_q", cu_seqlens_q, q4.shape[2])
-    offsets_k = check_offsets("cu_seqlens_k", cu_seqlens_k, k4.shape[2], len(offsets_q) - 1)
+    # Paged (a checks.Pages), k and v hold the pages and the offsets count logical rows.
+    total_k = k4.shape[2] if pages is None else len(pages.table) * pages.page_size
+    offsets_k = check_offsets("cu_seqlens_k", cu_seqlens_k, total_k, len(offsets_q) - 1)
     # Sequence b's keys: rows ka .. kz - 1, the first seqused_k[b] of its own where given.
     used = check_seqused("seqused_k", seqused_k, offsets_k)
     lengths = used if used is not None else np.diff(offsets_k).tolist()
@@ -76,8 +78,9 @@ def _run(algo, passes, function, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen
                                    f"got {np.shape(slopes)}")
     parts, io = [], IORecord(label=f"{function} (simulated, {len(offsets_q) - 1} sequences)")
     for (qa, qz), (ka, kz) in zip(zip(offsets_q, offsets_q[1:]), key_rows):
+        keys = slice(ka, kz) if pages is None else pages.rows(ka, kz)
         args = [tensors[n][:, qa:qz] if n in _STATS else
-                tensors[n][ka:kz] if n in _KEY_ROWS else tensors[n][qa:qz] for n in names]
+                tensors[n][keys] if n in _KEY_ROWS else tensors[n][qa:qz] for n in names]
         # Sequence b draws dropout as batch element b (score.batch_offset) and takes row b
         # of (B, H) ALiBi slopes.
         kw = kwargs
@@ -103,13 +106,14 @@ def _run(algo, passes, function, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen
 
 
 def fa2_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
-                       options=None, seqused_k=None, **kwargs):
+                       options=None, seqused_k=None, pages=None, **kwargs):
     """FA2 forward over packed sequences (pyfa.attention_varlen's kernel): q (total_q, H, d),
     k, v (total_k, Hkv, d), int32 offsets, seqused_k as in pyfa.attention_varlen; returns
     Fa2ForwardResult with o (total_q, H, d), lse (H, total_q) and the IO record. Keywords
-    as pyfa.sim.fa2_forward's (no layout)."""
+    as pyfa.sim.fa2_forward's (no layout). pages: a pyfa.checks.Pages (pyfa.h's paged
+    K/V), k and v then the pages' rows."""
     return _run("fa2", "forward", "pyfa.sim.fa2_forward_varlen", dict(q=q, k=k, v=v), cu_seqlens_q,
-                cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, kwargs, seqused_k)
+                cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, kwargs, seqused_k, pages)
 
 
 def fa2_backward_varlen(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
@@ -146,12 +150,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, algo="fa2", **kwarg
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *,
                            block_table=None, split_size=None, return_lse=False, options=None, **kwargs):
     """pyfa.attention_with_kvcache, simulated: the same checks, append (in place) and
-    gather (pyfa/kvcache.py), then fa2_forward_varlen. Returns o, or (o, lse)."""
+    packing (pyfa/kvcache.py), then fa2_forward_varlen, paged caches through their pages. Returns o, or (o, lse)."""
     from ..kvcache import with_kvcache
 
-    def run(q_p, k_p, v_p, cu_q, cu_k, used):
+    def run(q_p, k_p, v_p, cu_q, cu_k, used, pages):
         r = fa2_forward_varlen(q_p, k_p, v_p, cu_q, cu_k, options=options, split_size=split_size,
-                               seqused_k=used, **kwargs)
+                               seqused_k=used, pages=pages, **kwargs)
         return r.o, r.lse
 
     return with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse)

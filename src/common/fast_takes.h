@@ -38,6 +38,7 @@ enum FastTakes : unsigned {
     kTakesBias = 1u << 3,
     kTakesDbias = 1u << 4,  // writes dS into dBias (only the kernels that visit each (i, j) once may)
     kTakesSplit = 1u << 5,  // split-KV's chunked launch (problem->split_size)
+    kTakesPages = 1u << 6,  // paged K/V (problem->page_size): no fast kernel reads rows through a page table
 };
 
 // The fast kernel of `kernel` (a pyfa_kernel) at head dim d: what it takes.
@@ -59,7 +60,8 @@ inline const char* fast_takes_name(unsigned missing) {
     if (missing & kTakesDropout) return "dropout";
     if (missing & kTakesBias) return "bias";
     if (missing & kTakesDbias) return "dbias output";
-    return "split_size";
+    if (missing & kTakesSplit) return "split_size";
+    return "paged K/V";
 }
 
 // Whether the fast kernel of `kernel` at head dim d draws dropout (a compile-time

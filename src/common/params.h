@@ -78,6 +78,10 @@ struct AttentionParams {
     const int32_t* cu_seqlens_q;  // (B + 1) offsets, first 0, last total_q
     const int32_t* cu_seqlens_k;  // (B + 1) offsets, first 0, last total_k
     const int32_t* seqused_k;     // (B) keys sequence b uses, from its first (pyfa.h); null: all
+    // Paged K/V (pyfa.h's page_size): packed key row r lies at row kv_row(r) of k and v.
+    const int32_t* block_table;   // (total_k / page_size) page of each page_size logical rows; null: not paged
+    int64_t page_size;            // rows per page
+    int64_t num_pages;            // pages of k and v: num_pages * page_size rows
     int64_t total_q;              // rows of q, o, dO, dQ
     int causal_align;             // a pyfa_causal_align: each sequence's off (mask.h)
     // ---- split-KV (pyfa.h's split_size): 0 for one chunk. A split FA2 forward is the
@@ -101,6 +105,12 @@ struct AttentionParams {
         const int64_t per = split_size / Bc, lo = split_index * per, hi = lo + per;
         const int64_t a = visit.begin > lo ? visit.begin : lo, z = visit.end < hi ? visit.end : hi;
         return z > a ? TileRange{a, z} : TileRange{a, a};
+    }
+
+    // The row of k and v (in their row stride) holding packed key row r, r itself unless
+    // paged. Every kernel and the cpu backend address a key row through it.
+    PYFA_HD int64_t kv_row(int64_t r) const {
+        return block_table ? static_cast<int64_t>(block_table[r / page_size]) * page_size + r % page_size : r;
     }
 
     PYFA_HD Sequence sequence(int64_t b) const {

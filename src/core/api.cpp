@@ -74,6 +74,8 @@ int64_t tensor_heads(TensorId t, const pyfa_problem& pr) { return kTensors[t].ke
 // function below sizes, copies and compares them so; only the kernels see the sequences.
 int64_t tensor_batch(const pyfa_problem& pr) { return pr.varlen ? 1 : pr.batch; }
 int64_t tensor_rows(TensorId t, const pyfa_problem& pr) {
+    // Paged, k and v hold the pages (check_problem has bounded the product).
+    if (pr.varlen && pr.page_size > 0 && (t == T_K || t == T_V)) return pr.num_pages * pr.page_size;
     if (pr.varlen) return kTensors[t].key_rows ? pr.total_k : pr.total_q;
     return kTensors[t].key_rows ? pr.seqlen_k : pr.seqlen_q;
 }
@@ -307,11 +309,14 @@ struct Layouts<pyfa_problem> {
     static constexpr size_t sizes[] = {offsetof(pyfa_problem, varlen),      // ABI 3 to 5
                                        offsetof(pyfa_problem, split_size),       // ABI 6: packed sequences, score modifications
                                        offsetof(pyfa_problem, diagonal_offset),  // ABI 7: split_size
-                                       sizeof(pyfa_problem)};                    // ABI 8: diagonal_offset
+                                       offsetof(pyfa_problem, page_size),        // ABI 8 and 9: diagonal_offset
+                                       sizeof(pyfa_problem)};                    // ABI 10: page_size, num_pages
     static constexpr int first_abi = 3;
 };
 static_assert(offsetof(pyfa_problem, varlen) == offsetof(pyfa_problem, dv) + sizeof(pyfa_strides),
               "pyfa_problem.varlen, ABI 6's first field, must start where ABI 5's pyfa_problem ended");
+static_assert(offsetof(pyfa_problem, page_size) == offsetof(pyfa_problem, diagonal_offset) + sizeof(int64_t),
+              "pyfa_problem.page_size must start where ABI 9's pyfa_problem ended");
 template <>
 struct Layouts<pyfa_config> {
     static constexpr size_t sizes[] = {offsetof(pyfa_config, flags),  // ABI 3: up to variant
@@ -322,13 +327,16 @@ template <>
 struct Layouts<pyfa_tensors> {
     static constexpr size_t sizes[] = {offsetof(pyfa_tensors, cu_seqlens_q),  // ABI 5
                                        offsetof(pyfa_tensors, seqused_k),     // ABI 6 to 8: cu_seqlens_q, _k, ...
-                                       sizeof(pyfa_tensors)};                 // ABI 9: seqused_k
+                                       offsetof(pyfa_tensors, block_table),   // ABI 9: seqused_k
+                                       sizeof(pyfa_tensors)};                 // ABI 10: block_table
     static constexpr int first_abi = 5;
 };
 static_assert(offsetof(pyfa_tensors, cu_seqlens_q) == offsetof(pyfa_tensors, dv) + sizeof(pyfa_tensor),
               "pyfa_tensors.cu_seqlens_q must start where ABI 5's pyfa_tensors ended");
 static_assert(offsetof(pyfa_tensors, seqused_k) == offsetof(pyfa_tensors, alibi_slopes) + sizeof(pyfa_tensor),
               "pyfa_tensors.seqused_k must start where ABI 8's pyfa_tensors ended");
+static_assert(offsetof(pyfa_tensors, block_table) == offsetof(pyfa_tensors, seqused_k) + sizeof(pyfa_tensor),
+              "pyfa_tensors.block_table must start where ABI 9's pyfa_tensors ended");
 // ABI 3's pyfa_config ended after variant, padded to the struct's alignment (unchanged by
 // flags: emu_seed is a uint64_t too).
 static_assert(offsetof(pyfa_config, flags) == (offsetof(pyfa_config, variant) + sizeof(int) + alignof(pyfa_config) - 1) /
@@ -544,6 +552,27 @@ pyfa_status check_problem(const pyfa_problem* in, const TensorId* tensors, int n
                     q ? "problem->total_q" : "problem->total_k",
                     static_cast<long long>(q ? pr->total_q : pr->total_k));
     }
+    // Paged K/V: its shape, before anything sizes k and v by it.
+    if (pr->page_size < 0 || (pr->page_size > 0 && !pr->varlen))
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->page_size: %s, got %lld",
+                    pr->page_size < 0 ? "must be >= 1 (0: not paged)"
+                                      : "paged K/V takes packed sequences (problem->varlen)",
+                    static_cast<long long>(pr->page_size));
+    if (pr->page_size == 0 && pr->num_pages != 0)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->num_pages: must be 0 without problem->page_size, got %lld",
+                    static_cast<long long>(pr->num_pages));
+    if (pr->page_size > 0) {
+        if (pr->num_pages < 1 || checked_mul(pr->num_pages, pr->page_size) < 0 ||
+            pr->num_pages * pr->page_size > kMaxTensorElems)
+            return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                        "problem->num_pages: must be >= 1 with num_pages * page_size rows addressable, got %lld",
+                        static_cast<long long>(pr->num_pages));
+        if (pr->total_k % pr->page_size != 0)
+            return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                        "problem->total_k: must be a multiple of problem->page_size = %lld when paged "
+                        "(the logical rows are whole pages), got %lld",
+                        static_cast<long long>(pr->page_size), static_cast<long long>(pr->total_k));
+    }
     if (pr->batch > kMaxGridYZ || pr->heads > kMaxGridYZ) {
         const bool b = pr->batch > kMaxGridYZ;
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: at most 65535 (a grid dimension), got %lld",
@@ -630,6 +659,15 @@ pyfa_status check_varlen(const pyfa_problem& pr, const pyfa_tensors& named) {
     if (used.data && !pr.varlen)
         return fail(PYFA_ERROR_INVALID_ARGUMENT,
                     "tensors->seqused_k: given, but problem->varlen is 0 (it counts the keys of packed sequences)");
+    const pyfa_tensor& table = named.block_table;
+    if (!all_zero(table.strides))
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "tensors->block_table.strides: must be 0 (the table is dense int32)");
+    if (table.data && pr.page_size == 0)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                    "tensors->block_table: given, but problem->page_size is 0 (the table maps pages of that size)");
+    if (!table.data && pr.page_size > 0)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                    "tensors->block_table.data: null pointer, but problem->page_size asks for paged K/V");
     return PYFA_OK;
 }
 
@@ -669,6 +707,22 @@ pyfa_status check_offsets(const pyfa_problem& pr, const pyfa_tensors& named) {
                         static_cast<long long>(b),
                         static_cast<long long>(std::min<int64_t>(cu_k[b + 1] - cu_k[b], pr.seqlen_k)),
                         static_cast<long long>(b), used[b]);
+    const int32_t* table = static_cast<const int32_t*>(named.block_table.data);
+    for (int64_t b = 0; table && b < pr.batch; ++b) {
+        const int64_t ps = pr.page_size, nk = used ? used[b] : cu_k[b + 1] - cu_k[b];
+        if (cu_k[b] % ps != 0)
+            return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                        "tensors->cu_seqlens_k[%lld]: must be a multiple of problem->page_size = %lld when paged "
+                        "(a sequence starts a page), got %d",
+                        static_cast<long long>(b), static_cast<long long>(ps), cu_k[b]);
+        for (int64_t e = cu_k[b] / ps; e < (cu_k[b] + nk + ps - 1) / ps; ++e)
+            if (table[e] < 0 || table[e] >= pr.num_pages)
+                return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                            "tensors->block_table[%lld]: page %d of sequence %lld is outside [0, problem->num_pages "
+                            "= %lld)",
+                            static_cast<long long>(e), table[e], static_cast<long long>(b),
+                            static_cast<long long>(pr.num_pages));
+    }
     return PYFA_OK;
 }
 
@@ -840,6 +894,11 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
                     "tensors->seqused_k: only the forwards take it; %s does not (the gradient rows of unused "
                     "keys would be left unwritten)",
                     op.name);
+    if (pr.page_size > 0 && op.op != PYFA_OP_FA2_FORWARD && op.op != PYFA_OP_FA1_FORWARD)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                    "problem->page_size: paged K/V is for the forwards; %s does not take it (its dK and dV are "
+                    "not paged)",
+                    op.name);
     if (pr.varlen && (named.bias.data || named.dbias.data))
         return fail(PYFA_ERROR_INVALID_ARGUMENT,
                     "tensors->bias: not with packed sequences (problem->varlen) in this version");
@@ -944,6 +1003,9 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         base.cu_seqlens_q = static_cast<const int32_t*>(named.cu_seqlens_q.data);
         base.cu_seqlens_k = static_cast<const int32_t*>(named.cu_seqlens_k.data);
         base.seqused_k = static_cast<const int32_t*>(named.seqused_k.data);
+        base.block_table = static_cast<const int32_t*>(named.block_table.data);
+        base.page_size = pr.page_size;
+        base.num_pages = pr.num_pages;
         base.total_q = pr.total_q;
         base.causal_align = pr.causal_align;
     }
@@ -1070,9 +1132,11 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     }
     // The offsets go to the device as the inputs do.
     if (stage_inputs && pr.varlen) {
-        const int32_t** cu[] = {&bound.cu_seqlens_q, &bound.cu_seqlens_k, &bound.seqused_k};
-        for (int n = 0; n < 3 && *cu[n]; ++n) {
-            const size_t bytes = sizeof(int32_t) * static_cast<size_t>(pr.batch + (n < 2));
+        const int32_t** cu[] = {&bound.cu_seqlens_q, &bound.cu_seqlens_k, &bound.seqused_k, &bound.block_table};
+        const int64_t count[] = {pr.batch + 1, pr.batch + 1, pr.batch, pr.page_size ? pr.total_k / pr.page_size : 0};
+        for (int n = 0; n < 4; ++n) {
+            if (!*cu[n]) continue;
+            const size_t bytes = sizeof(int32_t) * static_cast<size_t>(count[n]);
             float* copy = nullptr;
             if ((st = owned.alloc(bytes, &copy)) != PYFA_OK) return st;
             if ((st = backend.copy_to_device(copy, *cu[n], bytes, stream)) != PYFA_OK) return st;

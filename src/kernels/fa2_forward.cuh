@@ -40,8 +40,9 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
 
     const int64_t hk = h / (p.heads / p.heads_kv);  // the K/V head of this query head
     const float* Q = p.q + p.q_strides.at(seq.batch, h, seq.q0);   // (Nq, d) of this head, HBM row stride row_q
-    const float* K = p.k + p.k_strides.at(seq.batch, hk, seq.k0);  // (Nk, d), row stride row_k
-    const float* V = p.v + p.v_strides.at(seq.batch, hk, seq.k0);  // (Nk, d), row stride row_v
+    // Key n of the sequence is row p.kv_row(seq.k0 + n) of K and V (params.h: paged K/V).
+    const float* K = p.k + p.k_strides.at(seq.batch, hk, 0);  // (rows of k, d), row stride row_k
+    const float* V = p.v + p.v_strides.at(seq.batch, hk, 0);  // (rows of v, d), row stride row_v
     float* O = p.o + p.o_strides.at(seq.batch, h, seq.q0);         // (Nq, d), row stride row_o
     float* LSE = p.lse + p.stat_at(seq, h);                            // (Nq), dense
     const int64_t row_q = p.q_strides.row, row_k = p.k_strides.row;
@@ -79,8 +80,9 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
         if (!(PYFA_FAULT(barrier) && tid < 32)) __syncthreads();  // the previous step's readers of K_j, V_j and S_ij are done
         for (int64_t e = tid; e < bc * d; e += nthreads) {
             const int64_t c = e / d, x = e % d;
-            Kj[c * ldk + x] = K[(col0 + c) * row_k + x];
-            Vj[e] = V[(col0 + c) * row_v + x];
+            const int64_t n = p.kv_row(seq.k0 + col0 + c);
+            Kj[c * ldk + x] = K[n * row_k + x];
+            Vj[e] = V[n * row_v + x];
         }
         if (!PYFA_FAULT(race)) __syncthreads();
 

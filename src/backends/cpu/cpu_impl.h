@@ -389,7 +389,7 @@ inline int64_t pad_stride(int64_t d) { return round_up(d, W) + W; }
 
 struct FwdBufs {
     int64_t Rp, Ep;
-    float *QT, *S, *OT, *m, *l, *a, *b, *g, *Vj;
+    float *QT, *S, *OT, *m, *l, *a, *b, *g, *Vj, *Kp;
 };
 
 inline FwdBufs fwd_bufs(const AttentionParams& p, float* ws) {
@@ -406,13 +406,39 @@ inline FwdBufs fwd_bufs(const AttentionParams& p, float* ws) {
     f.g = f.b + f.Rp;              // (Rp)      lanes of rows that see a key of a cut tile (vi bits)
     f.Ep = pad_stride(d);
     f.Vj = f.g + f.Rp;             // (Bc, Ep)  V_j, rows padded to Ep
+    f.Kp = f.Vj + p.block_c * f.Ep; // (Bc, d)   paged K/V: K_j's rows gathered
     return f;
 }
 
 inline size_t fwd_floats(const AttentionParams& p) {
     const int64_t Rp = round_up(p.block_r, W);
     return static_cast<size_t>(2 * p.head_dim * Rp + p.block_c * Rp + 5 * Rp +
-                               p.block_c * pad_stride(p.head_dim));
+                               p.block_c * pad_stride(p.head_dim) + p.block_c * p.head_dim);
+}
+
+// A K/V head's rows as the forwards read them: K_j, V_j of keys n0 .. n0 + bc - 1 of
+// sequence s. X: the head's row 0 in k or v (row stride ld). Unpaged, the rows are
+// evenly spaced and read where they lie; paged (params.h kv_row), rows(c) finds each,
+// and tile() gathers them into a dense (bc, d) copy for the products that take one stride.
+struct KvRows {
+    const AttentionParams& p;
+    const float* X;
+    int64_t ld;
+    const float* row(int64_t n) const { return X + p.kv_row(n) * ld; }
+    // K_j's rows at (return value, return value + *stride, ...).
+    const float* tile(int64_t n0, int64_t bc, float* dense, int64_t* stride) const {
+        const int64_t d = p.head_dim;
+        *stride = p.block_table ? d : ld;
+        if (!p.block_table) return X + n0 * ld;
+        for (int64_t c = 0; c < bc; ++c) std::memcpy(dense + c * d, row(n0 + c), sizeof(float) * static_cast<size_t>(d));
+        return dense;
+    }
+};
+inline KvRows k_rows(const AttentionParams& p, const Sequence& s, int64_t hk) {
+    return KvRows{p, p.k + p.k_strides.at(s.batch, hk, 0), p.k_strides.row};
+}
+inline KvRows v_rows(const AttentionParams& p, const Sequence& s, int64_t hk) {
+    return KvRows{p, p.v + p.v_strides.at(s.batch, hk, 0), p.v_strides.row};
 }
 
 // The K/V head (b * Hkv + hk) that query head bh = b * H + h reads: hk = h / (H / Hkv).
@@ -464,13 +490,14 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
         f.l[r] = 0.0f;
     }
 
-    const int64_t kv0 = kv_rows(p, kv_head(p, bh));
-    const int64_t ldk = p.k_strides.row, ldv = p.v_strides.row;  // the caller's (forwards_read_strided_kv)
+    // K and V as the caller laid them out (forwards_read_strided_kv), paged or not.
+    const int64_t hk = kv_head(p, bh) % p.heads_kv;
+    const KvRows Kh = k_rows(p, qh.s, hk), Vh = v_rows(p, qh.s, hk);
     const TileRange visit = ctx.kv_tiles(qh.b, i);
     for (int64_t j = visit.begin; j < visit.end; ++j) {
         const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0);
-        const float* K = p.k + kv0 + col0 * ldk;  // (bc, d), row stride ldk
-        const float* V = p.v + kv0 + col0 * ldv;  // (bc, d), row stride ldv
+        int64_t ldk = 0;
+        const float* K = Kh.tile(qh.s.k0 + col0, bc, f.Kp, &ldk);  // (bc, d), row stride ldk
         // S^T[c][r] = sum_x Q[r,x] K[c,x].
         gemm_store_kb(f.QT, Rp, Rp, K, ldk, 1, d, bc, f.S, Rp);
         // The score pipeline (common/score.h) on S^T, lanes along rows. In a tile the mask
@@ -545,7 +572,7 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
             p.dropout.apply_row(f.S + r, bc, bh / p.heads, bh % p.heads, row0 + r, col0, Rp);
         // pv^T[x][r] = sum_c P~[r,c] V[c,x], then the row update.
         for (int64_t c = 0; c < bc; ++c)
-            std::memcpy(f.Vj + c * f.Ep, V + c * ldv, sizeof(float) * static_cast<size_t>(d));
+            std::memcpy(f.Vj + c * f.Ep, Vh.row(qh.s.k0 + col0 + c), sizeof(float) * static_cast<size_t>(d));
         auto fa2_step = [&](int64_t x, int64_t r, vf pv) {
             float* o = f.OT + x * Rp + r;
             const vf next = vmadd(ld(f.a + r), ld(o), pv);
@@ -703,7 +730,7 @@ inline void row_chains(const float* S, int64_t Cp, int64_t R, int64_t bc, const 
 
 struct GrpBufs {
     int64_t R, Rw, Cp, Dp, Ep;
-    float *Qg, *KT, *S, *Vj, *O, *m, *l, *mn, *ms, *alpha, *rowsum, *sees;
+    float *Qg, *KT, *S, *Vj, *O, *m, *l, *mn, *ms, *alpha, *rowsum, *sees, *Kp;
 };
 
 // Rows of the group tile: G query heads by the grid's Q tile (at most Nq rows).
@@ -732,13 +759,14 @@ inline GrpBufs grp_bufs(const AttentionParams& p, float* ws) {
     g.alpha = g.ms + g.Rw;
     g.rowsum = g.alpha + g.Rw;
     g.sees = g.rowsum + g.Rw;
+    g.Kp = g.sees + g.Rw;           // (Bc, d)   paged K/V: K_j's rows gathered
     return g;
 }
 
 inline size_t grp_floats(const AttentionParams& p) {
     const int64_t d = p.head_dim, Bc = p.block_c, R = group_rows(p);
     const int64_t Cp = round_up(Bc, W), Ep = pad_stride(d), Dp = round_up(d, W);
-    return static_cast<size_t>(R * Ep + d * Cp + R * Cp + Bc * Ep + R * Dp + 7 * round_up(R, W));
+    return static_cast<size_t>(R * Ep + d * Cp + R * Cp + Bc * Ep + R * Dp + 7 * round_up(R, W) + Bc * d);
 }
 
 // P~ V in a cut tile: lanes along x, steps k keys, operands j the group's rows (row j % br
@@ -776,26 +804,32 @@ void forward_group(const Ctx& ctx, int64_t bkv, int64_t i, float* ws) {
         g.l[n] = 0.0f;
     }
 
-    const int64_t kv0 = kv_rows(p, bkv);
-    const int64_t ldk = p.k_strides.row, ldv = p.v_strides.row;  // the caller's (forwards_read_strided_kv)
+    // K and V as the caller laid them out (forwards_read_strided_kv), paged or not.
+    const KvRows Kh = k_rows(p, seq, bkv % p.heads_kv), Vh = v_rows(p, seq, bkv % p.heads_kv);
+    const bool paged = p.block_table != nullptr;
     const TileRange visit = ctx.kv_tiles(b, i);
     for (int64_t j = visit.begin; j < visit.end; ++j) {
-        const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0);
-        const float* K = p.k + kv0 + col0 * ldk;  // (bc, d), row stride ldk
-        const float* V = p.v + kv0 + col0 * ldv;  // (bc, d), row stride ldv
+        const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0), n0 = seq.k0 + col0;
+        const int64_t ldv = Vh.ld;
+        const float* V = Vh.X + n0 * ldv;  // unpaged: (bc, d), row stride ldv
         // K_j and V_j read once in address order before they are used: a sequential
         // stream the hardware prefetchers follow, where the transpose's W-row blocks and
         // the product's passes alone left most of the step waiting on memory (the step is
         // memory-bound). Software prefetches of the next tile were mostly dropped: the core
         // holds few misses in flight (docs/cpu_backend.md, Decoding).
-        touch_lines(K, bc, d, ldk, g.S);
-        touch_lines(V, bc, d, ldv, g.S);
+        // (Paged, the gathers below read each row once in order instead.)
+        if (!paged) {
+            touch_lines(Kh.X + n0 * Kh.ld, bc, d, Kh.ld, g.S);
+            touch_lines(V, bc, d, ldv, g.S);
+        }
+        int64_t ldk = 0;
+        const float* K = Kh.tile(n0, bc, g.Kp, &ldk);  // (bc, d), row stride ldk
         transpose_kv_tile(K, bc, d, ldk, g.KT, Cp);
         // P~ V reads V_j in place when its rows fill whole vectors (each line once: the
-        // lanes of x partition them), else from a copy padded to Dp.
-        const bool v_in_place = d == Dp;
+        // lanes of x partition them) and are evenly spaced, else from a copy padded to Dp.
+        const bool v_in_place = d == Dp && !paged;
         for (int64_t c = 0; !v_in_place && c < bc; ++c)
-            std::memcpy(g.Vj + c * Ep, V + c * ldv, sizeof(float) * static_cast<size_t>(d));
+            std::memcpy(g.Vj + c * Ep, Vh.row(n0 + c), sizeof(float) * static_cast<size_t>(d));
         const float* Vsrc = v_in_place ? V : g.Vj;
         const int64_t Vld = v_in_place ? ldv : Ep;
         // S[n][c] = sum_x Q[n,x] K[c,x].

@@ -52,8 +52,9 @@ inline bool strict_tensors(pyfa_emu::StrictSession& S, int kernel, const Attenti
     const int64_t Nk = packed ? p.cu_seqlens_k[p.batch] : p.seqlen_k;
     const TensorStrides rows{H * Nq, Nq, 1};  // lse, m, l, drow: dense (B, H, Nq), (H, total_q) packed
     q.q = add("q", p.q, H, Nq, d, p.q_strides, 0);
-    q.k = add("k", p.k, Hkv, Nk, d, p.k_strides, 0);
-    q.v = add("v", p.v, Hkv, Nk, d, p.v_strides, 0);
+    const int64_t kv_rows = p.block_table ? p.num_pages * p.page_size : Nk;  // paged: the pages
+    q.k = add("k", p.k, Hkv, kv_rows, d, p.k_strides, 0);
+    q.v = add("v", p.v, Hkv, kv_rows, d, p.v_strides, 0);
     q.o = add("o", p.o, H, Nq, d, p.o_strides, kO);
     q.lse = add("lse", p.lse, H, Nq, 1, rows, kLse);
     q.m = add("m", p.m, H, Nq, 1, rows, kM);
@@ -79,6 +80,8 @@ inline bool strict_tensors(pyfa_emu::StrictSession& S, int kernel, const Attenti
         q.cu_seqlens_k = reinterpret_cast<const int32_t*>(add4("cu_seqlens_k", p.cu_seqlens_k, offsets, flat, 0));
         const int64_t lengths[4] = {1, 1, 1, p.batch};
         q.seqused_k = reinterpret_cast<const int32_t*>(add4("seqused_k", p.seqused_k, lengths, flat, 0));
+        const int64_t pages[4] = {1, 1, 1, p.block_table ? Nk / p.page_size : 0};
+        q.block_table = reinterpret_cast<const int32_t*>(add4("block_table", p.block_table, pages, flat, 0));
     }
     return ok;
 }
