@@ -288,7 +288,9 @@ pyfa_status cpu_run(int op, const AttentionParams* params, size_t count, const p
             plans.emplace_back(params[c], false, nullptr);
             plans.back().ctx.group = group;
         }
-        const int64_t Tr = plans[0].Tr(), units = (group ? p0.batch * p0.heads_kv : BH) * Tr;
+        const int64_t nh = group ? pyfa_cpu::group_heads(p0, threads, chunks * plans[0].Tr()) : 1;
+        for (Plan& f : plans) f.ctx.group_heads = nh;
+        const int64_t Tr = plans[0].Tr(), units = (group ? p0.batch * p0.heads_kv / nh : BH) * Tr;
         phases.push_back({chunks * units, [&, Tr, chunks, group](int64_t k, float* ws) {
                               const Plan& f = plans[static_cast<size_t>(k % chunks)];
                               const int64_t u = k / chunks;
@@ -308,8 +310,9 @@ pyfa_status cpu_run(int op, const AttentionParams* params, size_t count, const p
         // the group reads K_j, V_j once (memory-bound: the bytes of K and V are the cost).
         plans.emplace_back(p0, false, nullptr);
         plans[0].ctx.group = true;
+        plans[0].ctx.group_heads = pyfa_cpu::group_heads(p0, threads, plans[0].Tr());
         const Plan& f = plans[0];
-        const int64_t Tr = f.Tr(), BHkv = p0.batch * p0.heads_kv;
+        const int64_t Tr = f.Tr(), BHkv = p0.batch * p0.heads_kv / f.ctx.group_heads;
         phases.push_back({BHkv * Tr, [&, Tr](int64_t k, float* ws) {
                               isa->forward_group(f.ctx, k / Tr, k % Tr, ws);
                               runner->done_one();

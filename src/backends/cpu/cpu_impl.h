@@ -416,6 +416,20 @@ inline size_t fwd_floats(const AttentionParams& p) {
                                p.block_c * pad_stride(p.head_dim) + p.block_c * p.head_dim);
 }
 
+// Reads one float of every 64-byte line of the rows x[r * ld .. r * ld + d), r < rows, in
+// address order; sink keeps the reads (its first element is overwritten later).
+inline void touch_lines(const float* x, int64_t rows, int64_t d, int64_t ld, float* sink) {
+    constexpr int64_t line = 64 / sizeof(float);
+    float t = 0.0f;
+    if (ld == d) {
+        for (int64_t e = 0; e < rows * d; e += line) t += x[e];
+    } else {
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t e = 0; e < d; e += line) t += x[r * ld + e];
+    }
+    sink[0] = t;
+}
+
 // A K/V head's rows as the forwards read them: K_j, V_j of keys n0 .. n0 + bc - 1 of
 // sequence s. X: the head's row 0 in k or v (row stride ld). Unpaged, the rows are
 // evenly spaced and read where they lie; paged (params.h kv_row), rows(c) finds each,
@@ -425,6 +439,11 @@ struct KvRows {
     const float* X;
     int64_t ld;
     const float* row(int64_t n) const { return X + p.kv_row(n) * ld; }
+    // touch_lines of rows n0 .. n0 + bc - 1, `width` floats of each from the head's.
+    void touch(int64_t n0, int64_t bc, int64_t width, float* sink) const {
+        if (!p.block_table) return touch_lines(X + n0 * ld, bc, width, ld, sink);
+        for (int64_t c = 0; c < bc; ++c) touch_lines(row(n0 + c), 1, width, width, sink);
+    }
     // K_j's rows at (return value, return value + *stride, ...).
     const float* tile(int64_t n0, int64_t bc, float* dense, int64_t* stride) const {
         const int64_t d = p.head_dim;
@@ -642,20 +661,6 @@ inline bool lane_set(float f) {
     return v != 0;
 }
 
-// Reads one float of every 64-byte line of the rows x[r * ld .. r * ld + d), r < rows, in
-// address order; sink keeps the reads (its first element is overwritten later).
-inline void touch_lines(const float* x, int64_t rows, int64_t d, int64_t ld, float* sink) {
-    constexpr int64_t line = 64 / sizeof(float);
-    float t = 0.0f;
-    if (ld == d) {
-        for (int64_t e = 0; e < rows * d; e += line) t += x[e];
-    } else {
-        for (int64_t r = 0; r < rows; ++r)
-            for (int64_t e = 0; e < d; e += line) t += x[r * ld + e];
-    }
-    sink[0] = t;
-}
-
 // One stage of a W x W transpose: swaps bit H of the row index with bit H of the lane.
 template <int H>
 inline void transpose_stage(vf* rows) {
@@ -729,8 +734,19 @@ inline void row_chains(const float* S, int64_t Cp, int64_t R, int64_t bc, const 
 }
 
 struct GrpBufs {
-    int64_t R, Rw, Cp, Dp, Ep;
-    float *Qg, *KT, *S, *Vj, *O, *m, *l, *mn, *ms, *alpha, *rowsum, *sees, *Kp;
+    int64_t R, Rw, Cp, Dp, Ep, slot;
+    float *KT, *S, *Vj, *mn, *ms, *alpha, *rowsum, *sees, *Kp;  // one tile's, shared by the heads
+    float *Qg, *O, *m, *l;  // the running state of one K/V head's group (head())
+
+    // The buffers with the state of the item's k-th K/V head.
+    GrpBufs head(int64_t k) const {
+        GrpBufs g = *this;
+        g.Qg += k * slot;
+        g.O += k * slot;
+        g.m += k * slot;
+        g.l += k * slot;
+        return g;
+    }
 };
 
 // Rows of the group tile: G query heads by the grid's Q tile (at most Nq rows).
@@ -747,26 +763,29 @@ inline GrpBufs grp_bufs(const AttentionParams& p, float* ws) {
     g.Cp = round_up(Bc, W);
     g.Dp = round_up(d, W);
     g.Ep = pad_stride(d);
-    g.Qg = ws;                      // (R, Ep)   the group's q rows
-    g.KT = g.Qg + g.R * g.Ep;       // (d, Cp)   K_j transposed, keys past bc zero
+    g.KT = ws;                      // (d, Cp)   K_j transposed, keys past bc zero
     g.S = g.KT + d * g.Cp;          // (R, Cp)   S_ij, then P~_ij
     g.Vj = g.S + g.R * g.Cp;        // (Bc, Ep)  V_j, columns d .. Dp-1 zero
-    g.O = g.Vj + Bc * g.Ep;         // (R, Dp)   O rows
-    g.m = g.O + g.R * g.Dp;         // (Rw) each: m, l, m_new, safe_max(m_new), alpha,
-    g.l = g.m + g.Rw;               //            rowsum, and the lanes of rows that see
-    g.mn = g.l + g.Rw;              //            a key of a cut tile (vi bits)
-    g.ms = g.mn + g.Rw;
-    g.alpha = g.ms + g.Rw;
+    g.mn = g.Vj + Bc * g.Ep;        // (Rw) each: m_new, safe_max(m_new), alpha, rowsum,
+    g.ms = g.mn + g.Rw;             //            and the lanes of rows that see a key of
+    g.alpha = g.ms + g.Rw;          //            a cut tile (vi bits)
     g.rowsum = g.alpha + g.Rw;
     g.sees = g.rowsum + g.Rw;
     g.Kp = g.sees + g.Rw;           // (Bc, d)   paged K/V: K_j's rows gathered
+    g.Qg = g.Kp + round_up(Bc * d, W);  // per head, slot floats apart (every buffer
+                                        // starts on a vector):
+    g.O = g.Qg + g.R * g.Ep;        //   (R, Ep) the group's q rows, (R, Dp) O rows,
+    g.m = g.O + g.R * g.Dp;         //   (Rw) m and (Rw) l
+    g.l = g.m + g.Rw;
+    g.slot = g.R * g.Ep + g.R * g.Dp + 2 * g.Rw;
     return g;
 }
 
-inline size_t grp_floats(const AttentionParams& p) {
-    const int64_t d = p.head_dim, Bc = p.block_c, R = group_rows(p);
+inline size_t grp_floats(const AttentionParams& p, int64_t heads) {
+    const int64_t d = p.head_dim, Bc = p.block_c, R = group_rows(p), Rw = round_up(R, W);
     const int64_t Cp = round_up(Bc, W), Ep = pad_stride(d), Dp = round_up(d, W);
-    return static_cast<size_t>(R * Ep + d * Cp + R * Cp + Bc * Ep + R * Dp + 7 * round_up(R, W) + Bc * d);
+    return static_cast<size_t>(d * Cp + R * Cp + Bc * Ep + 5 * Rw + round_up(Bc * d, W) +
+                               heads * (R * Ep + R * Dp + 2 * Rw));
 }
 
 // P~ V in a cut tile: lanes along x, steps k keys, operands j the group's rows (row j % br
@@ -778,133 +797,150 @@ struct SelGroupKeys {
     vi keep(int64_t k, int64_t, int64_t j) const { return splati(band->visible(j % br, k) ? -1 : 0); }
 };
 
-// Q tile i of the G query heads of K/V head bkv = b * Hkv + hk: O and LSE.
-void forward_group(const Ctx& ctx, int64_t bkv, int64_t i, float* ws) {
+// Q tile i of the groups of query heads of ctx.group_heads adjacent K/V heads: item u is
+// batch element b = u / (Hkv / group_heads), K/V heads hk0 = u % (Hkv / group_heads) *
+// group_heads onwards; O and LSE. Each K/V head's group (its G query heads) is computed
+// as alone, tile by tile in the heads' order: only the reads of a tile are shared, which
+// for heads adjacent in memory (a (B, N, Hkv, d) or paged cache) makes each key row's
+// block of heads one run of memory instead of Hkv runs a row stride apart.
+void forward_group(const Ctx& ctx, int64_t u, int64_t i, float* ws) {
     const AttentionParams& p = ctx.p;
-    const Sequence seq = kv_sequence(p, bkv);
+    const int64_t nh = ctx.group_heads, b = u / (p.heads_kv / nh), hk0 = u % (p.heads_kv / nh) * nh;
+    const Sequence seq = p.sequence(b);
     const int64_t d = p.head_dim, Nq = seq.Nq, Nk = seq.Nk;
     const int64_t Br = p.block_r, Bc = p.block_c;
     const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
     if (br <= 0) return;  // past its sequence's rows
-    const int64_t G = p.heads / p.heads_kv, b = bkv / p.heads_kv, h0 = (bkv % p.heads_kv) * G;
-    const GrpBufs g = grp_bufs(p, ws);
-    const int64_t R = G * br, Rw = round_up(R, W), Cp = g.Cp, Dp = g.Dp, Ep = g.Ep;
+    const int64_t G = p.heads / p.heads_kv;
+    const GrpBufs all = grp_bufs(p, ws);
+    const int64_t R = G * br, Rw = round_up(R, W), Cp = all.Cp, Dp = all.Dp, Ep = all.Ep;
     const vf scale = splat(p.scale), ninf = splat(-INFINITY), zero = splat(0.0f);
     const vi lane = iota();
 
-    for (int64_t n = 0; n < R; ++n) {
-        const float* Q = p.q + q_head(p, b * p.heads + h0 + n / br).rows + (row0 + n % br) * d;  // (d)
-        std::memcpy(g.Qg + n * Ep, Q, sizeof(float) * static_cast<size_t>(d));
+    for (int64_t k = 0; k < nh; ++k) {
+        const GrpBufs g = all.head(k);
+        const int64_t h0 = (hk0 + k) * G;
+        for (int64_t n = 0; n < R; ++n) {
+            const float* Q = p.q + q_head(p, b * p.heads + h0 + n / br).rows + (row0 + n % br) * d;  // (d)
+            std::memcpy(g.Qg + n * Ep, Q, sizeof(float) * static_cast<size_t>(d));
+        }
+        for (int64_t e = 0; e < R * Dp; ++e) g.O[e] = 0.0f;
+        for (int64_t n = 0; n < Rw; ++n) {
+            g.m[n] = -INFINITY;
+            g.l[n] = 0.0f;
+        }
     }
-    for (int64_t e = 0; e < R * Dp; ++e) g.O[e] = 0.0f;
     for (int64_t c = 0; c < Bc; ++c)  // the columns d .. Dp-1 the products read; the rest is copied
-        for (int64_t x = d; x < Dp; ++x) g.Vj[c * Ep + x] = 0.0f;
-    for (int64_t n = 0; n < Rw; ++n) {
-        g.m[n] = -INFINITY;
-        g.l[n] = 0.0f;
-    }
+        for (int64_t x = d; x < Dp; ++x) all.Vj[c * Ep + x] = 0.0f;
 
     // K and V as the caller laid them out (forwards_read_strided_kv), paged or not.
-    const KvRows Kh = k_rows(p, seq, bkv % p.heads_kv), Vh = v_rows(p, seq, bkv % p.heads_kv);
     const bool paged = p.block_table != nullptr;
+    const KvRows K0 = k_rows(p, seq, hk0), V0 = v_rows(p, seq, hk0);
     const TileRange visit = ctx.kv_tiles(b, i);
     for (int64_t j = visit.begin; j < visit.end; ++j) {
         const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0), n0 = seq.k0 + col0;
-        const int64_t ldv = Vh.ld;
-        const float* V = Vh.X + n0 * ldv;  // unpaged: (bc, d), row stride ldv
-        // K_j and V_j read once in address order before they are used: a sequential
-        // stream the hardware prefetchers follow, where the transpose's W-row blocks and
-        // the product's passes alone left most of the step waiting on memory (the step is
-        // memory-bound). Software prefetches of the next tile were mostly dropped: the core
-        // holds few misses in flight (docs/cpu_backend.md, Decoding).
-        // (Paged, the gathers below read each row once in order instead.)
-        if (!paged) {
-            touch_lines(Kh.X + n0 * Kh.ld, bc, d, Kh.ld, g.S);
-            touch_lines(V, bc, d, ldv, g.S);
+        // K_j and V_j (of the item's heads) read once in address order before they are
+        // used: a sequential stream the hardware prefetchers follow, where the transpose's
+        // W-row blocks and the product's passes alone left most of the step waiting on
+        // memory (the step is memory-bound). Software prefetches of the next tile were
+        // mostly dropped: the core holds few misses in flight (docs/cpu_backend.md,
+        // Decoding). (One head's paged rows: the gathers below read each row once in order.)
+        if (!paged || nh > 1) {
+            K0.touch(n0, bc, nh * d, all.S);
+            V0.touch(n0, bc, nh * d, all.S);
         }
-        int64_t ldk = 0;
-        const float* K = Kh.tile(n0, bc, g.Kp, &ldk);  // (bc, d), row stride ldk
-        transpose_kv_tile(K, bc, d, ldk, g.KT, Cp);
-        // P~ V reads V_j in place when its rows fill whole vectors (each line once: the
-        // lanes of x partition them) and are evenly spaced, else from a copy padded to Dp.
-        const bool v_in_place = d == Dp && !paged;
-        for (int64_t c = 0; !v_in_place && c < bc; ++c)
-            std::memcpy(g.Vj + c * Ep, Vh.row(n0 + c), sizeof(float) * static_cast<size_t>(d));
-        const float* Vsrc = v_in_place ? V : g.Vj;
-        const int64_t Vld = v_in_place ? ldv : Ep;
-        // S[n][c] = sum_x Q[n,x] K[c,x].
-        gemm_store_kb(g.KT, Cp, Cp, g.Qg, Ep, 1, d, R, g.S, Cp);
         const Band band = seq.mask.band(row0, col0);
         const bool cut = band.cuts(br, bc);
         const VBand vb(band, Cp + Br + 1);
+        for (int64_t k = 0; k < nh; ++k) {
+            const GrpBufs g = all.head(k);
+            const int64_t h0 = (hk0 + k) * G;
+            const KvRows Kh = k_rows(p, seq, hk0 + k), Vh = v_rows(p, seq, hk0 + k);
+            int64_t ldk = 0;
+            const float* K = Kh.tile(n0, bc, g.Kp, &ldk);  // (bc, d), row stride ldk
+            transpose_kv_tile(K, bc, d, ldk, g.KT, Cp);
+            // P~ V reads V_j in place when its rows fill whole vectors (each line once: the
+            // lanes of x partition them) and are evenly spaced, else from a copy padded to Dp.
+            const bool v_in_place = d == Dp && !paged;
+            for (int64_t c = 0; !v_in_place && c < bc; ++c)
+                std::memcpy(g.Vj + c * Ep, Vh.row(n0 + c), sizeof(float) * static_cast<size_t>(d));
+            const float* Vsrc = v_in_place ? Vh.X + n0 * Vh.ld : g.Vj;
+            const int64_t Vld = v_in_place ? Vh.ld : Ep;
+            // S[n][c] = sum_x Q[n,x] K[c,x].
+            gemm_store_kb(g.KT, Cp, Cp, g.Qg, Ep, 1, d, R, g.S, Cp);
 
-        // Steps 1-2: the score pipeline along keys, then the row max.
-        for (int64_t n = 0; n < R; ++n) {
-            const int64_t r = n % br, h = h0 + n / br;
-            float* Sr = g.S + n * Cp;
-            for (int64_t cv = 0; cv < Cp; cv += W) {
-                const vi cl = lane + static_cast<int32_t>(cv);
-                vf s = score_mod(p, ld(Sr + cv) * scale, b, h, row0 + r, cl + static_cast<int32_t>(col0));
-                if (cut) s = vb.keys_seen(cl, r) ? s : ninf;
-                st(Sr + cv, s);
+            // Steps 1-2: the score pipeline along keys, then the row max.
+            for (int64_t n = 0; n < R; ++n) {
+                const int64_t r = n % br, h = h0 + n / br;
+                float* Sr = g.S + n * Cp;
+                for (int64_t cv = 0; cv < Cp; cv += W) {
+                    const vi cl = lane + static_cast<int32_t>(cv);
+                    vf s = score_mod(p, ld(Sr + cv) * scale, b, h, row0 + r, cl + static_cast<int32_t>(col0));
+                    if (cut) s = vb.keys_seen(cl, r) ? s : ninf;
+                    st(Sr + cv, s);
+                }
+                const TileRange seen = band.cols(r, bc);
+                g.sees[n] = lane_bits(!cut || seen.begin != seen.end ? -1 : 0);
             }
-            const TileRange seen = band.cols(r, bc);
-            g.sees[n] = lane_bits(!cut || seen.begin != seen.end ? -1 : 0);
+            row_chains(g.S, Cp, R, bc, g.m, g.mn, [](float acc, float x) { return x > acc ? x : acc; });
+            for (int64_t n = R; n < Rw; ++n) {
+                g.mn[n] = -INFINITY;
+                g.sees[n] = 0.0f;
+            }
+            for (int64_t nv = 0; nv < Rw; nv += W) {
+                const vf ms = vsafe(ld(g.mn + nv));
+                st(g.ms + nv, ms);
+                st(g.alpha + nv, vexp(ld(g.m + nv) - ms));
+            }
+            // Steps 3-4: P~ = exp(S - safe_max(m_new)) along keys, the row sum in order.
+            for (int64_t n = 0; n < R; ++n) {
+                float* Sr = g.S + n * Cp;
+                const vf ms = splat(g.ms[n]);
+                for (int64_t cv = 0; cv < Cp; cv += W) st(Sr + cv, vexp(ld(Sr + cv) - ms));
+            }
+            for (int64_t n = 0; n < R; ++n) g.rowsum[n] = 0.0f;
+            row_chains(g.S, Cp, R, bc, g.rowsum, g.rowsum, [](float acc, float x) { return acc + x; });
+            for (int64_t n = R; n < Rw; ++n) g.rowsum[n] = 0.0f;
+            for (int64_t nv = 0; nv < Rw; nv += W) {
+                const vi sees = reinterpret_cast<vi>(ld(g.sees + nv));
+                st(g.l + nv, sees ? vmadd(ld(g.alpha + nv), ld(g.l + nv), ld(g.rowsum + nv)) : ld(g.l + nv));
+                st(g.m + nv, sees ? ld(g.mn + nv) : ld(g.m + nv));
+            }
+            // P V takes P~ o Z / (1 - p) (common/dropout.h); l above took P~ undropped.
+            for (int64_t n = 0; p.dropout.on() && n < R; ++n)
+                p.dropout.apply_row(g.S + n * Cp, bc, b, h0 + n / br, row0 + n % br, col0);
+            // Step 5: pv[n][x] = sum_c P~[n,c] V[c,x], then O = fma(alpha, O, pv).
+            auto step = [&](int64_t n, int64_t x, vf pv) {
+                float* o = g.O + n * Dp + x;
+                const vf next = vmadd(splat(g.alpha[n]), ld(o), pv);
+                st(o, cut ? (lane_set(g.sees[n]) ? next : ld(o)) : next);
+            };
+            if (!cut) gemm_wide(Vsrc, Vld, Dp, g.S, Cp, 1, bc, R, step);
+            else gemm_wide(Vsrc, Vld, Dp, g.S, Cp, 1, bc, R, step, SelGroupKeys{&band, br});
         }
-        row_chains(g.S, Cp, R, bc, g.m, g.mn, [](float acc, float x) { return x > acc ? x : acc; });
-        for (int64_t n = R; n < Rw; ++n) {
-            g.mn[n] = -INFINITY;
-            g.sees[n] = 0.0f;
-        }
-        for (int64_t nv = 0; nv < Rw; nv += W) {
-            const vf ms = vsafe(ld(g.mn + nv));
-            st(g.ms + nv, ms);
-            st(g.alpha + nv, vexp(ld(g.m + nv) - ms));
-        }
-        // Steps 3-4: P~ = exp(S - safe_max(m_new)) along keys, the row sum in order.
-        for (int64_t n = 0; n < R; ++n) {
-            float* Sr = g.S + n * Cp;
-            const vf ms = splat(g.ms[n]);
-            for (int64_t cv = 0; cv < Cp; cv += W) st(Sr + cv, vexp(ld(Sr + cv) - ms));
-        }
-        for (int64_t n = 0; n < R; ++n) g.rowsum[n] = 0.0f;
-        row_chains(g.S, Cp, R, bc, g.rowsum, g.rowsum, [](float acc, float x) { return acc + x; });
-        for (int64_t n = R; n < Rw; ++n) g.rowsum[n] = 0.0f;
-        for (int64_t nv = 0; nv < Rw; nv += W) {
-            const vi sees = reinterpret_cast<vi>(ld(g.sees + nv));
-            st(g.l + nv, sees ? vmadd(ld(g.alpha + nv), ld(g.l + nv), ld(g.rowsum + nv)) : ld(g.l + nv));
-            st(g.m + nv, sees ? ld(g.mn + nv) : ld(g.m + nv));
-        }
-        // P V takes P~ o Z / (1 - p) (common/dropout.h); l above took P~ undropped.
-        for (int64_t n = 0; p.dropout.on() && n < R; ++n)
-            p.dropout.apply_row(g.S + n * Cp, bc, b, h0 + n / br, row0 + n % br, col0);
-        // Step 5: pv[n][x] = sum_c P~[n,c] V[c,x], then O = fma(alpha, O, pv).
-        auto step = [&](int64_t n, int64_t x, vf pv) {
-            float* o = g.O + n * Dp + x;
-            const vf next = vmadd(splat(g.alpha[n]), ld(o), pv);
-            st(o, cut ? (lane_set(g.sees[n]) ? next : ld(o)) : next);
-        };
-        if (!cut) gemm_wide(Vsrc, Vld, Dp, g.S, Cp, 1, bc, R, step);
-        else gemm_wide(Vsrc, Vld, Dp, g.S, Cp, 1, bc, R, step, SelGroupKeys{&band, br});
     }
 
     // O = O / l, LSE = m + log(l); a row that saw no key: O = 0, LSE = -inf.
-    for (int64_t n = R; n < Rw; ++n) {
-        g.m[n] = 0.0f;
-        g.l[n] = 0x1p+0f;
-    }
-    for (int64_t nv = 0; nv < Rw; nv += W) {
-        const vf l = ld(g.l + nv);
-        st(g.alpha + nv, l == zero ? ninf : ld(g.m + nv) + vlog(l));
-    }
-    for (int64_t n = 0; n < R; ++n) {
-        const QHead qh = q_head(p, b * p.heads + h0 + n / br);
-        const int64_t r = n % br;
-        const float ln = g.l[n];
-        float* O = p.o + qh.rows + (row0 + r) * d;  // (d)
-        const float* On = g.O + n * Dp;
-        for (int64_t x = 0; x < d; ++x) O[x] = canon(ln == 0.0f ? 0.0f : On[x] / ln);
-        p.lse[qh.stat + row0 + r] = canon(g.alpha[n]);
+    for (int64_t k = 0; k < nh; ++k) {
+        const GrpBufs g = all.head(k);
+        const int64_t h0 = (hk0 + k) * G;
+        for (int64_t n = R; n < Rw; ++n) {
+            g.m[n] = 0.0f;
+            g.l[n] = 0x1p+0f;
+        }
+        for (int64_t nv = 0; nv < Rw; nv += W) {
+            const vf l = ld(g.l + nv);
+            st(g.alpha + nv, l == zero ? ninf : ld(g.m + nv) + vlog(l));
+        }
+        for (int64_t n = 0; n < R; ++n) {
+            const QHead qh = q_head(p, b * p.heads + h0 + n / br);
+            const int64_t r = n % br;
+            const float ln = g.l[n];
+            float* O = p.o + qh.rows + (row0 + r) * d;  // (d)
+            const float* On = g.O + n * Dp;
+            for (int64_t x = 0; x < d; ++x) O[x] = canon(ln == 0.0f ? 0.0f : On[x] / ln);
+            p.lse[qh.stat + row0 + r] = canon(g.alpha[n]);
+        }
     }
 }
 
@@ -948,7 +984,7 @@ inline size_t bwd_floats(const AttentionParams& p) {
 }
 
 size_t workspace_floats(const Ctx& ctx) {
-    const size_t a = fwd_floats(ctx.p), b = bwd_floats(ctx.p), c = ctx.group ? grp_floats(ctx.p) : 0;
+    const size_t a = fwd_floats(ctx.p), b = bwd_floats(ctx.p), c = ctx.group ? grp_floats(ctx.p, ctx.group_heads) : 0;
     return a > b ? (a > c ? a : c) : (b > c ? b : c);
 }
 

@@ -27,6 +27,7 @@ struct Ctx {
     int64_t Tr, Tc;           // Q and K/V tiles of the grid: of the longest sequence
     bool per_sequence;        // bands per sequence (packed)
     bool group;               // the forward runs forward_group (workspace for it)
+    int64_t group_heads = 1;  // adjacent K/V heads per forward_group item (group_heads())
 
     TileRange kv_tiles(int64_t b, int64_t i) const {
         const int64_t n = (per_sequence ? b * Tr : 0) + i;
@@ -57,11 +58,28 @@ struct Isa {
     // Before and after a head's backward_kv(with_dq) calls: dQ = 0, then its final form.
     void (*zero_dq)(const Ctx& ctx, int64_t bh);
     void (*finish_dq)(const Ctx& ctx, int64_t bh);
-    // FA2 forward of Q tile i of the G = H / Hkv query heads of K/V head bkv together
+    // FA2 forward of Q tile i of the G = H / Hkv query heads of each K/V head together
     // (their rows g * br + r), lanes along keys and x: for tiles of fewer rows than
-    // kGroupRows, where the forward's lanes along rows would run mostly empty.
-    void (*forward_group)(const Ctx& ctx, int64_t bkv, int64_t i, float* ws);
+    // kGroupRows, where the forward's lanes along rows would run mostly empty. Item u
+    // covers ctx.group_heads adjacent K/V heads of one batch element (cpu_impl.h).
+    void (*forward_group)(const Ctx& ctx, int64_t u, int64_t i, float* ws);
 };
+
+// K/V heads per forward_group item: 1, unless K and V hold adjacent heads side by side in
+// each key row ((B, N, Hkv, d) or paged: head stride d, rows longer than a head), where a
+// head's rows alone are short runs a row stride apart, each on its own 4 KiB page, which
+// the hardware prefetchers do not follow. Then the largest divisor n of Hkv that still
+// leaves `threads` items: B * Hkv / n * parallel >= threads, `parallel` being the items of
+// each (batch element, head block).
+inline int64_t group_heads(const AttentionParams& p, int threads, int64_t parallel) {
+    const int64_t d = p.head_dim, Hkv = p.heads_kv;
+    const bool side_by_side = p.k_strides.head == d && p.v_strides.head == d && p.k_strides.row >= Hkv * d &&
+                              p.v_strides.row >= Hkv * d;
+    if (!side_by_side) return 1;
+    for (int64_t n = Hkv; n > 1; --n)
+        if (Hkv % n == 0 && p.batch * (Hkv / n) * parallel >= threads) return n;
+    return 1;
+}
 
 // The dispatcher serves an FA2 forward whose grid has at most this many query rows
 // (decoding: Nq = 1, or a few speculative tokens) with forward_group.
