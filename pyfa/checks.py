@@ -628,6 +628,11 @@ class Pages:
     page_size: int
     num_pages: int
 
+    @property
+    def logical_rows(self):
+        """total_k of the call: the packed rows the table maps."""
+        return len(self.table) * self.page_size
+
     def rows(self, a, z):
         """The rows of k and v holding packed key rows a .. z - 1."""
         r = np.arange(a, z, dtype=np.int64)

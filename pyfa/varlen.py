@@ -51,7 +51,7 @@ class Varlen:
         problem.total_q, problem.total_k = total_q, total_k
         if self.pages is not None:  # k, v hold the pages; the offsets count logical rows
             problem.page_size, problem.num_pages = self.pages.page_size, self.pages.num_pages
-            problem.total_k = len(self.pages.table) * self.pages.page_size
+            problem.total_k = self.pages.logical_rows
 
 
 def _shape(name, x):
@@ -93,7 +93,7 @@ def resolve_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     check_varlen_rank("k", _shape("k", k))
     total_q, total_k = _shape("q", q)[0], _shape("k", k)[0]
     if pages is not None:
-        total_k = len(pages.table) * pages.page_size
+        total_k = pages.logical_rows
     named = {"q": q, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
     if seqused_k is not None:
         named["seqused_k"] = seqused_k

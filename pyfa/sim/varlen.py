@@ -49,7 +49,7 @@ def _run(algo, passes, function, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen
     H, d = q4.shape[1], q4.shape[3]
     offsets_q = check_offsets("cu_seqlens_q", cu_seqlens_q, q4.shape[2])
     # Paged (a checks.Pages), k and v hold the pages and the offsets count logical rows.
-    total_k = k4.shape[2] if pages is None else len(pages.table) * pages.page_size
+    total_k = k4.shape[2] if pages is None else pages.logical_rows
     offsets_k = check_offsets("cu_seqlens_k", cu_seqlens_k, total_k, len(offsets_q) - 1)
     # Sequence b's keys: rows ka .. kz - 1, the first seqused_k[b] of its own where given.
     used = check_seqused("seqused_k", seqused_k, offsets_k)
@@ -150,7 +150,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, algo="fa2", **kwarg
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *,
                            block_table=None, split_size=None, return_lse=False, options=None, **kwargs):
     """pyfa.attention_with_kvcache, simulated: the same checks, append (in place) and
-    packing (pyfa/kvcache.py), then fa2_forward_varlen, paged caches through their pages. Returns o, or (o, lse)."""
+    packing (pyfa/kvcache.py), then fa2_forward_varlen, a paged cache through its pages.
+    Returns o, or (o, lse)."""
     from ..kvcache import with_kvcache
 
     def run(q_p, k_p, v_p, cu_q, cu_k, used, pages):

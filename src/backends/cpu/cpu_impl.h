@@ -432,7 +432,7 @@ inline void touch_lines(const float* x, int64_t rows, int64_t d, int64_t ld, flo
 
 // A K/V head's rows as the forwards read them: K_j, V_j of keys n0 .. n0 + bc - 1 of
 // sequence s. X: the head's row 0 in k or v (row stride ld). Unpaged, the rows are
-// evenly spaced and read where they lie; paged (params.h kv_row), rows(c) finds each,
+// evenly spaced and read where they lie; paged (params.h kv_row), row(n) finds each,
 // and tile() gathers them into a dense (bc, d) copy for the products that take one stride.
 struct KvRows {
     const AttentionParams& p;
