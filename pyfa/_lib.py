@@ -11,11 +11,18 @@ PYFA_ABI_VERSION: any other shared library is refused there, not at its first ca
 import functools
 import os
 import re
+import signal
 import sys
 import threading
 import types
 from pathlib import Path
 from queue import SimpleQueue
+
+# signal's own functions without its wrappers' enum conversions (~15 us of a quick call).
+try:
+    import _signal
+except ImportError:  # an interpreter without CPython's module
+    _signal = signal
 
 from ._version import DISTRIBUTION
 from .errors import Error, LibraryNotFoundError, STATUS_CLASSES
@@ -49,6 +56,7 @@ def header_ffi():
         return _header_ffi[0]
 
 
+@functools.lru_cache(maxsize=None)
 @functools.lru_cache(maxsize=None)
 def enum_values(enum, prefix):
     """{name: value} of the header's `enum <enum>`, each name lower-cased without
@@ -255,6 +263,10 @@ _POLL_S = 0.02
 
 _progress_callback = None
 
+# Work (multiply-adds, api.py's _work) up to which a call counts as quick (call's quick=):
+# about a millisecond on the cpu backend, tens of milliseconds emulated.
+QUICK_WORK = 1 << 22
+
 # The main thread's calls run on one long-lived helper thread. A thread started per call
 # cost the cpu backend's two-thread calls about a third of their speed (measured at
 # N = 1024, d = 64: median 18 ms against 13 ms), its workers starting out crowded on one
@@ -344,7 +356,7 @@ class interrupts_after:
         return False
 
 
-def call(fn, config, *args, progress=None):
+def call(fn, config, *args, progress=None, quick=False):
     """fn(*args), a libpyfa entry point whose pyfa_config is `config`, raising its status.
 
     progress(done, total) is called now and then while the call runs (on some library
@@ -357,6 +369,14 @@ def call(fn, config, *args, progress=None):
     an interrupts_after block (every API call) the interrupt is raised only once the
     block has completed them. Elsewhere (other threads) the call runs on the calling
     thread.
+
+    quick=True (a call the caller knows takes at most milliseconds: QUICK_WORK) runs on
+    the main thread itself, skipping the ~0.1 ms hand-off to the helper thread and back,
+    which was most of a small decoding step's time. A Ctrl-C then cannot stop it, but
+    the call is over within milliseconds and the interrupt keeps the contract of a call
+    that had already succeeded: SIGINT's handler is swapped for one that notes it
+    (signal.signal runs a pending handler before it swaps, so none is lost or run late).
+    Only while SIGINT has Python's default handler: another handler runs as it would.
     """
     ffi, _ = load()
     state = _Progress(progress)
@@ -377,6 +397,17 @@ def call(fn, config, *args, progress=None):
 
     if threading.current_thread() is not threading.main_thread():
         run()
+    elif quick and _signal.getsignal(_signal.SIGINT) is signal.default_int_handler:
+        noted = []
+        _signal.signal(_signal.SIGINT, lambda signum, frame: noted.append(signum))
+        try:
+            run()
+        finally:
+            _signal.signal(_signal.SIGINT, signal.default_int_handler)
+        if noted:
+            if not (result.get("status") == _ok() and _completion.depth):
+                raise KeyboardInterrupt
+            _completion.interrupted = True
     else:
         # Waits on an Event, not Thread.join: before Python 3.13 a KeyboardInterrupt that
         # lands inside join() can mark a thread that is still running as stopped, and the

@@ -40,13 +40,17 @@ class HeaderEnum(Mapping):
 
     def __init__(self, enum, prefix, order=None):
         self.enum, self.prefix, self.order = enum, prefix, order
+        self._checked = None  # the values, once read and checked (the header is parsed once)
 
     def _values(self):
+        if self._checked is not None:
+            return self._checked
         values = _lib.enum_values(self.enum, self.prefix)
         if self.order is not None and sorted(self.order) != sorted(values):
             raise _lib.LibraryNotFoundError(
                 f"pyfa.h's enum {self.enum} has {sorted(values)}, but this pyfa package "
                 f"knows {sorted(self.order)}")
+        self._checked = values
         return values
 
     def __getitem__(self, name):
@@ -591,7 +595,8 @@ def _run_host(op, intake, outs, problem, config, progress, varlen=None, mod_tens
         # Every array the library writes is ours until the call returns: a cancelled call
         # may leave them partly written, and no staging copy is needed.
         config.flags |= lib.PYFA_FLAG_IN_PLACE
-    _lib.call(lib.pyfa_run, config, op.c_op, problem, config, tensors, ffi.NULL, progress=progress)
+    _lib.call(lib.pyfa_run, config, op.c_op, problem, config, tensors, ffi.NULL, progress=progress,
+              quick=_work(op, intake.dims) <= _lib.QUICK_WORK)
     results = []
     for given, view, written in targets.values():
         if given is None:
@@ -601,6 +606,13 @@ def _run_host(op, intake, outs, problem, config, progress, varlen=None, mod_tens
             np.copyto(view, written)
         results.append(given)
     return tuple(results)
+
+
+def _work(op, dims):
+    """The multiply-adds of op on dims (B, H, Nq, Nk, d, ...), a backward's taken as three
+    forwards'; for packed sequences (dims of the whole batch) an upper bound."""
+    b, h, nq, nk, d = dims[:5]
+    return b * h * nq * nk * d * (3 if op.pass_ == "backward" else 1)
 
 
 def _run_empty(op, intake, outs):

@@ -38,10 +38,10 @@ class Options:
     backend: "auto" (CUDA when a GPU is usable, else "cpu"), "cuda", "cpu" (native,
     vectorised) or "emu" (the kernel source run by the emulator). block_r, block_c: the
     tiles Br, Bc; None: the kernel's default. variant: "auto", "reference" or "fast"
-    (see pyfa.fa2_forward). threads: OS threads of the cpu backend (0: one per core).
-    emu_order ("forward", "reverse", "shuffled"), emu_seed, emu_workers: the emulator's
-    thread order after each barrier, the seed of "shuffled", its OS threads (0: one per
-    core). progress: None, or a callable(done, total) called now and then while a call
+    (see pyfa.fa2_forward). threads: OS threads of the cpu backend (0: one per core,
+    fewer on calls too small to gain from them). emu_order ("forward", "reverse",
+    "shuffled"), emu_seed, emu_workers: the emulator's thread order after each barrier,
+    the seed of "shuffled", its OS threads (0: one per core). progress: None, or a callable(done, total) called now and then while a call
     runs; returning True cancels it (pyfa.CancelledError). emu_check: "off", or "strict":
     the emulator checks every shared and global access of its kernels and raises
     pyfa.KernelHazardError at the first hazard (docs/emulator.md; many times slower).

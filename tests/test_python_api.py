@@ -271,35 +271,85 @@ def test_overlapping_outputs_are_refused_before_anything_is_written():
 # ---- Ctrl-C after the library succeeded
 
 def test_ctrl_c_after_success_raises_only_once_out_is_complete():
+    # Both ways a main-thread call runs: on the helper thread, and (quick) on the main one.
     out = child("""
-        import os, signal, time
+        import os, signal, threading, time
         import numpy as np, pyfa
         from pyfa import _lib
         real = _lib.call
 
-        def late(fn, config, *args, progress=None):
-            def then_interrupt(*a):
-                status = fn(*a)
-                os.kill(os.getpid(), signal.SIGINT)   # lands while the main thread waits
-                time.sleep(0.3)
-                return status
-            return real(then_interrupt, config, *args, progress=progress)
+        def late(quick):
+            def call(fn, config, *args, progress=None, quick=None):
+                def then_interrupt(*a):
+                    status = fn(*a)
+                    print("on main", threading.current_thread() is threading.main_thread())
+                    os.kill(os.getpid(), signal.SIGINT)   # lands after the library succeeded
+                    time.sleep(0.3)
+                    return status
+                return real(then_interrupt, config, *args, progress=progress, quick=forced)
+            forced = quick
+            return call
 
         rng = np.random.default_rng(0)
         q = rng.standard_normal((1, 2, 16, 8), dtype=np.float32)
         want = pyfa.fa2_forward(q, q, q, options=pyfa.Options(backend="emu"))
-        o = np.full(q.shape, 7.0, np.float32)                          # written directly
-        lse = np.full((1, 2, 32), 7.0, np.float32)[:, :, ::2]          # staged, copied after
-        _lib.call = late
-        try:
-            pyfa.fa2_forward(q, q, q, options=pyfa.Options(backend="emu"), out=(o, lse))
-            print("no interrupt")
-        except KeyboardInterrupt:
-            print("interrupted", np.array_equal(o, want[0]), np.array_equal(lse, want[1]))
-        _lib.call = real
-        print("next call", np.array_equal(pyfa.fa2_forward(q, q, q)[0], want[0]))
+        for quick in (False, True):
+            o = np.full(q.shape, 7.0, np.float32)                          # written directly
+            lse = np.full((1, 2, 32), 7.0, np.float32)[:, :, ::2]          # staged, copied after
+            _lib.call = late(quick)
+            try:
+                pyfa.fa2_forward(q, q, q, options=pyfa.Options(backend="emu"), out=(o, lse))
+                print("no interrupt")
+            except KeyboardInterrupt:
+                print("interrupted", np.array_equal(o, want[0]), np.array_equal(lse, want[1]))
+            _lib.call = real
+            print("next call", np.array_equal(pyfa.fa2_forward(q, q, q)[0], want[0]))
     """)
-    assert out.splitlines() == ["interrupted True True", "next call True"]
+    assert out.splitlines() == ["on main False", "interrupted True True", "next call True"] + \
+        ["on main True", "interrupted True True", "next call True"]
+
+
+def test_small_calls_run_on_the_main_thread_large_ones_stay_cancellable():
+    # The ~0.1 ms hand-off to the helper thread is skipped for calls of at most QUICK_WORK,
+    # and only while SIGINT has Python's own handler; a Ctrl-C during such a call that
+    # then fails is raised at once (nothing of the caller's was written).
+    out = child("""
+        import os, signal, threading
+        import numpy as np, pyfa
+        from pyfa import _lib
+        real = _lib.call
+        seen = []
+
+        def spy(fn, config, *args, progress=None, quick=False):
+            def where(*a):
+                seen.append(threading.current_thread() is threading.main_thread())
+                return fn(*a)
+            return real(where, config, *args, progress=progress, quick=quick)
+
+        _lib.call = spy
+        rng = np.random.default_rng(0)
+        small = rng.standard_normal((1, 2, 16, 8), dtype=np.float32)
+        large = rng.standard_normal((1, 4, 256, 64), dtype=np.float32)   # 4 * 256 * 256 * 64 = 2^24
+        cpu = pyfa.Options(backend="cpu")
+        pyfa.fa2_forward(small, small, small, options=cpu)
+        pyfa.attention_grad(small, small, small, small, options=cpu)   # two calls: forward, backward
+        pyfa.fa2_forward(large, large, large, options=cpu)
+        signal.signal(signal.SIGINT, lambda *a: None)
+        pyfa.fa2_forward(small, small, small, options=cpu)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        print(seen)
+        _lib.call = real
+        ffi, _ = _lib.load()
+        config = ffi.new("pyfa_config *")
+        def fails():
+            os.kill(os.getpid(), signal.SIGINT)
+            return _lib.constant("PYFA_ERROR_INVALID_ARGUMENT")
+        try:
+            _lib.call(fails, config, quick=True)
+        except KeyboardInterrupt:
+            print("interrupted")
+    """)
+    assert out.splitlines() == ["[True, True, True, False, False]", "interrupted"]
 
 
 # ---- the loader and the command line

@@ -271,7 +271,8 @@ typedef struct pyfa_config {
     uint64_t emu_seed; /* seed of PYFA_EMU_ORDER_SHUFFLED */
     int emu_workers;   /* OS threads the emulator spreads blocks over, at most 256; 0 means one per core */
     int threads;       /* OS threads of the cpu backend, at most 256 (more is PYFA_ERROR_INVALID_ARGUMENT);
-                          0 means one per core. Results never depend on it */
+                          0 means one per core, fewer on calls too small to gain from them.
+                          Results never depend on it */
     /* Called now and then while a call runs (from one library thread at a time, not
        necessarily the caller's), with the work done so far and the total, in units of
        the backend's choosing. A nonzero return cancels the call: it then returns

@@ -255,6 +255,19 @@ struct Plan {
     int64_t Tc() const { return ctx.Tc; }
 };
 
+// config->threads = 0: one thread per core, but no more than one per kWorkPerThread
+// multiply-adds of the op (an upper bound: masks and packed sequences do less), since
+// waking a parked thread and waiting for it costs about 0.1 ms on the 2-core machines
+// measured (a decoding step at context 256 took 0.45 ms on two threads, 0.44 on one).
+constexpr int64_t kWorkPerThread = int64_t{1} << 21;
+int auto_threads(int op, const AttentionParams& p) {
+    const bool backward = op == PYFA_OP_FA1_BACKWARD || op == PYFA_OP_FA2_BACKWARD;
+    const double work = static_cast<double>(p.batch) * p.heads * p.seqlen_q * p.seqlen_k * p.head_dim *
+                        (backward ? 3 : 1);
+    const double most = std::max(1.0, work / static_cast<double>(kWorkPerThread));
+    return most < cores() ? static_cast<int>(most) : cores();
+}
+
 // params[n]: the op's kernel n with its tiles, in launch order (count of them).
 pyfa_status cpu_run(int op, const AttentionParams* params, size_t count, const pyfa_config& cfg) {
     if (cfg.threads < 0)
@@ -263,10 +276,10 @@ pyfa_status cpu_run(int op, const AttentionParams* params, size_t count, const p
     const Isa* isa = nullptr;
     pyfa_status st = pick_isa(&isa);
     if (st != PYFA_OK) return st;
-    int threads = cfg.threads;
-    if (threads == 0) threads = cores();
-
     const AttentionParams& p0 = params[0];
+    int threads = cfg.threads;
+    if (threads == 0) threads = auto_threads(op, p0);
+
     const int64_t BH = p0.batch * p0.heads;
     std::vector<Phase> phases;
     std::vector<Plan> plans;
