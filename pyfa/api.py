@@ -731,9 +731,11 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
     outs = _out_dict(op_name, op.outputs + (("dbias",) if with_dbias else ()), out)
     dbias_out = outs.pop("dbias", None)
     intake = _intake(args, stream, options.backend, layout, outs)
-    # Packed sequences: one batch of total rows, whose modifications ((B, H) ALiBi slopes)
-    # count the sequences as the batch.
-    dims = intake.dims if varlen is None else (varlen.batch,) + tuple(intake.dims[1:])
+    # Packed sequences: one batch of total rows, whose modifications ((B, H) ALiBi slopes,
+    # a (B, H, max_seqlen_q, max_seqlen_k) bias) count the sequences as the batch and the
+    # longest lengths as Nq, Nk (each sequence reads its own corner).
+    dims = intake.dims if varlen is None else (varlen.batch, intake.dims[1], varlen.max_q, varlen.max_k,
+                                               *intake.dims[4:])
     mods = ScoreMods.resolve(function or f"pyfa.{op_name}", dims, causal_align, **mods)
     _check_mods_place(mods, intake)
     dbias = _dbias_target(mods.bias, dbias_out, intake) if with_dbias else None

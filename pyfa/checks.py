@@ -318,6 +318,9 @@ class Bias:
     shape: tuple      # its shape, which dbias gets
     full: tuple       # (B, H, Nq) axes: True where the bias has the whole axis, False where it is 1
     view: object      # CPU: a float32 (B|1, H|1, Nq|1, Nk) NumPy view, keys contiguous; else None
+    # Rows of one packed sequence cut from a bias of the grid's Nq rows (pyfa/sim/varlen.py):
+    # dS is kept per row even where the sequence has one row, as the library keeps it.
+    one_row: "bool | None" = None
 
     def strides(self):
         """The pyfa_problem bias_strides of view (0 along an axis of 1, or of a broadcast
@@ -343,7 +346,7 @@ class Bias:
     def sums_rows(self):
         """Whether dS is summed over the query rows (the bias has one row): the library's
         bias_strides.row == 0."""
-        return self.view.shape[2] == 1
+        return self.view.shape[2] == 1 if self.one_row is None else self.one_row
 
 
 def check_bias(function, bias, dims):
@@ -351,6 +354,8 @@ def check_bias(function, bias, dims):
     if bias is None:
         return None
     B, H, Nq, Nk = dims[:4]
+    if isinstance(bias, Bias):  # one sequence's corner of a checked bias (pyfa/sim/varlen.py)
+        return bias
     if hasattr(bias, "shape") and _arrays.place_of("bias", bias).kind != "cpu":
         raise InvalidArgumentError(f"bias: on {_arrays.place_of('bias', bias)}; pyfa's Python API reads a bias "
                                    f"on the CPU only (the C ABI takes device pointers)")

@@ -178,10 +178,13 @@ def _offsets(name, lengths):
     return cu.astype(np.int32)
 
 
-def with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse):
+def with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse, bias=None):
     """attention_with_kvcache's steps around `run` (packed q, k, v, cu_q, cu_k, seqused_k,
     pages -> (o (total_q, H, d), lse (H, total_q))), the library's or the simulator's: checks,
     the append (undone if run fails), the packing, and the outputs' shapes."""
+    if bias is not None:  # its key axis would follow the longest cache_seqlens, not Nmax
+        raise InvalidArgumentError("bias: pyfa.attention_with_kvcache takes no bias in this version "
+                                   "(pyfa.attention_varlen takes one)")
     cache = _Cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
     saved = cache.append() if cache.n_new else []
     try:
@@ -228,4 +231,5 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
                           function="pyfa.attention_with_kvcache", split_size=split_size, seqused_k=used,
                           pages=pages)
 
-    return with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse)
+    return with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse,
+                        mods.get("bias"))

@@ -792,7 +792,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     with return_lse, lse (H, total_q) and differentiable; row r's bits are those of
     pyfa.torch.attention on its own sequence alone, gradients included. softcap and
     alibi_slopes ((H,) or (B, H), B the sequences) as in pyfa.torch.attention (no bias or
-    dropout with packed sequences yet). split_size: as in pyfa.torch.attention, the split
+    dropout here yet; pyfa.attention_varlen takes both on NumPy arrays). split_size: as in pyfa.torch.attention, the split
     forward and backward per sequence, so that each row keeps the bits of its sequence's
     split call alone."""
     for name, t in (("q", q), ("k", k), ("v", v)):

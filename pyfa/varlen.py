@@ -185,8 +185,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: Optio
     (flash-attn's): None, or int32 (B,) on q's device: sequence b attends to its first
     seqused_k[b] keys only (each at most its cu_seqlens_k length; the mask aligned to that
     count), the rest of its rows unread, which is how a dense KV cache is read in place
-    (pyfa.attention_with_kvcache). Other arguments as in pyfa.attention; out: an array
-    like q to write O into."""
+    (pyfa.attention_with_kvcache). bias (as in pyfa.attention): broadcastable to
+    (B, H, max_seqlen_q, max_seqlen_k), B the sequences; sequence b adds the corner
+    bias[b, h, :Nq_b, :Nk_b] (one row: bias[b, h, 0, :Nk_b]), so max_seqlen_k, when given,
+    must be the bias's last axis. Other arguments as in pyfa.attention; out: an array like
+    q to write O into."""
     options, mods = api._keywords("pyfa.attention_varlen", options, mods)
     api._algo(algo)
     _fa2_splits("pyfa.attention_varlen", algo, split_size)
@@ -210,8 +213,10 @@ def attention_varlen_grad(q, k, v, do, cu_seqlens_q, cu_seqlens_k, *,
                           options: Optional[Options] = None, out=None, stream: Any = None,
                           split_size: Union[None, int, str] = None, **mods) -> Tuple[Any, Any, Any, Any]:
     """The forward and backward of attention_varlen for the incoming gradient do (like q):
-    returns (o, dq, dk, dv), shaped like q, q, k, v. Arguments as in attention_varlen; out:
-    (o, dq, dk, dv), each None to allocate it. split_size (FA2): given to the split forward
+    returns (o, dq, dk, dv), shaped like q, q, k, v, and with bias= a fifth, dbias of the
+    bias's shape: sequence b's dS in its corner, +0 beyond it, summed over an axis the bias
+    broadcasts as pyfa.attention_grad sums (the sequences in increasing order). Arguments
+    as in attention_varlen; out: (o, dq, dk, dv[, dbias]), each None to allocate it. split_size (FA2): given to the split forward
     and the split backward (pyfa.fa2_backward's: dQ folded per key chunk, dK and dV per
     query chunk, each sequence chunked from its own first row and key). Deterministic, and
     row for row the bits of pyfa.attention_grad (with the same split_size) on each sequence
@@ -219,7 +224,9 @@ def attention_varlen_grad(q, k, v, do, cu_seqlens_q, cu_seqlens_k, *,
     options, mods = api._keywords("pyfa.attention_varlen_grad", options, mods)
     api._algo(algo)
     _fa2_splits("pyfa.attention_varlen_grad", algo, split_size)
-    outs = api._out_dict("attention_varlen_grad", ("o", "dq", "dk", "dv"), out)
+    with_dbias = mods.get("bias") is not None
+    outs = api._out_dict("attention_varlen_grad",
+                         ("o", "dq", "dk", "dv") + (("dbias",) if with_dbias else ()), out)
     check_varlen_rank("do", _shape("do", do))
     for name, x in (("q", q), ("k", k)):
         check_varlen_rank(name, _shape(name, x))
@@ -229,7 +236,7 @@ def attention_varlen_grad(q, k, v, do, cu_seqlens_q, cu_seqlens_k, *,
     kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, window=window,
               causal_align=causal_align, scale=scale, options=options, stream=stream, mods=mods,
               function="pyfa.attention_varlen_grad", split_size=split_size)
-    grads = (outs["dq"], outs["dk"], outs["dv"])
+    grads = (outs["dq"], outs["dk"], outs["dv"]) + ((outs["dbias"],) if with_dbias else ())
     if algo == "fa1":
         o, m, l = run("fa1_forward", dict(q=q, k=k, v=v), cu_seqlens_q, cu_seqlens_k,
                       out=(outs["o"], None, None), **kw)

@@ -388,14 +388,17 @@ WALKERS[("standard", "backward")] = [(None, standard_backward_io)]
 
 def count_io_varlen(algo, *, passes="forward", cu_seqlens_q, cu_seqlens_k, heads, head_dim,
                     heads_kv=None, block_r=None, block_c=None, causal=False, window=None,
-                    causal_align="bottom_right", dtype_bytes=4, profile=EMU_PROFILE, split_size=None):
+                    causal_align="bottom_right", dtype_bytes=4, profile=EMU_PROFILE, split_size=None,
+                    bias=None):
     """count_io of packed sequences (pyfa.attention_varlen): the sum over the sequences of
     each one's walk, as the varlen kernels read them. A block past its sequence's rows
     (keys) returns at once and moves nothing, so a sequence costs what its own dense call
     would, empty ones included: with Nq_b = 0 FA2's dK/dV kernel still writes dK = dV = 0,
     with Nk_b = 0 the forward still reads Q and writes O = 0, LSE = -inf. algo "fa1" or
     "fa2"; the offsets are int32 arrays (or sequences of ints) of B + 1 entries; split_size
-    as count_io's, each sequence split alone."""
+    as count_io's, each sequence split alone. bias: the shape of a packed bias (broadcastable
+    to (B, H, max_seqlen_q, max_seqlen_k)); in a backward dBias also starts at +0 whole,
+    and with rows each sequence clears the rows beyond its own of its keys."""
     if algo not in ("fa1", "fa2"):
         raise InvalidArgumentError(f"algo: expected 'fa1' or 'fa2' for packed sequences, got {algo!r}")
     offsets = []
@@ -412,16 +415,32 @@ def count_io_varlen(algo, *, passes="forward", cu_seqlens_q, cu_seqlens_k, heads
     if not isinstance(profile, DeviceProfile):
         raise ArgumentTypeError(f"profile: expected a sim.DeviceProfile, got {type(profile).__name__}")
     wanted = ["forward", "backward"] if passes == "both" else [passes]
-    _check_split_algo(split_size, algo, None, wanted)
+    _check_split_algo(split_size, algo, bias, wanted)
+    lengths = [(qz - qa, kz - ka) for (qa, qz), (ka, kz) in zip(zip(offsets[0], offsets[0][1:]),
+                                                                 zip(offsets[1], offsets[1][1:]))]
+    B = len(lengths)
+    rows = max_k = None
+    if bias is not None:
+        longest_q, longest_k = (max((n[a] for n in lengths), default=0) for a in (0, 1))
+        shape = (1,) * (4 - len(tuple(bias))) + tuple(bias) if isinstance(bias, (tuple, list)) else None
+        rows = _bias_rows(bias, algo, B, heads, shape[2] if shape else 1, shape[3] if shape else 0)
+        max_k = shape[3]
+        if max_k < longest_k or (rows != 1 and rows < longest_q):
+            raise InvalidArgumentError(f"bias: shape {tuple(bias)} is shorter than the longest sequence "
+                                       f"({longest_q} queries, {longest_k} keys)")
     record = IORecord()
     for p in wanted:
         for kernel, walker in WALKERS[(algo, p)]:
             Br, Bc = resolve_tiles(kernel, head_dim, block_r, block_c, profile)
             split = _kernel_split(split_size, head_dim, kernel, Br, Bc)
-            for (qa, qz), (ka, kz) in zip(zip(offsets[0], offsets[0][1:]), zip(offsets[1], offsets[1][1:])):
-                mask = Mask.resolve(causal, window, causal_align, qz - qa, kz - ka)
-                record = record + walker(Walk(qz - qa, kz - ka, head_dim, heads // Hkv, Br, Bc, mask,
-                                              dtype_bytes, None, split))
+            for nq, nk in lengths:
+                mask = Mask.resolve(causal, window, causal_align, nq, nk)
+                record = record + walker(Walk(nq, nk, head_dim, heads // Hkv, Br, Bc, mask,
+                                              dtype_bytes, rows, split))
     out = record.scaled(Hkv)
+    if bias is not None and "backward" in wanted:
+        out.write("dBias", B * heads * rows * max_k * dtype_bytes)
+        if rows != 1:
+            out.write("dBias", sum(heads * (rows - nq) * nk for nq, nk in lengths) * dtype_bytes)
     out.label = f"{algo} {passes} (packed, {len(offsets[0]) - 1} sequences)"
     return out

@@ -172,13 +172,18 @@ def dbias_result(mods, dB, B, H, Nq, Nk):
     H (of more than one) that the bias lacks, the fold of score.h dbias_fold_at: from +0,
     part's (b, h) in increasing order, b outer, one fp32 addition each."""
     rows = 1 if mods.bias.sums_rows() else Nq
-    part = dB[:, :rows, :Nk].reshape(B, H, rows, Nk)
-    sum_b, sum_h = not mods.bias.full[0], not mods.bias.full[1]
+    return dbias_fold(mods.bias, dB[:, :rows, :Nk].reshape(B, H, rows, Nk))
+
+
+def dbias_fold(bias, part):
+    """dBias of `bias`'s shape from the (B, H, rows, Nk) dS sums `part` (dbias_result)."""
+    B, H, rows, Nk = part.shape
+    sum_b, sum_h = not bias.full[0], not bias.full[1]
     if not (sum_b or sum_h):
-        return part.reshape(mods.bias.shape)
+        return part.reshape(bias.shape)
     out = np.zeros((1 if sum_b else B, 1 if sum_h else H, rows, Nk), np.float32)
     for b in range(B):
         for h in range(H):
             t = (0 if sum_b else b, 0 if sum_h else h)
             out[t] = out[t] + part[b, h]
-    return nx.canonical_nan(out).reshape(mods.bias.shape)
+    return nx.canonical_nan(out).reshape(bias.shape)

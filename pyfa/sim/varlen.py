@@ -8,13 +8,15 @@ its sequence alone; so the faithful mirror is that dense simulated kernel run on
 sequence in turn, its outputs written to the sequence's rows. The IO record is the sum of
 the sequences' records; an empty sequence (no queries or no keys), which the dense
 simulator answers without a kernel, is counted as the varlen kernels move its bytes
-(count.count_io_varlen).
+(count.count_io_varlen). A bias (B, H, max_seqlen_q, max_seqlen_k) gives each sequence
+its corner; its dBias starts at +0 whole, each sequence's kernels clear the rows beyond
+their own of their keys, and the fold over a broadcast B or H is the dense one's.
 """
 
 import numpy as np
 
-from ..checks import (VARLEN_SHAPES, check_max_seqlen, check_offsets, check_qkv, check_seqused,
-                      check_varlen_rank)
+from ..checks import (VARLEN_SHAPES, Bias, check_bias, check_max_seqlen, check_offsets, check_qkv,
+                      check_seqused, check_varlen_rank)
 from ..errors import InvalidArgumentError
 from ..options import resolve
 from . import score
@@ -55,8 +57,8 @@ def _run(algo, passes, function, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen
     used = check_seqused("seqused_k", seqused_k, offsets_k)
     lengths = used if used is not None else np.diff(offsets_k).tolist()
     key_rows = [(a, a + n) for a, n in zip(offsets_k, lengths)]
-    check_max_seqlen("max_seqlen_q", max_seqlen_q, offsets_q)
-    check_max_seqlen("max_seqlen_k", max_seqlen_k, (0,) + tuple(np.cumsum(lengths).tolist()))
+    max_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, offsets_q)
+    max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, (0,) + tuple(np.cumsum(lengths).tolist()))
     for name in names:
         x = tensors[name]
         want = (H, q4.shape[2]) if name in _STATS else None
@@ -66,8 +68,10 @@ def _run(algo, passes, function, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen
         if name in ("o", "do") and np.shape(x) != np.shape(tensors["q"]):
             raise InvalidArgumentError(f"{name}: expected shape {VARLEN_SHAPES[name]} = "
                                        f"{np.shape(tensors['q'])}, got {np.shape(x)}")
-    if kwargs.get("bias") is not None:
-        raise InvalidArgumentError(f"bias: {function} takes no bias with packed sequences in this version")
+    B = len(offsets_q) - 1
+    # A bias is (B, H, max_seqlen_q, max_seqlen_k), broadcastable: sequence b reads the
+    # corner of its own lengths, as the kernels index it by (b, h, i, j) within b.
+    bias = check_bias(function, kwargs["bias"], (B, H, max_q, max_k)) if kwargs.get("bias") is not None else None
     options = resolve(function, options, {}, allowed=("block_r", "block_c"))
     if options.progress is not None:
         raise InvalidArgumentError(f"options.progress: {function} does not report progress")
@@ -86,6 +90,8 @@ def _run(algo, passes, function, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen
         kw = kwargs
         if slopes is not None and np.ndim(slopes) == 2:
             kw = dict(kwargs, alibi_slopes=np.asarray(slopes)[len(parts):len(parts) + 1])
+        if bias is not None:
+            kw = dict(kw, bias=_corner(bias, len(parts), H, qz - qa, kz - ka))
         with score.batch_offset(len(parts)):
             r = kernel(*args, layout="bnhd", options=options, **kw)
         if qz == qa or kz == ka:  # answered without a kernel: count what the varlen kernels move
@@ -98,11 +104,42 @@ def _run(algo, passes, function, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen
         io = io + r.io
     fields = {}
     for f in type(parts[0]).__dataclass_fields__:
-        if f == "io" or getattr(parts[0], f) is None:  # dbias: the bias is refused with packed sequences
+        if f in ("io", "dbias") or getattr(parts[0], f) is None:
             continue
         axis = 1 if f in _STATS else 0
         fields[f] = np.concatenate([getattr(r, f) for r in parts], axis=axis)
+    if bias is not None and passes == "backward":
+        fields["dbias"] = _dbias(bias, parts, offsets_q, key_rows, H, max_q, max_k, io)
     return type(parts[0])(**fields, io=io)
+
+
+def _corner(bias, b, H, nq, nk):
+    """Sequence b's (1, H, nq or 1, nk) corner of the checked packed bias, the heads
+    materialised (so that its dS comes back per head, to be folded as the library folds
+    the whole batch's), its row mode the whole bias's."""
+    v = bias.view[b if bias.full[0] else 0][None]
+    v = v[:, :, :nq, :nk] if bias.full[2] else v[..., :nk]
+    v = np.ascontiguousarray(np.broadcast_to(v, (1, H) + v.shape[2:]))
+    return Bias(v, v.shape, (True, True, bias.full[2]), v, one_row=bias.sums_rows())
+
+
+def _dbias(bias, parts, offsets_q, key_rows, H, max_q, max_k, io):
+    """dBias of a packed backward: each sequence's dS in its corner of (B, H, max_q or 1,
+    max_k), +0 elsewhere, folded over the bias's broadcast B and H as a dense call's
+    (score.dbias_fold). The library starts the whole array at +0 (api.cpp) and each
+    sequence's kernels clear all max_q rows of its keys' tiles, beyond its own Nq_b: both
+    written through HBM, counted here beside the sequences' own records."""
+    rows = 1 if bias.sums_rows() else max(1, max_q)
+    part = np.zeros((len(parts), H, rows, max_k), np.float32)
+    io.write("dBias", part.size * 4)
+    for b, (r, (ka, kz)) in enumerate(zip(parts, key_rows)):
+        nq, nk = offsets_q[b + 1] - offsets_q[b], kz - ka
+        corner = r.dbias[0]  # (H, nq or 1, nk)
+        part[b, :, :corner.shape[1], :nk] = corner
+        extra = (rows - nq if rows > 1 else int(nq == 0)) * nk
+        if extra > 0:
+            io.write("dBias", H * extra * 4)
+    return score.dbias_fold(bias, part)
 
 
 def fa2_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
@@ -159,4 +196,5 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
                                seqused_k=used, pages=pages, **kwargs)
         return r.o, r.lse
 
-    return with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse)
+    return with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse,
+                        kwargs.get("bias"))

@@ -899,9 +899,6 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
                     "problem->page_size: paged K/V is for the forwards; %s does not take it (its dK and dV are "
                     "not paged)",
                     op.name);
-    if (pr.varlen && (named.bias.data || named.dbias.data))
-        return fail(PYFA_ERROR_INVALID_ARGUMENT,
-                    "tensors->bias: not with packed sequences (problem->varlen) in this version");
     // ALiBi's slopes: (B, H) floats at the given strides.
     const pyfa_tensor& alibi = named.alibi_slopes;
     pyfa_strides alibi_strides = alibi.strides;
@@ -1180,6 +1177,16 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         float* part = nullptr;
         if ((st = owned.alloc(sizeof(float) * static_cast<size_t>(dbias_elems(pr)), &part)) != PYFA_OK) return st;
         fold.part = bound.dbias = part;
+    }
+    // Packed sequences: the kernels of sequence b write dS_b into its rows (all Nq of the
+    // grid: dbias_clear) of its keys' tiles only; the keys from Nk_b to the grid's Nk
+    // start at +0 here, as a dense call's hidden keys end.
+    std::vector<float> dbias_zeros;
+    if (bt.dbias && pr.varlen) {
+        dbias_zeros.assign(static_cast<size_t>(dbias_elems(pr)), 0.0f);
+        if ((st = backend.copy_to_device(bound.dbias, dbias_zeros.data(), sizeof(float) * dbias_zeros.size(),
+                                         stream)) != PYFA_OK)
+            return st;
     }
     if (bound.alibi_slopes && stage_inputs) {
         float* slopes = nullptr;

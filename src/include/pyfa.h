@@ -201,7 +201,9 @@ typedef struct pyfa_problem {
        its mask's off is its Nk_b - Nq_b (bottom-right) or 0, a tile never straddles two
        sequences, a sequence may be empty (Nq_b = 0: nothing; Nk_b = 0: its rows get
        O = 0, LSE = -inf), and its rows' bits equal those of the dense call of that
-       sequence alone. */
+       sequence alone. A bias is then (batch, H, seqlen_q, seqlen_k) at bias_strides,
+       sequence b adding bias[b, h, i, j] for its own rows i and keys j (the corner of its
+       lengths); dBias likewise, +0 beyond each sequence's corner. */
     int varlen;            /* nonzero: packed sequences, as above */
     int64_t total_q;       /* rows of q, o, dout, dq: cu_seqlens_q[batch], >= 1 */
     int64_t total_k;       /* rows of k, v, dk, dv: cu_seqlens_k[batch], >= 1 */

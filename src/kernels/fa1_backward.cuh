@@ -103,7 +103,7 @@ __global__ void fa1_backward_kernel(const AttentionParams p) {
             float* dQ = p.dq + p.dq_strides.at(seq.batch, h, seq.q0);            // (Nq, d), row stride row_dq; accumulated in HBM
             const float* m = p.m + p.stat_at(seq, h);  // (Nq), dense: the forward's row max
             const float* l = p.l + p.stat_at(seq, h);  // (Nq), dense: the forward's row sum, relative to m
-            if (p.dbias) dbias_clear(p, seq.batch, h, min64(visit.begin * Br, Nq), min64(visit.end * Br, Nq), col0, bc,
+            if (p.dbias) dbias_clear(p, b, h, min64(visit.begin * Br, Nq), min64(visit.end * Br, Nq), col0, bc,
                                      tid, nthreads);
             for (int64_t i = visit.begin; i < visit.end; ++i) {
                 const int64_t row0 = i * Br;
@@ -180,7 +180,7 @@ __global__ void fa1_backward_kernel(const AttentionParams p) {
                     dVj[e] = dVj[e] + t;
                 }
                 __syncthreads();
-                if (p.dbias) dbias_tile(p, dSij, Bc, band, seq.batch, h, row0, br, col0, bc, tid, nthreads);
+                if (p.dbias) dbias_tile(p, dSij, Bc, band, b, h, row0, br, col0, bc, tid, nthreads);
                 if (split_grad) {
                     __syncthreads();  // dbias_tile's column sums have read dS_S
                     score_mod_grad_tile(p, dSij, Bc, Qi, d, Kj, ld, band, b, h, row0, br, col0, bc, tid, nthreads);

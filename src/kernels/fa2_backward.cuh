@@ -152,7 +152,7 @@ __global__ void fa2_backward_dkdv_kernel(const AttentionParams p) {
             const float* dO = p.dout + p.dout_strides.at(seq.batch, h, seq.q0);  // (Nq, d), row stride row_do
             const float* LSE = p.lse + p.stat_at(seq, h);                            // (Nq), dense
             const float* D = p.drow + p.stat_at(seq, h);                             // (Nq), dense
-            if (p.dbias) dbias_clear(p, seq.batch, h, min64(visit.begin * Br, Nq), min64(visit.end * Br, Nq), col0, bc,
+            if (p.dbias) dbias_clear(p, b, h, min64(visit.begin * Br, Nq), min64(visit.end * Br, Nq), col0, bc,
                                      tid, nthreads);
             for (int64_t i = i_begin; i < i_end; ++i) {
                 const int64_t row0 = i * Br;
@@ -177,7 +177,7 @@ __global__ void fa2_backward_dkdv_kernel(const AttentionParams p) {
                 }
                 __syncthreads();
                 const Band band = seq.mask.band(row0, col0);
-                if (p.dbias) dbias_tile(p, dSij, Bc, band, seq.batch, h, row0, br, col0, bc, tid, nthreads);
+                if (p.dbias) dbias_tile(p, dSij, Bc, band, b, h, row0, br, col0, bc, tid, nthreads);
                 if (split_grad) {
                     __syncthreads();  // dbias_tile's column sums have read dS_S
                     score_mod_grad_tile(p, dSij, Bc, Qi, d, Kj, ld, band, b, h, row0, br, col0, bc, tid, nthreads);
