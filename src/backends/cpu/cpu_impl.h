@@ -19,6 +19,7 @@
 // build meant for a CPU without them.
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "common/merge.h"
 #include "common/numerics.h"
@@ -259,13 +260,23 @@ inline void gemm_cols(const float* A, int64_t lda, const float* B, int64_t sj, i
     micro_tail<NI, RJ - 1>(nj - j, A, lda, B, sj, sk, K, i0, j, epi, sel);
 }
 
+// The lanes 0 .. ni-1 (a multiple of W) in blocks of RI vectors, then of 2 (where RI is
+// larger: a 32-row tile at d = 256 keeps two vectors a step), then of 1:
+// f(std::integral_constant<int, NI>{}, i0) for each block.
+template <class F>
+inline void lane_blocks(int64_t ni, F&& f) {
+    int64_t i = 0;
+    for (; i + RI * W <= ni; i += RI * W) f(std::integral_constant<int, RI>{}, i);
+    if constexpr (RI > 2)
+        for (; i + 2 * W <= ni; i += 2 * W) f(std::integral_constant<int, 2>{}, i);
+    for (; i < ni; i += W) f(std::integral_constant<int, 1>{}, i);
+}
+
 // ni: lanes, a multiple of W; nj: operands.
 template <class Epi, class Sel = NoSel>
 inline void gemm(const float* A, int64_t lda, int64_t ni, const float* B, int64_t sj, int64_t sk,
                  int64_t K, int64_t nj, Epi epi, const Sel& sel = Sel{}) {
-    int64_t i = 0;
-    for (; i + RI * W <= ni; i += RI * W) gemm_cols<RI>(A, lda, B, sj, sk, K, nj, i, epi, sel);
-    for (; i < ni; i += W) gemm_cols<1>(A, lda, B, sj, sk, K, nj, i, epi, sel);
+    lane_blocks(ni, [&](auto NI, int64_t i) { gemm_cols<decltype(NI)::value>(A, lda, B, sj, sk, K, nj, i, epi, sel); });
 }
 
 // gemm with the register tile turned on its side: up to WI vectors of lanes by NJW operands,
@@ -302,17 +313,11 @@ inline void gemm_store_kb(const float* A, int64_t lda, int64_t ni, const float* 
         const float* Ak = A + k0 * lda;
         const float* Bk = B + k0 * sk;
         const float* Ck = k0 == 0 ? nullptr : C;
-        int64_t i = 0;
-        for (; i < ni; i += (i + RI * W <= ni ? RI * W : W)) {
-            const bool full = i + RI * W <= ni;
+        lane_blocks(ni, [&](auto NI, int64_t i) {
             int64_t j = 0;
-            for (; j + RJ <= nj; j += RJ) {
-                if (full) micro<RI, RJ>(Ak, lda, Bk, sj, sk, kn, i, j, epi, all, Ck, ldc);
-                else micro<1, RJ>(Ak, lda, Bk, sj, sk, kn, i, j, epi, all, Ck, ldc);
-            }
-            if (full) micro_tail<RI, RJ - 1>(nj - j, Ak, lda, Bk, sj, sk, kn, i, j, epi, all, Ck, ldc);
-            else micro_tail<1, RJ - 1>(nj - j, Ak, lda, Bk, sj, sk, kn, i, j, epi, all, Ck, ldc);
-        }
+            for (; j + RJ <= nj; j += RJ) micro<decltype(NI)::value, RJ>(Ak, lda, Bk, sj, sk, kn, i, j, epi, all, Ck, ldc);
+            micro_tail<decltype(NI)::value, RJ - 1>(nj - j, Ak, lda, Bk, sj, sk, kn, i, j, epi, all, Ck, ldc);
+        });
     }
 }
 
@@ -327,17 +332,10 @@ inline void gemm_jo(const float* A, int64_t lda, int64_t ni, const float* B, int
                     int64_t K, int64_t nj, Epi epi, const Sel& sel = Sel{}) {
     if (nj <= KB) return gemm(A, lda, ni, B, sj, sk, K, nj, epi, sel);
     int64_t j = 0;
-    for (; j + RJ <= nj; j += RJ) {
-        int64_t i = 0;
-        for (; i + RI * W <= ni; i += RI * W) micro<RI, RJ>(A, lda, B, sj, sk, K, i, j, epi, sel);
-        for (; i < ni; i += W) micro<1, RJ>(A, lda, B, sj, sk, K, i, j, epi, sel);
-    }
-    if (j < nj) {
-        int64_t i = 0;
-        for (; i + RI * W <= ni; i += RI * W)
-            micro_tail<RI, RJ - 1>(nj - j, A, lda, B, sj, sk, K, i, j, epi, sel);
-        for (; i < ni; i += W) micro_tail<1, RJ - 1>(nj - j, A, lda, B, sj, sk, K, i, j, epi, sel);
-    }
+    for (; j + RJ <= nj; j += RJ)
+        lane_blocks(ni, [&](auto NI, int64_t i) { micro<decltype(NI)::value, RJ>(A, lda, B, sj, sk, K, i, j, epi, sel); });
+    if (j < nj)
+        lane_blocks(ni, [&](auto NI, int64_t i) { micro_tail<decltype(NI)::value, RJ - 1>(nj - j, A, lda, B, sj, sk, K, i, j, epi, sel); });
 }
 
 // The mask seen from one tile, in vector form: the tile's Band (common/mask.h) with its
@@ -590,8 +588,17 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
         for (int64_t r = 0; p.dropout.on() && r < br; ++r)
             p.dropout.apply_row(f.S + r, bc, bh / p.heads, bh % p.heads, row0 + r, col0, Rp);
         // pv^T[x][r] = sum_c P~[r,c] V[c,x], then the row update.
-        for (int64_t c = 0; c < bc; ++c)
-            std::memcpy(f.Vj + c * f.Ep, Vh.row(qh.s.k0 + col0 + c), sizeof(float) * static_cast<size_t>(d));
+        // V_j as the caller laid it out where d >= 256: its 32-row tiles give P~ V two
+        // vector steps per element of V_j, so a copy (a load and a store each) costs
+        // more there than the padding saves (9% of a forward at d = 256 on Sapphire Rapids).
+        int64_t ldv = f.Ep;
+        const float* Vj = f.Vj;
+        if (!p.block_table && d >= 256) {
+            Vj = Vh.tile(qh.s.k0 + col0, bc, f.Vj, &ldv);
+        } else {
+            for (int64_t c = 0; c < bc; ++c)
+                std::memcpy(f.Vj + c * f.Ep, Vh.row(qh.s.k0 + col0 + c), sizeof(float) * static_cast<size_t>(d));
+        }
         auto fa2_step = [&](int64_t x, int64_t r, vf pv) {
             float* o = f.OT + x * Rp + r;
             const vf next = vmadd(ld(f.a + r), ld(o), pv);
@@ -605,12 +612,12 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
             st(o, cut ? (reinterpret_cast<vi>(ld(f.g + r)) ? next : ld(o)) : next);
         };
         if (!cut) {
-            if (!ctx.fa1) gemm_jo(f.S, Rp, Rp, f.Vj, 1, f.Ep, bc, d, fa2_step);
-            else gemm_jo(f.S, Rp, Rp, f.Vj, 1, f.Ep, bc, d, fa1_step);
+            if (!ctx.fa1) gemm_jo(f.S, Rp, Rp, Vj, 1, ldv, bc, d, fa2_step);
+            else gemm_jo(f.S, Rp, Rp, Vj, 1, ldv, bc, d, fa1_step);
         } else {
             const SelRowsKeys sel{&vb, lane};
-            if (!ctx.fa1) gemm_jo(f.S, Rp, Rp, f.Vj, 1, f.Ep, bc, d, fa2_step, sel);
-            else gemm_jo(f.S, Rp, Rp, f.Vj, 1, f.Ep, bc, d, fa1_step, sel);
+            if (!ctx.fa1) gemm_jo(f.S, Rp, Rp, Vj, 1, ldv, bc, d, fa2_step, sel);
+            else gemm_jo(f.S, Rp, Rp, Vj, 1, ldv, bc, d, fa1_step, sel);
         }
     }
 
