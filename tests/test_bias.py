@@ -441,7 +441,7 @@ def test_softcap_backends_equal_simulator(algo, si):
             assert same_bits(a, b), (name, run)
 
 
-@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512", "avx512_wide"])
 def test_softcap_every_cpu_isa_equals_simulator(isa, monkeypatch):
     """The cpu backend's instruction-set builds (PYFA_CPU_ISA) give the simulator's bits
     for dBias, dQ, dK, dV under softcap, ALiBi and dropout; a build this CPU cannot run

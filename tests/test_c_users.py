@@ -353,7 +353,7 @@ def test_no_vector_function_is_shared_between_instruction_sets(cmake_build, tmp_
     # And the documented program runs on every instruction set this CPU has.
     program = tmp_path / "my.c"
     program.write_text(doc_blocks("file")["my.c"])
-    for isa in ("portable", "avx2", "avx512"):
+    for isa in ("portable", "avx2", "avx512", "avx512_wide"):
         env = dict(os.environ, PYFA_CPU_ISA=isa)
         built = subprocess.run(["cc", "-O0", f"-I{cmake_build[1] / 'include'}", str(program),
                                 f"-L{installed_libdir(cmake_build[1])}", "-lpyfa",

@@ -42,7 +42,8 @@ def cpu_flags():
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 FLAGS = cpu_flags()
 # What each build needs (src/backends/cpu/cpu_backend.cpp): None when we cannot tell here.
-NEEDS = {"avx512": {"avx512f", "fma"}, "avx2": {"avx2", "fma"}, "portable": set()}
+NEEDS = {"avx512_wide": {"avx512f", "fma"}, "avx512": {"avx512f", "fma"}, "avx2": {"avx2", "fma"},
+         "portable": set()}
 
 
 def expected_available(isa):
@@ -53,7 +54,7 @@ def expected_available(isa):
     return None if FLAGS is None else NEEDS[isa] <= FLAGS
 
 
-ISAS = ["avx512", "avx2", "portable"]
+ISAS = ["avx512_wide", "avx512", "avx2", "portable"]
 
 
 @pytest.fixture(params=ISAS)
@@ -83,6 +84,34 @@ def test_isa_switch_runs_exactly_the_builds_this_cpu_supports(name, monkeypatch)
         with pytest.raises(pyfa.BackendUnavailableError, match=f"PYFA_CPU_ISA={name}"):
             pyfa.attention(q, k, v, backend="cpu")
         assert profile.startswith("pyfa cpu none "), profile
+
+
+def cpu_vendor():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+@pytest.mark.parametrize("setting", [None, "auto"])
+def test_auto_takes_the_schedule_of_this_microarchitecture(setting, monkeypatch):
+    """auto: the best instruction set, and on AVX-512 the schedule of the vendor's cores
+    (docs/cpu_backend.md): the 4 x 6 register tiles on Intel, 2 x 6 elsewhere."""
+    if setting is None:
+        monkeypatch.delenv("PYFA_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("PYFA_CPU_ISA", setting)
+    if FLAGS is None or not X86:
+        pytest.skip("no /proc/cpuinfo flags to compare with")
+    if NEEDS["avx512"] <= FLAGS:
+        want = "avx512_wide" if cpu_vendor() == "GenuineIntel" else "avx512"
+    else:
+        want = "avx2" if NEEDS["avx2"] <= FLAGS else "portable"
+    assert pyfa.device_profile("cpu")["name"].startswith(f"pyfa cpu {want} ")
 
 
 def test_unknown_isa_names_the_variable(monkeypatch):

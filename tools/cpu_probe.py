@@ -34,7 +34,7 @@ MICROARCHITECTURES = [
     ("GenuineIntel", 6, 173, 173, "Granite Rapids"),
 ]
 
-ISA_FLAGS = {"avx512": ["-mavx512f", "-mfma"], "avx2": ["-mavx2", "-mfma"]}
+ISA_FLAGS = {"avx512": ["-mavx512f", "-mfma"], "avx512_wide": ["-mavx512f", "-mfma"], "avx2": ["-mavx2", "-mfma"]}
 
 
 def identity():

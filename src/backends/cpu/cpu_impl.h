@@ -206,6 +206,10 @@ inline int32_t clamp32(int64_t v, int64_t lo, int64_t hi) {
 // selection whose keep(k, i, j) gives the lanes i .. i+W-1 of operand j whose step k is
 // kept. A step left out leaves its sum as it is: a hidden score takes no part in a product
 // (common/score.h), whatever the other operand holds.
+// The epilogues and helpers each product loop calls per vector, always inlined: left out
+// of line (GCC's choice in backward_kv), every call spilled the register tile's sums.
+#define PYFA_CPU_EPI __attribute__((always_inline))
+
 struct NoSel {
     static constexpr bool on = false;
     vi keep(int64_t, int64_t, int64_t) const { return vi{}; }
@@ -305,7 +309,7 @@ inline void gemm_wide(const float* A, int64_t lda, int64_t ni, const float* B, i
 constexpr int64_t KB = 64;
 inline void gemm_store_kb(const float* A, int64_t lda, int64_t ni, const float* B, int64_t sj,
                           int64_t sk, int64_t K, int64_t nj, float* C, int64_t ldc) {
-    auto epi = [&](int64_t j, int64_t i, vf acc) { st(C + j * ldc + i, acc); };
+    auto epi = [&](int64_t j, int64_t i, vf acc) PYFA_CPU_EPI { st(C + j * ldc + i, acc); };
     const NoSel all;
     if (K <= KB) return gemm(A, lda, ni, B, sj, sk, K, nj, epi);
     for (int64_t k0 = 0; k0 < K; k0 += KB) {
@@ -599,12 +603,12 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
             for (int64_t c = 0; c < bc; ++c)
                 std::memcpy(f.Vj + c * f.Ep, Vh.row(qh.s.k0 + col0 + c), sizeof(float) * static_cast<size_t>(d));
         }
-        auto fa2_step = [&](int64_t x, int64_t r, vf pv) {
+        auto fa2_step = [&](int64_t x, int64_t r, vf pv) PYFA_CPU_EPI {
             float* o = f.OT + x * Rp + r;
             const vf next = vmadd(ld(f.a + r), ld(o), pv);
             st(o, cut ? (reinterpret_cast<vi>(ld(f.g + r)) ? next : ld(o)) : next);
         };
-        auto fa1_step = [&](int64_t x, int64_t r, vf pv) {
+        auto fa1_step = [&](int64_t x, int64_t r, vf pv) PYFA_CPU_EPI {
             float* o = f.OT + x * Rp + r;
             const vf ln = ld(f.l + r);
             const vf num = vmadd(ld(f.a + r), ld(o), ld(f.b + r) * pv);
@@ -917,7 +921,7 @@ void forward_group(const Ctx& ctx, int64_t u, int64_t i, float* ws) {
             for (int64_t n = 0; p.dropout.on() && n < R; ++n)
                 p.dropout.apply_row(g.S + n * Cp, bc, b, h0 + n / br, row0 + n % br, col0);
             // Step 5: pv[n][x] = sum_c P~[n,c] V[c,x], then O = fma(alpha, O, pv).
-            auto step = [&](int64_t n, int64_t x, vf pv) {
+            auto step = [&](int64_t n, int64_t x, vf pv) PYFA_CPU_EPI {
                 float* o = g.O + n * Dp + x;
                 const vf next = vmadd(splat(g.alpha[n]), ld(o), pv);
                 st(o, cut ? (lane_set(g.sees[n]) ? next : ld(o)) : next);
@@ -1134,15 +1138,15 @@ void backward_kv(const Ctx& ctx, int64_t bkv, int64_t j, bool with_dq, float* ws
                 const bool cut = band.cuts(br, bc);
                 const VBand vb(band, Cp + Br + 1);
                 const SelKeysRows by_keys{&vb, lane};
-                auto step = [&](int64_t c, vf next, vf old) {
+                auto step = [&](int64_t c, vf next, vf old) PYFA_CPU_EPI {
                     return cut ? (reinterpret_cast<vi>(ld(b.g + c)) ? next : old) : next;
                 };
                 // dv^T[x][c] = sum_r P[r,c] dO[r,x]; dk^T[x][c] = sum_r dS[r,c] Q[r,x].
-                auto dv_step = [&](int64_t x, int64_t c, vf dv) {
+                auto dv_step = [&](int64_t x, int64_t c, vf dv) PYFA_CPU_EPI {
                     float* a = b.dVT + x * Cp + c;
                     st(a, step(c, ld(a) + dv, ld(a)));
                 };
-                auto dk_step = [&](int64_t x, int64_t c, vf dk) {
+                auto dk_step = [&](int64_t x, int64_t c, vf dk) PYFA_CPU_EPI {
                     float* a = b.dKT + x * Cp + c;
                     st(a, step(c, ctx.fa1 ? vmadd(scale, dk, ld(a)) : ld(a) + dk, ld(a)));
                 };
@@ -1155,7 +1159,7 @@ void backward_kv(const Ctx& ctx, int64_t bkv, int64_t j, bool with_dq, float* ws
                 }
                 if (with_dq) {
                     // dq[r][x] = sum_c dS[r,c] K[c,x], added to the head's dQ rows in place.
-                    auto store = [&](int64_t r, int64_t x, vf dq) { st(b.dQi + r * Dp + x, dq); };
+                    auto store = [&](int64_t r, int64_t x, vf dq) PYFA_CPU_EPI { st(b.dQi + r * Dp + x, dq); };
                     if (!cut) gemm(b.Kp, Ep, Dp, b.dS, Cp, 1, bc, br, store);
                     else gemm(b.Kp, Ep, Dp, b.dS, Cp, 1, bc, br, store, SelOpsKeys{&band});
                     float* dQ = p.dq + q_head(p, bh).rows + row0 * d;  // (br, d)
@@ -1216,7 +1220,7 @@ void backward_dq(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
         // no key of the tile takes no step.
         const Band band = qh.s.mask.band(row0, j * Bc);
         const bool cut = band.cuts(br, bc);
-        auto dq_step = [&](int64_t r, int64_t x, vf dq) {
+        auto dq_step = [&](int64_t r, int64_t x, vf dq) PYFA_CPU_EPI {
             if (cut && band.cols(r, bc).begin == band.cols(r, bc).end) return;
             float* a = b.dQi + r * Dp + x;
             st(a, ctx.fa1 ? vmadd(scale, dq, ld(a)) : ld(a) + dq);

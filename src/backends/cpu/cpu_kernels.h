@@ -89,6 +89,7 @@ extern const Isa kIsaPortable;
 #if defined(__x86_64__) || defined(_M_X64)
 extern const Isa kIsaAvx2;
 extern const Isa kIsaAvx512;
+extern const Isa kIsaAvx512Wide;
 #endif
 
 }  // namespace pyfa_cpu
