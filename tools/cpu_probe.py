@@ -39,6 +39,7 @@ ISA_FLAGS = {"avx512": ["-mavx512f", "-mfma"], "avx512_wide": ["-mavx512f", "-mf
 
 def identity():
     info = {"vendor": "?", "family": None, "model": None, "model_name": platform.processor() or "?"}
+    flags = set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -52,6 +53,8 @@ def identity():
                     info["model"] = int(value)
                 elif key == "model name":
                     info["model_name"] = value
+                elif key == "flags":
+                    flags = set(value.split())
                 elif not line.strip():
                     break  # the first processor is enough
     except OSError:
@@ -60,6 +63,11 @@ def identity():
         (name for vendor, fam, lo, hi, name in MICROARCHITECTURES
          if vendor == info["vendor"] and fam == info["family"] and info["model"] is not None
          and lo <= info["model"] <= hi), "unknown")
+    # A hypervisor may report a model number of its own (family 6 model 167 on the Xeon of
+    # these machines): AMX with AVX-512 FP16 then still says Sapphire Rapids or a successor.
+    if info["microarchitecture"] == "unknown" and info["vendor"] == "GenuineIntel" and \
+            {"amx_tile", "avx512_fp16"} <= flags:
+        info["microarchitecture"] = "Sapphire Rapids or later (AMX, AVX-512 FP16; model number not its own)"
     import pyfa
     # "pyfa cpu avx512 (tiles of ...)": the build a call takes now, PYFA_CPU_ISA included.
     info["isa"] = pyfa.device_profile("cpu")["name"].split()[2]
