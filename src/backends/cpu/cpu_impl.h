@@ -5,6 +5,9 @@
 //   PYFA_CPU_RI     vectors along the lanes' axis per register tile
 //   PYFA_CPU_RJ     broadcast operands per register tile
 //   PYFA_CPU_TABLE  the name of the pyfa_cpu::Isa it exports
+// and may define
+//   PYFA_CPU_V_IN_PLACE_D  the head dimension from which the forward reads V_j in place
+//                          rather than copying it into a padded buffer (default 256)
 // and is compiled with that instruction set's flags (CMakeLists.txt).
 //
 // Every output element gets exactly the operations and order of docs/numerics.md. The
@@ -39,6 +42,10 @@ namespace {
 constexpr int W = PYFA_CPU_W;
 constexpr int RI = PYFA_CPU_RI;
 constexpr int RJ = PYFA_CPU_RJ;
+#ifndef PYFA_CPU_V_IN_PLACE_D
+#define PYFA_CPU_V_IN_PLACE_D 256
+#endif
+constexpr int64_t V_IN_PLACE_D = PYFA_CPU_V_IN_PLACE_D;
 
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
@@ -592,12 +599,14 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
         for (int64_t r = 0; p.dropout.on() && r < br; ++r)
             p.dropout.apply_row(f.S + r, bc, bh / p.heads, bh % p.heads, row0 + r, col0, Rp);
         // pv^T[x][r] = sum_c P~[r,c] V[c,x], then the row update.
-        // V_j as the caller laid it out where d >= 256: its 32-row tiles give P~ V two
-        // vector steps per element of V_j, so a copy (a load and a store each) costs
-        // more there than the padding saves (9% of a forward at d = 256 on Sapphire Rapids).
+        // V_j as the caller laid it out from d = V_IN_PLACE_D: at d = 256 its 32-row tiles
+        // give P~ V two vector steps per element of V_j, so a copy (a load and a store
+        // each) costs more than the padding saves (9% of a forward on Sapphire Rapids,
+        // where reading in place also wins from d = 64; the padded copy was measured
+        // faster at d = 128 on AMD).
         int64_t ldv = f.Ep;
         const float* Vj = f.Vj;
-        if (!p.block_table && d >= 256) {
+        if (!p.block_table && d >= V_IN_PLACE_D) {
             Vj = Vh.tile(qh.s.k0 + col0, bc, f.Vj, &ldv);
         } else {
             for (int64_t c = 0; c < bc; ++c)
