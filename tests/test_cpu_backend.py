@@ -123,11 +123,13 @@ def test_unknown_isa_names_the_variable(monkeypatch):
 
 
 # The shared grid, plus default tiles where the algorithms' defaults differ (FA1 at d = 96
-# and 256, FA2's backward at d = 256 with 32 x 32 tiles) and a head count above the
-# thread counts, so the one-pass backward (a head per thread) runs beside the split one.
+# and 256, FA2's backward at d = 256 with 32 x 32 tiles; at Nq >= 128 the FA2 forward's
+# items of 64 rows over those 32-row tiles) and a head count above the thread counts, so
+# the one-pass backward (a head per thread) runs beside the split one.
 CASES = grid.CASES + [
     (1, 1, 90, 90, 96, None, None),
     (1, 1, 45, 70, 256, None, None),
+    (1, 1, 150, 140, 256, None, None),
     (2, 3, 80, 80, 32, 16, 16),
 ]
 
