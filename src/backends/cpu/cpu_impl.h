@@ -6,8 +6,9 @@
 //   PYFA_CPU_RJ     broadcast operands per register tile
 //   PYFA_CPU_TABLE  the name of the pyfa_cpu::Isa it exports
 // and may define
-//   PYFA_CPU_V_IN_PLACE_D  the head dimension from which the forward reads V_j in place
-//                          rather than copying it into a padded buffer (default 256)
+//   PYFA_CPU_IN_PLACE_D  the head dimension from which the forward's V_j and the
+//                        backward's Q_i, dO_i are read in place rather than copied into
+//                        padded buffers (default 256)
 // and is compiled with that instruction set's flags (CMakeLists.txt).
 //
 // Every output element gets exactly the operations and order of docs/numerics.md. The
@@ -42,10 +43,10 @@ namespace {
 constexpr int W = PYFA_CPU_W;
 constexpr int RI = PYFA_CPU_RI;
 constexpr int RJ = PYFA_CPU_RJ;
-#ifndef PYFA_CPU_V_IN_PLACE_D
-#define PYFA_CPU_V_IN_PLACE_D 256
+#ifndef PYFA_CPU_IN_PLACE_D
+#define PYFA_CPU_IN_PLACE_D 256
 #endif
-constexpr int64_t V_IN_PLACE_D = PYFA_CPU_V_IN_PLACE_D;
+constexpr int64_t IN_PLACE_D = PYFA_CPU_IN_PLACE_D;
 
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
@@ -599,14 +600,14 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
         for (int64_t r = 0; p.dropout.on() && r < br; ++r)
             p.dropout.apply_row(f.S + r, bc, bh / p.heads, bh % p.heads, row0 + r, col0, Rp);
         // pv^T[x][r] = sum_c P~[r,c] V[c,x], then the row update.
-        // V_j as the caller laid it out from d = V_IN_PLACE_D: at d = 256 its 32-row tiles
+        // V_j as the caller laid it out from d = IN_PLACE_D: at d = 256 its 32-row tiles
         // give P~ V two vector steps per element of V_j, so a copy (a load and a store
         // each) costs more than the padding saves (9% of a forward on Sapphire Rapids,
         // where reading in place also wins from d = 64; the padded copy was measured
         // faster at d = 128 on AMD).
         int64_t ldv = f.Ep;
         const float* Vj = f.Vj;
-        if (!p.block_table && d >= V_IN_PLACE_D) {
+        if (!p.block_table && d >= IN_PLACE_D) {
             Vj = Vh.tile(qh.s.k0 + col0, bc, f.Vj, &ldv);
         } else {
             for (int64_t c = 0; c < bc; ++c)
@@ -1025,18 +1026,28 @@ void load_kv(const Ctx& ctx, const BwdBufs& b, int64_t bkv, int64_t j, bool with
             for (int64_t x = 0; x < b.Dp; ++x) b.Kp[c * b.Ep + x] = x < d ? K[c * d + x] : 0.0f;
 }
 
-// Q_i and dO_i of head bh into b.Qi, b.dOi.
-void load_q(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i) {
+// Q_i and dO_i of head bh: copied into b.Qi, b.dOi (rows padded to Ep), or from d =
+// IN_PLACE_D where they lie in the backend's dense tensors (row stride d), as the
+// forward reads V_j: at d = 256 a tile pair does two vector steps per element of Q_i and
+// of dO_i in each product, and their copies cost 7% of a backward on Sapphire Rapids.
+struct QRows {
+    const float* Qi;   // (br, d) at row stride ld
+    const float* dOi;  // (br, d) at row stride ld
+    int64_t ld;
+};
+QRows load_q(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i) {
     const AttentionParams& p = ctx.p;
     const QHead qh = q_head(p, bh);
     const int64_t d = p.head_dim, Nq = qh.s.Nq, Br = p.block_r;
     const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
     const float* Q = p.q + qh.rows + row0 * d;      // (br, d)
     const float* dO = p.dout + qh.rows + row0 * d;  // (br, d)
+    if (d >= IN_PLACE_D) return QRows{Q, dO, d};
     for (int64_t r = 0; r < br; ++r) {
         std::memcpy(b.Qi + r * b.Ep, Q + r * d, sizeof(float) * static_cast<size_t>(d));
         std::memcpy(b.dOi + r * b.Ep, dO + r * d, sizeof(float) * static_cast<size_t>(d));
     }
+    return QRows{b.Qi, b.dOi, b.Ep};
 }
 
 // P_ij into b.P and dS_ij into b.dS, rows r < br of Q tile i (loaded by load_q), columns
@@ -1044,16 +1055,16 @@ void load_q(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i) {
 // In a tile the mask cuts, a hidden score gets P = dS = 0 by selection and b.g marks the
 // keys some row of the tile sees. With b.dSS, dS with respect to S (dBias's) goes there
 // too, b.dS takes it through score_mod_grad (the kernels' two steps in one pass).
-void tile_pair(const Ctx& ctx, const BwdBufs& b, int64_t bh, int64_t i, int64_t j) {
+void tile_pair(const Ctx& ctx, const BwdBufs& b, const QRows& q, int64_t bh, int64_t i, int64_t j) {
     const AttentionParams& p = ctx.p;
     const QHead qh = q_head(p, bh);
     const int64_t d = p.head_dim, Nq = qh.s.Nq;
-    const int64_t Br = p.block_r, Bc = p.block_c, Cp = b.Cp, Ep = b.Ep;
+    const int64_t Br = p.block_r, Bc = p.block_c, Cp = b.Cp;
     const int64_t row0 = i * Br, br = min64(Br, Nq - row0), col0 = j * Bc;
     const int64_t bc = min64(Bc, qh.s.Nk - col0);
     // S[r][c] = sum_x Q[r,x] K[c,x]; dP[r][c] = sum_x dO[r,x] V[c,x].
-    gemm_store_kb(b.KT, Cp, Cp, b.Qi, Ep, 1, d, br, b.P, Cp);
-    gemm_store_kb(b.VT, Cp, Cp, b.dOi, Ep, 1, d, br, b.dS, Cp);
+    gemm_store_kb(b.KT, Cp, Cp, q.Qi, q.ld, 1, d, br, b.P, Cp);
+    gemm_store_kb(b.VT, Cp, Cp, q.dOi, q.ld, 1, d, br, b.dS, Cp);
 
     const vf scale = splat(p.scale), zero = splat(0.0f);
     const vi lane = iota();
@@ -1136,8 +1147,8 @@ void backward_kv(const Ctx& ctx, int64_t bkv, int64_t j, bool with_dq, float* ws
                             bc, 0, 1);
             for (int64_t i = visit.begin; i < visit.end; ++i) {
                 const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
-                load_q(ctx, b, bh, i);
-                tile_pair(ctx, b, bh, i, j);
+                const QRows q = load_q(ctx, b, bh, i);
+                tile_pair(ctx, b, q, bh, i, j);
                 if (p.dbias)
                     dbias_tile(p, b.dSS ? b.dSS : b.dS, Cp, seq.mask.band(row0, col0), bh / p.heads, bh % p.heads, row0,
                                br, col0, bc, 0, 1);
@@ -1160,11 +1171,11 @@ void backward_kv(const Ctx& ctx, int64_t bkv, int64_t j, bool with_dq, float* ws
                     st(a, step(c, ctx.fa1 ? vmadd(scale, dk, ld(a)) : ld(a) + dk, ld(a)));
                 };
                 if (!cut) {
-                    gemm(b.P, Cp, Cp, b.dOi, 1, Ep, br, d, dv_step);
-                    gemm(b.dS, Cp, Cp, b.Qi, 1, Ep, br, d, dk_step);
+                    gemm(b.P, Cp, Cp, q.dOi, 1, q.ld, br, d, dv_step);
+                    gemm(b.dS, Cp, Cp, q.Qi, 1, q.ld, br, d, dk_step);
                 } else {
-                    gemm(b.P, Cp, Cp, b.dOi, 1, Ep, br, d, dv_step, by_keys);
-                    gemm(b.dS, Cp, Cp, b.Qi, 1, Ep, br, d, dk_step, by_keys);
+                    gemm(b.P, Cp, Cp, q.dOi, 1, q.ld, br, d, dv_step, by_keys);
+                    gemm(b.dS, Cp, Cp, q.Qi, 1, q.ld, br, d, dk_step, by_keys);
                 }
                 if (with_dq) {
                     // dq[r][x] = sum_c dS[r,c] K[c,x], added to the head's dQ rows in place.
@@ -1216,7 +1227,7 @@ void backward_dq(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
     const int64_t Dp = b.Dp, Cp = b.Cp;
     const vf scale = splat(p.scale);
     for (int64_t e = 0; e < br * Dp; ++e) b.dQi[e] = 0.0f;
-    load_q(ctx, b, bh, i);
+    const QRows q = load_q(ctx, b, bh, i);
 
     const TileRange visit = ctx.kv_tiles(qh.b, i);
     const int64_t per = p.split_size > 0 ? p.split_size / Bc : 0;  // K/V tiles per key chunk
@@ -1224,7 +1235,7 @@ void backward_dq(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
     for (int64_t j = visit.begin; j < visit.end; ++j) {
         const int64_t bc = min64(Bc, Nk - j * Bc);
         load_kv(ctx, b, kv_head(p, bh), j, true);
-        tile_pair(ctx, b, bh, i, j);
+        tile_pair(ctx, b, q, bh, i, j);
         // In a tile the mask cuts, hidden scores are left out of dS K and a row that sees
         // no key of the tile takes no step.
         const Band band = qh.s.mask.band(row0, j * Bc);
