@@ -667,7 +667,7 @@ def _run_varlen(op_name, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     """pyfa.varlen.run with the flat keywords of _varlen_keywords (the score modifications
     travel as its mods)."""
     kw = dict(kw)
-    mods = {name: kw.pop(name) for name in ("softcap", "alibi_slopes") if name in kw}
+    mods = {name: kw.pop(name) for name in ("softcap", "alibi_slopes", "bias") if name in kw}
     return varlen.run(op_name, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                       max_seqlen_k=max_seqlen_k, function="pyfa.torch.attention_varlen", mods=mods, **kw)
 
@@ -678,13 +678,17 @@ def _fa2_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, c
                         window_left: Optional[int], window_right: Optional[int], causal_align: str,
                         scale: Optional[float], block_r: Optional[int], block_c: Optional[int],
                         backend: str, softcap: Optional[float] = None,
-                        alibi_slopes: Optional[Tensor] = None, split_size: int = 0) -> Tuple[Tensor, Tensor]:
+                        alibi_slopes: Optional[Tensor] = None, split_size: int = 0,
+                        bias: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Packed sequences (pyfa.attention_varlen): q (total_q, H, d), k, v (total_k, Hkv, d),
-    int32 offsets; returns o like q and lse (H, total_q)."""
+    int32 offsets, bias None or broadcastable to (B, H, max_seqlen_q, max_seqlen_k);
+    returns o like q and lse (H, total_q)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_dtype(name, t)
     kw = _varlen_keywords(causal, window_left, window_right, causal_align, scale, block_r, block_c,
                           backend, softcap, alibi_slopes, split_size)
+    if bias is not None:
+        kw["bias"] = bias.detach()
     with _on_device_of(q):
         if q.is_cuda and (q.numel() == 0 or k.numel() == 0):
             _check_options(q, {**kw, "layout": "bnhd"})
@@ -707,24 +711,34 @@ def _fa2_varlen_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
                          window_right: Optional[int], causal_align: str, scale: Optional[float],
                          block_r: Optional[int], block_c: Optional[int],
                          backend: str, softcap: Optional[float] = None,
-                         alibi_slopes: Optional[Tensor] = None, split_size: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
-    """FA2's backward of fa2_varlen_forward: dq, dk, dv like q, k, v."""
+                         alibi_slopes: Optional[Tensor] = None, split_size: int = 0,
+                         bias: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """FA2's backward of fa2_varlen_forward: dq, dk, dv like q, k, v, and dbias of the
+    bias's shape (an empty tensor without a bias)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("do", do)):
         _check_dtype(name, t)
     kw = _varlen_keywords(causal, window_left, window_right, causal_align, scale, block_r, block_c,
                           backend, softcap, alibi_slopes, split_size)
+    if bias is not None:
+        kw["bias"] = bias.detach()
+    no_dbias = q.new_empty(0)
     with _on_device_of(q):
         if q.is_cuda and (q.numel() == 0 or k.numel() == 0):
             _check_options(q, {**kw, "layout": "bnhd"})
-            return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-        return _run_varlen("fa2_backward", dict(q=q.detach(), k=k.detach(), v=v.detach(), o=o.detach(),
-                                                lse=lse.detach(), do=do.detach().contiguous()),
-                           cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kw)
+            return (q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape),
+                    no_dbias if bias is None else bias.new_zeros(bias.shape))
+        grads = _run_varlen("fa2_backward", dict(q=q.detach(), k=k.detach(), v=v.detach(), o=o.detach(),
+                                                 lse=lse.detach(), do=do.detach().contiguous()),
+                            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kw)
+        return tuple(grads) if bias is not None else (*grads, no_dbias)
 
 
 @_fa2_varlen_backward.register_fake
-def _fa2_varlen_backward_fake(q, k, v, o, lse, do, *options):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _fa2_varlen_backward_fake(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              causal, window_left, window_right, causal_align, scale, block_r, block_c,
+                              backend, softcap=None, alibi_slopes=None, split_size=0, bias=None):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty(0) if bias is None else bias.new_empty(bias.shape))
 
 
 def _varlen_setup(ctx, inputs, output):
@@ -738,7 +752,7 @@ def _varlen_backward(ctx, do, dlse):
     q, k, v, cu_q, cu_k, o, lse = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv = torch.ops.pyfa.fa2_varlen_backward(q, k, v, o, lse, do, cu_q, cu_k, *ctx.options)
+    dq, dk, dv, dbias = torch.ops.pyfa.fa2_varlen_backward(q, k, v, o, lse, do, cu_q, cu_k, *ctx.options)
     if dlse is not None:
         # As _lse_gradient (the same steps, so each sequence's bits are the dense call's):
         # FA2's backward with V = 0, O = e_0 and dO = -dlse e_0, whose dS is P dlse.
@@ -746,14 +760,16 @@ def _varlen_backward(ctx, do, dlse):
         o_unit, do_lse = torch.zeros_like(q), torch.zeros_like(q)
         o_unit[..., 0] = 1
         do_lse[..., 0] = -dlse.transpose(0, 1)
-        lq, lk, _ = torch.ops.pyfa.fa2_varlen_backward(q, k, torch.zeros_like(v), o_unit, lse, do_lse,
-                                                       cu_q, cu_k, *ctx.options)
-        dq, dk = dq + lq, dk + lk
-    return (dq, dk, dv) + (None,) * (2 + len(ctx.options))
+        lq, lk, _, lb = torch.ops.pyfa.fa2_varlen_backward(q, k, torch.zeros_like(v), o_unit, lse, do_lse,
+                                                           cu_q, cu_k, *ctx.options)
+        dq, dk, dbias = dq + lq, dk + lk, dbias + lb
+    # The bias is the last option (fa2_varlen_forward's schema).
+    bias_grad = dbias if ctx.options[-1] is not None and ctx.needs_input_grad[-1] else None
+    return (dq, dk, dv) + (None,) * (1 + len(ctx.options)) + (bias_grad,)
 
 
 torch.library.register_autograd("pyfa::fa2_varlen_forward", _varlen_backward, setup_context=_varlen_setup)
-torch.library.register_autograd("pyfa::fa2_varlen_backward", _no_double_backward,
+torch.library.register_autograd("pyfa::fa2_varlen_backward", _no_double_backward_bias,
                                 setup_context=_backward_setup)
 for _device in ("cpu", "cuda"):
     torch.library.register_autocast("pyfa::fa2_varlen_forward", _device, torch.float32)
@@ -783,7 +799,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                      return_lse: bool = False, block_r: Optional[int] = None,
                      block_c: Optional[int] = None, backend: str = "auto",
                      softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
-                     split_size: Optional[int] = None):
+                     split_size: Optional[int] = None, bias: Optional[Tensor] = None):
     """Attention over packed sequences by FA2's varlen kernels (pyfa.attention_varlen),
     differentiable: q (total_q, H, d), k, v (total_k, Hkv, d) float32, cu_seqlens_q,
     cu_seqlens_k int32 (B + 1,) offsets on q's device. max_seqlen_q, max_seqlen_k: the
@@ -791,10 +807,13 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     per sequence (bottom-right: off = Nk_b - Nq_b). Returns o (total_q, H, d), or (o, lse)
     with return_lse, lse (H, total_q) and differentiable; row r's bits are those of
     pyfa.torch.attention on its own sequence alone, gradients included. softcap and
-    alibi_slopes ((H,) or (B, H), B the sequences) as in pyfa.torch.attention (no bias or
-    dropout here yet; pyfa.attention_varlen takes both on NumPy arrays). split_size: as in pyfa.torch.attention, the split
-    forward and backward per sequence, so that each row keeps the bits of its sequence's
-    split call alone."""
+    alibi_slopes ((H,) or (B, H), B the sequences) as in pyfa.torch.attention (no dropout
+    here yet; pyfa.attention_varlen takes it on NumPy arrays). bias: a float32 tensor
+    broadcastable to (B, H, max_seqlen_q, max_seqlen_k) on the CPU, sequence b adding the
+    corner of its own lengths (pyfa.attention_varlen's bias=); it gets a gradient when it
+    requires one (+0 beyond each corner). split_size: as in pyfa.torch.attention, the
+    split forward and backward per sequence, so that each row keeps the bits of its
+    sequence's split call alone (not with a bias's gradient)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
         if t.dim() != 3:
@@ -817,7 +836,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     split = 0 if split_size is None else check_int("split_size", split_size, 1, 1 << 40)
     o, lse = torch.ops.pyfa.fa2_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal,
                                                left, right, causal_align, scale, block_r, block_c, backend,
-                                               softcap, alibi_slopes, split)
+                                               softcap, alibi_slopes, split,
+                                               None if bias is None else _bias_operand(bias))
     return (o, lse) if return_lse else o
 
 

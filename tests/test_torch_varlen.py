@@ -1,6 +1,6 @@
 """pyfa.torch.attention_varlen: the varlen custom operators give, row for row, the bits of
 pyfa.torch.attention on each sequence alone, forward, LSE and gradients (the LSE's
-included), softcap too; torch.compile(fullgraph=True) with max_seqlen given. Runs when
+included), softcap and a bias too; torch.compile(fullgraph=True) with max_seqlen given. Runs when
 torch imports."""
 
 import pytest
@@ -45,6 +45,38 @@ def test_attention_varlen_equals_each_sequence_alone(causal, softcap):
         assert torch.equal(grads[1][ka:kz], gb[1]) and torch.equal(grads[2][ka:kz], gb[2])
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("rows", [True, False])
+def test_attention_varlen_bias_equals_each_sequence_alone(causal, rows):
+    """A (B, H, max_seqlen_q or 1, max_seqlen_k) bias: each sequence's forward, LSE and
+    gradients (the bias's corner of dbias, +0 beyond it) are those of pyfa.torch.attention
+    on the sequence alone with its corner."""
+    cq, ck, q, k, v, do, dlse = packed(2)
+    mq, mk = 12, 16
+    bias = torch.randn(4, 4, mq if rows else 1, mk, generator=torch.Generator().manual_seed(5))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    o, lse = pyfa.torch.attention_varlen(*leaves[:3], cq, ck, causal=causal, return_lse=True, bias=leaves[3], **KW)
+    grads = torch.autograd.grad((o * do).sum() + (torch.where(torch.isinf(lse), 0, lse) * dlse).sum(), leaves)
+    rest = grads[3].clone()
+    for b in range(len(cq) - 1):
+        qa, qz, ka, kz = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
+        nq, nk = qz - qa, kz - ka
+        if nq == 0 or nk == 0:
+            continue
+        corner = bias[b:b + 1, :, :nq if rows else 1, :nk]
+        alone = [t.clone().requires_grad_() for t in (q[qa:qz], k[ka:kz], v[ka:kz], corner)]
+        ob, lb = pyfa.torch.attention(*alone[:3], causal=causal, layout="bnhd", return_lse=True, bias=alone[3], **KW)
+        assert torch.equal(o[qa:qz], ob) and torch.equal(lse[:, qa:qz], lb)
+        loss = (ob * do[qa:qz]).sum() + (torch.where(torch.isinf(lb), 0, lb) * dlse[:, qa:qz]).sum()
+        gb = torch.autograd.grad(loss, alone)
+        assert torch.equal(grads[0][qa:qz], gb[0])
+        assert torch.equal(grads[1][ka:kz], gb[1]) and torch.equal(grads[2][ka:kz], gb[2])
+        assert torch.equal(grads[3][b:b + 1, :, :corner.shape[2], :nk], gb[3])
+        rest[b, :, :corner.shape[2], :nk] = 0
+    # Sequences 1 (no queries) and the keys past each sequence's own: +0, every bit.
+    assert torch.equal(rest.view(torch.int32), torch.zeros_like(rest).view(torch.int32))
+
+
 def test_attention_varlen_compiles_without_a_graph_break():
     cq, ck, q, k, v, do, _ = packed(1)
 
@@ -72,3 +104,18 @@ def test_flash_attn_varlen_func_passes_softcap_and_alibi():
     alone = pyfa.torch.attention(q[19:22], k[14:30], v[14:30], causal=True, softcap=1.5, layout="bnhd",
                                  alibi_slopes=slopes[3])
     assert torch.equal(got[19:22], alone)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_varlen_operators_pass_opcheck_and_refuse_double_backward(with_bias):
+    cq, ck, q, k, v, do, _ = packed(3)
+    bias = torch.randn(4, 4, 12, 16) if with_bias else None
+    options = (12, 16, True, None, None, "bottom_right", None, 8, 8, "cpu", None, None, 0, bias)
+    torch.library.opcheck(torch.ops.pyfa.fa2_varlen_forward.default, (q, k, v, cq, ck, *options))
+    o, lse = torch.ops.pyfa.fa2_varlen_forward(q, k, v, cq, ck, *options)
+    torch.library.opcheck(torch.ops.pyfa.fa2_varlen_backward.default, (q, k, v, o, lse, do, cq, ck, *options))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = pyfa.torch.attention_varlen(*leaves, cq, ck, causal=True, bias=bias, **KW)
+    dq, = torch.autograd.grad((out * do).sum(), leaves[:1], create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        dq.sum().backward()
