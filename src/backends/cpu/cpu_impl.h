@@ -454,7 +454,7 @@ struct KvRows {
         if (!p.block_table) return touch_lines(X + n0 * ld, bc, width, ld, sink);
         for (int64_t c = 0; c < bc; ++c) touch_lines(row(n0 + c), 1, width, width, sink);
     }
-    // K_j's rows at (return value, return value + *stride, ...).
+    // The tile's rows (K_j's or V_j's) at (return value, return value + *stride, ...).
     const float* tile(int64_t n0, int64_t bc, float* dense, int64_t* stride) const {
         const int64_t d = p.head_dim;
         *stride = p.block_table ? d : ld;
