@@ -71,7 +71,9 @@ def _run(algo, passes, function, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen
     B = len(offsets_q) - 1
     # A bias is (B, H, max_seqlen_q, max_seqlen_k), broadcastable: sequence b reads the
     # corner of its own lengths, as the kernels index it by (b, h, i, j) within b.
-    bias = check_bias(function, kwargs["bias"], (B, H, max_q, max_k)) if kwargs.get("bias") is not None else None
+    bias = kwargs.get("bias")
+    if bias is not None:
+        bias = check_bias(function, bias, (B, H, max_q, max_k))
     options = resolve(function, options, {}, allowed=("block_r", "block_c"))
     if options.progress is not None:
         raise InvalidArgumentError(f"options.progress: {function} does not report progress")
