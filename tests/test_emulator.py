@@ -105,6 +105,7 @@ def test_allocation_failures_give_a_status_never_a_crash(emu_faults, tmp_path):
                          timeout=300, env={**os.environ, "LD_PRELOAD": str(shim)})
     lines = summary_ok(run, "emu faults: ")
     assert sum(line.startswith("sweep ") for line in lines) == 6, run.stdout
+    assert sum(line.endswith("went on with 1 of 3") for line in lines) == 3, run.stdout
 
 
 def small_fa2():

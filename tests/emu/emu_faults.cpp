@@ -4,7 +4,9 @@
 //                      and again, letting the first N memory requests succeed and failing
 //                      the rest, for every N until one launch needs no more than N: each
 //                      launch must return OK with the exact result, or OutOfMemory; never
-//                      anything else, never a crash or std::terminate.
+//                      anything else, never a crash or std::terminate; and with every
+//                      worker but the launching thread refused its memory, the launch
+//                      must go on with that one.
 //   emu_faults stack   prints each kernel's deepest fiber stack use, in bytes.
 //
 // Prints "FAIL: ..." lines and exits nonzero on failure; the last line is a summary.
@@ -143,47 +145,67 @@ int sweep() {
     } kinds[] = {{1, "heap"}, {2, "mappings"}, {3, "heap and mappings"}};
     for (const auto& kind : kinds) {
         for (int workers : {1, 3}) {
-            // Which worker gets its memory first is up to the OS scheduler: a sweep where
-            // none went on alone is retried before that counts as a failure.
             int ok = 0, oom = 0, dropped = 0;
-            for (int attempt = 0; attempt < 5 && (attempt == 0 || dropped == 0); ++attempt) {
-                for (long n = 0;; ++n) {
-                    pyfa_emu::release_workers();  // every launch gets its memory anew
-                    std::fill(pr.o.begin(), pr.o.end(), -7.0f);
-                    std::fill(pr.lse.begin(), pr.lse.end(), -7.0f);
-                    arm(n, kind.kinds);
-                    const pyfa_emu::Error e = launch(fwd, body, workers, &result);
-                    const long failures = disarm();
-                    ++trials;
-                    const std::string where = std::string(kind.name) + ", " + std::to_string(workers) +
-                                              " workers, " + std::to_string(n) + " requests granted: ";
-                    if (e == pyfa_emu::Error::None) {
-                        ++ok;
-                        if (result.workers < workers) ++dropped;
-                        if (!same_bits(pr.o, o_ref) || !same_bits(pr.lse, lse_ref))
-                            fail(where + "launch returned OK with a wrong result");
-                    } else if (e == pyfa_emu::Error::OutOfMemory) {
-                        ++oom;
-                        if (!std::strstr(result.message, "out of memory"))
-                            fail(where + "OutOfMemory without saying so: " + result.message);
-                    } else {
-                        fail(where + "error " + std::to_string(int(e)) +
-                             " instead of OK or OutOfMemory: " + result.message);
-                    }
-                    if (failures == 0) break;  // the launch had every request it made
-                    if (n > 100000) {
-                        fail(where + "sweep did not end");
-                        break;
-                    }
+            for (long n = 0;; ++n) {
+                pyfa_emu::release_workers();  // every launch gets its memory anew
+                std::fill(pr.o.begin(), pr.o.end(), -7.0f);
+                std::fill(pr.lse.begin(), pr.lse.end(), -7.0f);
+                arm(n, kind.kinds);
+                const pyfa_emu::Error e = launch(fwd, body, workers, &result);
+                const long failures = disarm();
+                ++trials;
+                const std::string where = std::string(kind.name) + ", " + std::to_string(workers) +
+                                          " workers, " + std::to_string(n) + " requests granted: ";
+                if (e == pyfa_emu::Error::None) {
+                    ++ok;
+                    if (result.workers < workers) ++dropped;
+                    if (!same_bits(pr.o, o_ref) || !same_bits(pr.lse, lse_ref))
+                        fail(where + "launch returned OK with a wrong result");
+                } else if (e == pyfa_emu::Error::OutOfMemory) {
+                    ++oom;
+                    if (!std::strstr(result.message, "out of memory"))
+                        fail(where + "OutOfMemory without saying so: " + result.message);
+                } else {
+                    fail(where + "error " + std::to_string(int(e)) +
+                         " instead of OK or OutOfMemory: " + result.message);
                 }
-                if (workers == 1 || kind.kinds != 1) break;
+                if (failures == 0) break;  // the launch had every request it made
+                if (n > 100000) {
+                    fail(where + "sweep did not end");
+                    break;
+                }
             }
             std::printf("sweep %s, %d workers: %d OK (%d with fewer workers), %d out of memory\n",
                         kind.name, workers, ok, dropped, oom);
             if (oom == 0) fail(std::string(kind.name) + ": no launch ran out of memory; the shim did nothing");
-            if (workers > 1 && kind.kinds == 1 && dropped == 0)
-                fail("no launch went on with fewer workers when one could not get its memory");
         }
+        // Which worker of a sweep's launch runs out first is up to the scheduler; here
+        // every worker but the launching thread's own is refused, so the launch must go
+        // on with that one alone. A worker that starts only after the launching thread
+        // has drained the grid asks for nothing (it takes the pooled memory): such a try
+        // refused nobody and is made again.
+        const std::string where = std::string(kind.name) + " refused to all workers but one: ";
+        long failures = 0;
+        pyfa_emu::Error e = pyfa_emu::Error::None;
+        for (int attempt = 0; attempt < 50 && e == pyfa_emu::Error::None && failures == 0; ++attempt) {
+            pyfa_emu::release_workers();
+            std::fill(pr.o.begin(), pr.o.end(), -7.0f);
+            std::fill(pr.lse.begin(), pr.lse.end(), -7.0f);
+            arm(0, kind.kinds | 4);
+            e = launch(fwd, body, 3, &result);
+            failures = disarm();
+            ++trials;
+            if (e == pyfa_emu::Error::None && result.workers != 1)
+                fail(where + std::to_string(result.workers) + " workers ran blocks");
+            if (e == pyfa_emu::Error::None && (!same_bits(pr.o, o_ref) || !same_bits(pr.lse, lse_ref)))
+                fail(where + "launch returned OK with a wrong result");
+        }
+        if (e != pyfa_emu::Error::None)
+            fail(where + "error " + std::to_string(int(e)) + ": " + result.message);
+        else if (failures == 0)
+            fail(where + "no worker was refused in 50 launches");
+        else
+            std::printf("%s refused to all workers but one: went on with 1 of 3\n", kind.name);
     }
     std::printf("emu faults: %d launches, %d failed checks\n", trials, g_failed);
     return g_failed ? 1 : 0;

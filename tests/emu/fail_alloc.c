@@ -2,11 +2,14 @@
  * emulator's fault-injection test (emu_faults.cpp). While armed, the first `budget`
  * requests of the chosen kinds succeed and every later one fails with ENOMEM:
  *   kind 1: the heap (malloc, calloc, realloc, aligned allocations; operator new too);
- *   kind 2: anonymous mappings and making pages accessible (mmap, mprotect).
+ *   kind 2: anonymous mappings and making pages accessible (mmap, mprotect);
+ *   kind 4, with 1 or 2: only the requests of threads other than the one that armed it
+ *   count, so that a launch's own thread keeps its memory whatever the scheduler does.
  * glibc only: the heap calls are forwarded to glibc's own __libc_* entry points. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <sys/mman.h>
@@ -20,6 +23,7 @@ extern void* __libc_memalign(size_t, size_t);
 static atomic_int armed_kinds;
 static atomic_long budget;
 static atomic_long failures;
+static pthread_t armer;
 
 static void* (*real_mmap)(void*, size_t, int, int, int, off_t);
 static int (*real_mprotect)(void*, size_t, int);
@@ -30,7 +34,9 @@ __attribute__((constructor)) static void resolve(void) {
 }
 
 static int should_fail(int kind) {
-    if (!(atomic_load_explicit(&armed_kinds, memory_order_relaxed) & kind)) return 0;
+    const int armed = atomic_load_explicit(&armed_kinds, memory_order_acquire);
+    if (!(armed & kind)) return 0;
+    if ((armed & 4) && pthread_equal(pthread_self(), armer)) return 0;
     if (atomic_fetch_sub(&budget, 1) > 0) return 0;
     atomic_fetch_add(&failures, 1);
     errno = ENOMEM;
@@ -40,6 +46,7 @@ static int should_fail(int kind) {
 void pyfa_shim_arm(long n, int kinds) {
     atomic_store(&failures, 0);
     atomic_store(&budget, n);
+    armer = pthread_self();
     atomic_store(&armed_kinds, kinds);
 }
 

@@ -449,7 +449,6 @@ void worker_loop(LaunchShared& L) noexcept {
         return;
     }
     Worker& w = *wp;
-    L.workers_running.fetch_add(1, std::memory_order_relaxed);
     w.tls_tid = &threadIdx;
     w.tls_bid = &blockIdx;
     w.tls_bdim = &blockDim;
@@ -459,9 +458,16 @@ void worker_loop(LaunchShared& L) noexcept {
     w.strict = L.options.strict;
     w.in_block = true;
     const bool progress = L.options.progress != nullptr;
+    // Counted at its first block: a worker that comes late to a drained grid may have
+    // taken a finished worker's memory from the pool, and ran nothing.
+    bool counted = false;
     while (!L.stop.load(std::memory_order_relaxed)) {
         uint64_t linear = L.next.fetch_add(1, std::memory_order_relaxed);
         if (linear >= L.total_blocks) break;
+        if (!counted) {
+            L.workers_running.fetch_add(1, std::memory_order_relaxed);
+            counted = true;
+        }
         if (!run_block(w, L, linear)) {
             if (w.failed()) L.fail(w.error, w.message);
             break;
