@@ -513,14 +513,6 @@ def _refuse(name, value, why):
     raise ValueError(f"{name}: {why}, got {value!r}")
 
 
-def _check_dropout(name, p):
-    if isinstance(p, bool) or not isinstance(p, numbers.Real):
-        raise TypeError(f"{name}: expected a float, got {type(p).__name__}")
-    if p != 0:
-        _refuse(name, p, "pyfa has no dropout here yet (only 0.0 is honoured; pyfa.torch.attention, "
-                "scaled_dot_product_attention and flash_attn_func take it)")
-
-
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                                  attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: Optional[float] = None,
@@ -656,9 +648,11 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
 
 
 def _varlen_keywords(causal, window_left, window_right, causal_align, scale, block_r, block_c,
-                     backend, softcap=None, alibi_slopes=None, split_size=0):
+                     backend, softcap=None, alibi_slopes=None, split_size=0, dropout_p=0.0, seed=0,
+                     offset=0):
     kw = _keywords(causal, window_left, window_right, causal_align, scale, "bnhd", block_r,
-                   block_c, backend, softcap=softcap, alibi_slopes=alibi_slopes, split_size=split_size)
+                   block_c, backend, dropout_p, seed, offset, softcap=softcap, alibi_slopes=alibi_slopes,
+                   split_size=split_size)
     del kw["layout"]
     return kw
 
@@ -667,7 +661,8 @@ def _run_varlen(op_name, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     """pyfa.varlen.run with the flat keywords of _varlen_keywords (the score modifications
     travel as its mods)."""
     kw = dict(kw)
-    mods = {name: kw.pop(name) for name in ("softcap", "alibi_slopes", "bias") if name in kw}
+    mods = {name: kw.pop(name) for name in ("softcap", "alibi_slopes", "bias", "dropout_p", "seed", "offset")
+            if name in kw}
     return varlen.run(op_name, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                       max_seqlen_k=max_seqlen_k, function="pyfa.torch.attention_varlen", mods=mods, **kw)
 
@@ -679,6 +674,7 @@ def _fa2_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, c
                         scale: Optional[float], block_r: Optional[int], block_c: Optional[int],
                         backend: str, softcap: Optional[float] = None,
                         alibi_slopes: Optional[Tensor] = None, split_size: int = 0,
+                        dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
                         bias: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Packed sequences (pyfa.attention_varlen): q (total_q, H, d), k, v (total_k, Hkv, d),
     int32 offsets, bias None or broadcastable to (B, H, max_seqlen_q, max_seqlen_k);
@@ -686,7 +682,7 @@ def _fa2_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, c
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_dtype(name, t)
     kw = _varlen_keywords(causal, window_left, window_right, causal_align, scale, block_r, block_c,
-                          backend, softcap, alibi_slopes, split_size)
+                          backend, softcap, alibi_slopes, split_size, dropout_p, seed, offset)
     if bias is not None:
         kw["bias"] = bias.detach()
     with _on_device_of(q):
@@ -712,13 +708,14 @@ def _fa2_varlen_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
                          block_r: Optional[int], block_c: Optional[int],
                          backend: str, softcap: Optional[float] = None,
                          alibi_slopes: Optional[Tensor] = None, split_size: int = 0,
+                         dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
                          bias: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """FA2's backward of fa2_varlen_forward: dq, dk, dv like q, k, v, and dbias of the
     bias's shape (an empty tensor without a bias)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("do", do)):
         _check_dtype(name, t)
     kw = _varlen_keywords(causal, window_left, window_right, causal_align, scale, block_r, block_c,
-                          backend, softcap, alibi_slopes, split_size)
+                          backend, softcap, alibi_slopes, split_size, dropout_p, seed, offset)
     if bias is not None:
         kw["bias"] = bias.detach()
     no_dbias = q.new_empty(0)
@@ -736,9 +733,16 @@ def _fa2_varlen_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
 @_fa2_varlen_backward.register_fake
 def _fa2_varlen_backward_fake(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               causal, window_left, window_right, causal_align, scale, block_r, block_c,
-                              backend, softcap=None, alibi_slopes=None, split_size=0, bias=None):
+                              backend, softcap=None, alibi_slopes=None, split_size=0, dropout_p=0.0,
+                              seed=0, offset=0, bias=None):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             q.new_empty(0) if bias is None else bias.new_empty(bias.shape))
+
+
+# fa2_varlen_forward's non-tensor arguments after the offsets, in schema order (the bias last).
+_VARLEN_OPTION_NAMES = ("max_seqlen_q", "max_seqlen_k", "causal", "window_left", "window_right",
+                        "causal_align", "scale", "block_r", "block_c", "backend", "softcap",
+                        "alibi_slopes", "split_size", "dropout_p", "seed", "offset", "bias")
 
 
 def _varlen_setup(ctx, inputs, output):
@@ -755,13 +759,15 @@ def _varlen_backward(ctx, do, dlse):
     dq, dk, dv, dbias = torch.ops.pyfa.fa2_varlen_backward(q, k, v, o, lse, do, cu_q, cu_k, *ctx.options)
     if dlse is not None:
         # As _lse_gradient (the same steps, so each sequence's bits are the dense call's):
-        # FA2's backward with V = 0, O = e_0 and dO = -dlse e_0, whose dS is P dlse.
+        # FA2's backward with V = 0, O = e_0 and dO = -dlse e_0, whose dS is P dlse, and P
+        # undropped.
         dlse = torch.where(torch.isinf(lse), torch.zeros_like(dlse), dlse)
         o_unit, do_lse = torch.zeros_like(q), torch.zeros_like(q)
         o_unit[..., 0] = 1
         do_lse[..., 0] = -dlse.transpose(0, 1)
+        undropped = [0.0 if name == "dropout_p" else x for name, x in zip(_VARLEN_OPTION_NAMES, ctx.options)]
         lq, lk, _, lb = torch.ops.pyfa.fa2_varlen_backward(q, k, torch.zeros_like(v), o_unit, lse, do_lse,
-                                                           cu_q, cu_k, *ctx.options)
+                                                           cu_q, cu_k, *undropped)
         dq, dk, dbias = dq + lq, dk + lk, dbias + lb
     # The bias is the last option (fa2_varlen_forward's schema).
     bias_grad = dbias if ctx.options[-1] is not None and ctx.needs_input_grad[-1] else None
@@ -799,16 +805,20 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                      return_lse: bool = False, block_r: Optional[int] = None,
                      block_c: Optional[int] = None, backend: str = "auto",
                      softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
-                     split_size: Optional[int] = None, bias: Optional[Tensor] = None):
+                     split_size: Optional[int] = None, bias: Optional[Tensor] = None,
+                     dropout_p: float = 0.0, seed: Optional[int] = None, offset: int = 0):
     """Attention over packed sequences by FA2's varlen kernels (pyfa.attention_varlen),
     differentiable: q (total_q, H, d), k, v (total_k, Hkv, d) float32, cu_seqlens_q,
     cu_seqlens_k int32 (B + 1,) offsets on q's device. max_seqlen_q, max_seqlen_k: the
     longest lengths (None: computed, which reads the offsets on the host). Masks apply
     per sequence (bottom-right: off = Nk_b - Nq_b). Returns o (total_q, H, d), or (o, lse)
     with return_lse, lse (H, total_q) and differentiable; row r's bits are those of
-    pyfa.torch.attention on its own sequence alone, gradients included. softcap and
-    alibi_slopes ((H,) or (B, H), B the sequences) as in pyfa.torch.attention (no dropout
-    here yet; pyfa.attention_varlen takes it on NumPy arrays). bias: a float32 tensor
+    pyfa.torch.attention on its own sequence alone (with dropout: as batch element b),
+    gradients included. softcap and
+    alibi_slopes ((H,) or (B, H), B the sequences) as in pyfa.torch.attention. dropout_p,
+    seed, offset: as in pyfa.torch.attention (seed=None draws one from torch's default
+    generator), sequence b dropping as batch element b of a dense call, its own rows and
+    keys numbered from 0 (pyfa.attention_varlen's). bias: a float32 tensor
     broadcastable to (B, H, max_seqlen_q, max_seqlen_k) on the CPU, sequence b adding the
     corner of its own lengths (pyfa.attention_varlen's bias=); it gets a gradient when it
     requires one (+0 beyond each corner). split_size: as in pyfa.torch.attention, the
@@ -834,9 +844,10 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         _check_tensor("alibi_slopes", alibi_slopes)
         alibi_slopes = alibi_slopes.detach().to(q.device, torch.float32).contiguous()
     split = 0 if split_size is None else check_int("split_size", split_size, 1, 1 << 40)
+    dropout_p, seed, offset = _dropout_args(dropout_p, seed, offset)
     o, lse = torch.ops.pyfa.fa2_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal,
                                                left, right, causal_align, scale, block_r, block_c, backend,
-                                               softcap, alibi_slopes, split,
+                                               softcap, alibi_slopes, split, dropout_p, seed, offset,
                                                None if bias is None else _bias_operand(bias))
     return (o, lse) if return_lse else o
 
@@ -854,13 +865,13 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     and v (int32 offsets); masks as in flash_attn_func, per sequence; max_seqlen_q,
     max_seqlen_k at least the longest lengths (checked where the offsets are on the CPU).
     Returns out (total_q, H, d); with return_attn_probs=True, (out, softmax_lse, None),
-    softmax_lse (H, total_q) as in flash_attn_func. Refused: as flash_attn_func, and
-    block_table (paged K/V)."""
+    softmax_lse (H, total_q) as in flash_attn_func. dropout_p > 0: dropout as in
+    flash_attn_func, its seed drawn from torch's default generator. Refused: as
+    flash_attn_func, and block_table (paged K/V)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
         if t.dim() != 3:
             raise ValueError(f"{name}: expected shape (total, H, d), got {tuple(t.shape)}")
-    _check_dropout("dropout_p", dropout_p)
     mods = _check_flash_extras(softcap, alibi_slopes, deterministic)
     _check_bool("return_attn_probs", return_attn_probs)
     if block_table is not None:
@@ -871,7 +882,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     o, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                               max_seqlen_k=max_seqlen_k, causal=causal, window=_flash_window(window_size),
                               scale=softmax_scale, return_lse=True, softcap=mods["softcap"],
-                              alibi_slopes=mods["alibi_slopes"])
+                              alibi_slopes=mods["alibi_slopes"], dropout_p=dropout_p)
     return (o, _flash_lse(lse), None) if return_attn_probs else o
 
 

@@ -1,6 +1,6 @@
 """pyfa.torch.attention_varlen: the varlen custom operators give, row for row, the bits of
 pyfa.torch.attention on each sequence alone, forward, LSE and gradients (the LSE's
-included), softcap and a bias too; torch.compile(fullgraph=True) with max_seqlen given. Runs when
+included), softcap, a bias and dropout too; torch.compile(fullgraph=True) with max_seqlen given. Runs when
 torch imports."""
 
 import pytest
@@ -77,6 +77,49 @@ def test_attention_varlen_bias_equals_each_sequence_alone(causal, rows):
     assert torch.equal(rest.view(torch.int32), torch.zeros_like(rest).view(torch.int32))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_varlen_dropout_is_the_dense_batch_element_of_each_sequence(causal):
+    """Sequence b drops as batch element b of a dense call (pyfa.attention_varlen's
+    convention): forward, LSE (that of P undropped) and gradients, the LSE's included,
+    equal those of element b of a dense batch holding copies of the sequence."""
+    cq, ck, q, k, v, do, dlse = packed(4)
+    drop = dict(dropout_p=0.3, seed=11, offset=3)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o, lse = pyfa.torch.attention_varlen(*leaves, cq, ck, causal=causal, return_lse=True, **drop, **KW)
+    grads = torch.autograd.grad((o * do).sum() + (torch.where(torch.isinf(lse), 0, lse) * dlse).sum(), leaves)
+    undropped = pyfa.torch.attention_varlen(q, k, v, cq, ck, causal=causal, **KW)
+    assert not torch.equal(o, undropped)
+    B = len(cq) - 1
+    for b in range(B):
+        qa, qz, ka, kz = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
+        if qz == qa or kz == ka:
+            continue
+        dense = [t[a:z].unsqueeze(0).repeat(B, 1, 1, 1).requires_grad_() for t, a, z in
+                 ((q, qa, qz), (k, ka, kz), (v, ka, kz))]
+        ob, lb = pyfa.torch.attention(*dense, causal=causal, layout="bnhd", return_lse=True, **drop, **KW)
+        assert torch.equal(o[qa:qz], ob[b]) and torch.equal(lse[:, qa:qz], lb[b])
+        loss = (ob[b] * do[qa:qz]).sum() + (torch.where(torch.isinf(lb[b]), 0, lb[b]) * dlse[:, qa:qz]).sum()
+        gb = torch.autograd.grad(loss, dense)
+        assert torch.equal(grads[0][qa:qz], gb[0][b])
+        assert torch.equal(grads[1][ka:kz], gb[1][b]) and torch.equal(grads[2][ka:kz], gb[2][b])
+
+
+def test_varlen_dropout_seed_none_follows_torch_manual_seed():
+    cq, ck, q, k, v, _, _ = packed(5)
+    torch.manual_seed(3)
+    first = pyfa.torch.attention_varlen(q, k, v, cq, ck, dropout_p=0.5, **KW)
+    second = pyfa.torch.attention_varlen(q, k, v, cq, ck, dropout_p=0.5, **KW)
+    torch.manual_seed(3)
+    assert torch.equal(pyfa.torch.attention_varlen(q, k, v, cq, ck, dropout_p=0.5, **KW), first)
+    assert not torch.equal(first, second)
+    torch.manual_seed(3)
+    flash = pyfa.torch.flash_attn_varlen_func(q, k, v, cq, ck, 12, 16, dropout_p=0.5)
+    torch.manual_seed(3)
+    assert torch.equal(flash, pyfa.torch.attention_varlen(q, k, v, cq, ck, dropout_p=0.5))
+    with pytest.raises(ValueError, match=r"dropout_p: must be in \[0, 1\)"):
+        pyfa.torch.attention_varlen(q, k, v, cq, ck, dropout_p=1.0, seed=1)
+
+
 def test_attention_varlen_compiles_without_a_graph_break():
     cq, ck, q, k, v, do, _ = packed(1)
 
@@ -106,11 +149,11 @@ def test_flash_attn_varlen_func_passes_softcap_and_alibi():
     assert torch.equal(got[19:22], alone)
 
 
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_varlen_operators_pass_opcheck_and_refuse_double_backward(with_bias):
+@pytest.mark.parametrize("with_bias,dropout_p", [(False, 0.0), (True, 0.0), (True, 0.25)])
+def test_varlen_operators_pass_opcheck_and_refuse_double_backward(with_bias, dropout_p):
     cq, ck, q, k, v, do, _ = packed(3)
     bias = torch.randn(4, 4, 12, 16) if with_bias else None
-    options = (12, 16, True, None, None, "bottom_right", None, 8, 8, "cpu", None, None, 0, bias)
+    options = (12, 16, True, None, None, "bottom_right", None, 8, 8, "cpu", None, None, 0, dropout_p, 7, 0, bias)
     torch.library.opcheck(torch.ops.pyfa.fa2_varlen_forward.default, (q, k, v, cq, ck, *options))
     o, lse = torch.ops.pyfa.fa2_varlen_forward(q, k, v, cq, ck, *options)
     torch.library.opcheck(torch.ops.pyfa.fa2_varlen_backward.default, (q, k, v, o, lse, do, cq, ck, *options))
