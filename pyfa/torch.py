@@ -875,7 +875,8 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     mods = _check_flash_extras(softcap, alibi_slopes, deterministic)
     _check_bool("return_attn_probs", return_attn_probs)
     if block_table is not None:
-        raise ValueError("block_table: pyfa has no paged K/V yet; only None is honoured")
+        raise ValueError("block_table: flash_attn_varlen_func takes no paged K/V in pyfa (only None is "
+                         "honoured); pyfa.torch.flash_attn_with_kvcache and pyfa.attention_with_kvcache do")
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(m, bool) or not isinstance(m, numbers.Integral):
             raise TypeError(f"{name}: expected an int, got {type(m).__name__}")

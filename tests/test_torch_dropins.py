@@ -161,7 +161,7 @@ def test_flash_attn_varlen_func_checks_the_offsets():
         varlen(q, q, q, cu, torch.tensor([0, 4, 2], dtype=torch.int32), 4, 4)
     with pytest.raises(TypeError, match="cu_seqlens_q: expected dtype torch.int32"):
         varlen(q, q, q, cu.long(), cu, 4, 4)
-    with pytest.raises(ValueError, match="block_table: pyfa has no paged K/V"):
+    with pytest.raises(ValueError, match="block_table: flash_attn_varlen_func takes no paged K/V in pyfa"):
         varlen(q, q, q, cu, cu, 4, 4, block_table=torch.zeros(2, 1, dtype=torch.int32))
 
 
