@@ -194,13 +194,18 @@ def _forward_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+def _undropped(names, options):
+    """An operator's options (named by `names`, in schema order) with dropout_p 0."""
+    return [0.0 if name == "dropout_p" else x for name, x in zip(names, options)]
+
+
 def _lse_gradient(q, k, v, lse, dlse, options):
     """The gradients of sum(dlse * lse) for q and k: dLSE_i/dS_ij = P_ij, so they are FA2's
     backward with dS = P dlse in place of P (dP - D), through the score modifications'
     gradients like any dS. One more FA2 backward, no N x N matrix, given V = 0 (so dP = 0),
     O = e_0 and dO = -dlse e_0 (so D_i = dO_i . O_i = -dlse_i exactly). LSE takes P
     undropped, so this call runs without dropout."""
-    options = [0.0 if name == "dropout_p" else x for name, x in zip(_OPTION_NAMES, options)]
+    options = _undropped(_OPTION_NAMES, options)
     opts = dict(zip(_OPTION_NAMES, options))
     # dlse is (B, H, Nq); q's rows are (B, H, Nq, :) or, in "bnhd", (B, Nq, H, :).
     g = dlse.transpose(1, 2) if opts["layout"] == "bnhd" else dlse
@@ -765,7 +770,7 @@ def _varlen_backward(ctx, do, dlse):
         o_unit, do_lse = torch.zeros_like(q), torch.zeros_like(q)
         o_unit[..., 0] = 1
         do_lse[..., 0] = -dlse.transpose(0, 1)
-        undropped = [0.0 if name == "dropout_p" else x for name, x in zip(_VARLEN_OPTION_NAMES, ctx.options)]
+        undropped = _undropped(_VARLEN_OPTION_NAMES, ctx.options)
         lq, lk, _, lb = torch.ops.pyfa.fa2_varlen_backward(q, k, torch.zeros_like(v), o_unit, lse, do_lse,
                                                            cu_q, cu_k, *undropped)
         dq, dk, dbias = dq + lq, dk + lk, dbias + lb
@@ -814,11 +819,11 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     per sequence (bottom-right: off = Nk_b - Nq_b). Returns o (total_q, H, d), or (o, lse)
     with return_lse, lse (H, total_q) and differentiable; row r's bits are those of
     pyfa.torch.attention on its own sequence alone (with dropout: as batch element b),
-    gradients included. softcap and
-    alibi_slopes ((H,) or (B, H), B the sequences) as in pyfa.torch.attention. dropout_p,
-    seed, offset: as in pyfa.torch.attention (seed=None draws one from torch's default
-    generator), sequence b dropping as batch element b of a dense call, its own rows and
-    keys numbered from 0 (pyfa.attention_varlen's). bias: a float32 tensor
+    gradients included. softcap and alibi_slopes ((H,) or (B, H), B the sequences) as in
+    pyfa.torch.attention. dropout_p, seed, offset: as in pyfa.torch.attention (seed=None
+    draws one from torch's default generator), sequence b dropping as batch element b of
+    a dense call, its own rows and keys numbered from 0 (pyfa.attention_varlen's). bias:
+    a float32 tensor
     broadcastable to (B, H, max_seqlen_q, max_seqlen_k) on the CPU, sequence b adding the
     corner of its own lengths (pyfa.attention_varlen's bias=); it gets a gradient when it
     requires one (+0 beyond each corner). split_size: as in pyfa.torch.attention, the

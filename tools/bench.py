@@ -429,6 +429,11 @@ def run_worker(spec, gap_s):
     return json.loads(lines[-1])
 
 
+def geomean(xs):
+    xs = list(xs)
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
 def sweep(args):
     contenders = [c for c in args.contenders.split(",") if c]
     for c in contenders:
@@ -508,7 +513,6 @@ def sweep(args):
                     ratios[c].append((label, "fwd+bwd", medians[c][1] / medians["cpu"][1]))
                     for n_pass, name_pass in enumerate(("fwd", "fwd+bwd")):
                         fast_ratios[c].append((label, name_pass, fastest[c][n_pass] / fastest["cpu"][n_pass]))
-                    for n_pass, name_pass in enumerate(("fwd", "fwd+bwd")):
                         if cpu_medians["cpu"][n_pass] > 0:
                             cpu_ratios[c].append((label, name_pass,
                                                   cpu_medians[c][n_pass] / cpu_medians["cpu"][n_pass]))
@@ -520,20 +524,19 @@ def sweep(args):
         if not rs:
             parts.append(f"cpu vs {c}: no figures")
             continue
-        geo = math.exp(sum(math.log(x) for _, _, x in rs) / len(rs))
+        geo = geomean(x for _, _, x in rs)
         cr = [x for _, _, x in cpu_ratios[c] if x > 0]
-        by_cpu = f", by CPU time {math.exp(sum(math.log(x) for x in cr) / len(cr)):.2f}x" if cr else ""
-        fr = [x for _, _, x in fast_ratios[c] if x > 0]
-        if fr and c != "cpu_fa1":
+        others = f", by CPU time {geomean(cr):.2f}x" if cr else ""
+        if fast_ratios[c] and c != "cpu_fa1":
             low = min(fast_ratios[c], key=lambda t: t[2])
-            by_cpu += (f", by fastest call {math.exp(sum(math.log(x) for x in fr) / len(fr)):.2f}x "
+            others += (f", by fastest call {geomean(x for _, _, x in fast_ratios[c]):.2f}x "
                        f"(min {low[2]:.2f}x, {low[0]} {low[1]})")
         if c == "cpu_fa1":  # the worst case for FA1 is the highest ratio
             worst, name, edge = max(rs, key=lambda t: t[2]), "fa2/fa1 on cpu", "max"
         else:
             worst, name, edge = min(rs, key=lambda t: t[2]), f"cpu/{c}", "min"
         parts.append(f"{name} throughput: geomean={geo:.2f}x over {len(rs)}, "
-                     f"{edge}={worst[2]:.2f}x ({worst[0]} {worst[1]}){by_cpu}")
+                     f"{edge}={worst[2]:.2f}x ({worst[0]} {worst[1]}){others}")
     # Issue 25's peak targets: one thread, non-causal, d >= 64, N >= 1024.
     target = [(f, fb) for n, d, causal, t, f, fb in of_peak if t == 1 and not causal and d >= 64 and n >= 1024]
     if target:
