@@ -58,6 +58,8 @@ def fault_reports(tmp_path_factory):
 REF = "in fa2_forward (reference variant): "
 FAST = "in fa2_forward/fast d=64 64x64 (fast variant): "
 THREAD = r"thread \d+ \(warp \d+\)"
+# A scalar access's site: the code address (addr2line turns it into the kernel's line).
+CODE = r"at code \S+\+0x[0-9a-f]+"
 
 # fault -> what its report must say, as regular expressions (all must match).
 EXPECTED = {
@@ -69,10 +71,11 @@ EXPECTED = {
              r"with no barrier between them \(both since the __syncthreads at kernels/fa2_forward\.cuh:\d+\)"],
     # m_i = -inf skipped: the row max reads m_i before any thread wrote it.
     "init": ["check init " + re.escape(REF), THREAD + r" reads shared m_i\[\d+, 0\]",
-             "before any thread of the block has written it"],
+             CODE + " before any thread of the block has written it"],
     # The Q_i load one element off: the last row of the last head reads past q's end.
-    "bounds": ["check bounds " + re.escape(REF), "read of q at element offset 5120, past its last element "
-               r"\(offset 5119\) \(shape \(1, 2, 40, 64\), strides \(5120, 2560, 64, 1\)\)"],
+    "bounds": ["check bounds " + re.escape(REF),
+               THREAD + ": 4-byte read of q at element offset 5120, past its last element "
+               r"\(offset 5119\) \(shape \(1, 2, 40, 64\), strides \(5120, 2560, 64, 1\)\), " + CODE],
     # Warp 0 skips the barrier at the top of the K/V loop: the block's threads wait at two
     # different __syncthreads.
     "barrier": ["check barrier " + re.escape(REF), "threads 0-31 wait at __syncthreads at \\S*fa2_forward\\.cuh:\\d+",
@@ -126,6 +129,26 @@ def test_each_planted_fault_is_reported_as_its_hazard(fault_reports, fault):
     assert report.startswith("hazard: "), report
     for pattern in EXPECTED[fault]:
         assert re.search(pattern, report), f"{fault}: no /{pattern}/ in:\n{report}"
+
+
+# What every report names (docs/emulator.md, "The checks"): the block, the check, the
+# kernel and its variant, the thread or threads (with their warps), and where: a code
+# address for a scalar access, a source line for barriers, shuffles, vector accesses and
+# cp.async.
+CHECK_OF = {"race": "race", "warp_race": "race", "async_count": "async", "async_drop": "async", "init": "init",
+            "bounds": "bounds", "bias": "bounds", "alibi": "bounds", "cu_seqlens": "bounds", "dbias": "bounds",
+            "align": "align", "barrier": "barrier", "warp_mask": "barrier"}
+
+
+@pytest.mark.xdist_group("strict_faults")
+@pytest.mark.parametrize("fault", sorted(CHECK_OF))
+def test_each_report_names_block_check_kernel_threads_and_site(fault_reports, fault):
+    report = fault_reports[fault]
+    assert set(CHECK_OF.values()) == {"race", "async", "init", "bounds", "align", "barrier"}
+    assert re.match(rf"hazard: pyfa emu: block \(\d+,\d+,\d+\): check {CHECK_OF[fault]} in "
+                    r"fa2_(forward|backward_dkdv)\S* .*\((reference|fast) variant\): ", report), report
+    assert re.search(r"threads? \d+", report), f"{fault}: no thread named in:\n{report}"
+    assert re.search(r"at code \S+\+0x[0-9a-f]+|at \S+\.(cuh|h):\d+", report), f"{fault}: no site in:\n{report}"
 
 
 @pytest.mark.xdist_group("strict_faults")

@@ -80,6 +80,9 @@ def test_device_check_dry_run_lists_every_step_within_its_budget(tmp_path):
     assert budget, p.stdout
     total, limit = int(budget.group(1)), int(budget.group(2))
     assert total == sum(int(t) for _, t, _ in steps) + 15 and total <= limit <= 430
+    # tools/README.md's step table gives the same timeouts.
+    table = dict(re.findall(r"^\| (\w+) \| (\d+) s \|", (TOOLS / "README.md").read_text(), re.M))
+    assert table == {name: t for name, t, _ in steps}
     commands = {name: cmd for name, _, cmd in steps}
     assert "pip install" in commands["wheels"] and "--no-index" in commands["wheels"]
     assert "-DCMAKE_CUDA_ARCHITECTURES=" in commands["build"]
