@@ -42,8 +42,10 @@ namespace PYFA_KERNELS {
 // unrolled, fits without spilling on sm_80, sm_90 and sm_120), one at d = 128 (left to
 // itself ptxas would hold it to 128 registers and spill). sm_86 and sm_89 hold one d = 64
 // block per SM anyway (100 KiB of shared memory, docs/gpu_limits.md) and ptxas spills at
-// 128 registers there: one is asked.
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 890)
+// 128 registers there: one is asked. So it is on sm_100, where ptxas has spilled at 128
+// registers since the packed-sequence fields of AttentionParams grew (44 B at c827e4d, 88 B
+// at 0f94b66): one block of 240 registers, no spill, until the two fit again.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 890 || __CUDA_ARCH__ == 1000)
 #define PYFA_DKDV_FAST_D64_BLOCKS 1
 #else
 #define PYFA_DKDV_FAST_D64_BLOCKS 2
