@@ -10,7 +10,8 @@ from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .checks import Pages
+from . import _arrays
+from .checks import Pages, check_offsets, check_offsets_shape
 from .errors import ArgumentTypeError, InvalidArgumentError
 
 ArrayOrParts = Union[np.ndarray, Sequence[np.ndarray]]
@@ -120,12 +121,7 @@ class _Cache:
                                        f"{self.n_new} new ones {int(self.lengths[b])}, beyond the cache's "
                                        f"{capacity}")
         if self.table is not None:
-            pages = k_cache.shape[0]
-            for b in range(B):
-                used = self.table[b, :-(-int(self.lengths[b]) // rows)] if self.lengths[b] else self.table[b, :0]
-                if np.any((used < 0) | (used >= pages)):
-                    raise InvalidArgumentError(f"block_table: sequence {b} names pages {used.tolist()}, "
-                                               f"outside [0, {pages})")
+            _check_table(self.table, self.lengths, rows, k_cache.shape[0])
 
     def rows(self, b, n):
         """(index along the cache's axis 0, row) of logical keys n (an int array) of sequence b."""
@@ -165,8 +161,63 @@ class _Cache:
         used = self.lengths.astype(np.int32)
         if self.table is None:
             return q, k, v, cu_q, _offsets("k_cache", np.full(B, rows)), used, None
-        pages = Pages(np.ascontiguousarray(self.table.reshape(-1)), rows, self.k_cache.shape[0])
-        return q, k, v, cu_q, _offsets("block_table", np.full(B, self.table.shape[1] * rows)), used, pages
+        cu_k, pages = _paged_rows(self.table, rows, self.k_cache.shape[0])
+        return q, k, v, cu_q, cu_k, used, pages
+
+
+def _check_table(table, lengths, page_size, num_pages):
+    """block_table (B, max_pages): the pages sequence b's lengths[b] keys use, each in
+    [0, num_pages)."""
+    for b in range(table.shape[0]):
+        used = table[b, :-(-int(lengths[b]) // page_size)] if lengths[b] else table[b, :0]
+        if np.any((used < 0) | (used >= num_pages)):
+            raise InvalidArgumentError(f"block_table: sequence {b} names pages {used.tolist()}, "
+                                       f"outside [0, {num_pages})")
+
+
+def _paged_rows(table, page_size, num_pages):
+    """flash-attn's (B, max_pages) block table as pyfa.h's paged K/V: sequence b's keys are
+    the packed logical rows b * max_pages * page_size onwards (cu_seqlens_k), which the
+    flattened table maps onto the pages (a checks.Pages)."""
+    B, max_pages = table.shape
+    pages = Pages(np.ascontiguousarray(table.reshape(-1)), page_size, num_pages)
+    return _offsets("block_table", np.full(B, max_pages * page_size)), pages
+
+
+def paged_varlen(k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table):
+    """attention_varlen's block_table (flash-attn's flash_attn_varlen_func with one): k, v
+    (num_pages, page_size, Hkv, d) pages, int32 block_table (B, max_pages), sequence b's
+    keys the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] logical rows of its table row.
+    Returns the packed call's k, v (rows, Hkv, d), cu_seqlens_k, seqused_k and pages."""
+    if seqused_k is not None:
+        raise InvalidArgumentError("seqused_k: not taken with block_table (cu_seqlens_k gives each "
+                                   "sequence's keys there)")
+    cu_q = _arrays.host_array("cu_seqlens_q", cu_seqlens_q)
+    host = _arrays.host_array("cu_seqlens_k", cu_seqlens_k)
+    for name, x in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", host)):
+        if not isinstance(x, np.ndarray):
+            raise ArgumentTypeError(f"{name}: with block_table, expected a CPU int32 array (the table is "
+                                    f"read on the host), got {type(x).__name__}")
+    batch = check_offsets_shape("cu_seqlens_q", cu_q.shape, str(cu_q.dtype))
+    _float32("k", k, 4)
+    _float32("v", v, 4)
+    if v.shape != k.shape:
+        raise InvalidArgumentError(f"v: shape {v.shape} differs from k's {k.shape} (both pages)")
+    num_pages, page_size, Hkv, d = k.shape
+    table = _int32("block_table", block_table, 2)
+    if table.shape[0] != batch:
+        raise InvalidArgumentError(f"block_table: expected {batch} rows (one per sequence), got {table.shape}")
+    check_offsets_shape("cu_seqlens_k", host.shape, str(host.dtype), batch)
+    cu = check_offsets("cu_seqlens_k", host, int(host[-1]), batch)  # its total: the logical keys
+    lengths = np.diff(np.asarray(cu, np.int64))
+    capacity = table.shape[1] * page_size
+    if np.any(lengths > capacity):
+        b = int(np.argmax(lengths > capacity))
+        raise InvalidArgumentError(f"cu_seqlens_k: sequence {b} has {int(lengths[b])} keys, beyond the "
+                                   f"{capacity} its block_table row maps")
+    _check_table(table, lengths, page_size, num_pages)
+    cu_k, pages = _paged_rows(table, page_size, num_pages)
+    return k.reshape(-1, Hkv, d), v.reshape(-1, Hkv, d), cu_k, lengths.astype(np.int32), pages
 
 
 def _offsets(name, lengths):

@@ -872,24 +872,64 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     Returns out (total_q, H, d); with return_attn_probs=True, (out, softmax_lse, None),
     softmax_lse (H, total_q) as in flash_attn_func. dropout_p > 0: dropout as in
     flash_attn_func, its seed drawn from torch's default generator. Refused: as
-    flash_attn_func, and block_table (paged K/V)."""
+    flash_attn_func.
+
+    block_table (int32 (B, max_pages), as in flash-attn): k, v are then pages
+    (num_pages, page_size, Hkv, d), any page size, sequence b's keys the first
+    cu_seqlens_k[b + 1] - cu_seqlens_k[b] logical rows of its table row
+    (pyfa.attention_varlen's block_table): CPU tensors, forward only (no gradient, as in
+    flash-attn's paged path; refused where one would be recorded), without dropout."""
+    paged = block_table is not None
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
-        if t.dim() != 3:
-            raise ValueError(f"{name}: expected shape (total, H, d), got {tuple(t.shape)}")
+        rank = 4 if paged and name != "q" else 3
+        if t.dim() != rank:
+            raise ValueError(f"{name}: expected shape {'(num_pages, page_size, Hkv, d)' if rank == 4 else '(total, H, d)'}"
+                             f"{' (block_table given)' if paged and rank == 4 else ''}, got {tuple(t.shape)}")
     mods = _check_flash_extras(softcap, alibi_slopes, deterministic)
     _check_bool("return_attn_probs", return_attn_probs)
-    if block_table is not None:
-        raise ValueError("block_table: flash_attn_varlen_func takes no paged K/V in pyfa (only None is "
-                         "honoured); pyfa.torch.flash_attn_with_kvcache and pyfa.attention_with_kvcache do")
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(m, bool) or not isinstance(m, numbers.Integral):
             raise TypeError(f"{name}: expected an int, got {type(m).__name__}")
+    if paged:
+        return _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                             dropout_p, softmax_scale, causal, _flash_window(window_size), mods,
+                             return_attn_probs)
     o, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                               max_seqlen_k=max_seqlen_k, causal=causal, window=_flash_window(window_size),
                               scale=softmax_scale, return_lse=True, softcap=mods["softcap"],
                               alibi_slopes=mods["alibi_slopes"], dropout_p=dropout_p)
     return (o, _flash_lse(lse), None) if return_attn_probs else o
+
+
+def _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, dropout_p,
+                  scale, causal, window, mods, return_probs):
+    """flash_attn_varlen_func with a block_table: pyfa.attention_varlen on NumPy views of the
+    CPU tensors (the pages read in place)."""
+    import numpy as np
+
+    from .varlen import attention_varlen as varlen_numpy
+
+    named = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table)
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.device.type != "cpu":
+            raise ValueError(f"{name}: flash_attn_varlen_func with a block_table is pyfa's on CPU tensors "
+                             f"only in this version, got one on {t.device}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("block_table: paged K/V has no backward in pyfa (nor in flash-attn); call under "
+                         "torch.no_grad() or on tensors that do not require grad")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or dropout_p != 0:
+        _refuse("dropout_p", dropout_p, "not taken with block_table (paged K/V is the inference path); 0 only")
+    arrays = {name: t.detach().numpy() for name, t in named.items()}
+    extras = {name: (x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x)
+              for name, x in mods.items() if x is not None}
+    o, lse = varlen_numpy(arrays["q"], arrays["k"], arrays["v"], arrays["cu_seqlens_q"], arrays["cu_seqlens_k"],
+                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, window=window,
+                          scale=scale, return_lse=True, block_table=arrays["block_table"], **extras)
+    o, lse = (torch.from_numpy(np.ascontiguousarray(x)) for x in (o, lse))
+    return (o, _flash_lse(lse), None) if return_probs else o
 
 
 def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,

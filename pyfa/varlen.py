@@ -165,7 +165,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: Optio
                      causal_align: str = "bottom_right", scale: Optional[float] = None,
                      algo: str = "fa2", return_lse: bool = False, options: Optional[Options] = None,
                      out=None, stream: Any = None, split_size: Union[None, int, str] = None,
-                     seqused_k=None, **mods):
+                     seqused_k=None, block_table=None, **mods):
     """Attention over packed sequences (flash-attn's flash_attn_varlen_func): each of the B
     sequences attends only to itself.
 
@@ -188,7 +188,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: Optio
     (pyfa.attention_with_kvcache). bias (as in pyfa.attention): broadcastable to
     (B, H, max_seqlen_q, max_seqlen_k), B the sequences; sequence b adds the corner
     bias[b, h, :Nq_b, :Nk_b] (one row: bias[b, h, 0, :Nk_b]), so max_seqlen_k, when given,
-    must be the bias's last axis. Other arguments as in pyfa.attention; out: an array like
+    must be the bias's last axis. block_table (flash-attn's, NumPy): int32 (B, max_pages),
+    k and v then (num_pages, page_size, Hkv, d) pages, any page size, shared or in any
+    order: sequence b's keys are its cu_seqlens_k[b + 1] - cu_seqlens_k[b] first logical
+    rows, logical key n at row n % page_size of page block_table[b, n // page_size]
+    (forward only, without seqused_k). Other arguments as in pyfa.attention; out: an array like
     q to write O into."""
     options, mods = api._keywords("pyfa.attention_varlen", options, mods)
     api._algo(algo)
@@ -197,9 +201,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: Optio
         raise ArgumentTypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
     if return_lse and algo != "fa2":
         raise InvalidArgumentError("return_lse: only algo='fa2' keeps the LSE (FA1 keeps m and l)")
+    pages = None
+    if block_table is not None:
+        from .kvcache import paged_varlen
+        k, v, cu_seqlens_k, seqused_k, pages = paged_varlen(k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
     kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, window=window,
               causal_align=causal_align, scale=scale, options=options, stream=stream, mods=mods,
-              function="pyfa.attention_varlen", split_size=split_size, seqused_k=seqused_k)
+              function="pyfa.attention_varlen", split_size=split_size, seqused_k=seqused_k, pages=pages)
     extra = 2 if algo == "fa1" else 1
     outs = run(f"{algo}_forward", dict(q=q, k=k, v=v), cu_seqlens_q, cu_seqlens_k,
                out=None if out is None else (out,) + (None,) * extra, **kw)

@@ -84,6 +84,60 @@ def test_rows_equal_the_gathered_keys(run, page_size, algo, split):
         assert same_bits(sim.o, got[0]) and same_bits(sim.lse, got[1])
 
 
+def flash_paged(page_size, **kw):
+    """problem() as flash-attn's flash_attn_varlen_func(block_table=) takes it: k, v the
+    (num_pages, page_size, Hkv, d) pages, the (B, max_pages) table, cu_seqlens_k the
+    sequences' own key offsets; and the same keys packed."""
+    q, k, v, cu_q, _, used, pages, k_t, v_t, cu_t = problem(page_size, page_size, **kw)
+    Hkv, d = k.shape[1:]
+    kp, vp = (x.reshape(-1, page_size, Hkv, d) for x in (k, v))
+    return q, kp, vp, cu_q, cu_t, pages.table.reshape(3, -1), k_t, v_t
+
+
+@pytest.mark.parametrize("run", ["emu", "cpu", "cpu-1"])
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+@pytest.mark.parametrize("algo,split", [("fa2", None), ("fa2", 16), ("fa1", None)])
+def test_attention_varlen_takes_a_block_table(run, page_size, algo, split):
+    """pyfa.attention_varlen(block_table=) gives the bits of the keys packed, row for row;
+    the simulator's pyfa.sim.attention_varlen the same on the emulator's tiles."""
+    q, kp, vp, cu_q, cu_k, table, k_t, v_t = flash_paged(page_size)
+    opts = OPTIONS[run]
+    kw = dict(causal=True, window=(9, 0), algo=algo, options=opts)
+    if split:  # the cpu backend's default Bc at d = 32 is 64
+        kw["split_size"] = split if opts.block_c else 64
+    got = pyfa.attention_varlen(q, kp, vp, cu_q, cu_k, block_table=table, **kw)
+    want = pyfa.attention_varlen(q, k_t, v_t, cu_q, cu_k, **kw)
+    assert not np.any(np.isnan(got)) and same_bits(got, want)
+    if run == "emu":
+        tiles = pyfa.Options(block_r=opts.block_r, block_c=opts.block_c)
+        sim = pyfa.sim.attention_varlen(q, kp, vp, cu_q, cu_k, block_table=table, **{**kw, "options": tiles})
+        assert same_bits(sim.o, got)
+
+
+def test_attention_varlen_checks_the_block_table():
+    """Bad paged arguments are refused naming the argument, the out= array untouched."""
+    q, kp, vp, cu_q, cu_k, table, *_ = flash_paged(4)
+    out = np.full_like(q, 7.0)
+    bad = {
+        "block_table: expected int32, got int64": dict(block_table=table.astype(np.int64)),
+        r"block_table: expected 3 rows \(one per sequence\)": dict(block_table=table[:2]),
+        r"block_table: sequence 0 names pages \[-1": dict(block_table=np.where(table == table[0, 0], -1, table)),
+        "cu_seqlens_k: sequence 2 has 50 keys, beyond the 40 its block_table row maps":
+            dict(block_table=table[:, :10]),
+        "seqused_k: not taken with block_table": dict(block_table=table, seqused_k=np.zeros(3, np.int32)),
+        r"v: shape \(\d+, 4, 2, 32\) differs from k's": dict(block_table=table, v=vp[:-1]),
+        "k: expected 4 dimensions": dict(block_table=table, k=kp.reshape(-1, 2, 32), v=vp.reshape(-1, 2, 32)),
+        r"cu_seqlens_k\[2\]: 37 is below the offset before it": dict(block_table=table,
+                                                                     cu_seqlens_k=cu_k[[0, 3, 1, 2]]),
+    }
+    for message, args in bad.items():
+        call = {"k": kp, "v": vp, "cu_seqlens_k": cu_k, **args}
+        with pytest.raises(pyfa.PyfaError, match=message):
+            pyfa.attention_varlen(q, call.pop("k"), call.pop("v"), cu_q, call.pop("cu_seqlens_k"), out=out,
+                                  **call)
+        assert np.all(out == 7.0)
+
+
 def test_paged_cache_read_in_place():
     """attention_with_kvcache hands the pages to the kernels as they lie: the call's NumPy
     allocations stay far below the cache's size, and the bits are the dense cache's."""

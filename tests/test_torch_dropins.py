@@ -161,8 +161,39 @@ def test_flash_attn_varlen_func_checks_the_offsets():
         varlen(q, q, q, cu, torch.tensor([0, 4, 2], dtype=torch.int32), 4, 4)
     with pytest.raises(TypeError, match="cu_seqlens_q: expected dtype torch.int32"):
         varlen(q, q, q, cu.long(), cu, 4, 4)
-    with pytest.raises(ValueError, match="block_table: flash_attn_varlen_func takes no paged K/V in pyfa"):
+    with pytest.raises(ValueError, match=r"k: expected shape \(num_pages, page_size, Hkv, d\) \(block_table"):
         varlen(q, q, q, cu, cu, 4, 4, block_table=torch.zeros(2, 1, dtype=torch.int32))
+
+
+def test_flash_attn_varlen_func_reads_pages_through_the_block_table():
+    """flash-attn's paged varlen call: the bits of the same keys packed, row for row, the
+    LSE too; no gradient (refused where one would be recorded), no dropout."""
+    g = torch.Generator().manual_seed(4)
+    lens_q, lens_k, page, H, Hkv, d = [3, 0, 6], [7, 2, 11], 3, 4, 2, 8
+    cq = torch.tensor([0, 3, 3, 9], dtype=torch.int32)
+    ck = torch.tensor([0, 7, 9, 20], dtype=torch.int32)
+    q = torch.randn(9, H, d, generator=g)
+    k, v = (torch.randn(20, Hkv, d, generator=g) for _ in range(2))
+    table = torch.randperm(14, generator=g)[:12].reshape(3, 4).to(torch.int32)
+    pages = [torch.full((14, page, Hkv, d), math.nan) for _ in range(2)]
+    for b in range(3):
+        for n in range(lens_k[b]):
+            for dense, paged in zip((k, v), pages):
+                paged[table[b, n // page], n % page] = dense[int(ck[b]) + n]
+    varlen = pyfa.torch.flash_attn_varlen_func
+    for causal in (False, True):
+        got = varlen(q, *pages, cq, ck, 6, 11, causal=causal, return_attn_probs=True, block_table=table)
+        want = varlen(q, k, v, cq, ck, 6, 11, causal=causal, return_attn_probs=True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="block_table: paged K/V has no backward in pyfa"):
+        varlen(q.clone().requires_grad_(), *pages, cq, ck, 6, 11, block_table=table)
+    with torch.no_grad():
+        assert torch.equal(varlen(q.clone().requires_grad_(), *pages, cq, ck, 6, 11, block_table=table),
+                           varlen(q, k, v, cq, ck, 6, 11))
+    with pytest.raises(ValueError, match="dropout_p: not taken with block_table"):
+        varlen(q, *pages, cq, ck, 6, 11, dropout_p=0.1, block_table=table)
+    with pytest.raises(ValueError, match="block_table: flash_attn_varlen_func with a block_table is pyfa's on CPU"):
+        varlen(q, *pages, cq, ck, 6, 11, block_table=table.to("meta"))
 
 
 def test_flash_attn_with_kvcache_honours_cache_seqlens():

@@ -163,10 +163,11 @@ def fa2_backward_varlen(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, *, max_
 
 
 def fa1_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
-                       options=None, seqused_k=None, **kwargs):
-    """FA1 forward over packed sequences: Fa1ForwardResult with o, m and l (H, total_q)."""
+                       options=None, seqused_k=None, pages=None, **kwargs):
+    """FA1 forward over packed sequences: Fa1ForwardResult with o, m and l (H, total_q);
+    pages as in fa2_forward_varlen."""
     return _run("fa1", "forward", "pyfa.sim.fa1_forward_varlen", dict(q=q, k=k, v=v), cu_seqlens_q,
-                cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, kwargs, seqused_k)
+                cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, kwargs, seqused_k, pages)
 
 
 def fa1_backward_varlen(q, k, v, o, m, l, do, cu_seqlens_q, cu_seqlens_k, *,  # noqa: E741 (the paper's l)
@@ -177,12 +178,16 @@ def fa1_backward_varlen(q, k, v, o, m, l, do, cu_seqlens_q, cu_seqlens_k, *,  # 
                 max_seqlen_k, options, kwargs)
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, algo="fa2", **kwargs):
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, algo="fa2", block_table=None, **kwargs):
     """The simulated forward of pyfa.attention_varlen for algo "fa1" or "fa2": its result
-    (o, and lse or m, l, and the IO record)."""
+    (o, and lse or m, l, and the IO record); block_table as there (paged k, v)."""
     forward = {"fa2": fa2_forward_varlen, "fa1": fa1_forward_varlen}
     if algo not in forward:
         raise InvalidArgumentError(f"algo: expected one of ['fa1', 'fa2'], got {algo!r}")
+    if block_table is not None:
+        from ..kvcache import paged_varlen
+        k, v, cu_seqlens_k, kwargs["seqused_k"], kwargs["pages"] = paged_varlen(
+            k, v, cu_seqlens_q, cu_seqlens_k, kwargs.get("seqused_k"), block_table)
     return forward[algo](q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs)
 
 
