@@ -152,6 +152,27 @@ def test_prefill_equals_decode_row_by_row_with_split(run):
         assert same_bits(ot[:, :, 0], o[:, :, t]) and same_bits(lt[:, :, 0], lse[:, :, t])
 
 
+@pytest.mark.parametrize("nq", [1, 40])
+def test_split_forward_is_one_launch_for_every_chunk(nq):
+    """On a backend driven launch by launch (the emulator, as CUDA), every chunk of a split
+    forward is in one launch (Tr x chunks blocks along x) before the combine, for 2 or 16
+    chunks, where a launch per chunk would leave a decoding step's grid at Tr x H x B
+    blocks at a time. The emulator's progress reports each launch's blocks as its total.
+    The bits are the simulator's (and the per-chunk merge's, test above)."""
+    rng = np.random.default_rng(9)
+    for n in (64, 512):
+        q = rng.standard_normal((1, 4, nq, 16), dtype=np.float32)
+        k, v = (rng.standard_normal((1, 2, n, 16), dtype=np.float32) for _ in range(2))
+        seen = []
+        opts = pyfa.Options(backend="emu", variant="reference", block_r=8, block_c=8,
+                            progress=lambda done, total: seen.append(total))
+        o, lse = pyfa.fa2_forward(q, k, v, split_size=32, options=opts)
+        tiles_h = -(-nq // 8) * 4  # Tr x H x B
+        assert set(seen) == {n // 32 * tiles_h, tiles_h}, (n, seen)
+        want = pyfa.sim.fa2_forward(q, k, v, split_size=32, options=pyfa.Options(block_r=8, block_c=8))
+        assert same_bits(o, want.o) and same_bits(lse, want.lse)
+
+
 def test_split_size_refused_where_it_cannot_apply():
     q, k, v = problem(1, 2, 1, 5, 150, 32, seed=2)
     with pytest.raises(pyfa.InvalidArgumentError, match="split_size.*multiple"):

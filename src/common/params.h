@@ -85,12 +85,18 @@ struct AttentionParams {
     int64_t total_q;              // rows of q, o, dO, dQ
     int causal_align;             // a pyfa_causal_align: each sequence's off (mask.h)
     // ---- split-KV (pyfa.h's split_size): 0 for one chunk. A split FA2 forward is the
-    // forward kernel launched once per chunk c = split_index of split_size keys (a
-    // multiple of Bc), visiting only that chunk's K/V tiles and writing its partial (O, LSE)
-    // to o, lse (the scratch partials), then once more with split_count > 0, as the
-    // combine step (common/merge.h) folding the partials in o_part, lse_part into o, lse.
+    // forward kernel launched for chunks c = split_index, split_index + 1, ... of
+    // split_size keys (a multiple of Bc), each block visiting only its chunk's K/V tiles
+    // and writing its partial (O, LSE) to o, lse (the scratch partials, chunk c at
+    // (c - split_index) partial steps from them), then once more with split_count > 0, as
+    // the combine step (common/merge.h) folding the partials in o_part, lse_part into o,
+    // lse. All the chunks go in one launch (chunk_block: the grid's x is Tr per chunk),
+    // so that a decoding step's grid has chunks x H x B blocks, not H x B in each of
+    // `chunks` launches one after another on a stream; the cpu backend takes a launch per
+    // chunk (split_launch_chunks 0) and shares them among its threads itself.
     int64_t split_size;            // keys per chunk
-    int64_t split_index;           // the chunk a partial launch computes
+    int64_t split_index;           // the (first) chunk a partial launch computes
+    int64_t split_launch_chunks;   // > 1: the chunks of this partial launch (chunk_block)
     int64_t split_count;           // > 0: the combine launch, over this many partials
     const float* o_part;           // split_count x the dense layout of o (o_part_strides)
     const float* lse_part;         // split_count x the layout of lse
@@ -100,11 +106,24 @@ struct AttentionParams {
     // The K/V tiles of `visit` (a Q tile's band) in this launch's chunk: all of them
     // without split-KV. Bc: block_c, a compile-time constant in the fast kernels (no
     // 64-bit division there).
-    PYFA_HD TileRange split_tiles(TileRange visit, int64_t Bc) const {
+    PYFA_HD TileRange split_tiles(TileRange visit, int64_t Bc) const { return split_tiles(visit, Bc, split_index); }
+    PYFA_HD TileRange split_tiles(TileRange visit, int64_t Bc, int64_t chunk) const {
         if (split_size <= 0) return visit;
-        const int64_t per = split_size / Bc, lo = split_index * per, hi = lo + per;
+        const int64_t per = split_size / Bc, lo = chunk * per, hi = lo + per;
         const int64_t a = visit.begin > lo ? visit.begin : lo, z = visit.end < hi ? visit.end : hi;
         return z > a ? TileRange{a, z} : TileRange{a, a};
+    }
+
+    // Block x of a partial launch: its Q tile i and chunk, x = (chunk - split_index) * Tr + i
+    // where the launch has split_launch_chunks > 1, else Q tile x of chunk split_index.
+    struct ChunkBlock {
+        int64_t i, chunk;
+    };
+    // (A grid's x and Tr fit 32 bits: the one division a block makes stays a 32-bit one.)
+    PYFA_HD ChunkBlock chunk_block(int64_t x) const {
+        if (split_launch_chunks <= 1) return ChunkBlock{x, split_index};
+        const uint32_t x32 = static_cast<uint32_t>(x), Tr = static_cast<uint32_t>((seqlen_q + block_r - 1) / block_r);
+        return ChunkBlock{x32 % Tr, split_index + x32 / Tr};
     }
 
     // The row of k and v (in their row stride) holding packed key row r, r itself unless

@@ -1195,7 +1195,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         if ((st = backend.copy_to_device(slopes, bound.alibi_slopes, bytes, stream)) != PYFA_OK) return st;
         bound.alibi_slopes = slopes;
     }
-    // Split-KV's launches: the forward kernel once per chunk, its partial (O, LSE) in
+    // Split-KV's launches: the forward kernel over the chunks, their partial (O, LSE) in
     // scratch laid out as the library's own copies, then its combine launch (params.h).
     float* o_part = nullptr;
     float* lse_part = nullptr;
@@ -1207,8 +1207,14 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
             return st;
     }
     // Launch n of the call's launches: the op's kernels, or the split forward's chunks
-    // and combine.
-    const int64_t launches = split_chunks > 0 ? split_chunks + 1 : op.kernel_count;
+    // (`per` a launch: all of them in one grid of Tr x chunks blocks along x, as many as
+    // that axis holds, or one each for a backend that runs the whole op) and its combine.
+    const int64_t Tr = std::max<int64_t>(1, ceil_div(bound.seqlen_q, tiles[0][0]));  // chunk_block's (params.h)
+    const int64_t per = split_chunks == 0 || backend.runs_whole_op()
+                            ? 1
+                            : std::max<int64_t>(1, std::min<int64_t>(split_chunks, kMaxGridX / Tr));
+    const int64_t chunk_launches = split_chunks > 0 ? ceil_div(split_chunks, per) : 0;
+    const int64_t launches = split_chunks > 0 ? chunk_launches + 1 : op.kernel_count;
     auto launch_params = [&](int64_t n, int* kernel_n) {
         const int k = split_chunks > 0 ? 0 : static_cast<int>(n);
         *kernel_n = k;
@@ -1217,18 +1223,19 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         p.block_c = tiles[k][1];
         if (split_chunks == 0) return p;
         p.split_size = pr.split_size;
-        if (n < split_chunks) {
-            p.split_index = n;
-            p.o = o_part + n * o_step;
+        p.o_part_step = o_step;
+        p.lse_part_step = lse_step;
+        if (n < chunk_launches) {
+            p.split_index = n * per;
+            p.split_launch_chunks = per > 1 ? std::min(per, split_chunks - p.split_index) : 0;
+            p.o = o_part + p.split_index * o_step;
             p.o_strides = dense_strides(T_O, pr);
-            p.lse = lse_part + n * lse_step;
+            p.lse = lse_part + p.split_index * lse_step;
         } else {
             p.split_count = split_chunks;
             p.o_part = o_part;
             p.lse_part = lse_part;
             p.o_part_strides = dense_strides(T_O, pr);
-            p.o_part_step = o_step;
-            p.lse_part_step = lse_step;
         }
         return p;
     };
@@ -1263,7 +1270,9 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
             }
             int k = 0;
             const AttentionParams p = launch_params(n, &k);
-            if ((st = backend.launch(ids[k], p, shapes[k], cfg, stream)) != PYFA_OK) return st;
+            LaunchShape shape = shapes[k];
+            if (p.split_launch_chunks > 1) shape.grid[0] *= static_cast<unsigned>(p.split_launch_chunks);
+            if ((st = backend.launch(ids[k], p, shape, cfg, stream)) != PYFA_OK) return st;
         }
     }
     if (folds && (st = backend.fold_dbias(fold, stream)) != PYFA_OK) return st;

@@ -27,11 +27,15 @@
 namespace PYFA_KERNELS {
 
 __global__ void fa2_forward_kernel(const AttentionParams p) {
-    const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int64_t h = blockIdx.y, b = blockIdx.z;
     if (p.split_count > 0) {  // split-KV's combine launch (params.h)
-        split_combine_tile(p, i, h, b, threadIdx.x, blockDim.x);
+        split_combine_tile(p, blockIdx.x, h, b, threadIdx.x, blockDim.x);
         return;
     }
+    // Q tile i of key chunk `chunk` (params.h chunk_block), whose partial (O, LSE) lies
+    // `part` partial steps from o and lse; without split-KV chunk and part are 0.
+    const AttentionParams::ChunkBlock cb = p.chunk_block(blockIdx.x);
+    const int64_t i = cb.i, part = cb.chunk - p.split_index;
     const Sequence seq = p.sequence(b);
     const int64_t d = p.head_dim, Nq = seq.Nq, Nk = seq.Nk;
     const int64_t Br = p.block_r, Bc = p.block_c;
@@ -43,8 +47,8 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
     // Key n of the sequence is row p.kv_row(seq.k0 + n) of K and V (params.h: paged K/V).
     const float* K = p.k + p.k_strides.at(seq.batch, hk, 0);  // (rows of k, d), row stride row_k
     const float* V = p.v + p.v_strides.at(seq.batch, hk, 0);  // (rows of v, d), row stride row_v
-    float* O = p.o + p.o_strides.at(seq.batch, h, seq.q0);         // (Nq, d), row stride row_o
-    float* LSE = p.lse + p.stat_at(seq, h);                            // (Nq), dense
+    float* O = p.o + part * p.o_part_step + p.o_strides.at(seq.batch, h, seq.q0);  // (Nq, d), row stride row_o
+    float* LSE = p.lse + part * p.lse_part_step + p.stat_at(seq, h);                 // (Nq), dense
     const int64_t row_q = p.q_strides.row, row_k = p.k_strides.row;
     const int64_t row_v = p.v_strides.row, row_o = p.o_strides.row;
 
@@ -73,7 +77,7 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
         li[r] = 0.0f;
     }
 
-    const TileRange visit = p.split_tiles(seq.mask.kv_tiles(row0, br, Bc, Nk), Bc);
+    const TileRange visit = p.split_tiles(seq.mask.kv_tiles(row0, br, Bc, Nk), Bc, cb.chunk);
     for (int64_t j = visit.begin; j < visit.end; ++j) {
         const int64_t col0 = j * Bc;
         const int64_t bc = min64(Bc, Nk - col0);

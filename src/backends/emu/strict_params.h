@@ -55,8 +55,15 @@ inline bool strict_tensors(pyfa_emu::StrictSession& S, int kernel, const Attenti
     const int64_t kv_rows = p.block_table ? p.num_pages * p.page_size : Nk;  // paged: the pages
     q.k = add("k", p.k, Hkv, kv_rows, d, p.k_strides, 0);
     q.v = add("v", p.v, Hkv, kv_rows, d, p.v_strides, 0);
-    q.o = add("o", p.o, H, Nq, d, p.o_strides, kO);
-    q.lse = add("lse", p.lse, H, Nq, 1, rows, kLse);
+    if (p.split_launch_chunks > 1) {  // a launch of several chunks' partials, each a dense o, lse
+        const int64_t C = p.split_launch_chunks;
+        const TensorStrides o_parts{p.o_part_step / B, p.o_strides.head, p.o_strides.row};
+        q.o = static_cast<float*>(add4("o", p.o, {B * C, H, Nq, d}, o_parts, kO));
+        q.lse = static_cast<float*>(add4("lse", p.lse, {B * C, H, Nq, 1}, TensorStrides{p.lse_part_step / B, Nq, 1}, kLse));
+    } else {
+        q.o = add("o", p.o, H, Nq, d, p.o_strides, kO);
+        q.lse = add("lse", p.lse, H, Nq, 1, rows, kLse);
+    }
     q.m = add("m", p.m, H, Nq, 1, rows, kM);
     q.l = add("l", p.l, H, Nq, 1, rows, kL);
     q.dout = add("dout", p.dout, H, Nq, d, p.dout_strides, 0);
