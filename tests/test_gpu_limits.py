@@ -58,6 +58,20 @@ def test_the_doc_covers_every_kernel_on_every_architecture():
         for _, name, fn in rows:
             assert (arch, name) in facts, f"docs/gpu_limits.md lacks {name} on {arch}: rerun tools/gpu_limits.py"
             assert facts[(arch, name)][0] == fn
+        for name, fn, _, _ in gpu_limits.direct_launches():
+            assert (arch, name) in facts, f"docs/gpu_limits.md lacks {name} on {arch}: rerun tools/gpu_limits.py"
+            assert facts[(arch, name)][0] == fn
+
+
+def test_every_global_function_is_a_row_or_a_direct_launch():
+    # Every __global__ function of src/ is launched through the kernel table or by a
+    # `<<<...>>>` of the CUDA backend that direct_launches reads: none escapes the limits.
+    kernel = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)_kernel\b")
+    found = {name for path in (ROOT / "src").rglob("*") if path.suffix in (".cu", ".cuh", ".h")
+             for name in kernel.findall(path.read_text())}
+    covered = {fn.split("<")[0].removesuffix("_kernel") for _, _, fn in gpu_limits.table_rows()}
+    covered |= {fn for _, fn, _, _ in gpu_limits.direct_launches()}
+    assert "dbias_fold" in found and found <= covered, sorted(found - covered)
 
 
 # Launches known to exceed a limit, each exactly as docs/gpu_limits.md has it; none now
@@ -97,6 +111,11 @@ def test_the_check_fails_when_a_limit_is_exceeded(fake):
     results = gpu_limits.check_launches(turing, plans_on(fake, "sm_80"), ptxas_of("sm_75"), rows, fake)
     assert any("shared memory >" in p for r in results for p in r[-1])
     assert gpu_limits.blocks_per_sm(turing, 255, 1024, 0)[0] == 0
+    # The direct launches are held to the same limits: the fold's 256 threads on a device
+    # of 128 per block.
+    small = gpu_limits.Arch(0, "", 1024, 1024, 0, 128, 2048, 32, 65536, 255)
+    fold = [r for r in gpu_limits.check_launches(small, {}, ptxas_of("sm_75"), [], fake) if r[0] == "dbias_fold"]
+    assert fold and "256 threads > 128" in fold[0][-1]
     assert gpu_limits.blocks_per_sm(turing, 64, 256, 0) == (4, "threads")
 
 

@@ -295,12 +295,40 @@ def test_sass_report_rows_and_summary(sass_report_run):
             continue
         assert re.fullmatch(r"[a-z0-9_]+/(reference|fast) fp_share=[\d.]+ lds_per_flop=[\d.]+ "
                             r"forecast_tflops=[\d.]+", part), part
+    # Every fast kernel with a copy of its inner product for cut tiles has it told apart
+    # (tools/README.md, "Masked-tile loops"); a readable kernel has none.
+    for r in rows:
+        if r["kernel"] in ("fa2_forward", "fa1_forward", "fa2_backward_dkdv") and r["variant"] == "fast":
+            assert r["masked_loops"] == 1 and r["hot_masked"]["flop"] > 0, r
+        if r["variant"] == "reference":
+            assert r["masked_loops"] == 0, r
     # Issue 12's targets for the fast FA2 forward at its default tiles, d = 64 and 128.
     for r in rows:
         if r["name"] == "fa2_forward/fast" and r["default_tiles"]:
             assert r["fp_share"] >= 0.85 and r["lds_per_flop"] <= 0.1 and r["forecast_tflops"] >= 34, r
             assert r["int_div"] == 0, r
     assert {r["head_dim"] for r in rows if r["name"] == "fa2_forward/fast"} == {64, 128}
+
+
+def test_sass_report_finds_the_blocks_only_a_cut_tile_enters():
+    import sass_report
+    src = """if (!cut) {
+    a();  // { not a brace that counts
+} else {
+    b();
+}
+if (cut && x) { c(); }
+if (cut) {
+    d();
+}
+"""
+    assert sass_report.cut_only_lines(src) == {3, 4, 5, 7, 8, 9}
+    loop = {"start": 0, "end": 0x30}
+    chain_at = {0x0: (("k.cuh", 4),), 0x10: (("h.h", 9), ("k.cuh", 4)), 0x20: (("k.cuh", 2),)}
+    cut = {"k.cuh": {3, 4, 5}}.get
+    assert sass_report.masked_tile_loop(loop, chain_at, lambda f: cut(f, set()))
+    chain_at[0x30] = (("k.cuh", 1),)
+    assert not sass_report.masked_tile_loop(loop, chain_at, lambda f: cut(f, set()))  # half: not most
 
 
 @pytest.mark.slow

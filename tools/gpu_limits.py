@@ -2,7 +2,9 @@
 """GPU limits of every kernel pyfa can launch, on each architecture it is built for,
 checked without a GPU.
 
-Two halves. The device-profile table below (ARCHS: per architecture the shared memory a
+Every launch: each row of the kernel table (src/kernels/table.h) and each kernel the CUDA
+backend launches itself with `<<<...>>>` (direct_launches: dBias's fold). Two halves. The
+device-profile table below (ARCHS: per architecture the shared memory a
 block may opt in to, threads, registers and shared memory per SM, resident blocks) is
 what tests/test_gpu_limits.py holds the tile chooser against: it runs the library's own
 chooser (src/core/tiles.cpp, through the C ABI over tests/c/fake_cuda.cpp) with each
@@ -80,6 +82,26 @@ def table_rows(path=ROOT / "src" / "kernels" / "table.h"):
             fn = fn[: -len("_kernel")]
         rows.append((int(m.group(1)), m.group(2), fn))
     return rows
+
+
+CUDA_SOURCES = ROOT / "src" / "backends" / "cuda"
+# What launches each kernel outside the table, for the doc's "at" column.
+DIRECT_WHERE = {"dbias_fold": "backward: dbias over a broadcast B or H"}
+
+
+def direct_launches(folder=CUDA_SOURCES):
+    """[(name, kernel function as ptxas_report names it, threads, dynamic smem bytes)] of
+    every kernel the CUDA backend launches itself with `<<<grid, threads, smem, ...>>>`,
+    outside the kernel table (dBias's fold): threads and shared memory are the launch's
+    literals or the `constexpr int` constants of the same file."""
+    out = []
+    for path in sorted(folder.glob("*.cu")):
+        text = path.read_text()
+        consts = {k: int(v) for k, v in re.findall(r"constexpr int (\w+) = (\d+);", text)}
+        for fn, threads, smem in re.findall(r"\b(\w+)_kernel<<<[^,]+,\s*(\w+),\s*(\w+)\s*,", text):
+            value = lambda x: int(x) if x.isdigit() else consts[x]
+            out.append((fn, fn, value(threads), value(smem)))
+    return out
 
 
 def blocks_per_sm(arch, registers, threads, smem):
@@ -222,11 +244,11 @@ def row_smem(fake, row, name):
     return next((smem for r, _, smem, *_ in checks if r == row), -1)
 
 
-def check_launches(arch, plans, facts, rows, fake):
+def check_launches(arch, plans, facts, rows, fake, direct=None):
     """[(row name, function, registers, spills, static smem, threads, largest dynamic
     smem, where (op, variant, d) or a reason it is never launched, blocks per SM, limiter,
-    problems)] per kernel-table row on `arch`; problems lists every limit a launch
-    exceeds."""
+    problems)] per kernel-table row on `arch`, then per direct launch (direct_launches()
+    unless given); problems lists every limit a launch exceeds."""
     worst = {}
     for (row, threads, smem), where in plans.items():
         if row not in worst or smem > worst[row][1]:
@@ -256,22 +278,34 @@ def check_launches(arch, plans, facts, rows, fake):
                         [] if fine else [f"{name} is never launched"]))
             continue
         threads, smem, where = worst[row]
-        total = static + smem
-        blocks, limiter = blocks_per_sm(arch, regs, threads, total)
-        problems = []
-        if threads > arch.threads_block:
-            problems.append(f"{threads} threads > {arch.threads_block}")
-        if total > arch.smem_block_optin:
-            problems.append(f"{total} B shared memory > {arch.smem_block_optin}")
-        if regs > arch.regs_thread:
-            problems.append(f"{regs} registers > {arch.regs_thread}")
-        if blocks < 1:
-            problems.append(f"no block fits on an SM ({limiter})")
-        if spills:
-            problems.append(f"spills {spills} B")
-        at = f"{where[0]} {where[1]} d={where[2]}"
-        out.append((name, fn, regs, spills, static, threads, smem, at, blocks, limiter, problems))
+        out.append(fit(arch, name, fn, regs, spills, static, threads, smem,
+                       f"{where[0]} {where[1]} d={where[2]}"))
+    for name, fn, threads, smem in direct_launches() if direct is None else direct:
+        k = facts.get(fn)
+        if k is None:
+            out.append((name, fn, None, None, None, None, None, "-", 0, "-", [f"no ptxas facts for {fn}"]))
+            continue
+        out.append(fit(arch, name, fn, k["registers"], k["spill_stores"] + k["spill_loads"], k["smem_static"],
+                       threads, smem, DIRECT_WHERE.get(name, "the cuda backend")))
     return out
+
+
+def fit(arch, name, fn, regs, spills, static, threads, smem, at):
+    """check_launches' row of one launch: blocks per SM and every limit it exceeds."""
+    total = static + smem
+    blocks, limiter = blocks_per_sm(arch, regs, threads, total)
+    problems = []
+    if threads > arch.threads_block:
+        problems.append(f"{threads} threads > {arch.threads_block}")
+    if total > arch.smem_block_optin:
+        problems.append(f"{total} B shared memory > {arch.smem_block_optin}")
+    if regs > arch.regs_thread:
+        problems.append(f"{regs} registers > {arch.regs_thread}")
+    if blocks < 1:
+        problems.append(f"no block fits on an SM ({limiter})")
+    if spills:
+        problems.append(f"spills {spills} B")
+    return (name, fn, regs, spills, static, threads, smem, at, blocks, limiter, problems)
 
 
 def grid_check(fake):
@@ -299,8 +333,11 @@ def markdown(results, grids, over, nvcc):
              "`tests/c/fake_cuda.cpp` with each architecture's profile, at every head dim 1 to 256, for",
              "every op and variant with default tiles, and each fast kernel at its own tiles; the largest",
              "dynamic shared memory of each kernel is shown with the call that asked for it (\"never\": no",
-             "call launches it there, its tiles needing more shared memory than a block may have). Blocks",
-             "per SM: the resident blocks at that size, and what limits them.", "", "## Device profiles", "",
+             "call launches it there, its tiles needing more shared memory than a block may have). Kernels",
+             "the CUDA backend launches itself, outside the kernel table (`dbias_fold`: dBias's fold over a",
+             "broadcast B or H), are checked at the threads and shared memory of their `<<<...>>>` in",
+             "`src/backends/cuda/`. Blocks per SM: the resident blocks at that size, and what limits them.",
+             "", "## Device profiles", "",
              "| arch | e.g. | smem per block (opt-in) | smem per SM | threads per block | threads per SM | "
              "blocks per SM | registers per SM |", "|---|---|---|---|---|---|---|---|"]
     for name, a in ARCHS.items():

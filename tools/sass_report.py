@@ -7,11 +7,21 @@ from CMakeLists.txt, as tools/ptxas_report.py does), disassembles it with cuobjd
 - registers, spills (ptxas -v), dynamic shared memory at the default tiles and the
   theoretical occupancy they give on an H200;
 - in the hot loops (the innermost loops, found as backward branches that enclose no other
-  backward branch, that hold an FFMA): issued instructions, the floating-point share of
-  them, shared-memory load instructions per FLOP, and any integer division (inline
-  I2F.*.RP sequences or calls to a subroutine that holds one);
+  backward branch, that hold an FFMA) that an unmasked tile runs: issued instructions, the
+  floating-point share of them, shared-memory load instructions per FLOP, and any integer
+  division (inline I2F.*.RP sequences or calls to a subroutine that holds one);
 - a forecast of H200 TFLOP/s for B = 4, H = 8, N = 4096 at each head dim, from the bound
-  model in tools/README.md ("SASS report");
+  model in tools/README.md ("SASS report"), over those same loops.
+
+Masked-tile loops. A fast kernel runs a tile the mask cuts (`cut`, common/mask.h
+Band::cuts) through its own copy of an inner product (`if (!cut) {...} else {...}`); the
+forecast problem has no mask, so no tile of it runs that copy. A hot loop is a masked-tile
+loop when most of its instructions come (in any frame of nvdisasm's line table: the
+kernel's line or a line it inlines) from a block that only a cut tile enters: the `else`
+of `if (!cut)` or the body of `if (cut)` in the source. Those loops are counted apart
+(`masked`, and the JSON's `hot_masked`) and left out of the mix and the forecast; loops
+that test the mask per element run in every tile and stay in. Without nvdisasm no loop
+can be told apart and every hot loop is counted (the header says so).
 - its global stores (STG) by width, and how many of them are split vector stores: a store
   narrower than 128 bits whose source line (from nvdisasm's line table: the compile adds
   -lineinfo, which changes no instruction) calls a 16-byte store helper (st4, stg4).
@@ -21,7 +31,8 @@ The last line starts with `summary:` and lists, at the first --head-dim (default
 tiles, ` | ` between. A fast kernel compiled for several tile shapes gets a row for each.
 
 Needs nvcc and cuobjdump (PATH, CUDA_HOME, or the nvidia-cuda-cuobjdump wheel), no GPU;
-nvdisasm (nvidia-cuda-nvdisasm) for the store sites, which are left out without it.
+nvdisasm (nvidia-cuda-nvdisasm) for the store sites and the masked-tile loops: without it
+the sites are left out and every hot loop is counted.
 Exit status 0, or 2 when a tool is missing or the compile fails.
 
     python tools/sass_report.py [--head-dim 64 128] [--json report.json]
@@ -202,27 +213,76 @@ VECTOR_STORE_CALL = re.compile(r"\b(st4|stg4)\(")
 STORE_HELPERS = ("fast_common.h",)
 
 
-def global_store_sites(nvdisasm_text):
-    """{mangled function: [(bits, (file, line) or None)]} of every STG, from `nvdisasm -gi`.
-    A store's site is the innermost frame of its line-table entry outside the store
-    helpers' own file: the line that asked for the store."""
-    funcs, cur, block, chain = {}, None, False, []
+def line_chains(nvdisasm_text):
+    """{mangled function: [(address, opcode, chain)]} from `nvdisasm -gi`: each
+    instruction's line-table entry, its frames [(file, line)] innermost first (the line,
+    then each line it is inlined at, out to the kernel's own)."""
+    funcs, cur, block, chain = {}, None, False, ()
     for line in nvdisasm_text.splitlines():
         m = re.match(r"^\.text\.(\S+):\s*$", line)
         if m:
-            cur, chain = funcs.setdefault(m.group(1), []), []
+            cur, chain = funcs.setdefault(m.group(1), []), ()
             continue
         if line.lstrip().startswith("//##"):
             pairs = [(f, int(n)) for f, n in LINE_NOTE.findall(line)]
-            chain = (chain if block else []) + pairs[:1]
+            chain = (chain if block else ()) + tuple(pairs[:1])
             block = True
             continue
         block = False
         m = INSN.match(line)
-        if m and cur is not None and m.group(3).startswith("STG"):
-            site = next((fl for fl in chain if not fl[0].endswith(STORE_HELPERS)), None)
-            cur.append((store_bits(m.group(3)), site))
+        if m and cur is not None:
+            cur.append((int(m.group(1), 16), m.group(3), chain))
     return funcs
+
+
+def global_store_sites(chains):
+    """{mangled function: [(bits, (file, line) or None)]} of every STG, from line_chains.
+    A store's site is the innermost frame of its line-table entry outside the store
+    helpers' own file: the line that asked for the store."""
+    return {fn: [(store_bits(op), next((fl for fl in chain if not fl[0].endswith(STORE_HELPERS)), None))
+                 for _, op, chain in insns if op.startswith("STG")]
+            for fn, insns in chains.items()}
+
+
+# `if (!cut) {` (its `else` block is for cut tiles only) or `if (cut) {` (its own block).
+CUT_IF = re.compile(r"\bif\s*\(\s*(!?)\s*cut\s*\)\s*\{")
+
+
+def cut_only_lines(text):
+    """The 1-based source lines inside blocks that only a tile the mask cuts enters: the
+    `else { ... }` of `if (!cut) { ... }`, the body of `if (cut) { ... }`."""
+    code = re.sub(r"//[^\n]*", lambda m: " " * len(m.group(0)), text)  # comments hold no braces that count
+
+    def block_end(open_at):
+        depth = 0
+        for i in range(open_at, len(code)):
+            depth += {"{": 1, "}": -1}.get(code[i], 0)
+            if depth == 0:
+                return i
+        return len(code) - 1
+
+    def lines_of(a, b):
+        return range(code.count("\n", 0, a) + 1, code.count("\n", 0, b) + 2)
+
+    out = set()
+    for m in CUT_IF.finditer(code):
+        then_end = block_end(m.end() - 1)
+        if not m.group(1):
+            out.update(lines_of(m.end() - 1, then_end))
+            continue
+        e = re.compile(r"\s*else\s*\{").match(code, then_end + 1)
+        if e:
+            out.update(lines_of(e.end() - 1, block_end(e.end() - 1)))
+    return out
+
+
+def masked_tile_loop(loop, chain_at, cut_lines):
+    """Whether a hot loop is a masked-tile loop: most of its instructions have a frame on a
+    line only a cut tile runs. `chain_at` {address: chain}; `cut_lines(file)` that file's
+    cut_only_lines."""
+    addrs = [a for a in chain_at if loop["start"] <= a <= loop["end"]]
+    cut = sum(1 for a in addrs if any(line in cut_lines(f) for f, line in chain_at[a]))
+    return bool(addrs) and 2 * cut > len(addrs)
 
 
 def store_summary(stores, sources):
@@ -447,11 +507,13 @@ def main(argv=None):
         bounds = max_threads_attrs(cuobjdump, cubin)
         stores = {m: [(store_bits(op), None) for _, _, op, _ in insns if op.startswith("STG")]
                   for m, insns in sass.items()}
-        nvdisasm, have_sites = find_tool("nvdisasm"), False
+        nvdisasm, have_sites, chains = find_tool("nvdisasm"), False, {}
         if nvdisasm:
             gi = subprocess.run([nvdisasm, "-gi", cubin], capture_output=True, text=True)
             if gi.returncode == 0:
-                stores.update(global_store_sites(gi.stdout))
+                chains = line_chains(gi.stdout)
+                del gi
+                stores.update(global_store_sites(chains))
                 have_sites = True
 
     names = ptxas_report.demangle(list(sass))
@@ -460,13 +522,23 @@ def main(argv=None):
     ref_threads = reference_threads()
     table = fast_rows()
     rows = []
-    sources = {}
+    sources, cut_lines = {}, {}
+
+    def cut_lines_of(path):
+        if path not in cut_lines:
+            try:
+                cut_lines[path] = cut_only_lines(Path(path).read_text())
+            except OSError:
+                cut_lines[path] = set()
+        return cut_lines[path]
     for mangled, insns in sass.items():
         kernel, variant, targs = split_name(names[mangled])
         res = resources.get(mangled, {})
         by_width, split, narrow_sites = store_summary(stores.get(mangled, []), sources)
         hl = hot_loops(insns)
-        agg = aggregate(hl)
+        chain_at = {a: c for a, _, c in chains.get(mangled, [])}
+        masked = [x for x in hl if have_sites and masked_tile_loop(x, chain_at, cut_lines_of)]
+        agg = aggregate([x for x in hl if x not in masked])
         threads = bounds.get(mangled) or ref_threads.get(kernel)
         for d in args.head_dim:
             if variant == "fast" and targs and targs[0] != d:
@@ -490,7 +562,8 @@ def main(argv=None):
                 "spill_bytes": (res.get("spill_stores") or 0) + (res.get("spill_loads") or 0),
                 "smem_bytes": smem, "blocks_per_sm": occ[0],
                 "occupancy": occ[1] / H200["max_warps_per_sm"], "occupancy_limit": occ[2],
-                "hot_loops": len(hl), "hot": agg,
+                "hot_loops": len(hl) - len(masked), "hot": agg,
+                "masked_loops": len(masked) if have_sites else None, "hot_masked": aggregate(masked),
                 "fp_share": agg["fp"] / agg["instructions"] if agg else None,
                 "lds_per_flop": agg["lds"] / agg["flop"] if agg and agg["flop"] else None,
                 "int_div": agg["int_div"] if agg else None,
@@ -507,11 +580,13 @@ def main(argv=None):
 
     print(f"SASS report for {args.arch}: nvcc {ptxas_report.find_nvcc()}, {args.source}, flags "
           f"from {origin}: {' '.join(flags)}; H200 forecast for B={PROBLEM['batch']} "
-          f"H={PROBLEM['heads']} N={PROBLEM['seqlen']} (model: tools/README.md)")
+          f"H={PROBLEM['heads']} N={PROBLEM['seqlen']}, no mask: the hot loops an unmasked tile runs "
+          f"(model: tools/README.md)" + ("" if have_sites else "; no nvdisasm: masked-tile loops "
+                                         "not told apart, every hot loop counted"))
     print("| kernel/variant | d | tiles | threads | regs | spill B | smem B | occupancy (limit) "
-          "| hot loops | insns/iter | fp share | LDS/FLOP | LDS.128 | int div | TFLOP/s "
+          "| hot loops | masked | insns/iter | fp share | LDS/FLOP | LDS.128 | int div | TFLOP/s "
           "| STG 128/64/32 bit | split |")
-    print("|---" * 17 + "|")
+    print("|---" * 18 + "|")
     for r in rows:
         h = r["hot"] or {}
         tiles = f"{r['block_r']}x{r['block_c']}" if r["block_r"] else "-"
@@ -519,6 +594,7 @@ def main(argv=None):
         print(f"| {r['name']} | {r['head_dim']} | {tiles} | {f(r['threads'], 'd')} | "
               f"{f(r['registers'], 'd')} | {r['spill_bytes']} | {f(r['smem_bytes'], 'd')} | "
               f"{r['occupancy']:.2f} ({r['occupancy_limit']}) | {r['hot_loops']} | "
+              f"{f(r['masked_loops'], 'd')} | "
               f"{f(h.get('instructions'), 'd')} | {f(r['fp_share'], '.2f')} | "
               f"{f(r['lds_per_flop'], '.3f')} | {f(h.get('lds128'), 'd')} | "
               f"{f(r['int_div'], 'd')} | {f(r['forecast_tflops'], '.1f')} | "
