@@ -882,10 +882,10 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     paged = block_table is not None
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
-        rank = 4 if paged and name != "q" else 3
-        if t.dim() != rank:
-            raise ValueError(f"{name}: expected shape {'(num_pages, page_size, Hkv, d)' if rank == 4 else '(total, H, d)'}"
-                             f"{' (block_table given)' if paged and rank == 4 else ''}, got {tuple(t.shape)}")
+        pages = paged and name != "q"
+        if t.dim() != (4 if pages else 3):
+            want = "(num_pages, page_size, Hkv, d) (block_table given)" if pages else "(total, H, d)"
+            raise ValueError(f"{name}: expected shape {want}, got {tuple(t.shape)}")
     mods = _check_flash_extras(softcap, alibi_slopes, deterministic)
     _check_bool("return_attn_probs", return_attn_probs)
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
@@ -902,6 +902,26 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     return (o, _flash_lse(lse), None) if return_attn_probs else o
 
 
+def _host_views(named, what):
+    """NumPy views of the CPU tensors `named` ({name: tensor or None}) for the NumPy entry
+    points behind `what`, which take no CUDA tensors yet."""
+    for name, t in named.items():
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.device.type != "cpu":
+            raise ValueError(f"{name}: {what} is pyfa's on CPU tensors only in this version, got one on "
+                             f"{t.device}")
+    return {name: (t.detach().numpy() if t is not None else None) for name, t in named.items()}
+
+
+def _host_mods(mods):
+    """The score modifications of _check_flash_extras as NumPy keywords (None left out)."""
+    return {name: (x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x)
+            for name, x in mods.items() if x is not None}
+
+
 def _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, dropout_p,
                   scale, causal, window, mods, return_probs):
     """flash_attn_varlen_func with a block_table: pyfa.attention_varlen on NumPy views of the
@@ -910,21 +930,14 @@ def _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 
     from .varlen import attention_varlen as varlen_numpy
 
-    named = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table)
-    for name, t in named.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.device.type != "cpu":
-            raise ValueError(f"{name}: flash_attn_varlen_func with a block_table is pyfa's on CPU tensors "
-                             f"only in this version, got one on {t.device}")
+    arrays = _host_views(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                              block_table=block_table), "flash_attn_varlen_func with a block_table")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise ValueError("block_table: paged K/V has no backward in pyfa (nor in flash-attn); call under "
                          "torch.no_grad() or on tensors that do not require grad")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or dropout_p != 0:
         _refuse("dropout_p", dropout_p, "not taken with block_table (paged K/V is the inference path); 0 only")
-    arrays = {name: t.detach().numpy() for name, t in named.items()}
-    extras = {name: (x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x)
-              for name, x in mods.items() if x is not None}
+    extras = _host_mods(mods)
     o, lse = varlen_numpy(arrays["q"], arrays["k"], arrays["v"], arrays["cu_seqlens_q"], arrays["cu_seqlens_k"],
                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, window=window,
                           scale=scale, return_lse=True, block_table=arrays["block_table"], **extras)
@@ -1013,20 +1026,15 @@ def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, 
 
     from .kvcache import attention_with_kvcache
 
-    named = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, block_table=block_table)
-    for name, t in named.items():
-        if t is not None and t.device.type != "cpu":
-            raise ValueError(f"{name}: appending to the cache or a block_table is pyfa's on CPU "
-                             f"tensors only in this version, got one on {t.device}")
+    arrays = _host_views(dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, block_table=block_table),
+                         "appending to the cache or a block_table")
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = np.full(q.shape[0], int(cache_seqlens), np.int32)
     elif isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = cache_seqlens.numpy()
     elif cache_seqlens is None:
         raise ValueError("cache_seqlens: required with k, v or block_table (where the keys end)")
-    arrays = {name: (t.detach().numpy() if t is not None else None) for name, t in named.items()}
-    mods = {name: (x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x)
-            for name, x in mods.items() if x is not None}
+    mods = _host_mods(mods)
     out = attention_with_kvcache(arrays["q"], arrays["k_cache"], arrays["v_cache"], cache_seqlens,
                                  arrays["k"], arrays["v"], block_table=arrays["block_table"], causal=causal,
                                  window=window, scale=scale, return_lse=True, **mods)

@@ -59,7 +59,8 @@ inline bool strict_tensors(pyfa_emu::StrictSession& S, int kernel, const Attenti
         const int64_t C = p.split_launch_chunks;
         const TensorStrides o_parts{p.o_part_step / B, p.o_strides.head, p.o_strides.row};
         q.o = static_cast<float*>(add4("o", p.o, {B * C, H, Nq, d}, o_parts, kO));
-        q.lse = static_cast<float*>(add4("lse", p.lse, {B * C, H, Nq, 1}, TensorStrides{p.lse_part_step / B, Nq, 1}, kLse));
+        const TensorStrides lse_parts{p.lse_part_step / B, Nq, 1};
+        q.lse = static_cast<float*>(add4("lse", p.lse, {B * C, H, Nq, 1}, lse_parts, kLse));
     } else {
         q.o = add("o", p.o, H, Nq, d, p.o_strides, kO);
         q.lse = add("lse", p.lse, H, Nq, 1, rows, kLse);
