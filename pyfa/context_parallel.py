@@ -37,7 +37,8 @@ from torch import Tensor
 from . import api
 from .checks import check_int, check_softcap, mask_bounds
 from .kvcache import merge_states
-from .sim.context_parallel import block_sees, chunks, ring_schedule, shard_rows, shard_sees, wavefront_chain
+from .sim.context_parallel import (block_sees, chunks, kept_shard, ring_schedule, shard_rows, shard_sees,
+                                  wavefront_chain)
 
 _MODES = ("ring", "ulysses")
 # Tags of the wavefront schedule's messages (each pass waits for all of its own, so the
@@ -169,23 +170,33 @@ def _add(acc, part):
     return (torch.zeros_like(part) if acc is None else acc) + part
 
 
-def _from_owners(plan, kv, step_name):
+def _from_owners(plan, kv, step_name, kept=None, backward=False):
     """The wavefront schedule's K/V: yields (j, tensors) for each key shard j that some row
     of this rank sees, j ascending, the K/V-side tensors `kv` of rank j's shard received
     straight from its owner (the own shard: `kv`), the next one's transfer overlapping the
     caller's compute on the current one: at most two received shards held. Sends `kv` to
-    every rank whose rows see this rank's keys, each once."""
+    every rank whose rows see this rank's keys, each once. kept (a dict, or None where no
+    backward follows): the forward puts the shard of kept_shard in it and does not drop
+    it; the backward takes it from there, and its owner does not send it again."""
     P, r = plan.world, plan.rank
     mine = [t.contiguous() for t in kv]
+    keep = None if kept is None else kept_shard(plan.left, plan.right, P, plan.shard_len, r)
+    if backward and keep is not None and keep not in kept:
+        raise RuntimeError("pyfa.torch.context_parallel_attention: a second backward through the same call "
+                           "(retain_graph=True): schedule='wavefront' hands the K/V shard it kept from the "
+                           "forward to the first backward; use schedule='ring' to run the backward twice")
     sends = []
     for dst in range(P):
-        if dst != r and plan.shard_sees(dst, r):
+        if dst != r and plan.shard_sees(dst, r) and not (
+                backward and kept_shard(plan.left, plan.right, P, plan.shard_len, dst) == r):
             sends += _send_recv(plan, mine, [], dst, None, tag0=_KV_TAG + 2 * r)
     need = [j for j in range(P) if plan.shard_sees(r, j)]
 
     def start(j):
         if j == r:
             return mine, []
+        if backward and j == keep:
+            return kept.pop(j), []
         bufs = [torch.empty_like(t) for t in mine]
         plan.hold(bufs)
         return bufs, _send_recv(plan, [], bufs, None, j, tag0=_KV_TAG + 2 * j)
@@ -197,24 +208,27 @@ def _from_owners(plan, kv, step_name):
             nxt = start(need[n + 1])
         _wait(plan, works, f"{step_name}: K/V of rank {j}")
         yield j, cur
-        if j != r:
+        if j == keep and not backward:
+            kept[j] = cur
+        elif j != r:
             plan.drop(cur)
     _wait(plan, sends, f"{step_name}: sending this rank's K/V")
 
 
-def _key_chunks(plan, kv, step_name, needed):
+def _key_chunks(plan, kv, step_name, needed, kept=None):
     """(owner, local row, sequence row, tensors) of every key chunk, ascending, that this
     rank may need (needed(sequence row) in the ring; in the wavefront, of every shard some
-    row sees), the K/V-side tensors `kv` of its owner's shard from the plan's schedule."""
+    row sees), the K/V-side tensors `kv` of its owner's shard from the plan's schedule;
+    kept: _from_owners'."""
     if plan.schedule == "ring":
         yield from _in_order(plan, kv, step_name, needed)
         return
-    for j, tensors in _from_owners(plan, kv, step_name):
+    for j, tensors in _from_owners(plan, kv, step_name, kept):
         for kl, k0 in chunks(shard_rows(j, plan.world, plan.shard_len, False), plan.split):
             yield j, kl, k0, tensors
 
 
-def _ring_forward(plan, q, k, v):
+def _ring_forward(plan, q, k, v, kept=None):
     S = plan.split
     pieces = shard_rows(plan.rank, plan.world, plan.shard_len, plan.zigzag)
     acc = [None] * len(pieces)  # (O, LSE) of each query piece over the key chunks so far
@@ -222,7 +236,7 @@ def _ring_forward(plan, q, k, v):
     def needed(k0):
         return any(plan.sees(p.start, p.length, k0, S) for p in pieces)
 
-    for _, kl, k0, kv_src in _key_chunks(plan, (k, v), "forward", needed):
+    for _, kl, k0, kv_src in _key_chunks(plan, (k, v), "forward", needed, kept):
         for n, p in enumerate(pieces):
             if plan.sees(p.start, p.length, k0, S):
                 k_src, v_src = kv_src
@@ -312,7 +326,7 @@ def _ring_backward(plan, q, k, v, o, lse, do):
     return dq, dk, dv
 
 
-def _wavefront_backward(plan, q, k, v, o, lse, do):
+def _wavefront_backward(plan, q, k, v, o, lse, do, kept):
     """The backward in the wavefront schedule (contiguous shards): rank r takes the key
     shards j its rows see in ascending order, K/V from their owners (_from_owners), and
     with them the dK/dV accumulator of shard j from the previous rank of j's chain
@@ -320,7 +334,7 @@ def _wavefront_backward(plan, q, k, v, o, lse, do):
     own query chunks' partials to it in ascending order and passes it on; the last rank
     sends it home. So every fold is the one-device split's (dQ over key chunks ascending,
     dK/dV over query chunks ascending, each from +0) with O(1) shards in flight: rank r
-    works on shard j at step r + j, 2P - 1 steps in all."""
+    works on shard j at step r + j, 2P - 1 steps in all. kept: the forward's (_from_owners)."""
     S, P, r = plan.split, plan.world, plan.rank
     mine = chunks(shard_rows(r, P, plan.shard_len, False), S)
     dq_acc = {ql: None for ql, _ in mine}
@@ -347,7 +361,7 @@ def _wavefront_backward(plan, q, k, v, o, lse, do):
 
     nxt = start(need[0]) if need else None
     sending = None  # (tensors, works) of the accumulator last sent on: at most one in flight
-    for n, (j, (k_src, v_src)) in enumerate(_from_owners(plan, (k, v), "backward")):
+    for n, (j, (k_src, v_src)) in enumerate(_from_owners(plan, (k, v), "backward", kept, backward=True)):
         (acc_k, acc_v), works, src = nxt
         if n + 1 < len(need):
             nxt = start(need[n + 1])
@@ -397,7 +411,9 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan):
         q, k, v = q.detach(), k.detach(), v.detach()
-        o, lse = _ring_forward(plan, q, k, v)
+        # The wavefront keeps one received K/V shard for the backward, where one follows.
+        ctx.kept = {} if plan.schedule == "wavefront" and any(ctx.needs_input_grad[:3]) else None
+        o, lse = _ring_forward(plan, q, k, v, ctx.kept)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.plan = plan
         ctx.mark_non_differentiable(lse)
@@ -407,8 +423,10 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = (t.detach() for t in ctx.saved_tensors)
         do = torch.zeros_like(o) if do is None else do.detach().contiguous()
-        backward = _ring_backward if ctx.plan.schedule == "ring" else _wavefront_backward
-        dq, dk, dv = backward(ctx.plan, q, k, v, o, lse, do)
+        if ctx.plan.schedule == "ring":
+            dq, dk, dv = _ring_backward(ctx.plan, q, k, v, o, lse, do)
+        else:
+            dq, dk, dv = _wavefront_backward(ctx.plan, q, k, v, o, lse, do, ctx.kept)
         return dq, dk, dv, None
 
 
@@ -497,8 +515,10 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, split_size: i
     whole sequence (Nq = Nk, so causal_align does not matter). mode: "ring" or "ulysses"
     (all-to-all over heads: H and Hkv divisible by the world size). schedule (ring mode):
     "wavefront" (each owner sends its K/V to the ranks that need them, the dK/dV
-    accumulator of each key shard passes up the ranks and goes home: O(1) shards held per
-    rank, 2P - 1 steps in the backward; contiguous shards only), "ring" (K/V round the
+    accumulator of each key shard passes up the ranks and goes home, rank r keeping rank
+    r - 1's K/V from the forward for the backward: 3 (P - 1) K/V shards sent per rank,
+    O(1) shards held, 2P - 1 steps in the backward; contiguous shards only; one backward
+    per call), "ring" (K/V round the
     ring, each rank holding shards that come before their turn and the owner every dK/dV
     partial of its keys: P steps), or "auto" (the wavefront, the ring with zigzag); the
     bits are the same for every schedule. return_lse: also

@@ -70,8 +70,9 @@ def run_case(name, rank, P, group):
                 held=stats.get("peak_held_bytes", 0))
 
 
-def misuse(rank, P, group):
-    """The messages of calls the ranks of `group` (P ranks) disagree on."""
+def misuse(rank, P, group, spare):
+    """The messages of calls the ranks of `group` (P ranks) disagree on; `spare`, a group
+    of the same ranks, takes the case that leaves its transfers unfinished."""
     import pyfa.torch as pt
     out = {}
     q = torch.randn(1, 2, 16 if rank == 0 else 32, D)
@@ -93,6 +94,15 @@ def misuse(rank, P, group):
         pt.context_parallel_attention(meta, meta, meta, split_size=S, group=group, **TILES)
     except ValueError as e:
         out["device"] = str(e)
+    # A second backward through a wavefront call: the ranks that kept a K/V shard for the
+    # first say so, rank 0 (which keeps none) times out waiting for K/V not sent again.
+    x = torch.randn(1, 2, 16, D, requires_grad=True)
+    o = pt.context_parallel_attention(x, x, x, split_size=S, timeout=1.0, group=spare, **TILES)
+    o.sum().backward(retain_graph=True)
+    try:
+        o.sum().backward()
+    except (RuntimeError, TimeoutError) as e:
+        out["twice"] = str(e)
     # Rank 1 never calls: rank 0 must not hang.
     if rank == 0:
         t0 = time.monotonic()
@@ -101,7 +111,7 @@ def misuse(rank, P, group):
         except TimeoutError as e:
             out["timeout"] = (str(e), time.monotonic() - t0)
     else:
-        time.sleep(3)  # alive but silent past rank 0's timeout
+        time.sleep(5)  # alive but silent past rank 0's timeouts
     return out
 
 
@@ -135,6 +145,7 @@ def worker(rank, world, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     groups = {P: dist.new_group(list(range(P))) for P in range(1, world + 1)}
+    spares = {P: dist.new_group(list(range(P))) for P in (2, 3) if P <= world}
     results = {}
     for P, group in groups.items():
         if rank < P:
@@ -146,7 +157,7 @@ def worker(rank, world, port, out):
     # Last: the misuse cases leave their groups' collectives unfinished.
     for P in (2, 3):
         if rank < P <= world:
-            results[P]["misuse"] = misuse(rank, P, groups[P])
+            results[P]["misuse"] = misuse(rank, P, groups[P], spares[P])
     for P, res in results.items():
         torch.save(res, os.path.join(out, f"P{P}_r{rank}.pt"))
 

@@ -71,6 +71,17 @@ def wavefront_chain(left, right, world_size, shard_len, j):
     return [r for r in range(world_size) if shard_sees(left, right, world_size, shard_len, False, r, j)]
 
 
+def kept_shard(left, right, world_size, shard_len, r):
+    """The key shard whose K/V rank r keeps from the wavefront's forward for its backward
+    (one shard: O(N / P) memory), or None: that of rank r - 1 where r's rows see it. Then
+    rank r - 1 does not send its K/V to r again, which takes every rank but the last
+    from (3P - 2) to 3 (P - 1) shards without a mask: K and V across each link once per
+    pass, their gradients once."""
+    if r >= 1 and shard_sees(left, right, world_size, shard_len, False, r, r - 1):
+        return r - 1
+    return None
+
+
 def context_parallel_bytes(mode: str, world_size: int, *, batch: int, heads: int, heads_kv: int,
                            shard_len: int, head_dim: int, split_size: int, causal: bool = False,
                            window=None, zigzag: bool = False, backward: bool = True,
@@ -82,9 +93,10 @@ def context_parallel_bytes(mode: str, world_size: int, *, batch: int, heads: int
     ring once per pass; the backward sends K and V round again and returns one dK and one
     dV partial per (query chunk of the rank, key chunk of the owner) block that some row
     sees. Schedule "wavefront": each owner sends its K and V to every rank whose rows see
-    them, once per pass; in the backward the dK/dV accumulator of each key shard (2 B Hkv L
-    d floats) passes along those ranks ascending (wavefront_chain), the last sending it
-    home. "auto": ring_schedule.
+    them, once in the forward and, but to the rank that kept them (kept_shard), once in
+    the backward, where the dK/dV accumulator of each key shard (2 B Hkv L d floats)
+    passes along those ranks ascending (wavefront_chain), the last sending it home.
+    "auto": ring_schedule.
     Ulysses: each all-to-all sends (P - 1) / P of its tensor; q, k, v and O in the forward,
     dO, dq, dk, dv in the backward (LSE, B H L floats, goes back in the forward too)."""
     P, L, S = world_size, shard_len, split_size
@@ -95,22 +107,22 @@ def context_parallel_bytes(mode: str, world_size: int, *, batch: int, heads: int
         bwd = (2 * q + kv) * (P - 1) // P
         return [fwd + (bwd if backward else 0)] * P
     bounds = mask_bounds(causal, window, "top_left", P * L, P * L)
-    passes = 2 if backward else 1
     if ring_schedule(schedule, zigzag) == "wavefront":
         out = []
         for r in range(P):
             kv_sends = sum(shard_sees(bounds.left, bounds.right, P, L, False, x, r) for x in range(P) if x != r)
+            resends = kv_sends - (r + 1 < P and kept_shard(bounds.left, bounds.right, P, L, r + 1) == r)
             acc_sends = 0
             for j in range(P):
                 chain = wavefront_chain(bounds.left, bounds.right, P, L, j)
                 if r in chain and (r != chain[-1] or r != j):
                     acc_sends += 1
-            out.append(kv * (passes * kv_sends + (acc_sends if backward else 0)))
+            out.append(kv * (kv_sends + ((resends + acc_sends) if backward else 0)))
         return out
     out = []
     block = 2 * batch * heads_kv * S * head_dim * 4
     for r in range(P):
-        sent = (P - 1) * kv * passes
+        sent = (P - 1) * kv * (2 if backward else 1)
         if backward:
             mine = chunks(shard_rows(r, P, L, zigzag), S)
             for other in range(P):
@@ -121,5 +133,5 @@ def context_parallel_bytes(mode: str, world_size: int, *, batch: int, heads: int
     return out
 
 
-__all__ = ["SCHEDULES", "block_sees", "chunks", "context_parallel_bytes", "ring_schedule", "shard_rows",
-           "shard_sees", "wavefront_chain"]
+__all__ = ["SCHEDULES", "block_sees", "chunks", "context_parallel_bytes", "kept_shard", "ring_schedule",
+           "shard_rows", "shard_sees", "wavefront_chain"]
