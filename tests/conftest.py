@@ -27,6 +27,9 @@ def _cuda_usable():
 HAS_CUDA = _cuda_usable()
 
 
+# The xdist groups (tests/test_suite.py checks that they take effect): cmake_build and
+# ptxas_build share one build each, context_parallel one spawn of the ranks, inductor one
+# process's torch.compile start-up (tens of seconds the first time in a process).
 def pytest_collection_modifyitems(config, items):
     """The slow tests (builds and tools, seconds each) first: pytest-xdist hands out the
     rest behind them, so that no long test starts late and runs alone at the end."""

@@ -27,7 +27,9 @@ from conftest import built_once  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 import cp_worker as w  # noqa: E402
 
-pytestmark = pytest.mark.slow
+# One worker runs the module: the ranks are spawned once (built_once), and the other worker
+# goes on with the rest of the suite instead of waiting on their lock.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("context_parallel")]
 WORLD_SIZES = (1, 2, 3, 4)
 
 

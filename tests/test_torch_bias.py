@@ -159,6 +159,7 @@ def test_sdpa_attn_mask():
         pyfa.torch.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(torch.int8))
 
 
+@pytest.mark.xdist_group("inductor")
 def test_compile_traces_the_bias_ops():
     q, k, v, bias = (t.float() for t in inputs((NQ, NK)))
     bias = bias.requires_grad_()

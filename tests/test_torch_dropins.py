@@ -257,6 +257,7 @@ def test_flash_attn_with_kvcache_refuses_what_it_cannot_honour():
         kv(q, kc, kc, cache_seqlens=5)
 
 
+@pytest.mark.xdist_group("inductor")
 @pytest.mark.parametrize("dropin", ["sdpa", "flash"])
 def test_dropins_compile_fullgraph_to_eager_bits(dropin):
     def f(q, k, v):

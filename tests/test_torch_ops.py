@@ -24,6 +24,7 @@ def op_args(q, k, v, causal=True, layout="bhnd"):
     return (q, k, v, causal, None, None, "bottom_right", None, layout, None, None, "cpu")
 
 
+@pytest.mark.xdist_group("inductor")
 def test_compile_fullgraph_equals_eager_bit_for_bit():
     q, k, v = leaves((2, 4, 12, 8), (2, 2, 15, 8), (2, 2, 15, 8))
 
@@ -43,6 +44,7 @@ def test_compile_fullgraph_equals_eager_bit_for_bit():
         assert torch.equal(a, b)
 
 
+@pytest.mark.xdist_group("inductor")
 def test_compile_of_a_module_has_no_graph_break():
     class Block(torch.nn.Module):
         def __init__(self):
