@@ -309,6 +309,7 @@ _LOW29 = np.uint64((1 << 29) - 1)
 _HALF29 = np.uint64(1 << 28)
 _F64_MIN_NORMAL32 = 2.0 ** -126
 _F64_TWO_POW_150 = 2.0 ** 150
+_F64_MINUS_ZERO = np.float64(-0.0)
 
 
 class _FmaScratch:
@@ -337,10 +338,16 @@ def _fma_step(c64, out, w):
     np.equal(w.u, _U64_ZERO, out=w.cand)
     np.not_equal(s, w.r, out=w.inexact)
     np.logical_and(w.cand, w.inexact, out=w.cand)
-    if w.cand.any():
+    if np.count_nonzero(w.cand):  # ndarray.any's Python wrapper cost more than the test
         # Flat indices, found once: the candidates are few, the arrays are not.
         idx = np.flatnonzero(w.cand)
-        ss = _settle_midpoints(s.reshape(-1)[idx], w.p.reshape(-1)[idx], c64.reshape(-1)[idx])
+        ss = s.reshape(-1)[idx]
+        finite = ss == ss  # a NaN sum (!= itself, so a candidate) has no tie to settle
+        if not finite.all():
+            idx, ss = idx[finite], ss[finite]
+            if not idx.size:
+                return
+        ss = _settle_midpoints(ss, w.p.reshape(-1)[idx], c64.reshape(-1)[idx])
         fixed = ss.astype(np.float32)
         out.reshape(-1)[idx] = fixed
         w.r.reshape(-1)[idx] = fixed
@@ -435,19 +442,17 @@ def _fma_sum(a64, b64, shape, keep=None):
     s stays where keep[x] is False."""
     total, w = np.zeros(shape, np.float32), _FmaScratch(shape)
     c64 = np.zeros(shape, np.float64)
+    skip = None if keep is None else ~keep
     with np.errstate(all="ignore"):
         for x in range(a64.shape[0]):
+            if skip is not None and not np.count_nonzero(keep[x]):
+                continue
             np.multiply(a64[x], b64[x], out=w.p)
-            if keep is None:
-                _fma_step(c64, total, w)
-            else:
-                skip = np.broadcast_to(~keep[x], shape)
-                if skip.all():
-                    continue
-                before = total.copy()
-                _fma_step(c64, total, w)
-                np.copyto(total, before, where=skip)
-                np.copyto(w.r, c64, where=skip)
+            if skip is not None:
+                # A product of -0 leaves every s as it is, +-0 and Inf and NaN included, and
+                # exactly: fma(a, b, s) = s + (-0) = s, so a skipped step costs no copy.
+                np.copyto(w.p, _F64_MINUS_ZERO, where=skip[x])
+            _fma_step(c64, total, w)
             c64, w.r = w.r, c64  # the result is the next step's addend
     return total
 
