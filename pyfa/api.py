@@ -727,7 +727,8 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
     (checks.check_split_size)."""
     op = OPS[op_name]
     # A backward given a bias also returns dbias, last (docs/numerics.md §2).
-    with_dbias = op.pass_ == "backward" and mods.get("bias") is not None
+    bias_grad = _bias_grad(function or f"pyfa.{op_name}", mods, op.pass_ == "backward")
+    with_dbias = bias_grad and mods.get("bias") is not None
     outs = _out_dict(op_name, op.outputs + (("dbias",) if with_dbias else ()), out)
     dbias_out = outs.pop("dbias", None)
     intake = _intake(args, stream, options.backend, layout, outs)
@@ -760,6 +761,19 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
             results = _run_host(op, intake, outs, problem, config, options.progress, varlen, mod_tensors, dbias)
             return results + _dbias_results(dbias, intake)
         return _run_device(op, intake, outs, problem, config, options.progress, varlen, mod_tensors)
+
+
+def _bias_grad(function, mods, backward):
+    """Pops bias_grad (a backward's: whether it computes dbias) from the keywords `mods`."""
+    if "bias_grad" not in mods:
+        return backward
+    if not backward:
+        raise ArgumentTypeError(f"{function}() got an unexpected keyword argument 'bias_grad' "
+                                "(a backward's: whether it returns dbias)")
+    given = mods.pop("bias_grad")
+    if not isinstance(given, (bool, np.bool_)):
+        raise ArgumentTypeError(f"bias_grad: expected a bool, got {type(given).__name__}")
+    return bool(given)
 
 
 def _dbias_target(bias, given, intake):
@@ -816,7 +830,9 @@ _COMMON_DOC = """
     the score P = 0 exactly (a row all -inf: O = 0, LSE = -inf), NaN is a NaN score. The
     backwards then also return dbias, of the bias's shape, last: dS summed over the
     bias's broadcast axes in one fixed order (docs/numerics.md §2), the same bits on every
-    backend, thread count and, given the forward's outputs, backward tiles.
+    backend, thread count and, given the forward's outputs, backward tiles; unless
+    bias_grad=False (backwards only, True by default): no dbias, which the split backward
+    (split_size) needs, and the same dq, dk, dv bits.
     (An Options field given as a keyword, e.g. block_r=, is the deprecated form of
     options=.)
 
@@ -888,7 +904,7 @@ def fa2_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, lse: Ar
     key chunk of S keys and dK, dV per query chunk of S rows, the chunk sums folded in
     ascending chunk order, so that folding separate calls on the (query chunk, key
     chunk) blocks gives the same bits; or "decode", pyfa.checks.decode_split_size(d).
-    Not with a bias (dbias)."""
+    Not with dbias: a bias takes bias_grad=False here."""
     options, mods = _keywords("pyfa.fa2_backward", options, mods)
     return _run("fa2_backward", dict(q=q, k=k, v=v, o=o, lse=lse, do=do), causal=causal,
                 window=window, causal_align=causal_align, scale=scale, layout=layout,
@@ -974,12 +990,14 @@ def attention_grad(q: ArrayLike, k: ArrayLike, v: ArrayLike, do: ArrayLike, *,
     (like the output): returns (o, dq, dk, dv), o like q and the gradients like q, k, v.
     Arguments as in attention(); do is checked before any kernel runs; options.progress
     sees each of the two calls in turn. out: (o, dq, dk, dv), each None to allocate it.
-    With bias=: (o, dq, dk, dv, dbias), dbias of the bias's shape (out= then takes five).
+    With bias=: (o, dq, dk, dv, dbias), dbias of the bias's shape (out= then takes five),
+    unless bias_grad=False.
     split_size: algo "fa2" only, given to both the split forward (fa2_forward) and the
     split backward (fa2_backward)."""
     options, mods = _keywords("pyfa.attention_grad", options, mods)
     _algo(algo)
-    with_dbias = mods.get("bias") is not None
+    bias_grad = _bias_grad("pyfa.attention_grad", mods, True)
+    with_dbias = bias_grad and mods.get("bias") is not None
     outs = _out_dict("attention_grad", ("o", "dq", "dk", "dv") + (("dbias",) if with_dbias else ()), out)
     _refuse_given_overlaps(_intake(dict(q=q, k=k, v=v, do=do), stream, options.backend,
                                    layout, outs), outs)
@@ -990,9 +1008,10 @@ def attention_grad(q: ArrayLike, k: ArrayLike, v: ArrayLike, do: ArrayLike, *,
         raise InvalidArgumentError(f"split_size: only algo='fa2' splits, got {split_size!r}")
     if algo == "fa1":
         o, m, l = fa1_forward(q, k, v, out=(outs["o"], None, None), **kw)
-        return (o, *fa1_backward(q, k, v, o, m, l, do, out=grads, **kw))
+        return (o, *fa1_backward(q, k, v, o, m, l, do, out=grads, bias_grad=bias_grad, **kw))
     o, lse = fa2_forward(q, k, v, out=(outs["o"], None), split_size=split_size, **kw)
-    return (o, *fa2_backward(q, k, v, o, lse, do, out=grads, split_size=split_size, **kw))
+    return (o, *fa2_backward(q, k, v, o, lse, do, out=grads, split_size=split_size, bias_grad=bias_grad,
+                             **kw))
 
 
 for _f in (fa2_forward, fa2_backward, fa1_forward, fa1_backward, attention, attention_grad):

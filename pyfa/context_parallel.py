@@ -61,6 +61,15 @@ class _Plan(NamedTuple):
     call: dict          # the keywords of every block's pyfa call but diagonal_offset
     timeout: datetime.timedelta
     stats: Optional[dict]
+    bias: Optional[Tensor]  # (B|1, H|1, L|1, N): the shard's query rows over all N keys
+
+    def bias_of(self, ql, nq, k0, nk, backward=False):
+        """The block call's bias keywords: the bias of its nq query rows from local row ql
+        and its nk keys from key k0 (no dbias: a bias here takes no gradient)."""
+        if self.bias is None:
+            return {}
+        b = self.bias if self.bias.shape[2] == 1 else self.bias.narrow(2, ql, nq)
+        return dict(bias=b.narrow(3, k0, nk), **({"bias_grad": False} if backward else {}))
 
     def sees(self, q0, nq, k0, nk):
         return block_sees(self.left, self.right, q0, nq, k0, nk)
@@ -241,7 +250,8 @@ def _ring_forward(plan, q, k, v, kept=None):
             if plan.sees(p.start, p.length, k0, S):
                 k_src, v_src = kv_src
                 part = api.fa2_forward(plan.rows(q, p.local, p.length), plan.rows(k_src, kl, S),
-                                       plan.rows(v_src, kl, S), diagonal_offset=p.start - k0, **plan.call)
+                                       plan.rows(v_src, kl, S), diagonal_offset=p.start - k0, **plan.call,
+                                       **plan.bias_of(p.local, p.length, k0, S))
                 acc[n] = _merge(acc[n], part, plan.axis)
     o, lse = torch.zeros_like(q), q.new_full(q.shape[:1] + (q.shape[1 if plan.axis == 2 else 2], q.shape[plan.axis]),
                                              -math.inf)
@@ -273,7 +283,8 @@ def _ring_backward(plan, q, k, v, o, lse, do):
             k_src, v_src = kv_src
             dq_b, dk_b, dv_b = api.fa2_backward(
                 plan.rows(q, ql, S), plan.rows(k_src, kl, S), plan.rows(v_src, kl, S), plan.rows(o, ql, S),
-                lse.narrow(2, ql, S), plan.rows(do, ql, S), diagonal_offset=q0 - k0, **plan.call)
+                lse.narrow(2, ql, S), plan.rows(do, ql, S), diagonal_offset=q0 - k0, **plan.call,
+                **plan.bias_of(ql, S, k0, S, backward=True))
             dq_acc[ql] = _add(dq_acc[ql], dq_b)
             plan.hold((dk_b, dv_b))
             if owner == r:
@@ -372,7 +383,8 @@ def _wavefront_backward(plan, q, k, v, o, lse, do, kept):
                     continue
                 dq_b, dk_b, dv_b = api.fa2_backward(
                     plan.rows(q, ql, S), plan.rows(k_src, kl, S), plan.rows(v_src, kl, S), plan.rows(o, ql, S),
-                    lse.narrow(2, ql, S), plan.rows(do, ql, S), diagonal_offset=q0 - k0, **plan.call)
+                    lse.narrow(2, ql, S), plan.rows(do, ql, S), diagonal_offset=q0 - k0, **plan.call,
+                    **plan.bias_of(ql, S, k0, S, backward=True))
                 dq_acc[ql] = _add(dq_acc[ql], dq_b)
                 plan.rows(acc_k, kl, S).add_(dk_b)
                 plan.rows(acc_v, kl, S).add_(dv_b)
@@ -492,12 +504,36 @@ def _agree(plan, q, k, v, signature):
                                  f"the same arguments")
 
 
+def _shard_bias(bias, mode, B, H, L, N):
+    """The rank's bias as a 4-dimensional view (B|1, H|1, L|1, N), or a ValueError or
+    TypeError naming what cannot be honoured."""
+    from . import torch as pt
+    pt._check_tensor("bias", bias)
+    if mode != "ring":
+        raise ValueError("bias: only mode='ring' takes a bias (in Ulysses mode each rank would need "
+                         "every row of its heads' bias)")
+    if bias.requires_grad:
+        raise ValueError("bias: requires grad, but context_parallel_attention computes no dbias; "
+                         "pass bias.detach() if it needs none")
+    if bias.dtype != torch.float32:
+        raise TypeError(f"bias: expected dtype torch.float32, got {bias.dtype}")
+    if bias.dim() > 4:
+        raise ValueError(f"bias: expected at most 4 dimensions, got shape {tuple(bias.shape)}")
+    b = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)) if bias.dim() < 4 else bias
+    want = (B, H, L, N)
+    if b.shape[3] != N or any(n not in (1, w) for n, w in zip(b.shape[:3], want[:3])):
+        raise ValueError(f"bias: shape {tuple(bias.shape)} does not broadcast to (B, H, L, N) = {want} "
+                         "(this rank's query rows over the whole sequence's keys)")
+    return b
+
+
 def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, split_size: int,
                                group=None, mode: str = "ring", schedule: str = "auto",
                                zigzag: bool = False,
                                causal: bool = False, window=None, scale: Optional[float] = None,
                                layout: str = "bhnd", softcap: Optional[float] = None,
-                               alibi_slopes: Optional[Tensor] = None, return_lse: bool = False,
+                               alibi_slopes: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+                               return_lse: bool = False,
                                block_r: Optional[int] = None, block_c: Optional[int] = None,
                                backend: str = "auto", timeout: float = 300.0,
                                comm_stats: Optional[dict] = None):
@@ -527,9 +563,13 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, split_size: i
     "bytes_sent", this rank's bytes sent by the call (forward and backward added up), and
     in ring mode "peak_held_bytes", the most bytes of received K/V and of dK/dV partials or
     accumulators the rank held at once beyond its own shards.
-    Refused: dropout and bias (their inputs are keyed on positions of the whole problem
-    in ways a block call does not see), tensors on a device the group's backend cannot
-    serve (gloo: CPU; NCCL: CUDA)."""
+    bias (ring mode): a float32 CPU tensor broadcastable to (B, H, L, N), N = P * L: the
+    additive bias of this rank's query rows (in its shard's order, zigzag included) over
+    all N keys in sequence order; each block call takes its rows and keys of it. Without
+    a gradient (refused if it requires one: its dbias is not computed).
+    Refused: dropout (its mask is keyed on positions of the whole problem that a block
+    call does not see), a bias in Ulysses mode or one that requires grad, tensors on a
+    device the group's backend cannot serve (gloo: CPU; NCCL: CUDA)."""
     from . import torch as pt
     for name, t in (("q", q), ("k", k), ("v", v)):
         pt._check_tensor(name, t)
@@ -563,6 +603,8 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, split_size: i
                            "(torch.distributed.init_process_group first)")
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
+    if bias is not None:
+        bias = _shard_bias(bias, mode, B, H, L, world * L)
     peers = tuple(dist.get_global_rank(group, i) if group is not None else i for i in range(world))
     kind = dist.get_backend(group)
     wants = {"gloo": "cpu", "nccl": "cuda"}.get(str(kind))
@@ -582,10 +624,11 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, split_size: i
     if alibi_slopes is not None:
         call["alibi_slopes"] = alibi_slopes
     plan = _Plan(group, rank, world, peers, L, split, zigzag, plan_schedule, 2 if layout == "bhnd" else 1, bounds.left,
-                 bounds.right, call, datetime.timedelta(seconds=float(timeout)), comm_stats)
+                 bounds.right, call, datetime.timedelta(seconds=float(timeout)), comm_stats, bias)
     signature = dict(mode=mode, schedule=plan_schedule, zigzag=zigzag, split_size=split, causal=causal, window=window, scale=scale,
                      layout=layout, softcap=softcap, backend=backend, block_r=block_r, block_c=block_c,
-                     alibi_slopes=None if alibi_slopes is None else alibi_slopes.cpu().tolist())
+                     alibi_slopes=None if alibi_slopes is None else alibi_slopes.cpu().tolist(),
+                     bias=None if bias is None else tuple(bias.shape))
     _agree(plan, q, k, v, signature)
     if mode == "ulysses":
         o, lse = _ulysses(plan, q, k, v, causal, window, scale, softcap, alibi_slopes, H)

@@ -315,27 +315,33 @@ def _fa2_backward_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, o: Tensor,
                        backend: str, dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
                        softcap: Optional[float] = None,
                        alibi_slopes: Optional[Tensor] = None,
-                       split_size: int = 0) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                       split_size: int = 0, bias_grad: bool = True) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """pyfa::fa2_backward with the forward's bias; returns dq, dk, dv and dbias (the
-    bias's shape: dS summed over its broadcast axes, docs/numerics.md §2)."""
+    bias's shape: dS summed over its broadcast axes, docs/numerics.md §2), or with
+    bias_grad=False an empty dbias, not computed (which the split backward needs)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("bias", bias), ("o", o), ("lse", lse), ("do", do)):
         _check_dtype(name, t)
     _dims(q, k, v, layout)
     kw = _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r,
                    block_c, backend, dropout_p, seed, offset, softcap, alibi_slopes, split_size)
+    dbias_shape = bias.shape if bias_grad else (0,)
     if q.numel() == 0 or k.numel() == 0:
         _check_options(q, kw)
-        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), bias.new_zeros(bias.shape)
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), bias.new_zeros(dbias_shape)
     with _on_device_of(q):
-        return api.fa2_backward(q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(),
-                                do.detach().contiguous(), bias=bias.detach(), **kw)
+        grads = api.fa2_backward(q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(),
+                                 do.detach().contiguous(), bias=bias.detach(), bias_grad=bias_grad, **kw)
+    return grads if bias_grad else (*grads, bias.new_empty(0))
 
 
 @_fa2_backward_bias.register_fake
-def _fa2_backward_bias_fake(q, k, v, bias, o, lse, do, *options):
+def _fa2_backward_bias_fake(q, k, v, bias, o, lse, do, *options, bias_grad=True):
     for name, t in (("q", q), ("k", k), ("v", v), ("bias", bias), ("o", o), ("lse", lse), ("do", do)):
         _check_dtype(name, t)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), bias.new_empty(bias.shape)
+    if len(options) > len(_OPTION_NAMES):  # bias_grad given by position
+        options, bias_grad = options[:-1], options[-1]
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            bias.new_empty(bias.shape if bias_grad else (0,)))
 
 
 def _forward_bias_setup(ctx, inputs, output):
@@ -349,7 +355,9 @@ def _forward_bias_backward(ctx, do, dlse):
     q, k, v, bias, o, lse = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv, dbias = torch.ops.pyfa.fa2_backward_bias(q, k, v, bias, o, lse, do, *ctx.options)
+    # A bias that needs no gradient takes a backward without dbias, which the split one is.
+    need = ctx.needs_input_grad[3]
+    dq, dk, dv, dbias = torch.ops.pyfa.fa2_backward_bias(q, k, v, bias, o, lse, do, *ctx.options, need)
     if dlse is not None:
         # dLSE_i / dS_ij = P_ij: the backward's dS = P (dP - D) is P * dlse when V = 0
         # (dP = 0) and O, dO are -1 and dlse in one column (D = -dlse); its dq, dk, dbias
@@ -363,9 +371,9 @@ def _forward_bias_backward(ctx, do, dlse):
         o1[..., 0] = -1.0
         do1[..., 0] = g
         lq, lk, _, lb = torch.ops.pyfa.fa2_backward_bias(q, k, torch.zeros_like(v), bias, o1, lse, do1,
-                                                         *options)
+                                                         *options, need)
         dq, dk, dbias = dq + lq, dk + lk, dbias + lb
-    return (dq, dk, dv, dbias if ctx.needs_input_grad[3] else None) + (None,) * len(ctx.options)
+    return (dq, dk, dv, dbias if need else None) + (None,) * len(ctx.options)
 
 
 def _no_double_backward_bias(ctx, ddq, ddk, ddv, ddbias):

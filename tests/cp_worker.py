@@ -30,6 +30,9 @@ CASES = {
     "ring_mods": (4, 2, "bnhd", dict(window=(37, 5), softcap=4.0, alibi_slopes=SLOPES)),
     "ring_by_ring": (4, 2, "bhnd", dict(schedule="ring")),
     "ring_by_ring_causal": (4, 2, "bhnd", dict(causal=True, schedule="ring")),
+    # bias=(Bb, Hb): a bias of shape (Bb, Hb, N, N), each rank passing its rows (full_bias).
+    "ring_bias": (4, 2, "bhnd", dict(causal=True, bias=(B, 4))),
+    "ring_bias_zigzag": (4, 2, "bnhd", dict(causal=True, zigzag=True, softcap=4.0, bias=(1, 1))),
     "ulysses": (8, 4, "bhnd", dict(mode="ulysses")),
     "ulysses_causal": (8, 4, "bnhd", dict(mode="ulysses", causal=True)),
 }
@@ -43,6 +46,16 @@ def inputs(name):
     shapes = [(B, heads, N, D), (B, heads_kv, N, D), (B, heads_kv, N, D), (B, heads, N, D)]
     ts = [torch.randn(*s, generator=g) for s in shapes]
     return [t.transpose(1, 2).contiguous() for t in ts] if layout == "bnhd" else ts
+
+
+def full_bias(name):
+    """The bias of a case over the whole sequence, -inf in a stripe of keys of some rows
+    (a row of the stripe sees its other keys)."""
+    Bb, Hb = CASES[name][3]["bias"]
+    N = seqlen(name)
+    bias = torch.randn(Bb, Hb, N, N, generator=torch.Generator().manual_seed(11))
+    bias[..., 5::7, 2:N // 3] = -torch.inf
+    return bias
 
 
 def rows_of(rank, P, zigzag, N):
@@ -62,6 +75,8 @@ def run_case(name, rank, P, group):
     idx = torch.tensor(rows_of(rank, P, kw.get("zigzag", False), seqlen(name)))
     q, k, v, do = (t.index_select(axis, idx) for t in inputs(name))
     q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    if "bias" in kw:
+        kw = dict(kw, bias=full_bias(name).index_select(2, idx))
     stats = {}
     o = pt.context_parallel_attention(q, k, v, split_size=S, layout=layout, comm_stats=stats, group=group,
                                       **TILES, **kw)
@@ -89,6 +104,14 @@ def misuse(rank, P, group, spare):
         pt.context_parallel_attention(q, q, q, split_size=S, mode="ulysses", group=group, **TILES)
     except ValueError as e:
         out["ulysses_heads"] = str(e) if P == 3 else None
+    N = 16 * P
+    for key, bias, mode in (("bias_grad", torch.zeros(1, 1, 16, N, requires_grad=True), "ring"),
+                            ("bias_ulysses", torch.zeros(1, 1, 16, N), "ulysses"),
+                            ("bias_shape", torch.zeros(1, 1, 16, 16 * P + 1), "ring")):
+        try:
+            pt.context_parallel_attention(q, q, q, split_size=S, mode=mode, bias=bias, group=group, **TILES)
+        except ValueError as e:
+            out[key] = str(e)
     try:
         meta = q.to("meta")
         pt.context_parallel_attention(meta, meta, meta, split_size=S, group=group, **TILES)

@@ -2,7 +2,8 @@
 process groups of 1, 2, 3 and 4 ranks (tests/cp_worker.py): the shards of O, dQ, dK and
 dV gathered from the ranks equal one process's pyfa.torch.attention with the same
 split_size bit for bit, in ring mode (both schedules, wavefront and ring, equal to each
-other) and Ulysses mode, causal and not, zigzag, GQA, windows, softcap and ALiBi; the
+other) and Ulysses mode, causal and not, zigzag, GQA, windows, softcap, ALiBi and a bias
+(ring mode, no dbias); the
 bytes each rank sends equal the model's (pyfa.sim.context_parallel_bytes); the wavefront
 holds O(1) shards per rank; misuse gets an error naming it, and no hang."""
 
@@ -71,6 +72,8 @@ def gathered(runs, P, name):
 def one_device(name):
     heads, heads_kv, layout, kw = w.CASES[name]
     kw = {k: x for k, x in kw.items() if k not in ("mode", "zigzag", "schedule")}
+    if "bias" in kw:
+        kw["bias"] = w.full_bias(name)  # needs no grad: the one-device split backward takes it
     q, k, v, do = w.inputs(name)
     q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
     o = pt.attention(q, k, v, layout=layout, split_size=w.S, **w.TILES, **kw)
@@ -210,6 +213,10 @@ def test_misuse_is_named(runs, P):
         assert "q's shape differs" in m["shard"] and "rank" in m["shard"]
         assert "causal differs" in m["args"]
         assert "on meta, but the group's backend gloo takes cpu tensors" in m["device"]
+        assert m["bias_grad"].startswith("bias: requires grad, but context_parallel_attention computes no dbias")
+        assert m["bias_ulysses"].startswith("bias: only mode='ring' takes a bias")
+        assert m["bias_shape"] == (f"bias: shape (1, 1, 16, {16 * P + 1}) does not broadcast to (B, H, L, N) = "
+                                   f"(1, 2, 16, {16 * P}) (this rank's query rows over the whole sequence's keys)")
         if P == 3:
             assert "divisible by the world size 3" in m["ulysses_heads"]
         if r == 0:
