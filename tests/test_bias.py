@@ -126,6 +126,28 @@ def test_backward_tiles_leave_dbias_alone():
             assert same_bits(got[3], ref), (shape, tiles)
 
 
+def test_bias_grad_false_leaves_out_dbias_only():
+    """bias_grad=False: the backwards return dq, dk, dv only, with the bits of the call that
+    also computes dbias; the split backward (which computes no dbias) then takes a bias, and
+    gives its unsplit bits on one chunk. A forward, or a non-bool, is refused by name."""
+    q, k, v, do = problem(1)
+    bias = make_bias((B, 1, NQ, NK), 5)
+    opts = pyfa.Options(backend="cpu", **TILES)
+    o, lse = pyfa.fa2_forward(q, k, v, bias=bias, causal=True, options=opts)
+    full = pyfa.fa2_backward(q, k, v, o, lse, do, bias=bias, causal=True, options=opts)
+    assert len(full) == 4
+    for split in (None, 32):
+        kw = {} if split is None else dict(split_size=split)
+        got = pyfa.fa2_backward(q, k, v, o, lse, do, bias=bias, bias_grad=False, causal=True, options=opts, **kw)
+        assert len(got) == 3 and all(same_bits(a, b) for a, b in zip(got, full[:3])), split
+    both = pyfa.attention_grad(q, k, v, do, bias=bias, bias_grad=False, causal=True, options=opts)
+    assert len(both) == 4 and all(same_bits(a, b) for a, b in zip(both[1:], full[:3]))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bias_grad'"):
+        pyfa.fa2_forward(q, k, v, bias=bias, bias_grad=False, options=opts)
+    with pytest.raises(TypeError, match="bias_grad: expected a bool, got int"):
+        pyfa.fa2_backward(q, k, v, o, lse, do, bias=bias, bias_grad=0, options=opts)
+
+
 def reference64(q, k, v, do, bias, case, softcap=None):
     """Attention with an additive bias (after softcap c tanh(s / c), if given) in float64,
     and its gradients, dBias reduced to the bias's shape: dBias of S, dQ and dK of s. A row
