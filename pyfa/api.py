@@ -216,8 +216,8 @@ def _problem(dims, scale, causal, window, causal_align, mods):
     pr.struct_size = ffi.sizeof("pyfa_problem")
     for field in dataclasses.fields(mods):
         value = getattr(mods, field.name)
-        if isinstance(value, (int, float)) and field.metadata.get("pyfa_problem", True):
-            setattr(pr, field.metadata.get("problem", field.name), value)
+        if isinstance(value, (int, float, tuple)) and field.metadata.get("pyfa_problem", True):
+            setattr(pr, field.metadata.get("problem", field.name), list(value) if isinstance(value, tuple) else value)
     return pr
 
 
@@ -338,7 +338,7 @@ def _mod_tensors(mods, intake, grad=False):
     found, keep = {}, []
     for field in dataclasses.fields(mods):
         x = getattr(mods, field.name)
-        if x is None or isinstance(x, (bool, int, float, str)):
+        if x is None or isinstance(x, (bool, int, float, str, tuple)):
             continue
         if isinstance(x, Bias):  # on the CPU (_check_mods_place)
             view = x.for_grad() if grad else x.view
@@ -1074,14 +1074,14 @@ def smem_bytes(kernel: str, block_r: int, block_c: int, head_dim: int,
 
 
 def dropout_mask(batch: int, heads: int, seqlen_q: int, seqlen_k: int, *, dropout_p: float,
-                 seed: Optional[int], offset: int = 0) -> np.ndarray:
+                 seed: Optional[int], offset: int = 0, dropout_origin=(0, 0, 0, 0)) -> np.ndarray:
     """The keep decisions of dropout (docs/numerics.md, "Dropout") as a bool array
     (B, H, Nq, Nk), True where element (b, h, i, j) of P is kept: what the kernels apply
-    for these dropout_p, seed and offset (the role of flash-attn's return_attn_probs),
-    computed by the library with the function the kernels call. pyfa.sim.dropout_mask
-    gives the same bits in NumPy. dropout_p 0: all True."""
+    for these dropout_p, seed, offset and dropout_origin (the role of flash-attn's
+    return_attn_probs), computed by the library with the function the kernels call.
+    pyfa.sim.dropout_mask gives the same bits in NumPy. dropout_p 0: all True."""
     dims, mods = check_dropout_mask("pyfa.dropout_mask", batch, heads, seqlen_q, seqlen_k, dropout_p, seed,
-                                    offset)
+                                    offset, dropout_origin)
     keep = np.zeros(dims, np.uint8)
     if keep.size:
         ffi, lib = _lib.load()

@@ -452,8 +452,12 @@ class ScoreMods:
     larger problem whose query row i and key j are rows P + i and K + j there,
     diagonal_offset = P - K (context parallelism). Not a score modification but a move of
     the mask's diagonal, which ALiBi's distance reads too; it travels with them because
-    every call takes them alike. Refused with dropout (its decisions are keyed on the
-    call's own i, j).
+    every call takes them alike. Dropout's (b, h, i, j) do not move with it.
+    dropout_origin: (B0, H0, P, K), four ints >= 0, (0, 0, 0, 0) by default: element
+    (b, h, i, j) of the call draws dropout's decision of element (B0 + b, H0 + h, P + i,
+    K + j) of a larger problem (a block of rows and keys, a shard of heads, part of a
+    batch), within dropout's counters (B0 + B, H0 + H, P + Nq at most 2^32, K + Nk at
+    most 2^34). Normalised to zeros without dropout, as seed and offset are.
     off: the mask's diagonal offset (Nk - Nq for causal_align "bottom_right", 0 for
     "top_left", plus diagonal_offset), set by resolve(), not a keyword.
 
@@ -465,6 +469,7 @@ class ScoreMods:
     dropout_p: float = 0.0
     seed: "int | None" = dataclasses.field(default=None, metadata={"problem": "dropout_seed"})
     offset: int = dataclasses.field(default=0, metadata={"problem": "dropout_offset"})
+    dropout_origin: tuple = (0, 0, 0, 0)
 
     # Additive bias (issue 27): a Bias, or None. Not compared: an array has no one truth.
     bias: object = dataclasses.field(default=None, compare=False)
@@ -486,6 +491,9 @@ class ScoreMods:
             if name not in known:
                 raise ArgumentTypeError(f"{function}() got an unexpected keyword argument {name!r}")
         mods.update(_check_dropout(mods.get("dropout_p", 0.0), mods.get("seed"), mods.get("offset", 0)))
+        if "dropout_origin" in mods:
+            origin = _check_dropout_origin(mods["dropout_origin"], dims)
+            mods["dropout_origin"] = origin if mods["dropout_p"] else (0, 0, 0, 0)
         if "bias" in mods:
             mods["bias"] = check_bias(function, mods["bias"], dims)
         if "softcap" in mods:
@@ -494,10 +502,6 @@ class ScoreMods:
             mods["alibi_slopes"] = check_alibi_slopes(mods["alibi_slopes"], dims)
         if "diagonal_offset" in mods:
             mods["diagonal_offset"] = check_int("diagonal_offset", mods["diagonal_offset"], -(1 << 40), 1 << 40)
-            if mods["diagonal_offset"] and mods["dropout_p"]:
-                raise InvalidArgumentError(
-                    "diagonal_offset: dropout's decisions are keyed on the call's own (i, j), not the larger "
-                    f"problem's, so a call with dropout_p > 0 takes 0; got {mods['diagonal_offset']}")
         shift = mods.get("diagonal_offset", 0)
         off = (dims[3] - dims[2] if causal_align == "bottom_right" else 0) + shift
         return cls(off=off, **mods)
@@ -534,12 +538,26 @@ def _check_dropout(dropout_p, seed, offset):
     return {"dropout_p": p, "seed": seed, "offset": offset}
 
 
-def check_dropout_mask(function, batch, heads, seqlen_q, seqlen_k, dropout_p, seed, offset):
+def _check_dropout_origin(origin, dims):
+    """dropout_origin: four ints >= 0, each with the call's extent (B, H, Nq, Nk of dims)
+    within dropout's counters."""
+    if isinstance(origin, (str, bytes)) or not isinstance(origin, (tuple, list)) or len(origin) != 4:
+        raise ArgumentTypeError(f"dropout_origin: expected four ints (B0, H0, P, K), got {origin!r}")
+    names = ("B0", "H0", "P", "K")
+    extents = (dims[0], dims[1], dims[2], dims[3])
+    most = (1 << 32, 1 << 32, 1 << 32, 1 << 34)
+    return tuple(check_int(f"dropout_origin's {n}", x, 0, max(0, m - e)) for n, x, e, m in
+                 zip(names, origin, extents, most))
+
+
+def check_dropout_mask(function, batch, heads, seqlen_q, seqlen_k, dropout_p, seed, offset,
+                       dropout_origin=(0, 0, 0, 0)):
     """The arguments of dropout_mask (pyfa's and the simulator's): (B, H, Nq, Nk) and the
     resolved ScoreMods."""
     dims = (check_int("batch", batch, 1, 65535), check_int("heads", heads, 1, 65535),
             check_int("seqlen_q", seqlen_q, 0, 1 << 32), check_int("seqlen_k", seqlen_k, 0, 1 << 34))
-    mods = ScoreMods.resolve(function, dims + (1, dims[1]), dropout_p=dropout_p, seed=seed, offset=offset)
+    mods = ScoreMods.resolve(function, dims + (1, dims[1]), dropout_p=dropout_p, seed=seed, offset=offset,
+                             dropout_origin=dropout_origin)
     return dims, mods
 
 

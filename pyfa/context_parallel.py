@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import api
-from .checks import check_int, check_softcap, mask_bounds
+from .checks import _check_dropout, check_int, check_softcap, mask_bounds
 from .kvcache import merge_states
 from .sim.context_parallel import (block_sees, chunks, kept_shard, ring_schedule, shard_rows, shard_sees,
                                   wavefront_chain)
@@ -70,6 +70,14 @@ class _Plan(NamedTuple):
             return {}
         b = self.bias if self.bias.shape[2] == 1 else self.bias.narrow(2, ql, nq)
         return dict(bias=b.narrow(3, k0, nk), **({"bias_grad": False} if backward else {}))
+
+    def at(self, q0, k0):
+        """The block call's place in the whole problem: its query rows from row q0 and keys
+        from key k0 (the mask's diagonal, and dropout's decisions where it is on)."""
+        where = dict(diagonal_offset=q0 - k0)
+        if "dropout_p" in self.call:
+            where["dropout_origin"] = (0, 0, q0, k0)
+        return where
 
     def sees(self, q0, nq, k0, nk):
         return block_sees(self.left, self.right, q0, nq, k0, nk)
@@ -250,7 +258,7 @@ def _ring_forward(plan, q, k, v, kept=None):
             if plan.sees(p.start, p.length, k0, S):
                 k_src, v_src = kv_src
                 part = api.fa2_forward(plan.rows(q, p.local, p.length), plan.rows(k_src, kl, S),
-                                       plan.rows(v_src, kl, S), diagonal_offset=p.start - k0, **plan.call,
+                                       plan.rows(v_src, kl, S), **plan.at(p.start, k0), **plan.call,
                                        **plan.bias_of(p.local, p.length, k0, S))
                 acc[n] = _merge(acc[n], part, plan.axis)
     o, lse = torch.zeros_like(q), q.new_full(q.shape[:1] + (q.shape[1 if plan.axis == 2 else 2], q.shape[plan.axis]),
@@ -283,7 +291,7 @@ def _ring_backward(plan, q, k, v, o, lse, do):
             k_src, v_src = kv_src
             dq_b, dk_b, dv_b = api.fa2_backward(
                 plan.rows(q, ql, S), plan.rows(k_src, kl, S), plan.rows(v_src, kl, S), plan.rows(o, ql, S),
-                lse.narrow(2, ql, S), plan.rows(do, ql, S), diagonal_offset=q0 - k0, **plan.call,
+                lse.narrow(2, ql, S), plan.rows(do, ql, S), **plan.at(q0, k0), **plan.call,
                 **plan.bias_of(ql, S, k0, S, backward=True))
             dq_acc[ql] = _add(dq_acc[ql], dq_b)
             plan.hold((dk_b, dv_b))
@@ -383,7 +391,7 @@ def _wavefront_backward(plan, q, k, v, o, lse, do, kept):
                     continue
                 dq_b, dk_b, dv_b = api.fa2_backward(
                     plan.rows(q, ql, S), plan.rows(k_src, kl, S), plan.rows(v_src, kl, S), plan.rows(o, ql, S),
-                    lse.narrow(2, ql, S), plan.rows(do, ql, S), diagonal_offset=q0 - k0, **plan.call,
+                    lse.narrow(2, ql, S), plan.rows(do, ql, S), **plan.at(q0, k0), **plan.call,
                     **plan.bias_of(ql, S, k0, S, backward=True))
                 dq_acc[ql] = _add(dq_acc[ql], dq_b)
                 plan.rows(acc_k, kl, S).add_(dk_b)
@@ -419,15 +427,23 @@ def _dq_out(plan, q, mine, dq_acc):
     return dq
 
 
-class _RingAttention(torch.autograd.Function):
+class _Attention(torch.autograd.Function):
+    """O and LSE of q, k, v, and their gradients: in ring mode `how` is the _Plan whose
+    blocks compute them; in Ulysses mode the keywords of one split call over the whole
+    sequence on the rank's heads (what pyfa.torch.attention(..., split_size=S) runs)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, plan):
+    def forward(ctx, q, k, v, how):
         q, k, v = q.detach(), k.detach(), v.detach()
-        # The wavefront keeps one received K/V shard for the backward, where one follows.
-        ctx.kept = {} if plan.schedule == "wavefront" and any(ctx.needs_input_grad[:3]) else None
-        o, lse = _ring_forward(plan, q, k, v, ctx.kept)
+        ctx.kept = None
+        if isinstance(how, dict):
+            o, lse = api.fa2_forward(q, k, v, **how)
+        else:
+            # The wavefront keeps one received K/V shard for the backward, where one follows.
+            ctx.kept = {} if how.schedule == "wavefront" and any(ctx.needs_input_grad[:3]) else None
+            o, lse = _ring_forward(how, q, k, v, ctx.kept)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.plan = plan
+        ctx.how = how
         ctx.mark_non_differentiable(lse)
         return o, lse
 
@@ -435,10 +451,13 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = (t.detach() for t in ctx.saved_tensors)
         do = torch.zeros_like(o) if do is None else do.detach().contiguous()
-        if ctx.plan.schedule == "ring":
-            dq, dk, dv = _ring_backward(ctx.plan, q, k, v, o, lse, do)
+        how = ctx.how
+        if isinstance(how, dict):
+            dq, dk, dv = api.fa2_backward(q, k, v, o, lse, do, **how)
+        elif how.schedule == "ring":
+            dq, dk, dv = _ring_backward(how, q, k, v, o, lse, do)
         else:
-            dq, dk, dv = _wavefront_backward(ctx.plan, q, k, v, o, lse, do, ctx.kept)
+            dq, dk, dv = _wavefront_backward(how, q, k, v, o, lse, do, ctx.kept)
         return dq, dk, dv, None
 
 
@@ -467,22 +486,32 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(plan, g, gather, scatter), None, None, None
 
 
-def _ulysses(plan, q, k, v, causal, window, scale, softcap, alibi_slopes, H):
-    from . import torch as pt
+def _ulysses(plan, q, k, v, H):
     head_axis = 1 if plan.axis == 2 else 2
     seq, heads = plan.axis, head_axis
     qh, kh, vh = (_AllToAll.apply(t, plan, heads, seq) for t in (q, k, v))
-    slopes = None
-    if alibi_slopes is not None:
-        per = H // plan.world
-        slopes = alibi_slopes.narrow(alibi_slopes.dim() - 1, plan.rank * per, per)
-    o, lse = pt.attention(qh, kh, vh, causal=causal, window=window, scale=scale, layout=plan.call["layout"],
-                          return_lse=True, block_r=plan.call["options"].block_r,
-                          block_c=plan.call["options"].block_c, backend=plan.call["options"].backend,
-                          softcap=softcap, alibi_slopes=slopes, split_size=plan.split)
+    per = H // plan.world
+    call = dict(plan.call, split_size=plan.split)
+    if "alibi_slopes" in call:
+        slopes = call["alibi_slopes"]
+        call["alibi_slopes"] = slopes.narrow(slopes.dim() - 1, plan.rank * per, per)
+    if "dropout_p" in call:
+        call["dropout_origin"] = (0, plan.rank * per, 0, 0)
+    o, lse = _Attention.apply(qh, kh, vh, call)
     o = _AllToAll.apply(o, plan, seq, heads)
     lse = _all_to_all(plan, lse.detach(), 2, 1)
     return o, lse
+
+
+def _agreed_seed(seed, group, device):
+    """dropout's seed: the caller's (checked), or one drawn from torch's default generator on
+    every rank (each advances its generator as a pyfa.torch.attention call would) and group
+    rank 0's taken by all."""
+    if seed is not None:
+        return seed
+    drawn = torch.tensor([int(torch.randint(-2 ** 63, 2 ** 63 - 1, (), dtype=torch.int64))], device=device)
+    dist.broadcast(drawn, dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return int(drawn.item()) % 2 ** 64
 
 
 def _agree(plan, q, k, v, signature):
@@ -533,6 +562,7 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, split_size: i
                                causal: bool = False, window=None, scale: Optional[float] = None,
                                layout: str = "bhnd", softcap: Optional[float] = None,
                                alibi_slopes: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+                               dropout_p: float = 0.0, seed: Optional[int] = None, offset: int = 0,
                                return_lse: bool = False,
                                block_r: Optional[int] = None, block_c: Optional[int] = None,
                                backend: str = "auto", timeout: float = 300.0,
@@ -567,9 +597,12 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, split_size: i
     additive bias of this rank's query rows (in its shard's order, zigzag included) over
     all N keys in sequence order; each block call takes its rows and keys of it. Without
     a gradient (refused if it requires one: its dbias is not computed).
-    Refused: dropout (its mask is keyed on positions of the whole problem that a block
-    call does not see), a bias in Ulysses mode or one that requires grad, tensors on a
-    device the group's backend cannot serve (gloo: CPU; NCCL: CUDA)."""
+    dropout_p, seed, offset: as in pyfa.torch.attention, the mask of the whole problem
+    (each block call draws the decisions of its rows, keys and heads there: dropout_origin);
+    seed=None draws one from torch's default generator on every rank and takes group
+    rank 0's, so that the ranks agree.
+    Refused: a bias in Ulysses mode or one that requires grad, tensors on a device the
+    group's backend cannot serve (gloo: CPU; NCCL: CUDA)."""
     from . import torch as pt
     for name, t in (("q", q), ("k", k), ("v", v)):
         pt._check_tensor(name, t)
@@ -598,6 +631,7 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, split_size: i
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0:
         raise ValueError(f"timeout: expected seconds > 0, got {timeout!r}")
     softcap = check_softcap(softcap)
+    drop = _check_dropout(dropout_p, 0 if seed is None else seed, offset)  # a seed of None is drawn below
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("pyfa.torch.context_parallel_attention: torch.distributed is not initialised "
                            "(torch.distributed.init_process_group first)")
@@ -623,17 +657,20 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, split_size: i
         call["softcap"] = softcap
     if alibi_slopes is not None:
         call["alibi_slopes"] = alibi_slopes
+    if drop["dropout_p"]:
+        call.update(drop, seed=_agreed_seed(seed, group, q.device))
     plan = _Plan(group, rank, world, peers, L, split, zigzag, plan_schedule, 2 if layout == "bhnd" else 1, bounds.left,
                  bounds.right, call, datetime.timedelta(seconds=float(timeout)), comm_stats, bias)
     signature = dict(mode=mode, schedule=plan_schedule, zigzag=zigzag, split_size=split, causal=causal, window=window, scale=scale,
                      layout=layout, softcap=softcap, backend=backend, block_r=block_r, block_c=block_c,
                      alibi_slopes=None if alibi_slopes is None else alibi_slopes.cpu().tolist(),
-                     bias=None if bias is None else tuple(bias.shape))
+                     bias=None if bias is None else tuple(bias.shape),
+                     dropout=(drop["dropout_p"], call.get("seed"), drop["offset"]))
     _agree(plan, q, k, v, signature)
     if mode == "ulysses":
-        o, lse = _ulysses(plan, q, k, v, causal, window, scale, softcap, alibi_slopes, H)
+        o, lse = _ulysses(plan, q, k, v, H)
     else:
-        o, lse = _RingAttention.apply(q, k, v, plan)
+        o, lse = _Attention.apply(q, k, v, plan)
     return (o, lse) if return_lse else o
 
 

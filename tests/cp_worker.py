@@ -33,7 +33,12 @@ CASES = {
     # bias=(Bb, Hb): a bias of shape (Bb, Hb, N, N), each rank passing its rows (full_bias).
     "ring_bias": (4, 2, "bhnd", dict(causal=True, bias=(B, 4))),
     "ring_bias_zigzag": (4, 2, "bnhd", dict(causal=True, zigzag=True, softcap=4.0, bias=(1, 1))),
+    "ring_dropout": (4, 2, "bhnd", dict(causal=True, dropout_p=0.25, seed=77, offset=3)),
+    "ring_dropout_zigzag": (4, 2, "bnhd", dict(causal=True, zigzag=True, window=(37, 5), alibi_slopes=SLOPES,
+                                               dropout_p=0.2, seed=2 ** 64 - 5, bias=(1, 4))),
+    "ring_dropout_by_ring": (4, 2, "bhnd", dict(causal=True, dropout_p=0.25, seed=77, offset=3, schedule="ring")),
     "ulysses": (8, 4, "bhnd", dict(mode="ulysses")),
+    "ulysses_dropout": (8, 4, "bnhd", dict(mode="ulysses", causal=True, softcap=4.0, dropout_p=0.3, seed=9)),
     "ulysses_causal": (8, 4, "bnhd", dict(mode="ulysses", causal=True)),
 }
 
@@ -112,6 +117,20 @@ def misuse(rank, P, group, spare):
             pt.context_parallel_attention(q, q, q, split_size=S, mode=mode, bias=bias, group=group, **TILES)
         except ValueError as e:
             out[key] = str(e)
+    # seed=None: each rank draws from its own generator (here all different) and rank 0's
+    # draw is taken, so the call equals one given that seed.
+    torch.manual_seed(1000 + rank)
+    x = torch.randn(1, 2, 16, D, generator=torch.Generator().manual_seed(3))
+    drawn = pt.context_parallel_attention(x, x, x, split_size=S, dropout_p=0.5, group=group, **TILES)
+    seed0 = int(torch.randint(-2 ** 63, 2 ** 63 - 1, (), dtype=torch.int64,
+                              generator=torch.Generator().manual_seed(1000))) % 2 ** 64
+    given = pt.context_parallel_attention(x, x, x, split_size=S, dropout_p=0.5, seed=seed0, group=group, **TILES)
+    plain = pt.context_parallel_attention(x, x, x, split_size=S, group=group, **TILES)
+    out["seed_none"] = (torch.equal(drawn, given), torch.equal(given, plain))
+    try:
+        pt.context_parallel_attention(x, x, x, split_size=S, dropout_p=0.5, seed=rank, group=group, **TILES)
+    except ValueError as e:
+        out["seed_differs"] = str(e)
     try:
         meta = q.to("meta")
         pt.context_parallel_attention(meta, meta, meta, split_size=S, group=group, **TILES)

@@ -2,8 +2,8 @@
 process groups of 1, 2, 3 and 4 ranks (tests/cp_worker.py): the shards of O, dQ, dK and
 dV gathered from the ranks equal one process's pyfa.torch.attention with the same
 split_size bit for bit, in ring mode (both schedules, wavefront and ring, equal to each
-other) and Ulysses mode, causal and not, zigzag, GQA, windows, softcap, ALiBi and a bias
-(ring mode, no dbias); the
+other) and Ulysses mode, causal and not, zigzag, GQA, windows, softcap, ALiBi, a bias
+(ring mode, no dbias) and dropout; the
 bytes each rank sends equal the model's (pyfa.sim.context_parallel_bytes); the wavefront
 holds O(1) shards per rank; misuse gets an error naming it, and no hang."""
 
@@ -69,9 +69,10 @@ def gathered(runs, P, name):
 
 
 @functools.lru_cache(maxsize=None)
-def one_device(name):
+def one_device(name, dropout=True):
     heads, heads_kv, layout, kw = w.CASES[name]
-    kw = {k: x for k, x in kw.items() if k not in ("mode", "zigzag", "schedule")}
+    left_out = ("mode", "zigzag", "schedule") + (() if dropout else ("dropout_p", "seed", "offset"))
+    kw = {k: x for k, x in kw.items() if k not in left_out}
     if "bias" in kw:
         kw["bias"] = w.full_bias(name)  # needs no grad: the one-device split backward takes it
     q, k, v, do = w.inputs(name)
@@ -91,6 +92,13 @@ def test_shards_equal_one_device_bit_for_bit(runs, P, name):
     ref = one_device(name)
     for key in ("o", "dq", "dk", "dv"):
         assert torch.equal(got[key], ref[key]), (P, name, key, (got[key] - ref[key]).abs().max().item())
+
+
+def test_dropout_cases_drop():
+    """The dropout cases' one-device results differ from the same calls without dropout
+    (so their bit-equality above is dropout's)."""
+    for name in [n for n in w.CASES if "dropout_p" in w.CASES[n][3]]:
+        assert not torch.equal(one_device(name)["o"], one_device(name, dropout=False)["o"]), name
 
 
 @pytest.mark.parametrize("name", list(w.CASES))
@@ -120,7 +128,8 @@ def test_bytes_sent_are_the_models(runs, P, name):
         assert min(model) >= 3 * (P - 1) * kv
 
 
-SCHEDULE_PAIRS = (("ring", "ring_by_ring"), ("ring_causal", "ring_by_ring_causal"))
+SCHEDULE_PAIRS = (("ring", "ring_by_ring"), ("ring_causal", "ring_by_ring_causal"),
+                  ("ring_dropout", "ring_dropout_by_ring"))
 
 
 @pytest.mark.parametrize("P", WORLD_SIZES)
@@ -215,6 +224,8 @@ def test_misuse_is_named(runs, P):
         assert "on meta, but the group's backend gloo takes cpu tensors" in m["device"]
         assert m["bias_grad"].startswith("bias: requires grad, but context_parallel_attention computes no dbias")
         assert m["bias_ulysses"].startswith("bias: only mode='ring' takes a bias")
+        assert m["seed_none"] == (True, False)  # rank 0's seed taken; dropout on
+        assert "dropout differs" in m["seed_differs"]
         assert m["bias_shape"] == (f"bias: shape (1, 1, 16, {16 * P + 1}) does not broadcast to (B, H, L, N) = "
                                    f"(1, 2, 16, {16 * P}) (this rank's query rows over the whole sequence's keys)")
         if P == 3:
@@ -232,8 +243,12 @@ def test_refusals_without_a_group():
     q = torch.zeros(1, 2, 16, 8)
     with pytest.raises(RuntimeError, match="not initialised"):
         pt.context_parallel_attention(q, q, q, split_size=8)
-    with pytest.raises(TypeError, match="dropout_p"):
-        pt.context_parallel_attention(q, q, q, split_size=8, dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"dropout_p: must be in \[0, 1\)"):
+        pt.context_parallel_attention(q, q, q, split_size=8, dropout_p=1.5)
+    with pytest.raises(TypeError, match="dropout_p: expected a real number"):
+        pt.context_parallel_attention(q, q, q, split_size=8, dropout_p="0.1")
+    with pytest.raises(ValueError, match="offset"):
+        pt.context_parallel_attention(q, q, q, split_size=8, dropout_p=0.1, offset=-1)
     with pytest.raises(ValueError, match="schedule: expected one of 'auto', 'ring', 'wavefront', got 'tree'"):
         pt.context_parallel_attention(q, q, q, split_size=8, schedule="tree")
     with pytest.raises(ValueError, match="schedule='wavefront' takes contiguous shards"):

@@ -193,16 +193,17 @@ def fast_inputs(d):
 def test_fast_kernels_equal_the_reference(causal, algo, d, backend):
     """variant auto (the register-tiled kernels that draw dropout at this head dim, the
     readable ones for the rest: src/common/fast_takes.h) gives the readable
-    kernels' bits, GQA included."""
+    kernels' bits, GQA and a dropout origin included."""
     q, k, v, do = fast_inputs(d)
+    drop = dict(DROP, dropout_origin=(2, 1, 5, 3))
     fwd_fn, bwd_fn = (pyfa.fa2_forward, pyfa.fa2_backward) if algo == "fa2" else (pyfa.fa1_forward,
                                                                                   pyfa.fa1_backward)
     ref = pyfa.Options(backend="emu", variant="reference")
-    fwd = fwd_fn(q, k, v, causal=causal, options=ref, **DROP)
-    grad = bwd_fn(q, k, v, *fwd, do, causal=causal, options=ref, **DROP)
+    fwd = fwd_fn(q, k, v, causal=causal, options=ref, **drop)
+    grad = bwd_fn(q, k, v, *fwd, do, causal=causal, options=ref, **drop)
     opt = pyfa.Options(backend=backend, variant="auto")
-    fwd_f = fwd_fn(q, k, v, causal=causal, options=opt, **DROP)
-    grad_f = bwd_fn(q, k, v, *fwd, do, causal=causal, options=opt, **DROP)
+    fwd_f = fwd_fn(q, k, v, causal=causal, options=opt, **drop)
+    grad_f = bwd_fn(q, k, v, *fwd, do, causal=causal, options=opt, **drop)
     for got, want in zip(fwd_f + grad_f, fwd + grad):
         assert same_bits(got, want)
 
@@ -284,6 +285,101 @@ def test_attention_grad_takes_dropout():
     want = (o,) + pyfa.fa2_backward(q, k, v, o, lse, do, causal=True, options=opt, **DROP)
     for a, b in zip(got, want):
         assert same_bits(a, b)
+
+
+# ---- dropout_origin: a call on a block of a larger problem draws that problem's decisions ----
+
+def test_origin_mask_is_the_larger_problems_block():
+    """The mask of a block at origin (B0, H0, P, K), P and K not multiples of 4, is that
+    block of the larger problem's mask, in the library and the simulator."""
+    full = pyfa.dropout_mask(3, 4, 23, 41, **DROP)
+    for origin, dims in [((1, 2, 5, 13), (2, 2, 9, 17)), ((0, 0, 0, 3), (3, 4, 23, 38)), ((2, 3, 22, 40), (1, 1, 1, 1))]:
+        block = full[tuple(slice(o, o + n) for o, n in zip(origin, dims))]
+        assert np.array_equal(pyfa.dropout_mask(*dims, **DROP, dropout_origin=origin), block), origin
+        assert np.array_equal(pyfa.sim.dropout_mask(*dims, **DROP, dropout_origin=origin), block), origin
+
+
+ORIGIN_RUNS = [("emu", dict(variant="reference")), ("emu", dict(variant="auto", emu_order="reverse")),
+               ("cpu", dict(threads=1)), ("cpu", dict(threads=2))]
+
+
+@pytest.mark.parametrize("backend, extra", ORIGIN_RUNS)
+@pytest.mark.parametrize("algo", ["fa2", "fa1"])
+def test_block_calls_with_origin_give_the_whole_calls_bits(algo, backend, extra):
+    """Rows 9..27 of one head of the causal_gqa case against keys 13..40 (the block a
+    context-parallel rank computes: diagonal_offset = P - K, dropout_origin = (0, h, P, K)):
+    forward and backward with the bits of the simulator's block call, and each row whose
+    visible keys all lie in the block, from a key tile boundary on, has the bits of the
+    whole call's row."""
+    q, k, v, do = inputs("causal_gqa")
+    P, K, h = 9, 13, 3
+    qb, dob = q[:, h:h + 1, P:28], do[:, h:h + 1, P:28]
+    kb, vb = k[:, h // 2:h // 2 + 1, K:], v[:, h // 2:h // 2 + 1, K:]
+    kw = dict(causal=True, causal_align="top_left", diagonal_offset=P - K, dropout_origin=(0, h, P, K),
+              options=pyfa.Options(backend=backend, block_r=8, block_c=8, **extra), **DROP)
+    sim_kw = dict(kw, options=pyfa.Options(block_r=8, block_c=8))
+    fwd_fn, bwd_fn = (pyfa.fa2_forward, pyfa.fa2_backward) if algo == "fa2" else (pyfa.fa1_forward,
+                                                                                  pyfa.fa1_backward)
+    fwd = fwd_fn(qb, kb, vb, **kw)
+    grad = bwd_fn(qb, kb, vb, *fwd, dob, **kw)
+    if algo == "fa2":
+        f = pyfa.sim.fa2_forward(qb, kb, vb, **sim_kw)
+        g = pyfa.sim.fa2_backward(qb, kb, vb, f.o, f.lse, dob, **sim_kw)
+        want = (f.o, f.lse, g.dq, g.dk, g.dv)
+    else:
+        f = pyfa.sim.fa1_forward(qb, kb, vb, **sim_kw)
+        g = pyfa.sim.fa1_backward(qb, kb, vb, f.o, f.m, f.l, dob, **sim_kw)
+        want = (f.o, f.m, f.l, g.dq, g.dk, g.dv)
+    for got, w in zip(fwd + grad, want):
+        assert same_bits(got, w)
+    # Where the block holds every key its rows see, from a key tile boundary on (K = 8 =
+    # Bc), its rows are the whole call's: a causal window of left side P - K.
+    P, K = 12, 8
+    whole = dict(causal=True, causal_align="top_left", window=(P - K, 0),
+                 options=pyfa.Options(backend=backend, block_r=8, block_c=8, **extra), **DROP)
+    o_whole = pyfa.fa2_forward(q, k, v, **whole)[0]
+    o_block = pyfa.fa2_forward(q[:, h:h + 1, P:28], k[:, h // 2:h // 2 + 1, K:], v[:, h // 2:h // 2 + 1, K:],
+                               **dict(whole, diagonal_offset=P - K, dropout_origin=(0, h, P, K)))[0]
+    assert same_bits(o_block, o_whole[:, h:h + 1, P:28])
+    moved = pyfa.fa2_forward(q[:, h:h + 1, P:28], k[:, h // 2:h // 2 + 1, K:], v[:, h // 2:h // 2 + 1, K:],
+                             **dict(whole, diagonal_offset=P - K, dropout_origin=(0, h, P, K + 1)))[0]
+    assert not same_bits(moved, o_block)  # the origin is read
+
+
+def test_origin_arguments_and_old_layout():
+    q, k, v, _ = inputs("dense")
+    for origin, error, words in [((0, 0, -1, 0), pyfa.InvalidArgumentError, "dropout_origin's P: must be in"),
+                                 ((0, 0, 0), pyfa.ArgumentTypeError, "dropout_origin: expected four ints"),
+                                 ((0, 0, 0, 2 ** 34), pyfa.InvalidArgumentError, "dropout_origin's K"),
+                                 ((0, 2 ** 32 - 1, 0, 0), pyfa.InvalidArgumentError, "dropout_origin's H0"),
+                                 ((0, 0, 0, 1.0), pyfa.ArgumentTypeError, "dropout_origin's K")]:
+        for fn in (pyfa.fa2_forward, pyfa.sim.fa2_forward):
+            with pytest.raises(error, match=words):
+                fn(q, k, v, dropout_origin=origin, **DROP)
+    # Without dropout an origin is checked and draws nothing.
+    plain = pyfa.fa2_forward(q, k, v, options=pyfa.Options(backend="cpu"))
+    assert all(same_bits(a, b) for a, b in zip(
+        pyfa.fa2_forward(q, k, v, dropout_origin=(1, 1, 1, 1), options=pyfa.Options(backend="cpu")), plain))
+    # The C ABI: its range named, and the ABI 10 layout (ending before it) an origin of 0.
+    from pyfa import _lib
+    ffi, lib = _lib.load()
+    B, H, _, Nq, Nk, d, *_ = CASES["dense"]
+    o, lse = np.zeros_like(q), np.zeros((B, H, Nq), np.float32)
+    ptr = lambda x: ffi.cast("float *", x.ctypes.data)
+    pr = ffi.new("pyfa_problem *")
+    pr.struct_size = ffi.sizeof("pyfa_problem")
+    pr.batch, pr.heads, pr.seqlen_q, pr.seqlen_k, pr.head_dim = B, H, Nq, Nk, d
+    pr.dropout_p, pr.dropout_seed, pr.dropout_offset = DROP["dropout_p"], DROP["seed"], DROP["offset"]
+    cfg = ffi.new("pyfa_config *")
+    cfg.backend = 3  # PYFA_BACKEND_CPU
+    pr.dropout_origin = [0, 0, 2 ** 32 - Nq + 1, 0]
+    assert lib.pyfa_fa2_forward(pr, cfg, ptr(q), ptr(k), ptr(v), ptr(o), ptr(lse)) == 1
+    assert "problem->dropout_origin[2]: must be >= 0 with P + seqlen_q <= 2^32" in \
+        ffi.string(lib.pyfa_last_error()).decode()
+    assert not o.any()
+    pr.struct_size = ffi.offsetof("pyfa_problem", "dropout_origin")
+    assert lib.pyfa_fa2_forward(pr, cfg, ptr(q), ptr(k), ptr(v), ptr(o), ptr(lse)) == 0
+    assert same_bits(o, pyfa.fa2_forward(q, k, v, options=pyfa.Options(backend="cpu"), **DROP)[0])
 
 
 # ---- arguments ----

@@ -83,13 +83,13 @@ def score_grad(mods, P, dp, D, s, S, b, h, i, j):
 
 
 @functools.lru_cache(maxsize=64)
-def _dropout(p, seed, offset):
-    return Dropout.make(p, seed, offset)
+def _dropout(p, seed, offset, origin):
+    return Dropout.make(p, seed, offset, origin)
 
 
 def dropout(mods):
     """The call's resolved dropout (dropout.py Dropout; off when mods.dropout_p is 0)."""
-    return _dropout(mods.dropout_p, mods.seed or 0, mods.offset)
+    return _dropout(mods.dropout_p, mods.seed or 0, mods.offset, mods.dropout_origin)
 
 
 # The library's b of a simulated call's batch element 0: the simulator runs packed

@@ -8,6 +8,8 @@
 //   the call's key  (k0, k1) = words 0, 1 of Philox4x32-10(key = (seed_lo, seed_hi),
 //                                                       counter = (offset_lo, offset_hi, 0, 0))
 //   the words       w[0..3]  = Philox4x32-10(key = (k0, k1), counter = (j / 4, i, h, b))
+// where (b, h, i, j) are the call's own indices plus its dropout_origin (pyfa.h, ABI 11):
+// a call on a block of a larger problem draws that problem's decisions.
 //   the decision    Z = w[j % 4] >= threshold,  threshold = ceil(p * 2^32)
 // The key is derived rather than the offset added into the counter because (offset, b, h,
 // i, j / 4) is 160 bits and a counter is 128: any two offsets give unrelated masks, and
@@ -49,9 +51,10 @@ struct Dropout {
     uint32_t k0, k1;     // the call's Philox key, from (seed, offset)
     uint32_t threshold;  // a word below it drops the element: ceil(p * 2^32), 0 when off
     float rescale;       // 1 / (1 - p) as float32: the factor of every kept element
+    int64_t b0, h0, i0, j0;  // dropout_origin: added to every (b, h, i, j) drawn
 
-    static Dropout make(float p, uint64_t seed, uint64_t offset) {
-        Dropout d{0u, 0u, 0u, 1.0f};
+    static Dropout make(float p, uint64_t seed, uint64_t offset, const int64_t origin[4]) {
+        Dropout d{0u, 0u, 0u, 1.0f, origin[0], origin[1], origin[2], origin[3]};
         if (!(p > 0.0f)) return d;
         uint32_t ctr[4] = {static_cast<uint32_t>(offset), static_cast<uint32_t>(offset >> 32), 0u, 0u};
         philox4x32_10(static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32), ctr);
@@ -65,7 +68,8 @@ struct Dropout {
 
     PYFA_HD bool on() const { return threshold != 0u; }
 
-    // The four words of keys 4q .. 4q+3 of row i, batch b, query head h.
+    // The four words of keys 4q .. 4q+3 of row i, batch b, query head h, all of the larger
+    // problem (the origin already added).
     PYFA_HD void words(int64_t b, int64_t h, int64_t i, int64_t q, uint32_t w[4]) const {
         w[0] = static_cast<uint32_t>(q);
         w[1] = static_cast<uint32_t>(i);
@@ -81,10 +85,11 @@ struct Dropout {
         return n == 0 ? w[0] : n == 1 ? w[1] : n == 2 ? w[2] : w[3];
     }
 
-    // Z[b, h, i, j]: whether the element is kept.
+    // Z[b, h, i, j]: whether the call's element is kept.
     PYFA_HD bool keep(int64_t b, int64_t h, int64_t i, int64_t j) const {
         uint32_t w[4];
-        words(b, h, i, j >> 2, w);
+        j += j0;
+        words(b + b0, h + h0, i + i0, j >> 2, w);
         return word(w, j) >= threshold;
     }
 
@@ -105,15 +110,15 @@ struct Dropout {
     PYFA_HD static float flag(float P, bool kept) { return kept ? P : -P; }
     PYFA_HD static bool flagged_kept(float v) { return !std::signbit(v); }
 
-    // apply() in place on keys j0 .. j0+n-1 of row i, key j0 + c at x[c * stride]: one
-    // Philox block per four keys (the words keep() reads, so the same bits).
-    PYFA_HD void apply_row(float* x, int64_t n, int64_t b, int64_t h, int64_t i, int64_t j0,
+    // apply() in place on keys first .. first+n-1 of row i, key first + c at x[c * stride]:
+    // one Philox block per four keys (the words keep() reads, so the same bits).
+    PYFA_HD void apply_row(float* x, int64_t n, int64_t b, int64_t h, int64_t i, int64_t first,
                            int64_t stride = 1) const {
         if (!on()) return;
         uint32_t w[4];
         for (int64_t c = 0; c < n; ++c) {
-            const int64_t j = j0 + c;
-            if (c == 0 || (j & 3) == 0) words(b, h, i, j >> 2, w);
+            const int64_t j = j0 + first + c;
+            if (c == 0 || (j & 3) == 0) words(b + b0, h + h0, i + i0, j >> 2, w);
             x[c * stride] = apply_kept(x[c * stride], word(w, j) >= threshold);
         }
     }

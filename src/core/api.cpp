@@ -310,13 +310,16 @@ struct Layouts<pyfa_problem> {
                                        offsetof(pyfa_problem, split_size),       // ABI 6: packed sequences, score modifications
                                        offsetof(pyfa_problem, diagonal_offset),  // ABI 7: split_size
                                        offsetof(pyfa_problem, page_size),        // ABI 8 and 9: diagonal_offset
-                                       sizeof(pyfa_problem)};                    // ABI 10: page_size, num_pages
+                                       offsetof(pyfa_problem, dropout_origin),   // ABI 10: page_size, num_pages
+                                       sizeof(pyfa_problem)};                    // ABI 11: dropout_origin
     static constexpr int first_abi = 3;
 };
 static_assert(offsetof(pyfa_problem, varlen) == offsetof(pyfa_problem, dv) + sizeof(pyfa_strides),
               "pyfa_problem.varlen, ABI 6's first field, must start where ABI 5's pyfa_problem ended");
 static_assert(offsetof(pyfa_problem, page_size) == offsetof(pyfa_problem, diagonal_offset) + sizeof(int64_t),
               "pyfa_problem.page_size must start where ABI 9's pyfa_problem ended");
+static_assert(offsetof(pyfa_problem, dropout_origin) == offsetof(pyfa_problem, num_pages) + sizeof(int64_t),
+              "pyfa_problem.dropout_origin must start where ABI 10's pyfa_problem ended");
 template <>
 struct Layouts<pyfa_config> {
     static constexpr size_t sizes[] = {offsetof(pyfa_config, flags),  // ABI 3: up to variant
@@ -492,7 +495,8 @@ pyfa_status check_overlaps(const Op& op, const pyfa_problem& pr, const float* co
 }
 
 // Dropout's fields (common/dropout.h): p in [0, 1), and rows and keys the 32-bit counter
-// words of the keep decision address (i, and j / 4) without wrapping.
+// words of the keep decision address (b, h, i, and j / 4, each moved by dropout_origin)
+// without wrapping.
 pyfa_status check_dropout(const pyfa_problem& pr) {
     if (!(pr.dropout_p >= 0.0f && pr.dropout_p < 1.0f))
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->dropout_p: must be in [0, 1) (0: no dropout), got %g",
@@ -502,6 +506,14 @@ pyfa_status check_dropout(const pyfa_problem& pr) {
                     "problem->dropout_p: dropout addresses at most 2^32 query rows and 2^34 keys, got seqlen_q "
                     "%lld, seqlen_k %lld",
                     static_cast<long long>(pr.seqlen_q), static_cast<long long>(pr.seqlen_k));
+    const int64_t extent[4] = {pr.batch, pr.heads, pr.seqlen_q, pr.seqlen_k};
+    const int64_t most[4] = {int64_t{1} << 32, int64_t{1} << 32, int64_t{1} << 32, int64_t{1} << 34};
+    const char* axis[4] = {"B0 + batch <= 2^32", "H0 + heads <= 2^32", "P + seqlen_q <= 2^32",
+                           "K + seqlen_k <= 2^34"};
+    for (int a = 0; a < 4; ++a)
+        if (pr.dropout_origin[a] < 0 || pr.dropout_origin[a] > most[a] - extent[a])
+            return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->dropout_origin[%d]: must be >= 0 with %s, got %lld",
+                        a, axis[a], static_cast<long long>(pr.dropout_origin[a]));
     return PYFA_OK;
 }
 
@@ -928,11 +940,6 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     if (pr.diagonal_offset < -kMaxDiagonalOffset || pr.diagonal_offset > kMaxDiagonalOffset)
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->diagonal_offset: must be in [-2^40, 2^40], got %lld",
                     static_cast<long long>(pr.diagonal_offset));
-    if (pr.diagonal_offset != 0 && pr.dropout_p > 0.0f)
-        return fail(PYFA_ERROR_INVALID_ARGUMENT,
-                    "problem->diagonal_offset: dropout's decisions are keyed on this call's own (i, j), not "
-                    "the larger problem's, so a call with dropout_p > 0 takes 0; got %lld",
-                    static_cast<long long>(pr.diagonal_offset));
     pyfa_config cfg;
     if ((st = check_config(config, &cfg)) != PYFA_OK) return st;
     BiasTensors bt;
@@ -1011,7 +1018,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     base.alibi_strides = TensorStrides{alibi_strides.batch, alibi_strides.head, 0};
     for (int t = 0; t < n_in + n_out; ++t)
         if (TensorStrides* slot = strides_slot(base, taken[t])) *slot = resolved_strides(taken[t], pr);
-    base.dropout = Dropout::make(pr.dropout_p, pr.dropout_seed, pr.dropout_offset);
+    base.dropout = Dropout::make(pr.dropout_p, pr.dropout_seed, pr.dropout_offset, pr.dropout_origin);
     base.bias = bt.bias;
     base.dbias = bt.dbias;
     if (bt.bias) base.bias_strides = TensorStrides{pr.bias_strides.batch, pr.bias_strides.head, pr.bias_strides.row};
@@ -1391,7 +1398,7 @@ pyfa_status dropout_mask(const pyfa_problem* problem, uint8_t* keep) {
     if (pr.seqlen_q > INT64_MAX / pr.seqlen_k / (pr.batch * pr.heads))
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem: B*H*Nq*Nk elements of keep exceed 2^63 - 1");
     if (!keep) return fail(PYFA_ERROR_INVALID_ARGUMENT, "keep: null pointer");
-    const Dropout d = Dropout::make(pr.dropout_p, pr.dropout_seed, pr.dropout_offset);
+    const Dropout d = Dropout::make(pr.dropout_p, pr.dropout_seed, pr.dropout_offset, pr.dropout_origin);
     uint8_t* out = keep;
     for (int64_t b = 0; b < pr.batch; ++b)
         for (int64_t h = 0; h < pr.heads; ++h)
