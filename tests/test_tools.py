@@ -297,9 +297,13 @@ def test_sass_report_rows_and_summary(sass_report_run):
                             r"forecast_tflops=[\d.]+", part), part
     # Every fast kernel with a copy of its inner product for cut tiles has it told apart
     # (tools/README.md, "Masked-tile loops"); a readable kernel has none.
+    # The unmasked copies test no mask per element: every fast kernel's hot loops are at
+    # least 80% floating point (a per-element test in the loop an unmasked tile runs took
+    # the FA1 backward to 0.39 and the dQ kernel to 0.65).
     for r in rows:
-        if r["kernel"] in ("fa2_forward", "fa1_forward", "fa2_backward_dkdv") and r["variant"] == "fast":
-            assert r["masked_loops"] == 1 and r["hot_masked"]["flop"] > 0, r
+        if r["variant"] == "fast":
+            assert r["masked_loops"] >= 1 and r["hot_masked"]["flop"] > 0, r
+            assert r["fp_share"] >= 0.8, r
         if r["variant"] == "reference":
             assert r["masked_loops"] == 0, r
     # Issue 12's targets for the fast FA2 forward at its default tiles, d = 64 and 128.

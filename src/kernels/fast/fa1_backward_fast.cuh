@@ -281,48 +281,58 @@ PYFA_UNROLL
                     for (int ii = 0; ii < 8; ++ii)
 PYFA_UNROLL
                         for (int x = 0; x < 4; ++x) t[ii][x] = 0.0f;
-                    int r = 0;
-                    for (; r + 4 <= br; r += 4) {
-                        // Rows r .. r+3 share one swizzle.
-                        const float* brow = bm + r * D + (((cg ^ swz_qk(r)) << 2) + 64 * hh);
-                        pyfa_f4 bx[4];
+                    // Hidden steps left out where the mask cuts the tile (Masked<true>); a whole
+                    // tile's loop tests nothing.
+                    auto product = [&](auto m) {
+                        constexpr bool masked = decltype(m)::on;
+                        int r = 0;
+                        for (; r + 4 <= br; r += 4) {
+                            // Rows r .. r+3 share one swizzle.
+                            const float* brow = bm + r * D + (((cg ^ swz_qk(r)) << 2) + 64 * hh);
+                            pyfa_f4 bx[4];
 PYFA_UNROLL
-                        for (int rr = 0; rr < 4; ++rr) bx[rr] = ld4(brow + rr * D);
+                            for (int rr = 0; rr < 4; ++rr) bx[rr] = ld4(brow + rr * D);
 PYFA_UNROLL
-                        for (int ii = 0; ii < 8; ++ii) {
-                            const pyfa_f4 ar = ld4(at + 2 * ii * LDP + r);
-                            const float ac[4] = {ar.x, ar.y, ar.z, ar.w};
+                            for (int ii = 0; ii < 8; ++ii) {
+                                const pyfa_f4 ar = ld4(at + 2 * ii * LDP + r);
+                                const float ac[4] = {ar.x, ar.y, ar.z, ar.w};
 PYFA_UNROLL
-                            for (int rr = 0; rr < 4; ++rr) {
-                                const bool kept = !cut || band.visible(r + rr, wcol + rg + 2 * ii);
-                                const float bv[4] = {bx[rr].x, bx[rr].y, bx[rr].z, bx[rr].w};
-PYFA_UNROLL
-                                for (int x = 0; x < 4; ++x) {
-                                    const float u = pyfa_fma(ac[rr], bv[x], t[ii][x]);
-                                    t[ii][x] = kept ? u : t[ii][x];
-                                }
-                            }
-                        }
-                    }
-                    if (r < br) {  // the last 1..3 rows of a tail Q tile, in order
-                        const float* brow = bm + r * D + (((cg ^ swz_qk(r)) << 2) + 64 * hh);
-PYFA_UNROLL
-                        for (int rr = 0; rr < 3; ++rr) {
-                            if (r + rr < br) {
-                                const pyfa_f4 v = ld4(brow + rr * D);
-PYFA_UNROLL
-                                for (int ii = 0; ii < 8; ++ii) {
-                                    const float ac = at[2 * ii * LDP + r + rr];
-                                    const bool kept = !cut || band.visible(r + rr, wcol + rg + 2 * ii);
-                                    const float bv[4] = {v.x, v.y, v.z, v.w};
+                                for (int rr = 0; rr < 4; ++rr) {
+                                    const bool kept = !masked || band.visible(r + rr, wcol + rg + 2 * ii);
+                                    const float bv[4] = {bx[rr].x, bx[rr].y, bx[rr].z, bx[rr].w};
 PYFA_UNROLL
                                     for (int x = 0; x < 4; ++x) {
-                                        const float u = pyfa_fma(ac, bv[x], t[ii][x]);
+                                        const float u = pyfa_fma(ac[rr], bv[x], t[ii][x]);
                                         t[ii][x] = kept ? u : t[ii][x];
                                     }
                                 }
                             }
                         }
+                        if (r < br) {  // the last 1..3 rows of a tail Q tile, in order
+                            const float* brow = bm + r * D + (((cg ^ swz_qk(r)) << 2) + 64 * hh);
+PYFA_UNROLL
+                            for (int rr = 0; rr < 3; ++rr) {
+                                if (r + rr < br) {
+                                    const pyfa_f4 v = ld4(brow + rr * D);
+PYFA_UNROLL
+                                    for (int ii = 0; ii < 8; ++ii) {
+                                        const float ac = at[2 * ii * LDP + r + rr];
+                                        const bool kept = !masked || band.visible(r + rr, wcol + rg + 2 * ii);
+                                        const float bv[4] = {v.x, v.y, v.z, v.w};
+PYFA_UNROLL
+                                        for (int x = 0; x < 4; ++x) {
+                                            const float u = pyfa_fma(ac, bv[x], t[ii][x]);
+                                            t[ii][x] = kept ? u : t[ii][x];
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    };
+                    if (!cut) {
+                        product(Masked<false>{});
+                    } else {
+                        product(Masked<true>{});
                     }
 PYFA_UNROLL
                     for (int ii = 0; ii < 8; ++ii) {
@@ -358,48 +368,58 @@ PYFA_UNROLL
                     for (int x = 0; x < 4; ++x) t[kk][x] = 0.0f;
                 const float* dsp = dST + rq * 4;
                 const float* kp = Kj + xq * 4 + 64 * hh;
-                int c = 0;
-                for (; c + 4 <= bc; c += 4) {
-                    pyfa_f4 kx[4], dv[4];
+                // Hidden steps left out where the mask cuts the tile (Masked<true>); a whole
+                // tile's loop tests nothing.
+                auto product = [&](auto m) {
+                    constexpr bool masked = decltype(m)::on;
+                    int c = 0;
+                    for (; c + 4 <= bc; c += 4) {
+                        pyfa_f4 kx[4], dv[4];
 PYFA_UNROLL
-                    for (int cc = 0; cc < 4; ++cc) {
-                        kx[cc] = ld4(kp + (c + cc) * D);
-                        dv[cc] = ld4(dsp + (c + cc) * LDP);
-                    }
-PYFA_UNROLL
-                    for (int cc = 0; cc < 4; ++cc) {
-                        const float dc[4] = {dv[cc].x, dv[cc].y, dv[cc].z, dv[cc].w};
-PYFA_UNROLL
-                        for (int kk = 0; kk < 4; ++kk) {
-                            const bool kept = !cut || band.visible(rq * 4 + kk, c + cc);
-                            const float kv[4] = {kx[cc].x, kx[cc].y, kx[cc].z, kx[cc].w};
-PYFA_UNROLL
-                            for (int x = 0; x < 4; ++x) {
-                                const float u = pyfa_fma(dc[kk], kv[x], t[kk][x]);
-                                t[kk][x] = kept ? u : t[kk][x];
-                            }
+                        for (int cc = 0; cc < 4; ++cc) {
+                            kx[cc] = ld4(kp + (c + cc) * D);
+                            dv[cc] = ld4(dsp + (c + cc) * LDP);
                         }
-                    }
-                }
-                if (c < bc) {  // the last 1..3 keys of a tail tile, in order
 PYFA_UNROLL
-                    for (int cc = 0; cc < 3; ++cc) {
-                        if (c + cc < bc) {
-                            const pyfa_f4 kv = ld4(kp + (c + cc) * D);
-                            const pyfa_f4 dv = ld4(dsp + (c + cc) * LDP);
-                            const float dc[4] = {dv.x, dv.y, dv.z, dv.w};
+                        for (int cc = 0; cc < 4; ++cc) {
+                            const float dc[4] = {dv[cc].x, dv[cc].y, dv[cc].z, dv[cc].w};
 PYFA_UNROLL
                             for (int kk = 0; kk < 4; ++kk) {
-                                const bool kept = !cut || band.visible(rq * 4 + kk, c + cc);
-                                const float kw[4] = {kv.x, kv.y, kv.z, kv.w};
+                                const bool kept = !masked || band.visible(rq * 4 + kk, c + cc);
+                                const float kv[4] = {kx[cc].x, kx[cc].y, kx[cc].z, kx[cc].w};
 PYFA_UNROLL
                                 for (int x = 0; x < 4; ++x) {
-                                    const float u = pyfa_fma(dc[kk], kw[x], t[kk][x]);
+                                    const float u = pyfa_fma(dc[kk], kv[x], t[kk][x]);
                                     t[kk][x] = kept ? u : t[kk][x];
                                 }
                             }
                         }
                     }
+                    if (c < bc) {  // the last 1..3 keys of a tail tile, in order
+PYFA_UNROLL
+                        for (int cc = 0; cc < 3; ++cc) {
+                            if (c + cc < bc) {
+                                const pyfa_f4 kv = ld4(kp + (c + cc) * D);
+                                const pyfa_f4 dv = ld4(dsp + (c + cc) * LDP);
+                                const float dc[4] = {dv.x, dv.y, dv.z, dv.w};
+PYFA_UNROLL
+                                for (int kk = 0; kk < 4; ++kk) {
+                                    const bool kept = !masked || band.visible(rq * 4 + kk, c + cc);
+                                    const float kw[4] = {kv.x, kv.y, kv.z, kv.w};
+PYFA_UNROLL
+                                    for (int x = 0; x < 4; ++x) {
+                                        const float u = pyfa_fma(dc[kk], kw[x], t[kk][x]);
+                                        t[kk][x] = kept ? u : t[kk][x];
+                                    }
+                                }
+                            }
+                        }
+                    }
+                };
+                if (!cut) {
+                    product(Masked<false>{});
+                } else {
+                    product(Masked<true>{});
                 }
 PYFA_UNROLL
                 for (int kk = 0; kk < 4; ++kk) {

@@ -199,45 +199,55 @@ PYFA_UNROLL
             for (int ii = 0; ii < 8; ++ii)
 PYFA_UNROLL
                 for (int x = 0; x < 4; ++x) dq[ii][x] = 0.0f;
-            int c = 0;
-            for (; c + 4 <= bc; c += 4) {
-                pyfa_f4 kx[4];
+            // Hidden steps are left out in a tile the mask cuts (Masked<true>); a whole
+            // tile's loop tests nothing.
+            auto product = [&](auto m) {
+                constexpr bool masked = decltype(m)::on;
+                int c = 0;
+                for (; c + 4 <= bc; c += 4) {
+                    pyfa_f4 kx[4];
 PYFA_UNROLL
-                for (int cc = 0; cc < 4; ++cc) kx[cc] = ld4(krow + (c + cc) * D);
+                    for (int cc = 0; cc < 4; ++cc) kx[cc] = ld4(krow + (c + cc) * D);
 PYFA_UNROLL
-                for (int ii = 0; ii < 8; ++ii) {
-                    const pyfa_f4 pr = ld4(dsp + 2 * ii * LDP + c);
-                    const float pc[4] = {pr.x, pr.y, pr.z, pr.w};
+                    for (int ii = 0; ii < 8; ++ii) {
+                        const pyfa_f4 pr = ld4(dsp + 2 * ii * LDP + c);
+                        const float pc[4] = {pr.x, pr.y, pr.z, pr.w};
 PYFA_UNROLL
-                    for (int cc = 0; cc < 4; ++cc) {
-                        const bool kept = !cut || band.visible(wrow + rg + 2 * ii, c + cc);
-                        const float kv[4] = {kx[cc].x, kx[cc].y, kx[cc].z, kx[cc].w};
-PYFA_UNROLL
-                        for (int x = 0; x < 4; ++x) {
-                            const float u = pyfa_fma(pc[cc], kv[x], dq[ii][x]);
-                            dq[ii][x] = kept ? u : dq[ii][x];
-                        }
-                    }
-                }
-            }
-            if (c < bc) {  // the last 1..3 keys of a tail tile, in order
-PYFA_UNROLL
-                for (int cc = 0; cc < 3; ++cc) {
-                    if (c + cc < bc) {
-                        const pyfa_f4 v = ld4(krow + (c + cc) * D);
-PYFA_UNROLL
-                        for (int ii = 0; ii < 8; ++ii) {
-                            const float pc = dsp[2 * ii * LDP + c + cc];
-                            const bool kept = !cut || band.visible(wrow + rg + 2 * ii, c + cc);
-                            const float kv[4] = {v.x, v.y, v.z, v.w};
+                        for (int cc = 0; cc < 4; ++cc) {
+                            const bool kept = !masked || band.visible(wrow + rg + 2 * ii, c + cc);
+                            const float kv[4] = {kx[cc].x, kx[cc].y, kx[cc].z, kx[cc].w};
 PYFA_UNROLL
                             for (int x = 0; x < 4; ++x) {
-                                const float u = pyfa_fma(pc, kv[x], dq[ii][x]);
+                                const float u = pyfa_fma(pc[cc], kv[x], dq[ii][x]);
                                 dq[ii][x] = kept ? u : dq[ii][x];
                             }
                         }
                     }
                 }
+                if (c < bc) {  // the last 1..3 keys of a tail tile, in order
+PYFA_UNROLL
+                    for (int cc = 0; cc < 3; ++cc) {
+                        if (c + cc < bc) {
+                            const pyfa_f4 v = ld4(krow + (c + cc) * D);
+PYFA_UNROLL
+                            for (int ii = 0; ii < 8; ++ii) {
+                                const float pc = dsp[2 * ii * LDP + c + cc];
+                                const bool kept = !masked || band.visible(wrow + rg + 2 * ii, c + cc);
+                                const float kv[4] = {v.x, v.y, v.z, v.w};
+PYFA_UNROLL
+                                for (int x = 0; x < 4; ++x) {
+                                    const float u = pyfa_fma(pc, kv[x], dq[ii][x]);
+                                    dq[ii][x] = kept ? u : dq[ii][x];
+                                }
+                            }
+                        }
+                    }
+                }
+            };
+            if (!cut) {
+                product(Masked<false>{});
+            } else {
+                product(Masked<true>{});
             }
 PYFA_UNROLL
             for (int ii = 0; ii < 8; ++ii) {

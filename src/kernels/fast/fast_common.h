@@ -22,6 +22,15 @@
 
 PYFA_HD int imin(int a, int b) { return a < b ? a : b; }
 
+// The tag of a product's two copies, `if (!cut) f(Masked<false>{}); else f(Masked<true>{});`
+// with f a generic lambda testing `decltype(m)::on`: a tile the mask leaves whole then runs
+// a loop with no per-element mask test, and the SASS report counts the other copy as a
+// masked-tile loop (tools/sass_report.py).
+template <bool On>
+struct Masked {
+    static constexpr bool on = On;
+};
+
 #if defined(__CUDACC__)
 using pyfa_f4 = float4;
 #else
