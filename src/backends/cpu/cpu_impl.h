@@ -63,12 +63,14 @@ inline vi splati(int32_t a) {
 // Every buffer a vector is loaded from is 64-byte aligned with rows a multiple of W.
 inline vf ld(const float* p) { return *reinterpret_cast<const vf*>(p); }
 inline void st(float* p, vf v) { *reinterpret_cast<vf*>(p) = v; }
-// A load from the caller's tensors, which need not be aligned (as fast when they are).
+// A load from (a store to) the caller's tensors, which need not be aligned (as fast when
+// they are).
 inline vf ldu(const float* p) {
     vf v;
     std::memcpy(&v, p, sizeof v);
     return v;
 }
+inline void stu(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
 inline vi iota() {
     vi v;
@@ -92,6 +94,11 @@ inline vf vmadd(vf a, vf b, vf c) {
 inline float ssafe(float m) { return m == -INFINITY ? 0.0f : m; }  // safe_max
 inline vf vmax(vf a, vf b) { return b > a ? b : a; }  // pyfa_max
 inline vf vsafe(vf m) { return m == splat(-INFINITY) ? splat(0.0f) : m; }  // safe_max
+// canon, lane by lane: any NaN becomes 0x7FC00000.
+inline vf vcanon(vf v) {
+    const vi nan = splati(0x7FC00000);
+    return v == v ? v : reinterpret_cast<vf>(nan);
+}
 
 // True when every lane of the comparison mask m is set.
 inline bool all_set(vi m) {
@@ -387,6 +394,59 @@ struct SelOpsKeys {
     vi keep(int64_t k, int64_t, int64_t j) const { return splati(band->visible(j, k) ? -1 : 0); }
 };
 
+// One stage of a W x W transpose: swaps bit H of the row index with bit H of the lane.
+template <int H>
+inline void transpose_stage(vf* rows) {
+    vi lo, hi;
+    for (int k = 0; k < W; ++k) {
+        lo[k] = (k & H) ? W + k - H : k;
+        hi[k] = (k & H) ? W + k : k + H;
+    }
+    for (int i = 0; i < W; ++i)
+        if (!(i & H)) {
+            const vf a = rows[i], b = rows[i + H];
+            rows[i] = __builtin_shuffle(a, b, lo);
+            rows[i + H] = __builtin_shuffle(a, b, hi);
+        }
+}
+
+inline void transpose(vf* rows) {
+    transpose_stage<1>(rows);
+    transpose_stage<2>(rows);
+    transpose_stage<4>(rows);
+    if constexpr (W >= 16) transpose_stage<8>(rows);
+}
+
+// KT[x * Cp + c] = K[c * ld + x] for c < bc, 0 for bc <= c < Cp (K_j or Q_i transposed,
+// O_i transposed back), W x W blocks through registers, the edges element by element: an
+// element at a time, the stores W * 4 bytes apart missed L1 at d = 256 and took half of
+// the forward's own time there. D: d as a constant where it is one of the usual head dims
+// and the rows are dense (ld = d; 0 otherwise): then the W row offsets of a block are
+// immediates instead of W values that outgrow the registers and were spilled.
+template <int64_t D>
+inline void transpose_tile_d(const float* K, int64_t bc, int64_t dd, int64_t ldd, float* KT, int64_t Cp) {
+    const int64_t d = D ? D : dd, ld = D ? D : ldd;
+    const int64_t cw = bc / W * W, xw = d / W * W;
+    for (int64_t c0 = 0; c0 < cw; c0 += W) {
+        const float* Kc = K + c0 * ld;  // (W, d), row stride ld
+        for (int64_t x0 = 0; x0 < xw; x0 += W) {
+            vf rows[W];
+            for (int k = 0; k < W; ++k) rows[k] = ldu(Kc + k * ld + x0);
+            transpose(rows);
+            for (int k = 0; k < W; ++k) stu(KT + (x0 + k) * Cp + c0, rows[k]);
+        }
+    }
+    for (int64_t x = 0; x < d; ++x) {
+        for (int64_t c = x < xw ? cw : 0; c < Cp; ++c) KT[x * Cp + c] = c < bc ? K[c * ld + x] : 0.0f;
+    }
+}
+
+inline void transpose_tile(const float* K, int64_t bc, int64_t d, int64_t ld, float* KT, int64_t Cp) {
+    if (d == 64 && ld == 64) return transpose_tile_d<64>(K, bc, d, ld, KT, Cp);
+    if (d == 128 && ld == 128) return transpose_tile_d<128>(K, bc, d, ld, KT, Cp);
+    transpose_tile_d<0>(K, bc, d, ld, KT, Cp);
+}
+
 // ---------------------------------------------------------------------------------------
 // Forward (FA1 and FA2), one Q tile: lanes are the tile's rows, so the row max, the row
 // sum and every per-row factor are element-wise across the Bc scores of a column.
@@ -511,8 +571,7 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
     const vf scale = splat(p.scale), ninf = splat(-INFINITY), zero = splat(0.0f);
     const vi lane = iota();
 
-    for (int64_t r = 0; r < Rp; ++r)
-        for (int64_t x = 0; x < d; ++x) f.QT[x * Rp + r] = r < br ? Q[r * d + x] : 0.0f;
+    transpose_tile(Q, br, d, d, f.QT, Rp);
     for (int64_t e = 0; e < d * Rp; ++e) f.OT[e] = 0.0f;
     for (int64_t r = 0; r < Rp; ++r) {
         f.m[r] = -INFINITY;
@@ -642,7 +701,7 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
             const vf l = ld(f.l + iv);
             for (int64_t x = 0; x < d; ++x) {
                 float* o = f.OT + x * Rp + iv;
-                st(o, l == zero ? zero : ld(o) / l);
+                st(o, vcanon(l == zero ? zero : ld(o) / l));
             }
             st(f.a + iv, l == zero ? ninf : ld(f.m + iv) + vlog(l));
         }
@@ -655,9 +714,9 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
             m[r] = canon(f.m[r]);
             l[r] = canon(f.l[r]);
         }
+        for (int64_t e = 0; e < d * Rp; e += W) st(f.OT + e, vcanon(ld(f.OT + e)));
     }
-    for (int64_t r = 0; r < br; ++r)
-        for (int64_t x = 0; x < d; ++x) O[r * d + x] = canon(f.OT[x * Rp + r]);
+    transpose_tile(f.OT, d, br, Rp, O, d);  // O[r * d + x] = OT[x * Rp + r], canonical above
 }
 
 // ---------------------------------------------------------------------------------------
@@ -680,58 +739,6 @@ inline bool lane_set(float f) {
     int32_t v;
     std::memcpy(&v, &f, sizeof v);
     return v != 0;
-}
-
-// One stage of a W x W transpose: swaps bit H of the row index with bit H of the lane.
-template <int H>
-inline void transpose_stage(vf* rows) {
-    vi lo, hi;
-    for (int k = 0; k < W; ++k) {
-        lo[k] = (k & H) ? W + k - H : k;
-        hi[k] = (k & H) ? W + k : k + H;
-    }
-    for (int i = 0; i < W; ++i)
-        if (!(i & H)) {
-            const vf a = rows[i], b = rows[i + H];
-            rows[i] = __builtin_shuffle(a, b, lo);
-            rows[i + H] = __builtin_shuffle(a, b, hi);
-        }
-}
-
-inline void transpose(vf* rows) {
-    transpose_stage<1>(rows);
-    transpose_stage<2>(rows);
-    transpose_stage<4>(rows);
-    if constexpr (W >= 16) transpose_stage<8>(rows);
-}
-
-// KT[x * Cp + c] = K[c * ld + x] for c < bc, 0 for bc <= c < Cp: K_j transposed, W x W
-// blocks through registers, the edges element by element. D: d as a constant where it is
-// one of the usual head dims and the rows are dense (ld = d; 0 otherwise): then the W row
-// offsets of a block are immediates instead of W values that outgrow the registers and
-// were spilled.
-template <int64_t D>
-inline void transpose_kv_tile_d(const float* K, int64_t bc, int64_t dd, int64_t ldd, float* KT, int64_t Cp) {
-    const int64_t d = D ? D : dd, ld = D ? D : ldd;
-    const int64_t cw = bc / W * W, xw = d / W * W;
-    for (int64_t c0 = 0; c0 < cw; c0 += W) {
-        const float* Kc = K + c0 * ld;  // (W, d), row stride ld
-        for (int64_t x0 = 0; x0 < xw; x0 += W) {
-            vf rows[W];
-            for (int k = 0; k < W; ++k) rows[k] = ldu(Kc + k * ld + x0);
-            transpose(rows);
-            for (int k = 0; k < W; ++k) st(KT + (x0 + k) * Cp + c0, rows[k]);
-        }
-    }
-    for (int64_t x = 0; x < d; ++x) {
-        for (int64_t c = x < xw ? cw : 0; c < Cp; ++c) KT[x * Cp + c] = c < bc ? K[c * ld + x] : 0.0f;
-    }
-}
-
-inline void transpose_kv_tile(const float* K, int64_t bc, int64_t d, int64_t ld, float* KT, int64_t Cp) {
-    if (d == 64 && ld == 64) return transpose_kv_tile_d<64>(K, bc, d, ld, KT, Cp);
-    if (d == 128 && ld == 128) return transpose_kv_tile_d<128>(K, bc, d, ld, KT, Cp);
-    transpose_kv_tile_d<0>(K, bc, d, ld, KT, Cp);
 }
 
 // out[n] = f(... f(f(init[n], S[n][0]), S[n][1]) ..., S[n][bc - 1]) for the rows n < R of
@@ -879,7 +886,7 @@ void forward_group(const Ctx& ctx, int64_t u, int64_t i, float* ws) {
             const KvRows Kh = k_rows(p, seq, hk0 + k), Vh = v_rows(p, seq, hk0 + k);
             int64_t ldk = 0;
             const float* K = Kh.tile(n0, bc, g.Kp, &ldk);  // (bc, d), row stride ldk
-            transpose_kv_tile(K, bc, d, ldk, g.KT, Cp);
+            transpose_tile(K, bc, d, ldk, g.KT, Cp);
             // P~ V reads V_j in place when its rows fill whole vectors (each line once: the
             // lanes of x partition them) and are evenly spaced, else from a copy padded to Dp.
             const bool v_in_place = d == Dp && !paged;
