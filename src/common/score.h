@@ -165,6 +165,13 @@ PYFA_HD bool score_mod_is_identity(const AttentionParams& p) {
     return p.softcap == 0.0f;
 }
 
+// Whether no modification is on: score_mod returns s itself. A loop over scores may test
+// it once instead of score_mod's fields at every score (the cpu backend's softmax pass,
+// where a float field cannot be kept in a register across the stores to S).
+PYFA_HD bool score_mod_is_none(const AttentionParams& p) {
+    return p.softcap == 0.0f && !p.alibi_slopes && !p.bias;
+}
+
 // The parameters a fast kernel works on: those of the call with what the kernel's row of
 // common/fast_takes.h lacks (softcap, ALiBi) cleared, so that the compiler drops that
 // code (with softcap cleared score_mod_is_identity is constant true, and the role-split

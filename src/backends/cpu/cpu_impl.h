@@ -570,6 +570,7 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
     const float* Q = p.q + qh.rows + row0 * d;  // (br, d)
     const vf scale = splat(p.scale), ninf = splat(-INFINITY), zero = splat(0.0f);
     const vi lane = iota();
+    const bool plain = score_mod_is_none(p);
 
     transpose_tile(Q, br, d, d, f.QT, Rp);
     for (int64_t e = 0; e < d * Rp; ++e) f.OT[e] = 0.0f;
@@ -603,7 +604,8 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
                 const vf m_old = ld(f.m + iv);
                 vf m_new = m_old;
                 for (int64_t c = 0; c < bc; ++c) {
-                    vf s = score_mod(p, ld(Sv + c * Rp) * scale, bh / p.heads, bh % p.heads, rl + static_cast<int32_t>(row0), col0 + c);
+                    vf s = ld(Sv + c * Rp) * scale;
+                    if (!plain) s = score_mod(p, s, bh / p.heads, bh % p.heads, rl + static_cast<int32_t>(row0), col0 + c);
                     if (cut) {
                         const vi vis = vb.rows_see(rl, c);
                         s = vis ? s : ninf;
@@ -626,7 +628,8 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
             } else {
                 vf mt = ninf;
                 for (int64_t c = 0; c < bc; ++c) {
-                    vf s = score_mod(p, ld(Sv + c * Rp) * scale, bh / p.heads, bh % p.heads, rl + static_cast<int32_t>(row0), col0 + c);
+                    vf s = ld(Sv + c * Rp) * scale;
+                    if (!plain) s = score_mod(p, s, bh / p.heads, bh % p.heads, rl + static_cast<int32_t>(row0), col0 + c);
                     if (cut) {
                         const vi vis = vb.rows_see(rl, c);
                         s = vis ? s : ninf;
