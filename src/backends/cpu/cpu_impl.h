@@ -230,6 +230,20 @@ struct NoSel {
     vi keep(int64_t, int64_t, int64_t) const { return vi{}; }
 };
 
+// The steps of a register tile's lanes i0 .. i0+ni-1 under a selection: outside [begin,
+// end) every lane leaves its sum as it is (no step is taken); in [all_begin, all_end)
+// every lane takes it (no select). begin <= all_begin <= all_end <= end.
+struct StepSpan {
+    int64_t begin, all_begin, all_end, end;
+    static StepSpan of(int64_t K, int64_t some_lo, int64_t some_hi, int64_t all_lo, int64_t all_hi) {
+        const int64_t b = some_lo > 0 ? some_lo : 0, e = some_hi + 1 < K ? some_hi + 1 : K;
+        if (e <= b) return StepSpan{0, 0, 0, 0};
+        int64_t ab = all_lo > b ? all_lo : b, ae = all_hi + 1 < e ? all_hi + 1 : e;
+        if (ae <= ab) ab = ae = b;
+        return StepSpan{b, ab, ae, e};
+    }
+};
+
 template <int NI, int NJ, class Epi, class Sel>
 __attribute__((always_inline)) inline void micro(const float* A, int64_t lda, const float* B,
                                                  int64_t sj, int64_t sk, int64_t K, int64_t i0,
@@ -241,21 +255,32 @@ __attribute__((always_inline)) inline void micro(const float* A, int64_t lda, co
             acc[jj][ii] = C ? ld(C + (j0 + jj) * ldc + i0 + ii * W) : vf{};
     const float* a = A + i0;
     const float* b = B + j0 * sj;
+    auto steps = [&](int64_t k0, int64_t k1, auto selecting) PYFA_CPU_EPI {
 #pragma GCC unroll 4
-    for (int64_t k = 0; k < K; ++k) {
-        vf av[NI];
-        for (int ii = 0; ii < NI; ++ii) av[ii] = ldu(a + k * lda + ii * W);
-        for (int jj = 0; jj < NJ; ++jj) {
-            const vf bv = splat(b[jj * sj + k * sk]);
-            for (int ii = 0; ii < NI; ++ii) {
-                if constexpr (Sel::on) {
-                    const vf t = vmadd(av[ii], bv, acc[jj][ii]);
-                    acc[jj][ii] = sel.keep(k, i0 + ii * W, j0 + jj) ? t : acc[jj][ii];
-                } else {
-                    acc[jj][ii] = vmadd(av[ii], bv, acc[jj][ii]);
+        for (int64_t k = k0; k < k1; ++k) {
+            vf av[NI];
+            for (int ii = 0; ii < NI; ++ii) av[ii] = ldu(a + k * lda + ii * W);
+            for (int jj = 0; jj < NJ; ++jj) {
+                const vf bv = splat(b[jj * sj + k * sk]);
+                for (int ii = 0; ii < NI; ++ii) {
+                    if constexpr (decltype(selecting)::value) {
+                        const vf t = vmadd(av[ii], bv, acc[jj][ii]);
+                        acc[jj][ii] = sel.keep(k, i0 + ii * W, j0 + jj) ? t : acc[jj][ii];
+                    } else {
+                        acc[jj][ii] = vmadd(av[ii], bv, acc[jj][ii]);
+                    }
                 }
             }
         }
+    };
+    if constexpr (Sel::on) {
+        // A step no lane takes changes no sum, and one every lane takes needs no select.
+        const StepSpan sp = sel.span(i0, NI * W, K);
+        steps(sp.begin, sp.all_begin, std::true_type{});
+        steps(sp.all_begin, sp.all_end, std::false_type{});
+        steps(sp.all_end, sp.end, std::true_type{});
+    } else {
+        steps(0, K, std::false_type{});
     }
     for (int jj = 0; jj < NJ; ++jj)
         for (int ii = 0; ii < NI; ++ii) epi(j0 + jj, i0 + ii * W, acc[jj][ii]);
@@ -279,23 +304,35 @@ inline void gemm_cols(const float* A, int64_t lda, const float* B, int64_t sj, i
     micro_tail<NI, RJ - 1>(nj - j, A, lda, B, sj, sk, K, i0, j, epi, sel);
 }
 
-// The lanes 0 .. ni-1 (a multiple of W) in blocks of RI vectors, then of 2 (where RI is
-// larger: a 32-row tile at d = 256 keeps two vectors a step), then of 1:
+// The lanes 0 .. ni-1 (a multiple of W) in blocks of RI vectors (at most MAXNI), then of 2
+// (where RI is larger: a 32-row tile at d = 256 keeps two vectors a step), then of 1:
 // f(std::integral_constant<int, NI>{}, i0) for each block.
-template <class F>
+template <int MAXNI = RI, class F>
 inline void lane_blocks(int64_t ni, F&& f) {
+    constexpr int NB = MAXNI < RI ? MAXNI : RI;
     int64_t i = 0;
-    for (; i + RI * W <= ni; i += RI * W) f(std::integral_constant<int, RI>{}, i);
-    if constexpr (RI > 2)
+    for (; i + NB * W <= ni; i += NB * W) f(std::integral_constant<int, NB>{}, i);
+    if constexpr (NB > 2)
         for (; i + 2 * W <= ni; i += 2 * W) f(std::integral_constant<int, 2>{}, i);
     for (; i < ni; i += W) f(std::integral_constant<int, 1>{}, i);
 }
+
+// A selected product (a tile the mask cuts) takes its lanes at most SEL_NI vectors at a
+// time: the fewer lanes a register tile holds, the more of its steps no lane takes
+// (skipped) or every lane takes (no select; StepSpan). At 64 rows a causal diagonal tile
+// in blocks of 4 vectors had every step but one to select; in blocks of 2, a quarter of
+// the steps are skipped and a quarter need no select.
+constexpr int SEL_NI = 2;
+template <class Sel>
+constexpr int lanes_per_block() { return Sel::on ? SEL_NI : RI; }
 
 // ni: lanes, a multiple of W; nj: operands.
 template <class Epi, class Sel = NoSel>
 inline void gemm(const float* A, int64_t lda, int64_t ni, const float* B, int64_t sj, int64_t sk,
                  int64_t K, int64_t nj, Epi epi, const Sel& sel = Sel{}) {
-    lane_blocks(ni, [&](auto NI, int64_t i) { gemm_cols<decltype(NI)::value>(A, lda, B, sj, sk, K, nj, i, epi, sel); });
+    lane_blocks<lanes_per_block<Sel>()>(ni, [&](auto NI, int64_t i) {
+        gemm_cols<decltype(NI)::value>(A, lda, B, sj, sk, K, nj, i, epi, sel);
+    });
 }
 
 // gemm with the register tile turned on its side: up to WI vectors of lanes by NJW operands,
@@ -352,9 +389,13 @@ inline void gemm_jo(const float* A, int64_t lda, int64_t ni, const float* B, int
     if (nj <= KB) return gemm(A, lda, ni, B, sj, sk, K, nj, epi, sel);
     int64_t j = 0;
     for (; j + RJ <= nj; j += RJ)
-        lane_blocks(ni, [&](auto NI, int64_t i) { micro<decltype(NI)::value, RJ>(A, lda, B, sj, sk, K, i, j, epi, sel); });
+        lane_blocks<lanes_per_block<Sel>()>(ni, [&](auto NI, int64_t i) {
+            micro<decltype(NI)::value, RJ>(A, lda, B, sj, sk, K, i, j, epi, sel);
+        });
     if (j < nj)
-        lane_blocks(ni, [&](auto NI, int64_t i) { micro_tail<decltype(NI)::value, RJ - 1>(nj - j, A, lda, B, sj, sk, K, i, j, epi, sel); });
+        lane_blocks<lanes_per_block<Sel>()>(ni, [&](auto NI, int64_t i) {
+            micro_tail<decltype(NI)::value, RJ - 1>(nj - j, A, lda, B, sj, sk, K, i, j, epi, sel);
+        });
 }
 
 // The mask seen from one tile, in vector form: the tile's Band (common/mask.h) with its
@@ -379,6 +420,11 @@ struct SelRowsKeys {
     const VBand* vb;
     vi lane;
     vi keep(int64_t k, int64_t i, int64_t) const { return vb->rows_see(lane + static_cast<int32_t>(i), k); }
+    // Rows i0 .. i0+ni-1: keys lo <= c - r <= hi for some row, for every row.
+    StepSpan span(int64_t i0, int64_t ni, int64_t K) const {
+        const Band& b = vb->band;
+        return StepSpan::of(K, i0 + b.lo, i0 + ni - 1 + b.hi, i0 + ni - 1 + b.lo, i0 + b.hi);
+    }
 };
 // Backward P^T dO and dS^T Q: lanes are keys, steps k rows.
 struct SelKeysRows {
@@ -386,12 +432,18 @@ struct SelKeysRows {
     const VBand* vb;
     vi lane;
     vi keep(int64_t k, int64_t i, int64_t) const { return vb->keys_seen(lane + static_cast<int32_t>(i), k); }
+    // Keys i0 .. i0+ni-1: rows lo <= c - r <= hi for some key, for every key.
+    StepSpan span(int64_t i0, int64_t ni, int64_t K) const {
+        const Band& b = vb->band;
+        return StepSpan::of(K, i0 - b.hi, i0 + ni - 1 - b.lo, i0 + ni - 1 - b.hi, i0 - b.lo);
+    }
 };
 // Backward dS K: lanes are the head dimension, steps k keys, operands j rows.
 struct SelOpsKeys {
     static constexpr bool on = true;
     const Band* band;
     vi keep(int64_t k, int64_t, int64_t j) const { return splati(band->visible(j, k) ? -1 : 0); }
+    StepSpan span(int64_t, int64_t, int64_t K) const { return StepSpan{0, 0, 0, K}; }  // by operand: every step
 };
 
 // One stage of a W x W transpose: swaps bit H of the row index with bit H of the lane.
@@ -826,6 +878,7 @@ struct SelGroupKeys {
     const Band* band;
     int64_t br;
     vi keep(int64_t k, int64_t, int64_t j) const { return splati(band->visible(j % br, k) ? -1 : 0); }
+    StepSpan span(int64_t, int64_t, int64_t K) const { return StepSpan{0, 0, 0, K}; }  // by operand: every step
 };
 
 // Q tile i of the groups of query heads of ctx.group_heads adjacent K/V heads: item u is
