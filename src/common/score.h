@@ -166,7 +166,7 @@ PYFA_HD bool score_mod_is_identity(const AttentionParams& p) {
 }
 
 // Whether no modification is on: score_mod returns s itself. A loop over scores may test
-// it once instead of score_mod's fields at every score (the cpu backend's softmax pass,
+// it once instead of score_mod's fields at every score (the cpu backend's score passes,
 // where a float field cannot be kept in a register across the stores to S).
 PYFA_HD bool score_mod_is_none(const AttentionParams& p) {
     return p.softcap == 0.0f && !p.alibi_slopes && !p.bias;

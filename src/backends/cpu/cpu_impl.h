@@ -898,6 +898,7 @@ void forward_group(const Ctx& ctx, int64_t u, int64_t i, float* ws) {
     const int64_t G = p.heads / p.heads_kv;
     const GrpBufs all = grp_bufs(p, ws);
     const int64_t R = G * br, Rw = round_up(R, W), Cp = all.Cp, Dp = all.Dp, Ep = all.Ep;
+    const bool plain = score_mod_is_none(p);
     const vf scale = splat(p.scale), ninf = splat(-INFINITY), zero = splat(0.0f);
     const vi lane = iota();
 
@@ -959,7 +960,8 @@ void forward_group(const Ctx& ctx, int64_t u, int64_t i, float* ws) {
                 float* Sr = g.S + n * Cp;
                 for (int64_t cv = 0; cv < Cp; cv += W) {
                     const vi cl = lane + static_cast<int32_t>(cv);
-                    vf s = score_mod(p, ld(Sr + cv) * scale, b, h, row0 + r, cl + static_cast<int32_t>(col0));
+                    vf s = ld(Sr + cv) * scale;
+                    if (!plain) s = score_mod(p, s, b, h, row0 + r, cl + static_cast<int32_t>(col0));
                     if (cut) s = vb.keys_seen(cl, r) ? s : ninf;
                     st(Sr + cv, s);
                 }
@@ -1138,6 +1140,7 @@ void tile_pair(const Ctx& ctx, const BwdBufs& b, const QRows& q, int64_t bh, int
     const VBand vb(band, Cp + Br + 1);
     if (cut)
         for (int64_t cv = 0; cv < Cp; cv += W) st(b.g + cv, zero);
+    const bool plain = score_mod_is_none(p);
     for (int64_t r = 0; r < br; ++r) {
         const vf Dr = splat(ctx.D[base + r]);
         float* Pr = b.P + r * Cp;
@@ -1150,7 +1153,7 @@ void tile_pair(const Ctx& ctx, const BwdBufs& b, const QRows& q, int64_t bh, int
         for (int64_t cv = 0; cv < Cp; cv += W) {
             const vi cl = lane + static_cast<int32_t>(cv);
             const vf s = ld(Pr + cv) * scale;
-            const vf S = score_mod(p, s, bi, hi, row0 + r, cl + static_cast<int32_t>(col0));
+            const vf S = plain ? s : score_mod(p, s, bi, hi, row0 + r, cl + static_cast<int32_t>(col0));
             vf P;
             if (!ctx.fa1) P = lse == -INFINITY ? zero : vexp(S - vlse);
             else P = lr == 0.0f ? zero : vexp(S - ms) / vl;
