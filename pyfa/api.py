@@ -831,8 +831,8 @@ _COMMON_DOC = """
     backwards then also return dbias, of the bias's shape, last: dS summed over the
     bias's broadcast axes in one fixed order (docs/numerics.md §2), the same bits on every
     backend, thread count and, given the forward's outputs, backward tiles; unless
-    bias_grad=False (backwards only, True by default): no dbias, which the split backward
-    (split_size) needs, and the same dq, dk, dv bits.
+    bias_grad=False (backwards only, True by default): no dbias (nor its scratch and
+    writes), and the same dq, dk, dv bits.
     (An Options field given as a keyword, e.g. block_r=, is the deprecated form of
     options=.)
 
@@ -904,7 +904,7 @@ def fa2_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, lse: Ar
     key chunk of S keys and dK, dV per query chunk of S rows, the chunk sums folded in
     ascending chunk order, so that folding separate calls on the (query chunk, key
     chunk) blocks gives the same bits; or "decode", pyfa.checks.decode_split_size(d).
-    Not with dbias: a bias takes bias_grad=False here."""
+    With a bias, dbias (last) is the unsplit one, bit for bit."""
     options, mods = _keywords("pyfa.fa2_backward", options, mods)
     return _run("fa2_backward", dict(q=q, k=k, v=v, o=o, lse=lse, do=do), causal=causal,
                 window=window, causal_align=causal_align, scale=scale, layout=layout,

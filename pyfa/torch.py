@@ -318,7 +318,7 @@ def _fa2_backward_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, o: Tensor,
                        split_size: int = 0, bias_grad: bool = True) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """pyfa::fa2_backward with the forward's bias; returns dq, dk, dv and dbias (the
     bias's shape: dS summed over its broadcast axes, docs/numerics.md §2), or with
-    bias_grad=False an empty dbias, not computed (which the split backward needs)."""
+    bias_grad=False an empty dbias, not computed."""
     for name, t in (("q", q), ("k", k), ("v", v), ("bias", bias), ("o", o), ("lse", lse), ("do", do)):
         _check_dtype(name, t)
     _dims(q, k, v, layout)
@@ -355,7 +355,7 @@ def _forward_bias_backward(ctx, do, dlse):
     q, k, v, bias, o, lse = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
-    # A bias that needs no gradient takes a backward without dbias, which the split one is.
+    # A bias that needs no gradient takes a backward without dbias: no scratch, no writes.
     need = ctx.needs_input_grad[3]
     dq, dk, dv, dbias = torch.ops.pyfa.fa2_backward_bias(q, k, v, bias, o, lse, do, *ctx.options, need)
     if dlse is not None:
@@ -836,7 +836,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     corner of its own lengths (pyfa.attention_varlen's bias=); it gets a gradient when it
     requires one (+0 beyond each corner). split_size: as in pyfa.torch.attention, the
     split forward and backward per sequence, so that each row keeps the bits of its
-    sequence's split call alone (not with a bias's gradient)."""
+    sequence's split call alone, the bias's gradient included."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
         if t.dim() != 3:

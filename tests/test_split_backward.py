@@ -168,13 +168,39 @@ def test_split_size_must_be_a_multiple_of_the_kernels_tiles(tiles, kernel, backe
     assert all(np.all(x == 7.0) for x in outs), "written on failure"
 
 
-def test_split_backward_refuses_bias_fa1_and_the_fast_kernels():
+# Bias shapes (of (1, H, Nq, Nk)): every element, one row (dBias sums the rows), a head
+# broadcast (folded over H), and one row broadcast over the heads too.
+BIAS_SHAPES = [(1, 4, 45, 70), (1, 4, 1, 70), (1, 1, 45, 70), (1, 1, 1, 70)]
+
+
+@pytest.mark.parametrize("run", RUNS + [("cpu2", "auto"), ("sim", "")], ids="-".join)
+@pytest.mark.parametrize("shape", BIAS_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_split_backward_dbias_is_the_unsplit_dbias(shape, run):
+    """dBias does not fold by chunk (docs/numerics.md, "Split-KV"): with a split it has the
+    unsplit call's bits, on every backend and the simulator, and dQ, dK, dV keep the split
+    bits of the call without dbias (bias_grad=False)."""
+    q, k, v, do = problem(4, 2, 45, 70, 16)
+    bias = np.random.default_rng(3).standard_normal(shape, dtype=np.float32)
+    kw = dict(causal=True, softcap=5.0, bias=bias)
+    fwd = pyfa.sim.fa2_forward(q, k, v, options=SIM, **kw)
+    whole = pyfa.sim.fa2_backward(q, k, v, fwd.o, fwd.lse, do, options=SIM, **kw)
+    if run[0] == "sim":
+        got = pyfa.sim.fa2_backward(q, k, v, fwd.o, fwd.lse, do, split_size=S, options=SIM, **kw)
+        got, grads = got.dbias, (got.dq, got.dk, got.dv)
+    else:
+        backend, threads = ("cpu", 2) if run[0] == "cpu2" else (run[0], None)
+        opts = run_options(backend, run[1]) if threads is None else pyfa.Options(backend="cpu", threads=2, **TILES)
+        *grads, got = pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, split_size=S, options=opts, **kw)
+        plain = pyfa.fa2_backward(q, k, v, fwd.o, fwd.lse, do, split_size=S, bias_grad=False, options=opts, **kw)
+        assert all(same_bits(a, b) for a, b in zip(grads, plain)), "dbias moved dQ, dK or dV"
+    assert got.shape == shape and same_bits(got, whole.dbias), "dbias differs from the unsplit one"
+    split = pyfa.sim.fa2_backward(q, k, v, fwd.o, fwd.lse, do, split_size=S, options=SIM, **kw)
+    assert all(same_bits(a, b) for a, b in zip(grads, (split.dq, split.dk, split.dv)))
+    assert not same_bits(split.dk, whole.dk), "the split must move dK's bits for this test to mean anything"
+
+
+def test_split_backward_refuses_fa1_and_the_fast_kernels():
     q, k, v, o, lse, do = inputs()
-    bias = np.zeros((1, 2, 45, 45), np.float32)
-    with pytest.raises(pyfa.InvalidArgumentError, match="split_size"):
-        pyfa.fa2_backward(q, k, v, o, lse, do, bias=bias, split_size=S, options=pyfa.Options(backend="cpu", **TILES))
-    with pytest.raises(pyfa.InvalidArgumentError, match="split_size"):
-        pyfa.sim.fa2_backward(q, k, v, o, lse, do, bias=bias, split_size=S, options=SIM)
     with pytest.raises(pyfa.InvalidArgumentError, match="split_size"):
         pyfa.attention_grad(q, k, v, do, algo="fa1", split_size=S)
     with pytest.raises(pyfa.InvalidArgumentError, match="split_size"):

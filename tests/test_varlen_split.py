@@ -113,11 +113,15 @@ def test_simulated_packed_split_equals_the_library_and_counts(name):
 @pytest.mark.parametrize("Nq,Nk,split,kw", [
     (45, 70, 16, {}), (70, 45, 32, dict(causal=True)), (64, 64, 16, dict(window=(9, 0))),
     (40, 90, 48, dict(causal=True, causal_align="top_left")), (20, 20, 64, {}),
+    (45, 70, 16, dict(causal=True, bias=(4, 45, 70))), (70, 45, 32, dict(bias=(2, 1, 1, 45))),
 ])
 def test_count_io_of_the_split_backward_is_the_simulators(Nq, Nk, split, kw):
     """Dense: every fold's write of dQ (dK, dV) and its read back past a block's first
-    fold, and the +0 of a block no chunk reaches, as the simulator records them."""
+    fold, and the +0 of a block no chunk reaches, as the simulator records them; a bias's
+    reads and dBias's traffic, which the split leaves as they are unsplit."""
     rng = np.random.default_rng(Nq * Nk)
+    if "bias" in kw:
+        kw = dict(kw, bias=rng.standard_normal(kw["bias"], dtype=np.float32))
     q = rng.standard_normal((2, 4, Nq, 16), dtype=np.float32)
     k = rng.standard_normal((2, 2, Nk, 16), dtype=np.float32)
     v = rng.standard_normal((2, 2, Nk, 16), dtype=np.float32)
@@ -125,11 +129,15 @@ def test_count_io_of_the_split_backward_is_the_simulators(Nq, Nk, split, kw):
     opts = pyfa.Options(block_r=8, block_c=16)
     f = sim.fa2_forward(q, k, v, options=opts, **kw)
     g = sim.fa2_backward(q, k, v, f.o, f.lse, do, split_size=split, options=opts, **kw)
+    shapes = {n: (x.shape if n == "bias" else x) for n, x in kw.items()}
     model = sim.count_io("fa2", passes="backward", batch=2, heads=4, heads_kv=2, seqlen_q=Nq, seqlen_k=Nk,
-                         head_dim=16, block_r=8, block_c=16, split_size=split, **kw)
+                         head_dim=16, block_r=8, block_c=16, split_size=split, **shapes)
     assert (model.reads, model.writes) == (g.io.reads, g.io.writes)
     unsplit = sim.count_io("fa2", passes="backward", batch=2, heads=4, heads_kv=2, seqlen_q=Nq, seqlen_k=Nk,
-                           head_dim=16, block_r=8, block_c=16, **kw)
+                           head_dim=16, block_r=8, block_c=16, **shapes)
+    for name in ("Bias", "dBias"):
+        assert (model.reads.get(name), model.writes.get(name)) == (unsplit.reads.get(name),
+                                                                   unsplit.writes.get(name)), name
     # Without a mask: one chunk where the split covers the keys, else dQ read back.
     if not kw:
         more = model.reads.get("dQ", 0) > unsplit.reads.get("dQ", 0)
@@ -147,9 +155,6 @@ def test_split_refusals_name_the_argument():
     with pytest.raises(pyfa.InvalidArgumentError, match="split_size"):
         sim.count_io("fa1", passes="backward", batch=1, heads=1, seqlen_q=8, seqlen_k=8, head_dim=16,
                      split_size=16)
-    with pytest.raises(pyfa.InvalidArgumentError, match="split_size"):  # the split backward takes no bias
-        sim.count_io("fa2", passes="backward", batch=1, heads=1, seqlen_q=8, seqlen_k=8, head_dim=16,
-                     split_size=16, bias=(8, 8))
     with pytest.raises(pyfa.InvalidArgumentError, match="split_size"):  # dK/dV's Br = 8 does not divide 12
         sim.count_io("fa2", passes="backward", batch=1, heads=1, seqlen_q=8, seqlen_k=8, head_dim=16,
                      block_r=8, block_c=4, split_size=12)
@@ -179,3 +184,35 @@ def test_torch_attention_varlen_split_equals_each_sequence():
             assert same_bits(got[a:z].numpy(), ref.numpy()), b
     with pytest.raises(ValueError, match="split_size"):
         pt.attention_varlen(tq, tk, tv, torch.from_numpy(cu_q), torch.from_numpy(cu_k), split_size=0)
+
+
+def test_torch_attention_varlen_split_bias_gradient_equals_each_sequence():
+    """pyfa.torch.attention_varlen(split_size=, bias=) with a bias that requires grad: each
+    sequence's corner of the bias's gradient has the bits of the dense split call on that
+    sequence alone with that corner as its bias, +0 beyond it."""
+    torch = pytest.importorskip("torch")
+    import pyfa.torch as pt
+
+    cu_q, cu_k, q, k, v, do = problem(1)
+    lq, lk = np.diff(cu_q), np.diff(cu_k)
+    rng = np.random.default_rng(5)
+    bias = torch.from_numpy(rng.standard_normal((len(lq), 2, lq.max(), lk.max()), dtype=np.float32))
+    bias.requires_grad_()
+    kw = dict(causal=True, split_size=S, block_r=8, block_c=8, backend="cpu")
+    o = pt.attention_varlen(*(torch.from_numpy(x) for x in (q, k, v)), torch.from_numpy(cu_q),
+                            torch.from_numpy(cu_k), bias=bias, **kw)
+    o.backward(torch.from_numpy(do))
+    db = bias.grad
+    compared = 0
+    for b in range(len(lq)):
+        assert not db[b, :, lq[b]:, :].any() and not db[b, :, :, lk[b]:].any(), b
+        if lq[b] == 0 or lk[b] == 0:
+            continue
+        qa, qz, ka, kz = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        corner = bias.detach()[b:b + 1, :, :lq[b], :lk[b]].clone().requires_grad_()
+        xs = [torch.from_numpy(x[a:z].copy()) for x, a, z in ((q, qa, qz), (k, ka, kz), (v, ka, kz))]
+        pt.attention(*xs, layout="bnhd", bias=corner, **kw).backward(torch.from_numpy(do[qa:qz]))
+        assert corner.grad.count_nonzero() > 0, b
+        assert same_bits(db[b:b + 1, :, :lq[b], :lk[b]].numpy(), corner.grad.numpy()), b
+        compared += 1
+    assert compared >= 2

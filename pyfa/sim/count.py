@@ -298,7 +298,7 @@ def count_kernels(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, h
         raise ArgumentTypeError(f"profile: expected a sim.DeviceProfile, got {type(profile).__name__}")
     bias_rows = _bias_rows(bias, algo, batch, heads, seqlen_q, seqlen_k)
     wanted = ["forward", "backward"] if passes == "both" else [passes]
-    _check_split_algo(split_size, algo, bias, wanted)
+    _check_split_algo(split_size, algo)
     record, tiles = IORecord(), []
     for p in wanted:
         if (algo, p) not in WALKERS:
@@ -318,13 +318,9 @@ def count_kernels(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, h
     return out, tiles
 
 
-def _check_split_algo(split_size, algo, bias, wanted):
-    if split_size in (None, 0):
-        return
-    if algo != "fa2":
+def _check_split_algo(split_size, algo):
+    if split_size not in (None, 0) and algo != "fa2":
         raise InvalidArgumentError(f"split_size: only fa2 splits, got {split_size!r} for {algo}")
-    if bias is not None and "backward" in wanted:  # as the library refuses dbias with it
-        raise InvalidArgumentError("split_size: the split backward does not write dbias; leave one of them out")
 
 
 def _kernel_split(split_size, head_dim, kernel, Br, Bc):
@@ -415,7 +411,7 @@ def count_io_varlen(algo, *, passes="forward", cu_seqlens_q, cu_seqlens_k, heads
     if not isinstance(profile, DeviceProfile):
         raise ArgumentTypeError(f"profile: expected a sim.DeviceProfile, got {type(profile).__name__}")
     wanted = ["forward", "backward"] if passes == "both" else [passes]
-    _check_split_algo(split_size, algo, bias, wanted)
+    _check_split_algo(split_size, algo)
     lengths = [(qz - qa, kz - ka) for (qa, qz), (ka, kz) in zip(zip(offsets[0], offsets[0][1:]),
                                                                  zip(offsets[1], offsets[1][1:]))]
     B = len(lengths)

@@ -296,8 +296,6 @@ def fa2_backward(q, k, v, o, lse, do, *, causal=False, window=None, causal_align
     if split_size and split_size % Br_kv:
         raise InvalidArgumentError(f"split_size: must be a multiple of fa2_backward_dkdv's Br = {Br_kv}, "
                                    f"got {split_size}")
-    if split_size and mods.bias is not None:  # as the library refuses dbias with it (core/api.cpp)
-        raise InvalidArgumentError("split_size: the split backward does not write dbias; leave one of them out")
     io = IORecord(label=f"FA2 backward (simulated), dK/dV Br={Br_kv}, Bc={Bc_kv}; "
                         f"dQ Br={Br_q}, Bc={Bc_q}")
 

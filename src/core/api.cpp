@@ -931,11 +931,6 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         return fail(PYFA_ERROR_INVALID_ARGUMENT,
                     "problem->split_size: only pyfa_fa2_forward and pyfa_fa2_backward split; %s takes 0, got %lld",
                     op.name, static_cast<long long>(pr.split_size));
-    // The split backward folds dQ per key chunk and dK, dV per query chunk (docs/numerics.md,
-    // "FA2 backward", "Split-KV"); dBias would have to mirror it and does not yet.
-    if (pr.split_size > 0 && op.op == PYFA_OP_FA2_BACKWARD && named.dbias.data)
-        return fail(PYFA_ERROR_INVALID_ARGUMENT,
-                    "problem->split_size: pyfa_fa2_backward does not split with tensors->dbias; leave one of them 0");
     constexpr int64_t kMaxDiagonalOffset = int64_t{1} << 40;
     if (pr.diagonal_offset < -kMaxDiagonalOffset || pr.diagonal_offset > kMaxDiagonalOffset)
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->diagonal_offset: must be in [-2^40, 2^40], got %lld",

@@ -143,6 +143,12 @@ __global__ void fa2_backward_dkdv_kernel(const AttentionParams p) {
     const int64_t per = p.split_size > 0 ? p.split_size / Br : 0;
     const int64_t c_first = per > 0 && visit.begin < visit.end ? visit.begin / per : 0;
     const int64_t c_end = per > 0 ? (visit.begin < visit.end ? (visit.end - 1) / per + 1 : 0) : 1;
+    // dBias does not fold by chunk: each head's rows outside the band, or its one-row sums,
+    // start once, so the chunks' tiles write (add to) it as the unsplit walk does.
+    if (p.dbias)
+        for (int64_t g = 0; g < G; ++g)
+            dbias_clear(p, b, hk * G + g, min64(visit.begin * Br, Nq), min64(visit.end * Br, Nq), col0, bc, tid,
+                        nthreads);
     for (int64_t chunk = c_first; chunk < c_end; ++chunk) {
         const int64_t i_begin = per > 0 ? max64(visit.begin, chunk * per) : visit.begin;
         const int64_t i_end = per > 0 ? min64(visit.end, (chunk + 1) * per) : visit.end;
@@ -152,8 +158,6 @@ __global__ void fa2_backward_dkdv_kernel(const AttentionParams p) {
             const float* dO = p.dout + p.dout_strides.at(seq.batch, h, seq.q0);  // (Nq, d), row stride row_do
             const float* LSE = p.lse + p.stat_at(seq, h);                            // (Nq), dense
             const float* D = p.drow + p.stat_at(seq, h);                             // (Nq), dense
-            if (p.dbias) dbias_clear(p, b, h, min64(visit.begin * Br, Nq), min64(visit.end * Br, Nq), col0, bc,
-                                     tid, nthreads);
             for (int64_t i = i_begin; i < i_end; ++i) {
                 const int64_t row0 = i * Br;
                 const int64_t br = min64(Br, Nq - row0);

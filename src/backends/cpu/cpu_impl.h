@@ -1203,14 +1203,17 @@ void backward_kv(const Ctx& ctx, int64_t bkv, int64_t j, bool with_dq, float* ws
     const bool any = band_all.begin < band_all.end;
     const int64_t c_first = per > 0 && any ? band_all.begin / per : 0;
     const int64_t c_end = per > 0 ? (any ? (band_all.end - 1) / per + 1 : 0) : 1;
+    if (p.dbias)  // started once, not per chunk (the kernel's comment)
+        for (int64_t g = 0; g < G; ++g) {
+            const int64_t bh = (bkv / p.heads_kv) * p.heads + (bkv % p.heads_kv) * G + g;
+            dbias_clear(p, bh / p.heads, bh % p.heads, min64(band_all.begin * Br, Nq), min64(band_all.end * Br, Nq),
+                        col0, bc, 0, 1);
+        }
     for (int64_t chunk = c_first; chunk < c_end; ++chunk) {
         const TileRange visit =
             per > 0 ? TileRange{max64(band_all.begin, chunk * per), min64(band_all.end, (chunk + 1) * per)} : band_all;
         for (int64_t g = 0; g < G; ++g) {
             const int64_t bh = (bkv / p.heads_kv) * p.heads + (bkv % p.heads_kv) * G + g;
-            if (p.dbias)
-                dbias_clear(p, bh / p.heads, bh % p.heads, min64(visit.begin * Br, Nq), min64(visit.end * Br, Nq), col0,
-                            bc, 0, 1);
             for (int64_t i = visit.begin; i < visit.end; ++i) {
                 const int64_t row0 = i * Br, br = min64(Br, Nq - row0);
                 const QRows q = load_q(ctx, b, bh, i);
