@@ -63,13 +63,28 @@ class _Plan(NamedTuple):
     stats: Optional[dict]
     bias: Optional[Tensor]  # (B|1, H|1, L|1, N): the shard's query rows over all N keys
 
-    def bias_of(self, ql, nq, k0, nk, backward=False):
+    def bias_of(self, ql, nq, k0, nk, backward=False, grad=False):
         """The block call's bias keywords: the bias of its nq query rows from local row ql
-        and its nk keys from key k0 (no dbias: a bias here takes no gradient)."""
+        and its nk keys from key k0; a backward's dbias only with grad."""
         if self.bias is None:
             return {}
         b = self.bias if self.bias.shape[2] == 1 else self.bias.narrow(2, ql, nq)
-        return dict(bias=b.narrow(3, k0, nk), **({"bias_grad": False} if backward else {}))
+        return dict(bias=b.narrow(3, k0, nk), **({"bias_grad": grad} if backward else {}))
+
+    def backward_block(self, q, k_src, v_src, o, lse, do, ql, q0, kl, k0, dbias):
+        """dQ, dK, dV of the block (this rank's query chunk from local row ql, sequence row
+        q0; key chunk from local row kl of k_src, v_src, sequence row k0): the one-device
+        split's partials. dbias (or None): its rows ql.. and keys k0.. take the block's
+        dBias, which is the one-device call's there, element by element (docs/numerics.md,
+        "FA2 backward": dBias does not fold by chunk)."""
+        S = self.split
+        grads = api.fa2_backward(self.rows(q, ql, S), self.rows(k_src, kl, S), self.rows(v_src, kl, S),
+                                 self.rows(o, ql, S), lse.narrow(2, ql, S), self.rows(do, ql, S),
+                                 **self.at(q0, k0), **self.call,
+                                 **self.bias_of(ql, S, k0, S, backward=True, grad=dbias is not None))
+        if dbias is not None:
+            dbias.narrow(2, ql, S).narrow(3, k0, S).copy_(grads[3])
+        return grads[:3]
 
     def at(self, q0, k0):
         """The block call's place in the whole problem: its query rows from row q0 and keys
@@ -270,7 +285,7 @@ def _ring_forward(plan, q, k, v, kept=None):
     return o, lse
 
 
-def _ring_backward(plan, q, k, v, o, lse, do):
+def _ring_backward(plan, q, k, v, o, lse, do, dbias):
     S, P, r = plan.split, plan.world, plan.rank
     mine = chunks(shard_rows(r, P, plan.shard_len, plan.zigzag), S)
     dq_acc = {ql: None for ql, _ in mine}
@@ -288,11 +303,7 @@ def _ring_backward(plan, q, k, v, o, lse, do):
         for ql, q0 in mine:
             if not plan.sees(q0, S, k0, S):
                 continue
-            k_src, v_src = kv_src
-            dq_b, dk_b, dv_b = api.fa2_backward(
-                plan.rows(q, ql, S), plan.rows(k_src, kl, S), plan.rows(v_src, kl, S), plan.rows(o, ql, S),
-                lse.narrow(2, ql, S), plan.rows(do, ql, S), **plan.at(q0, k0), **plan.call,
-                **plan.bias_of(ql, S, k0, S, backward=True))
+            dq_b, dk_b, dv_b = plan.backward_block(q, *kv_src, o, lse, do, ql, q0, kl, k0, dbias)
             dq_acc[ql] = _add(dq_acc[ql], dq_b)
             plan.hold((dk_b, dv_b))
             if owner == r:
@@ -345,7 +356,7 @@ def _ring_backward(plan, q, k, v, o, lse, do):
     return dq, dk, dv
 
 
-def _wavefront_backward(plan, q, k, v, o, lse, do, kept):
+def _wavefront_backward(plan, q, k, v, o, lse, do, kept, dbias):
     """The backward in the wavefront schedule (contiguous shards): rank r takes the key
     shards j its rows see in ascending order, K/V from their owners (_from_owners), and
     with them the dK/dV accumulator of shard j from the previous rank of j's chain
@@ -353,7 +364,8 @@ def _wavefront_backward(plan, q, k, v, o, lse, do, kept):
     own query chunks' partials to it in ascending order and passes it on; the last rank
     sends it home. So every fold is the one-device split's (dQ over key chunks ascending,
     dK/dV over query chunks ascending, each from +0) with O(1) shards in flight: rank r
-    works on shard j at step r + j, 2P - 1 steps in all. kept: the forward's (_from_owners)."""
+    works on shard j at step r + j, 2P - 1 steps in all. kept: the forward's (_from_owners);
+    dbias: plan.backward_block's."""
     S, P, r = plan.split, plan.world, plan.rank
     mine = chunks(shard_rows(r, P, plan.shard_len, False), S)
     dq_acc = {ql: None for ql, _ in mine}
@@ -389,10 +401,7 @@ def _wavefront_backward(plan, q, k, v, o, lse, do, kept):
             for kl, k0 in chunks(shard_rows(j, P, plan.shard_len, False), S):
                 if not plan.sees(q0, S, k0, S):
                     continue
-                dq_b, dk_b, dv_b = api.fa2_backward(
-                    plan.rows(q, ql, S), plan.rows(k_src, kl, S), plan.rows(v_src, kl, S), plan.rows(o, ql, S),
-                    lse.narrow(2, ql, S), plan.rows(do, ql, S), **plan.at(q0, k0), **plan.call,
-                    **plan.bias_of(ql, S, k0, S, backward=True))
+                dq_b, dk_b, dv_b = plan.backward_block(q, k_src, v_src, o, lse, do, ql, q0, kl, k0, dbias)
                 dq_acc[ql] = _add(dq_acc[ql], dq_b)
                 plan.rows(acc_k, kl, S).add_(dk_b)
                 plan.rows(acc_v, kl, S).add_(dv_b)
@@ -430,10 +439,12 @@ def _dq_out(plan, q, mine, dq_acc):
 class _Attention(torch.autograd.Function):
     """O and LSE of q, k, v, and their gradients: in ring mode `how` is the _Plan whose
     blocks compute them; in Ulysses mode the keywords of one split call over the whole
-    sequence on the rank's heads (what pyfa.torch.attention(..., split_size=S) runs)."""
+    sequence on the rank's heads (what pyfa.torch.attention(..., split_size=S) runs).
+    bias (ring mode, or None): the plan's bias as the caller's graph holds it, given here
+    only so that its gradient (each block's dBias in its rows and keys) reaches it."""
 
     @staticmethod
-    def forward(ctx, q, k, v, how):
+    def forward(ctx, q, k, v, how, bias=None):
         q, k, v = q.detach(), k.detach(), v.detach()
         ctx.kept = None
         if isinstance(how, dict):
@@ -452,13 +463,16 @@ class _Attention(torch.autograd.Function):
         q, k, v, o, lse = (t.detach() for t in ctx.saved_tensors)
         do = torch.zeros_like(o) if do is None else do.detach().contiguous()
         how = ctx.how
+        # Blocks the mask hides keep +0, as the one-device dBias does there.
+        dbias = torch.zeros(how.bias.shape, dtype=torch.float32, device=how.bias.device) if ctx.needs_input_grad[4] \
+            else None
         if isinstance(how, dict):
             dq, dk, dv = api.fa2_backward(q, k, v, o, lse, do, **how)
         elif how.schedule == "ring":
-            dq, dk, dv = _ring_backward(how, q, k, v, o, lse, do)
+            dq, dk, dv = _ring_backward(how, q, k, v, o, lse, do, dbias)
         else:
-            dq, dk, dv = _wavefront_backward(how, q, k, v, o, lse, do, ctx.kept)
-        return dq, dk, dv, None
+            dq, dk, dv = _wavefront_backward(how, q, k, v, o, lse, do, ctx.kept, dbias)
+        return dq, dk, dv, None, dbias
 
 
 def _all_to_all(plan, x, scatter, gather):
@@ -497,7 +511,7 @@ def _ulysses(plan, q, k, v, H):
         call["alibi_slopes"] = slopes.narrow(slopes.dim() - 1, plan.rank * per, per)
     if "dropout_p" in call:
         call["dropout_origin"] = (0, plan.rank * per, 0, 0)
-    o, lse = _Attention.apply(qh, kh, vh, call)
+    o, lse = _Attention.apply(qh, kh, vh, call, None)
     o = _AllToAll.apply(o, plan, seq, heads)
     lse = _all_to_all(plan, lse.detach(), 2, 1)
     return o, lse
@@ -535,15 +549,14 @@ def _agree(plan, q, k, v, signature):
 
 def _shard_bias(bias, mode, B, H, L, N):
     """The rank's bias as a 4-dimensional view (B|1, H|1, L|1, N), or a ValueError or
-    TypeError naming what cannot be honoured."""
+    TypeError naming what cannot be honoured. One that requires grad comes as
+    pyfa.torch.attention takes it (a broadcast B or H at size 1, so that autograd sums its
+    gradient there), with its L rows."""
     from . import torch as pt
     pt._check_tensor("bias", bias)
     if mode != "ring":
         raise ValueError("bias: only mode='ring' takes a bias (in Ulysses mode each rank would need "
                          "every row of its heads' bias)")
-    if bias.requires_grad:
-        raise ValueError("bias: requires grad, but context_parallel_attention computes no dbias; "
-                         "pass bias.detach() if it needs none")
     if bias.dtype != torch.float32:
         raise TypeError(f"bias: expected dtype torch.float32, got {bias.dtype}")
     if bias.dim() > 4:
@@ -553,6 +566,15 @@ def _shard_bias(bias, mode, B, H, L, N):
     if b.shape[3] != N or any(n not in (1, w) for n, w in zip(b.shape[:3], want[:3])):
         raise ValueError(f"bias: shape {tuple(bias.shape)} does not broadcast to (B, H, L, N) = {want} "
                          "(this rank's query rows over the whole sequence's keys)")
+    if not bias.requires_grad:
+        return b
+    b = pt._bias_operand(b)
+    if b.shape[2] == 1 and L > 1:
+        # Its dBias would be a sum over the rows of every rank, which no rank folds in the
+        # one-device order (docs/numerics.md, "The additive bias").
+        raise ValueError("bias: one row for all of this rank's query rows, and it requires grad: its dbias "
+                         "would sum the rows of every rank, which context_parallel_attention does not fold; "
+                         "pass it with its L rows (bias.expand(...).contiguous()) or bias.detach()")
     return b
 
 
@@ -595,13 +617,15 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, split_size: i
     accumulators the rank held at once beyond its own shards.
     bias (ring mode): a float32 CPU tensor broadcastable to (B, H, L, N), N = P * L: the
     additive bias of this rank's query rows (in its shard's order, zigzag included) over
-    all N keys in sequence order; each block call takes its rows and keys of it. Without
-    a gradient (refused if it requires one: its dbias is not computed).
+    all N keys in sequence order; each block call takes its rows and keys of it. It gets
+    a gradient when it requires one, the one-device call's dBias of its rows (summed over
+    a broadcast B or H as there); one that requires grad must have its L rows (a row
+    broadcast over them would sum rows of every rank, which is refused).
     dropout_p, seed, offset: as in pyfa.torch.attention, the mask of the whole problem
     (each block call draws the decisions of its rows, keys and heads there: dropout_origin);
     seed=None draws one from torch's default generator on every rank and takes group
     rank 0's, so that the ranks agree.
-    Refused: a bias in Ulysses mode or one that requires grad, tensors on a device the
+    Refused: a bias in Ulysses mode, or one row of bias that requires grad; tensors on a device the
     group's backend cannot serve (gloo: CPU; NCCL: CUDA)."""
     from . import torch as pt
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -660,7 +684,8 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, split_size: i
     if drop["dropout_p"]:
         call.update(drop, seed=_agreed_seed(seed, group, q.device))
     plan = _Plan(group, rank, world, peers, L, split, zigzag, plan_schedule, 2 if layout == "bhnd" else 1, bounds.left,
-                 bounds.right, call, datetime.timedelta(seconds=float(timeout)), comm_stats, bias)
+                 bounds.right, call, datetime.timedelta(seconds=float(timeout)), comm_stats,
+                 None if bias is None else bias.detach())
     signature = dict(mode=mode, schedule=plan_schedule, zigzag=zigzag, split_size=split, causal=causal, window=window, scale=scale,
                      layout=layout, softcap=softcap, backend=backend, block_r=block_r, block_c=block_c,
                      alibi_slopes=None if alibi_slopes is None else alibi_slopes.cpu().tolist(),
@@ -670,7 +695,7 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, split_size: i
     if mode == "ulysses":
         o, lse = _ulysses(plan, q, k, v, H)
     else:
-        o, lse = _Attention.apply(q, k, v, plan)
+        o, lse = _Attention.apply(q, k, v, plan, bias if bias is not None and bias.requires_grad else None)
     return (o, lse) if return_lse else o
 
 

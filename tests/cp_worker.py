@@ -30,12 +30,14 @@ CASES = {
     "ring_mods": (4, 2, "bnhd", dict(window=(37, 5), softcap=4.0, alibi_slopes=SLOPES)),
     "ring_by_ring": (4, 2, "bhnd", dict(schedule="ring")),
     "ring_by_ring_causal": (4, 2, "bhnd", dict(causal=True, schedule="ring")),
-    # bias=(Bb, Hb): a bias of shape (Bb, Hb, N, N), each rank passing its rows (full_bias).
-    "ring_bias": (4, 2, "bhnd", dict(causal=True, bias=(B, 4))),
-    "ring_bias_zigzag": (4, 2, "bnhd", dict(causal=True, zigzag=True, softcap=4.0, bias=(1, 1))),
+    # bias=(Bb, Hb, grad): a bias of shape (Bb, Hb, N, N), each rank passing its rows
+    # (full_bias), requiring grad or not; Hb = 1 sums dBias over the heads.
+    "ring_bias": (4, 2, "bhnd", dict(causal=True, bias=(B, 4, True))),
+    "ring_bias_window": (4, 2, "bhnd", dict(window=(21, 3), schedule="ring", bias=(B, 4, True))),
+    "ring_bias_zigzag": (4, 2, "bnhd", dict(causal=True, zigzag=True, softcap=4.0, bias=(1, 1, True))),
     "ring_dropout": (4, 2, "bhnd", dict(causal=True, dropout_p=0.25, seed=77, offset=3)),
     "ring_dropout_zigzag": (4, 2, "bnhd", dict(causal=True, zigzag=True, window=(37, 5), alibi_slopes=SLOPES,
-                                               dropout_p=0.2, seed=2 ** 64 - 5, bias=(1, 4))),
+                                               dropout_p=0.2, seed=2 ** 64 - 5, bias=(1, 4, False))),
     "ring_dropout_by_ring": (4, 2, "bhnd", dict(causal=True, dropout_p=0.25, seed=77, offset=3, schedule="ring")),
     "ulysses": (8, 4, "bhnd", dict(mode="ulysses")),
     "ulysses_dropout": (8, 4, "bnhd", dict(mode="ulysses", causal=True, softcap=4.0, dropout_p=0.3, seed=9)),
@@ -56,11 +58,11 @@ def inputs(name):
 def full_bias(name):
     """The bias of a case over the whole sequence, -inf in a stripe of keys of some rows
     (a row of the stripe sees its other keys)."""
-    Bb, Hb = CASES[name][3]["bias"]
+    Bb, Hb, grad = CASES[name][3]["bias"]
     N = seqlen(name)
     bias = torch.randn(Bb, Hb, N, N, generator=torch.Generator().manual_seed(11))
     bias[..., 5::7, 2:N // 3] = -torch.inf
-    return bias
+    return bias.requires_grad_(grad)
 
 
 def rows_of(rank, P, zigzag, N):
@@ -80,14 +82,17 @@ def run_case(name, rank, P, group):
     idx = torch.tensor(rows_of(rank, P, kw.get("zigzag", False), seqlen(name)))
     q, k, v, do = (t.index_select(axis, idx) for t in inputs(name))
     q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    bias = None
     if "bias" in kw:
-        kw = dict(kw, bias=full_bias(name).index_select(2, idx))
+        bias = full_bias(name)
+        bias = bias.detach().index_select(2, idx).requires_grad_(bias.requires_grad)
+        kw = dict(kw, bias=bias)
     stats = {}
     o = pt.context_parallel_attention(q, k, v, split_size=S, layout=layout, comm_stats=stats, group=group,
                                       **TILES, **kw)
     o.backward(do)
     return dict(rows=idx, o=o.detach(), dq=q.grad, dk=k.grad, dv=v.grad, bytes=stats.get("bytes_sent", 0),
-                held=stats.get("peak_held_bytes", 0))
+                held=stats.get("peak_held_bytes", 0), dbias=None if bias is None else bias.grad)
 
 
 def misuse(rank, P, group, spare):
@@ -110,7 +115,7 @@ def misuse(rank, P, group, spare):
     except ValueError as e:
         out["ulysses_heads"] = str(e) if P == 3 else None
     N = 16 * P
-    for key, bias, mode in (("bias_grad", torch.zeros(1, 1, 16, N, requires_grad=True), "ring"),
+    for key, bias, mode in (("bias_grad", torch.zeros(1, 1, 1, N, requires_grad=True), "ring"),
                             ("bias_ulysses", torch.zeros(1, 1, 16, N), "ulysses"),
                             ("bias_shape", torch.zeros(1, 1, 16, 16 * P + 1), "ring")):
         try:

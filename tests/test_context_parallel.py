@@ -3,7 +3,7 @@ process groups of 1, 2, 3 and 4 ranks (tests/cp_worker.py): the shards of O, dQ,
 dV gathered from the ranks equal one process's pyfa.torch.attention with the same
 split_size bit for bit, in ring mode (both schedules, wavefront and ring, equal to each
 other) and Ulysses mode, causal and not, zigzag, GQA, windows, softcap, ALiBi, a bias
-(ring mode, no dbias) and dropout; the
+(ring mode, with its dBias where it requires grad) and dropout; the
 bytes each rank sends equal the model's (pyfa.sim.context_parallel_bytes); the wavefront
 holds O(1) shards per rank; misuse gets an error naming it, and no hang."""
 
@@ -57,13 +57,16 @@ def gathered(runs, P, name):
         return None
     axis = 2 if layout == "bhnd" else 1
     full = {}
-    for key in ("o", "dq", "dk", "dv"):
+    for key in ("o", "dq", "dk", "dv", "dbias"):
+        if parts[0].get(key) is None:
+            continue
         like = parts[0][key]
+        at = 2 if key == "dbias" else axis  # a bias is (B, H, rows, keys) in both layouts
         shape = list(like.shape)
-        shape[axis] = w.seqlen(name)
+        shape[at] = w.seqlen(name)
         t = torch.zeros(shape)
         for part in parts:
-            t.index_copy_(axis, part["rows"], part[key])
+            t.index_copy_(at, part["rows"], part[key])
         full[key] = t
     return full
 
@@ -74,12 +77,15 @@ def one_device(name, dropout=True):
     left_out = ("mode", "zigzag", "schedule") + (() if dropout else ("dropout_p", "seed", "offset"))
     kw = {k: x for k, x in kw.items() if k not in left_out}
     if "bias" in kw:
-        kw["bias"] = w.full_bias(name)  # needs no grad: the one-device split backward takes it
+        kw["bias"] = w.full_bias(name)
     q, k, v, do = w.inputs(name)
     q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
     o = pt.attention(q, k, v, layout=layout, split_size=w.S, **w.TILES, **kw)
     o.backward(do)
-    return dict(o=o.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
+    out = dict(o=o.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
+    if "bias" in kw and kw["bias"].requires_grad:
+        out["dbias"] = kw["bias"].grad
+    return out
 
 
 @pytest.mark.parametrize("name", list(w.CASES))
@@ -90,8 +96,22 @@ def test_shards_equal_one_device_bit_for_bit(runs, P, name):
         assert w.CASES[name][1] % P, "only Ulysses with Hkv not divisible by P is left out"
         return
     ref = one_device(name)
-    for key in ("o", "dq", "dk", "dv"):
+    assert got.keys() == ref.keys(), (P, name)  # dbias where the bias requires grad
+    for key in ref:
         assert torch.equal(got[key], ref[key]), (P, name, key, (got[key] - ref[key]).abs().max().item())
+
+
+def test_bias_cases_take_a_gradient():
+    """The cases whose bias requires grad get a dBias that is far from all zeros (more
+    than a twentieth nonzero: the window case shows about a quarter of the keys), so its
+    bit-equality above is the kernels' dS; +0 above a causal diagonal."""
+    names = [n for n in w.CASES if w.CASES[n][3].get("bias", (0, 0, False))[2]]
+    assert len(names) >= 3
+    for name in names:
+        db = one_device(name)["dbias"]
+        assert db.shape == w.full_bias(name).shape and db.count_nonzero() > db.numel() // 20, name
+        if w.CASES[name][3].get("causal"):
+            assert torch.equal(db.triu(1), torch.zeros_like(db)), name
 
 
 def test_dropout_cases_drop():
@@ -222,7 +242,7 @@ def test_misuse_is_named(runs, P):
         assert "q's shape differs" in m["shard"] and "rank" in m["shard"]
         assert "causal differs" in m["args"]
         assert "on meta, but the group's backend gloo takes cpu tensors" in m["device"]
-        assert m["bias_grad"].startswith("bias: requires grad, but context_parallel_attention computes no dbias")
+        assert m["bias_grad"].startswith("bias: one row for all of this rank's query rows, and it requires grad")
         assert m["bias_ulysses"].startswith("bias: only mode='ring' takes a bias")
         assert m["seed_none"] == (True, False)  # rank 0's seed taken; dropout on
         assert "dropout differs" in m["seed_differs"]
