@@ -1,7 +1,8 @@
 """Runs pyfa.torch.context_parallel_attention in spawned gloo process groups for
-tests/test_context_parallel.py: `python tests/cp_worker.py OUT P...` saves, for each
+tests/test_context_parallel.py: `python tests/cp_worker.py OUT P` saves, for each
 world size P and rank, every case's shard of O, dQ, dK, dV and the bytes sent, and the
-outcome of the misuse cases, to OUT/P{P}_r{rank}.pt."""
+outcome of the misuse cases, to OUT/P{P}_r{rank}.pt; `python tests/cp_worker.py OUT nccl`
+runs NCCL_CASES on CUDA tensors in a one-rank NCCL group into OUT/nccl.pt."""
 
 import datetime
 import os
@@ -73,14 +74,19 @@ def rows_of(rank, P, zigzag, N):
     return list(range(rank * h, rank * h + h)) + list(range((2 * P - 1 - rank) * h, (2 * P - rank) * h))
 
 
-def run_case(name, rank, P, group):
+# The cases a one-rank NCCL group runs on CUDA tensors (no bias: the cuda backend takes
+# none from torch here).
+NCCL_CASES = ("ring", "ring_zigzag", "ring_mods", "ring_dropout", "ulysses_causal")
+
+
+def run_case(name, rank, P, group, device="cpu"):
     import pyfa.torch as pt
     heads, heads_kv, layout, kw = CASES[name]
     if kw.get("mode") == "ulysses" and heads_kv % P:
         return None
     axis = 2 if layout == "bhnd" else 1
     idx = torch.tensor(rows_of(rank, P, kw.get("zigzag", False), seqlen(name)))
-    q, k, v, do = (t.index_select(axis, idx) for t in inputs(name))
+    q, k, v, do = (t.index_select(axis, idx).to(device) for t in inputs(name))
     q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
     bias = None
     if "bias" in kw:
@@ -91,7 +97,8 @@ def run_case(name, rank, P, group):
     o = pt.context_parallel_attention(q, k, v, split_size=S, layout=layout, comm_stats=stats, group=group,
                                       **TILES, **kw)
     o.backward(do)
-    return dict(rows=idx, o=o.detach(), dq=q.grad, dk=k.grad, dv=v.grad, bytes=stats.get("bytes_sent", 0),
+    return dict(rows=idx, o=o.detach().cpu(), dq=q.grad.cpu(), dk=k.grad.cpu(), dv=v.grad.cpu(),
+                bytes=stats.get("bytes_sent", 0),
                 held=stats.get("peak_held_bytes", 0), dbias=None if bias is None else bias.grad)
 
 
@@ -209,6 +216,26 @@ def worker(rank, world, port, out):
         torch.save(res, os.path.join(out, f"P{P}_r{rank}.pt"))
 
 
+def nccl_one_rank(out):
+    """NCCL_CASES on CUDA tensors in a one-rank NCCL group, and the refusal of CPU tensors
+    there, into OUT/nccl.pt."""
+    import pyfa.torch as pt
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 20000))
+    dist.init_process_group("nccl", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+    res = {name: run_case(name, 0, 1, None, device="cuda") for name in NCCL_CASES}
+    q = torch.zeros(1, 2, 16, 16)
+    try:
+        pt.context_parallel_attention(q, q, q, split_size=S, **TILES)
+        res["cpu_refused"] = None
+    except ValueError as e:
+        res["cpu_refused"] = str(e)
+    dist.destroy_process_group()
+    torch.save(res, os.path.join(out, "nccl.pt"))
+
+
 if __name__ == "__main__":
-    out, world = sys.argv[1], int(sys.argv[2])
-    mp.spawn(worker, args=(world, 29400 + os.getpid() % 20000, out), nprocs=world)
+    if sys.argv[2] == "nccl":
+        nccl_one_rank(sys.argv[1])
+    else:
+        out, world = sys.argv[1], int(sys.argv[2])
+        mp.spawn(worker, args=(world, 29400 + os.getpid() % 20000, out), nprocs=world)

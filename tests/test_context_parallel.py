@@ -34,12 +34,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("context_parallel")]
 WORLD_SIZES = (1, 2, 3, 4)
 
 
-def _spawn(out):
+def _worker(out, what, timeout):
     # The ranks import the pyfa this test imported, installed or not.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(Path(pyfa.__file__).parents[1])] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    subprocess.run([sys.executable, str(Path(w.__file__)), str(out), str(max(WORLD_SIZES))], check=True,
-                   timeout=900, env=env)
+    subprocess.run([sys.executable, str(Path(w.__file__)), str(out), what], check=True, timeout=timeout, env=env)
+
+
+def _spawn(out):
+    _worker(out, str(max(WORLD_SIZES)), 900)
 
 
 @pytest.fixture(scope="module")
@@ -275,3 +278,19 @@ def test_refusals_without_a_group():
         pt.context_parallel_attention(q, q, q, split_size=8, causal=True, zigzag=True, schedule="wavefront")
     with pytest.raises(ValueError, match="only mode='ring' takes a schedule"):
         pt.context_parallel_attention(q, q, q, split_size=8, mode="ulysses", schedule="ring")
+
+
+@pytest.mark.gpu
+def test_nccl_cuda_one_rank_equals_one_device_on_the_cpu(tmp_path):
+    """A one-rank NCCL group on CUDA tensors (what tools/device_check.sh's `-k cuda` runs):
+    O, dQ, dK, dV equal one CPU process's pyfa.torch.attention bit for bit (every backend
+    gives the same bits), and CPU tensors in an NCCL group are refused naming q."""
+    if not torch.cuda.is_available() or not dist.is_nccl_available():
+        pytest.skip("no CUDA device or no NCCL in this torch")
+    _worker(tmp_path, "nccl", 300)
+    res = torch.load(tmp_path / "nccl.pt")
+    assert res["cpu_refused"] and res["cpu_refused"].startswith("q:"), res["cpu_refused"]
+    for name in w.NCCL_CASES:
+        ref = one_device(name)
+        for key in ("o", "dq", "dk", "dv"):
+            assert torch.equal(res[name][key], ref[key]), (name, key)
