@@ -9,6 +9,10 @@
 //   PYFA_CPU_IN_PLACE_D  the head dimension from which the forward's V_j and the
 //                        backward's Q_i, dO_i are read in place rather than copied into
 //                        padded buffers (default 256)
+//   PYFA_CPU_DECODE_PREFETCH  1: a decode item reads only its first K/V tile ahead
+//                        (touch_lines) and prefetches each next one under the current
+//                        one's transposes (NextTile); 0 (default): it reads every tile
+//                        ahead, the schedule measured on Zen 4
 // and is compiled with that instruction set's flags (CMakeLists.txt).
 //
 // Every output element gets exactly the operations and order of docs/numerics.md. The
@@ -47,6 +51,10 @@ constexpr int RJ = PYFA_CPU_RJ;
 #define PYFA_CPU_IN_PLACE_D 256
 #endif
 constexpr int64_t IN_PLACE_D = PYFA_CPU_IN_PLACE_D;
+#ifndef PYFA_CPU_DECODE_PREFETCH
+#define PYFA_CPU_DECODE_PREFETCH 0
+#endif
+constexpr bool DECODE_PREFETCH = PYFA_CPU_DECODE_PREFETCH;
 
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
@@ -475,13 +483,40 @@ inline void transpose(vf* rows) {
 // the forward's own time there. D: d as a constant where it is one of the usual head dims
 // and the rows are dense (ld = d; 0 otherwise): then the W row offsets of a block are
 // immediates instead of W values that outgrow the registers and were spilled.
+// The lines of the next K_j and V_j of a decode item (`rows` rows from K and V, row
+// strides ldk and ldv, row_lines lines of each from its first), prefetched into L2 a few at a
+// time (issue) while the current tile is computed. The step is bound by reading K and V;
+// reading each tile first (touch_lines) and then computing on it leaves the core idle on
+// memory half the time, and the prefetches keep the reads in flight under the
+// transposes instead. Into L2, not L1: the current tile's V_j and K_j^T use L1.
+struct NextTile {
+    const float *K, *V;
+    int64_t ldk, ldv, rows, row_lines;
+    int64_t per_block = 0;          // issued per W x W block of a transpose
+    int64_t t = rows ? 0 : 2, r = 0, e = 0;  // the next line: of K (t = 0) or V, row r, line e
+
+    int64_t lines() const { return 2 * rows * row_lines; }
+    void issue(int64_t n) {
+        constexpr int64_t line = 64 / sizeof(float);
+        for (; n > 0 && t < 2; --n) {
+            __builtin_prefetch((t ? V + r * ldv : K + r * ldk) + e * line, 0, 2);
+            if (++e == row_lines) {
+                e = 0;
+                if (++r == rows) r = 0, ++t;
+            }
+        }
+    }
+};
+
 template <int64_t D>
-inline void transpose_tile_d(const float* K, int64_t bc, int64_t dd, int64_t ldd, float* KT, int64_t Cp) {
+inline void transpose_tile_d(const float* K, int64_t bc, int64_t dd, int64_t ldd, float* KT, int64_t Cp,
+                             NextTile* pf) {
     const int64_t d = D ? D : dd, ld = D ? D : ldd;
     const int64_t cw = bc / W * W, xw = d / W * W;
     for (int64_t c0 = 0; c0 < cw; c0 += W) {
         const float* Kc = K + c0 * ld;  // (W, d), row stride ld
         for (int64_t x0 = 0; x0 < xw; x0 += W) {
+            if (pf) pf->issue(pf->per_block);
             vf rows[W];
             for (int k = 0; k < W; ++k) rows[k] = ldu(Kc + k * ld + x0);
             transpose(rows);
@@ -493,10 +528,12 @@ inline void transpose_tile_d(const float* K, int64_t bc, int64_t dd, int64_t ldd
     }
 }
 
-inline void transpose_tile(const float* K, int64_t bc, int64_t d, int64_t ld, float* KT, int64_t Cp) {
-    if (d == 64 && ld == 64) return transpose_tile_d<64>(K, bc, d, ld, KT, Cp);
-    if (d == 128 && ld == 128) return transpose_tile_d<128>(K, bc, d, ld, KT, Cp);
-    transpose_tile_d<0>(K, bc, d, ld, KT, Cp);
+// pf (or null): prefetches issued between the blocks.
+inline void transpose_tile(const float* K, int64_t bc, int64_t d, int64_t ld, float* KT, int64_t Cp,
+                           NextTile* pf = nullptr) {
+    if (d == 64 && ld == 64) return transpose_tile_d<64>(K, bc, d, ld, KT, Cp, pf);
+    if (d == 128 && ld == 128) return transpose_tile_d<128>(K, bc, d, ld, KT, Cp, pf);
+    transpose_tile_d<0>(K, bc, d, ld, KT, Cp, pf);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -927,13 +964,19 @@ void forward_group(const Ctx& ctx, int64_t u, int64_t i, float* ws) {
         // K_j and V_j (of the item's heads) read once in address order before they are
         // used: a sequential stream the hardware prefetchers follow, where the transpose's
         // W-row blocks and the product's passes alone left most of the step waiting on
-        // memory (the step is memory-bound). Software prefetches of the next tile were
-        // mostly dropped: the core holds few misses in flight (docs/cpu_backend.md,
-        // Decoding). (One head's paged rows: the gathers below read each row once in order.)
-        if (!paged || nh > 1) {
+        // memory (the step is memory-bound). With DECODE_PREFETCH, unpaged, that is the
+        // first tile only: the next ones come in under this one's transposes (NextTile;
+        // docs/cpu_backend.md, Emerald Rapids). (One head's paged rows: the gathers below
+        // read each row once in order.)
+        const bool prefetch = DECODE_PREFETCH && !paged;
+        if (prefetch ? j == visit.begin : !paged || nh > 1) {
             K0.touch(n0, bc, nh * d, all.S);
             V0.touch(n0, bc, nh * d, all.S);
         }
+        const int64_t next_rows = !prefetch || j + 1 == visit.end ? 0 : min64(Bc, Nk - col0 - Bc);
+        NextTile pf{next_rows ? K0.X + (n0 + Bc) * K0.ld : K0.X, next_rows ? V0.X + (n0 + Bc) * V0.ld : V0.X,
+                    K0.ld, V0.ld, next_rows, ceil_div(nh * d, 64 / static_cast<int64_t>(sizeof(float)))};
+        pf.per_block = ceil_div(pf.lines(), nh * (bc / W) * (d / W) + 1);
         const Band band = seq.mask.band(row0, col0);
         const bool cut = band.cuts(br, bc);
         const VBand vb(band, Cp + Br + 1);
@@ -943,7 +986,8 @@ void forward_group(const Ctx& ctx, int64_t u, int64_t i, float* ws) {
             const KvRows Kh = k_rows(p, seq, hk0 + k), Vh = v_rows(p, seq, hk0 + k);
             int64_t ldk = 0;
             const float* K = Kh.tile(n0, bc, g.Kp, &ldk);  // (bc, d), row stride ldk
-            transpose_tile(K, bc, d, ldk, g.KT, Cp);
+            transpose_tile(K, bc, d, ldk, g.KT, Cp, &pf);
+            if (k == nh - 1) pf.issue(pf.lines());  // what the blocks left, if any
             // P~ V reads V_j in place when its rows fill whole vectors (each line once: the
             // lanes of x partition them) and are evenly spaced, else from a copy padded to Dp.
             const bool v_in_place = d == Dp && !paged;
