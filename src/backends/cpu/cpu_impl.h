@@ -483,27 +483,30 @@ inline void transpose(vf* rows) {
 // the forward's own time there. D: d as a constant where it is one of the usual head dims
 // and the rows are dense (ld = d; 0 otherwise): then the W row offsets of a block are
 // immediates instead of W values that outgrow the registers and were spilled.
-// The lines of the next K_j and V_j of a decode item (`rows` rows from K and V, row
-// strides ldk and ldv, row_lines lines of each from its first), prefetched into L2 a few at a
-// time (issue) while the current tile is computed. The step is bound by reading K and V;
-// reading each tile first (touch_lines) and then computing on it leaves the core idle on
-// memory half the time, and the prefetches keep the reads in flight under the
-// transposes instead. Into L2, not L1: the current tile's V_j and K_j^T use L1.
+// The lines of the next K_j and V_j of a decode item (keys n0 .. n0 + rows - 1 of the
+// heads' rows at K and V, row strides ldk and ldv, paged or not: params.h kv_row;
+// row_lines lines of each row from its first), prefetched into L2 a few at a time (issue)
+// while the current tile is computed. The step is bound by reading K and V; reading each
+// tile first (touch_lines) and then computing on it left the core idle on memory half the
+// time, and the prefetches keep the reads in flight under the transposes instead. Into
+// L2, not L1: the current tile's V_j and K_j^T use L1.
 struct NextTile {
+    const AttentionParams& p;
     const float *K, *V;
-    int64_t ldk, ldv, rows, row_lines;
-    int64_t per_block = 0;          // issued per W x W block of a transpose
+    int64_t ldk, ldv, n0, rows, row_lines;
+    int64_t per_block = 0;                   // issued per W x W block of a transpose
     int64_t t = rows ? 0 : 2, r = 0, e = 0;  // the next line: of K (t = 0) or V, row r, line e
+    const float* row = rows ? K + p.kv_row(n0) * ldk : nullptr;
 
     int64_t lines() const { return 2 * rows * row_lines; }
     void issue(int64_t n) {
         constexpr int64_t line = 64 / sizeof(float);
         for (; n > 0 && t < 2; --n) {
-            __builtin_prefetch((t ? V + r * ldv : K + r * ldk) + e * line, 0, 2);
-            if (++e == row_lines) {
-                e = 0;
-                if (++r == rows) r = 0, ++t;
-            }
+            __builtin_prefetch(row + e * line, 0, 2);
+            if (++e < row_lines) continue;
+            e = 0;
+            if (++r == rows) r = 0, ++t;
+            if (t < 2) row = t ? V + p.kv_row(n0 + r) * ldv : K + p.kv_row(n0 + r) * ldk;
         }
     }
 };
@@ -964,18 +967,17 @@ void forward_group(const Ctx& ctx, int64_t u, int64_t i, float* ws) {
         // K_j and V_j (of the item's heads) read once in address order before they are
         // used: a sequential stream the hardware prefetchers follow, where the transpose's
         // W-row blocks and the product's passes alone left most of the step waiting on
-        // memory (the step is memory-bound). With DECODE_PREFETCH, unpaged, that is the
-        // first tile only: the next ones come in under this one's transposes (NextTile;
+        // memory (the step is memory-bound). With DECODE_PREFETCH that is the first tile
+        // only: the next ones come in under this one's transposes (NextTile, paged or not;
         // docs/cpu_backend.md, Emerald Rapids). (One head's paged rows: the gathers below
         // read each row once in order.)
-        const bool prefetch = DECODE_PREFETCH && !paged;
-        if (prefetch ? j == visit.begin : !paged || nh > 1) {
+        if ((!paged || nh > 1) && (!DECODE_PREFETCH || j == visit.begin)) {
             K0.touch(n0, bc, nh * d, all.S);
             V0.touch(n0, bc, nh * d, all.S);
         }
-        const int64_t next_rows = !prefetch || j + 1 == visit.end ? 0 : min64(Bc, Nk - col0 - Bc);
-        NextTile pf{next_rows ? K0.X + (n0 + Bc) * K0.ld : K0.X, next_rows ? V0.X + (n0 + Bc) * V0.ld : V0.X,
-                    K0.ld, V0.ld, next_rows, ceil_div(nh * d, 64 / static_cast<int64_t>(sizeof(float)))};
+        const int64_t next_rows = !DECODE_PREFETCH || j + 1 == visit.end ? 0 : min64(Bc, Nk - col0 - Bc);
+        NextTile pf{p, K0.X, V0.X, K0.ld, V0.ld, n0 + Bc, next_rows,
+                    ceil_div(nh * d, 64 / static_cast<int64_t>(sizeof(float)))};
         pf.per_block = ceil_div(pf.lines(), nh * (bc / W) * (d / W) + 1);
         const Band band = seq.mask.band(row0, col0);
         const bool cut = band.cuts(br, bc);
