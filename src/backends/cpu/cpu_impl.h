@@ -477,12 +477,6 @@ inline void transpose(vf* rows) {
     if constexpr (W >= 16) transpose_stage<8>(rows);
 }
 
-// KT[x * Cp + c] = K[c * ld + x] for c < bc, 0 for bc <= c < Cp (K_j or Q_i transposed,
-// O_i transposed back), W x W blocks through registers, the edges element by element: an
-// element at a time, the stores W * 4 bytes apart missed L1 at d = 256 and took half of
-// the forward's own time there. D: d as a constant where it is one of the usual head dims
-// and the rows are dense (ld = d; 0 otherwise): then the W row offsets of a block are
-// immediates instead of W values that outgrow the registers and were spilled.
 // The lines of the next K_j and V_j of a decode item (keys n0 .. n0 + rows - 1 of the
 // heads' rows at K and V, row strides ldk and ldv, paged or not: params.h kv_row;
 // row_lines lines of each row from its first), prefetched into L2 a few at a time (issue)
@@ -511,6 +505,12 @@ struct NextTile {
     }
 };
 
+// KT[x * Cp + c] = K[c * ld + x] for c < bc, 0 for bc <= c < Cp (K_j or Q_i transposed,
+// O_i transposed back), W x W blocks through registers, the edges element by element: an
+// element at a time, the stores W * 4 bytes apart missed L1 at d = 256 and took half of
+// the forward's own time there. D: d as a constant where it is one of the usual head dims
+// and the rows are dense (ld = d; 0 otherwise): then the W row offsets of a block are
+// immediates instead of W values that outgrow the registers and were spilled.
 template <int64_t D>
 inline void transpose_tile_d(const float* K, int64_t bc, int64_t dd, int64_t ldd, float* KT, int64_t Cp,
                              NextTile* pf) {
