@@ -74,8 +74,8 @@ def rows_of(rank, P, zigzag, N):
     return list(range(rank * h, rank * h + h)) + list(range((2 * P - 1 - rank) * h, (2 * P - rank) * h))
 
 
-# The cases a one-rank NCCL group runs on CUDA tensors (no bias: the cuda backend takes
-# none from torch here).
+# The cases a one-rank NCCL group runs on CUDA tensors (no bias: pyfa's Python API takes
+# a bias with CPU arrays only, api.py).
 NCCL_CASES = ("ring", "ring_zigzag", "ring_mods", "ring_dropout", "ulysses_causal")
 
 
