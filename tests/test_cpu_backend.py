@@ -506,3 +506,39 @@ def test_decode_varlen_equals_the_simulator():
     got = pyfa.attention_varlen(q, k, v, cq, ck, causal=True, return_lse=True,
                                 options=pyfa.Options(backend="cpu", threads=2, **tiles))
     assert same_bits(got[0], want.o) and same_bits(got[1], want.lse)
+
+
+@pytest.mark.parametrize("d", [40, 128])
+def test_decode_kv_caches_every_build(d, isa):
+    """A decoding step against flash-attn's (B, N, Hkv, d) cache and against paged caches
+    (pages of 3 and 16 rows, shuffled): rows a stride apart, read with the next tile
+    prefetched on every build (forward_group). 1 thread takes all four K/V heads per item,
+    3 threads two: the simulator's bits either way, dense layout, pages, split or not."""
+    rng = np.random.default_rng(d)
+    B, N, H, Hkv = 2, 150, 8, 4
+    q = rng.standard_normal((B, 1, H, d), dtype=np.float32)
+    k, v = (rng.standard_normal((B, N, Hkv, d), dtype=np.float32) for _ in range(2))
+    lens = np.array([150, 97], np.int32)
+    caches = [(k, v, None)]
+    for page in (3, 16):
+        per = -(-N // page)
+        table = rng.permutation(B * per).astype(np.int32).reshape(B, per)
+        pages = []
+        for x in (k, v):
+            padded = np.zeros((B, per * page, Hkv, d), np.float32)
+            padded[:, :N] = x
+            paged = np.full((B * per, page, Hkv, d), np.nan, np.float32)
+            paged[table] = padded.reshape(B, per, page, Hkv, d)
+            pages.append(paged)
+        caches.append((*pages, table))
+    for split_size in (None, 64):
+        tiles = dict(block_r=16, block_c=32)
+        want = pyfa.sim.attention_with_kvcache(q, k, v, lens, split_size=split_size, return_lse=True,
+                                               options=pyfa.Options(**tiles))
+        for kc, vc, table in caches:
+            for threads in (1, 3):
+                got = pyfa.attention_with_kvcache(q, kc, vc, lens, block_table=table, split_size=split_size,
+                                                  return_lse=True,
+                                                  options=pyfa.Options(backend="cpu", threads=threads, **tiles))
+                where = f"{isa}, {threads} threads, pages {None if table is None else kc.shape[1]}, split {split_size}"
+                assert same_bits(got[0], want[0]) and same_bits(got[1], want[1]), where

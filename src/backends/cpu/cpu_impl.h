@@ -11,8 +11,10 @@
 //                        padded buffers (default 256)
 //   PYFA_CPU_DECODE_PREFETCH  1: a decode item reads only its first K/V tile ahead
 //                        (touch_lines) and prefetches each next one under the current
-//                        one's transposes (NextTile); 0 (default): it reads every tile
-//                        ahead, the schedule measured on Zen 4
+//                        one's transposes (NextTile); 0 (default): on a dense cache it
+//                        reads every tile ahead (the AVX2 and portable builds: with AVX2
+//                        on Zen 4 the two measured alike); rows a stride apart are
+//                        prefetched on every build (forward_group)
 // and is compiled with that instruction set's flags (CMakeLists.txt).
 //
 // Every output element gets exactly the operations and order of docs/numerics.md. The
@@ -961,21 +963,25 @@ void forward_group(const Ctx& ctx, int64_t u, int64_t i, float* ws) {
     // K and V as the caller laid them out (forwards_read_strided_kv), paged or not.
     const bool paged = p.block_table != nullptr;
     const KvRows K0 = k_rows(p, seq, hk0), V0 = v_rows(p, seq, hk0);
+    // Rows a stride apart (a (B, N, Hkv, d) or paged cache: each on its own 4 KiB page,
+    // which the hardware prefetchers do not cross) are prefetched on every build: on Zen 4
+    // a third less time per step with AVX-512, a sixth with AVX2 (docs/cpu_backend.md).
+    const bool prefetch = DECODE_PREFETCH || paged || K0.ld != nh * d || V0.ld != nh * d;
     const TileRange visit = ctx.kv_tiles(b, i);
     for (int64_t j = visit.begin; j < visit.end; ++j) {
         const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0), n0 = seq.k0 + col0;
         // K_j and V_j (of the item's heads) read once in address order before they are
         // used: a sequential stream the hardware prefetchers follow, where the transpose's
         // W-row blocks and the product's passes alone left most of the step waiting on
-        // memory (the step is memory-bound). With DECODE_PREFETCH that is the first tile
+        // memory (the step is memory-bound). With `prefetch` that is the first tile
         // only: the next ones come in under this one's transposes (NextTile, paged or not;
         // docs/cpu_backend.md, Emerald Rapids). (One head's paged rows: the gathers below
         // read each row once in order.)
-        if ((!paged || nh > 1) && (!DECODE_PREFETCH || j == visit.begin)) {
+        if ((!paged || nh > 1) && (!prefetch || j == visit.begin)) {
             K0.touch(n0, bc, nh * d, all.S);
             V0.touch(n0, bc, nh * d, all.S);
         }
-        const int64_t next_rows = !DECODE_PREFETCH || j + 1 == visit.end ? 0 : min64(Bc, Nk - col0 - Bc);
+        const int64_t next_rows = !prefetch || j + 1 == visit.end ? 0 : min64(Bc, Nk - col0 - Bc);
         NextTile pf{p, K0.X, V0.X, K0.ld, V0.ld, n0 + Bc, next_rows,
                     ceil_div(nh * d, 64 / static_cast<int64_t>(sizeof(float)))};
         pf.per_block = ceil_div(pf.lines(), nh * (bc / W) * (d / W) + 1);
