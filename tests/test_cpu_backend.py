@@ -511,8 +511,9 @@ def test_decode_varlen_equals_the_simulator():
 @pytest.mark.parametrize("d", [40, 128])
 def test_decode_kv_caches_every_build(d, isa):
     """A decoding step against flash-attn's (B, N, Hkv, d) cache and against paged caches
-    (pages of 3 and 16 rows, shuffled): rows a stride apart, read with the next tile
-    prefetched on every build (forward_group). An item takes all four K/V heads (one run of
+    (pages of 3, 16 and 48 rows, shuffled; with 48, tiles of 32 keys alternate between
+    lying in one page, read in place, and crossing two, gathered): rows a stride apart,
+    read with the next tile prefetched on every build (forward_group). An item takes all four K/V heads (one run of
     each key row) except with 3 threads and no split, where it takes two (runs a row
     stride apart): the simulator's bits every way, dense layout or pages, split or not."""
     rng = np.random.default_rng(d)
@@ -521,7 +522,7 @@ def test_decode_kv_caches_every_build(d, isa):
     k, v = (rng.standard_normal((B, N, Hkv, d), dtype=np.float32) for _ in range(2))
     lens = np.array([150, 97], np.int32)
     caches = [(k, v, None)]
-    for page in (3, 16):
+    for page in (3, 16, 48):
         per = -(-N // page)
         table = rng.permutation(B * per).astype(np.int32).reshape(B, per)
         pages = []

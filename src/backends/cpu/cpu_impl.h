@@ -597,7 +597,9 @@ inline void touch_lines(const float* x, int64_t rows, int64_t d, int64_t ld, flo
 // A K/V head's rows as the forwards read them: K_j, V_j of keys n0 .. n0 + bc - 1 of
 // sequence s. X: the head's row 0 in k or v (row stride ld). Unpaged, the rows are
 // evenly spaced and read where they lie; paged (params.h kv_row), row(n) finds each,
-// and tile() gathers them into a dense (bc, d) copy for the products that take one stride.
+// and tile() reads a tile in place where it lies in one page (pages of Bc keys or more,
+// flash-attn's 256), else gathers it into a dense (bc, d) copy for the products that take
+// one stride.
 struct KvRows {
     const AttentionParams& p;
     const float* X;
@@ -608,11 +610,15 @@ struct KvRows {
         if (!p.block_table) return touch_lines(X + n0 * ld, bc, width, ld, sink);
         for (int64_t c = 0; c < bc; ++c) touch_lines(row(n0 + c), 1, width, width, sink);
     }
+    // Whether keys n0 .. n0 + bc - 1 lie evenly spaced, ld apart: unpaged, or in one page.
+    bool even(int64_t n0, int64_t bc) const {
+        return !p.block_table || n0 / p.page_size == (n0 + bc - 1) / p.page_size;
+    }
     // The tile's rows (K_j's or V_j's) at (return value, return value + *stride, ...).
     const float* tile(int64_t n0, int64_t bc, float* dense, int64_t* stride) const {
         const int64_t d = p.head_dim;
-        *stride = p.block_table ? d : ld;
-        if (!p.block_table) return X + n0 * ld;
+        *stride = even(n0, bc) ? ld : d;
+        if (even(n0, bc)) return row(n0);
         for (int64_t c = 0; c < bc; ++c) std::memcpy(dense + c * d, row(n0 + c), sizeof(float) * static_cast<size_t>(d));
         return dense;
     }
@@ -998,10 +1004,10 @@ void forward_group(const Ctx& ctx, int64_t u, int64_t i, float* ws) {
             if (k == nh - 1) pf.issue(pf.lines());  // what the blocks left, if any
             // P~ V reads V_j in place when its rows fill whole vectors (each line once: the
             // lanes of x partition them) and are evenly spaced, else from a copy padded to Dp.
-            const bool v_in_place = d == Dp && !paged;
+            const bool v_in_place = d == Dp && Vh.even(n0, bc);
             for (int64_t c = 0; !v_in_place && c < bc; ++c)
                 std::memcpy(g.Vj + c * Ep, Vh.row(n0 + c), sizeof(float) * static_cast<size_t>(d));
-            const float* Vsrc = v_in_place ? Vh.X + n0 * Vh.ld : g.Vj;
+            const float* Vsrc = v_in_place ? Vh.row(n0) : g.Vj;
             const int64_t Vld = v_in_place ? Vh.ld : Ep;
             // S[n][c] = sum_x Q[n,x] K[c,x].
             gemm_store_kb(g.KT, Cp, Cp, g.Qg, Ep, 1, d, R, g.S, Cp);
