@@ -513,9 +513,10 @@ def test_decode_kv_caches_every_build(d, isa):
     """A decoding step against flash-attn's (B, N, Hkv, d) cache and against paged caches
     (pages of 3, 16 and 48 rows, shuffled; with 48, tiles of 32 keys alternate between
     lying in one page, read in place, and crossing two, gathered): rows a stride apart,
-    read with the next tile prefetched on every build (forward_group). An item takes all four K/V heads (one run of
-    each key row) except with 3 threads and no split, where it takes two (runs a row
-    stride apart): the simulator's bits every way, dense layout or pages, split or not."""
+    read with the next tile prefetched on every build (forward_group). An item takes all
+    four K/V heads (one run of each key row) except with 3 threads and no split, where it
+    takes two (runs a row stride apart): the simulator's bits every way, dense layout or
+    pages, split or not."""
     rng = np.random.default_rng(d)
     B, N, H, Hkv = 2, 150, 8, 4
     q = rng.standard_normal((B, 1, H, d), dtype=np.float32)

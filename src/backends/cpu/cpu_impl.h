@@ -617,8 +617,9 @@ struct KvRows {
     // The tile's rows (K_j's or V_j's) at (return value, return value + *stride, ...).
     const float* tile(int64_t n0, int64_t bc, float* dense, int64_t* stride) const {
         const int64_t d = p.head_dim;
-        *stride = even(n0, bc) ? ld : d;
-        if (even(n0, bc)) return row(n0);
+        const bool in_place = even(n0, bc);
+        *stride = in_place ? ld : d;
+        if (in_place) return row(n0);
         for (int64_t c = 0; c < bc; ++c) std::memcpy(dense + c * d, row(n0 + c), sizeof(float) * static_cast<size_t>(d));
         return dense;
     }
@@ -981,8 +982,8 @@ void forward_group(const Ctx& ctx, int64_t u, int64_t i, float* ws) {
         // W-row blocks and the product's passes alone left most of the step waiting on
         // memory (the step is memory-bound). With `prefetch` that is the first tile
         // only: the next ones come in under this one's transposes (NextTile, paged or not;
-        // docs/cpu_backend.md, Emerald Rapids). (One head's paged rows: the gathers below
-        // read each row once in order.)
+        // docs/cpu_backend.md, Emerald Rapids). (One head's paged rows: read where a tile
+        // lies in one page, else gathered below, each row once in order.)
         if ((!paged || nh > 1) && (!prefetch || j == visit.begin)) {
             K0.touch(n0, bc, nh * d, all.S);
             V0.touch(n0, bc, nh * d, all.S);
