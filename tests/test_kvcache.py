@@ -173,6 +173,92 @@ def test_split_forward_is_one_launch_for_every_chunk(nq):
         assert same_bits(o, want.o) and same_bits(lse, want.lse)
 
 
+@pytest.mark.parametrize("H,Hkv,nq,chunks,mods", [
+    (8, 4, 1, 33, {}),  # decoding: 2 heads' rows in one Q tile of 8
+    (8, 2, 5, 22, {"alibi": True, "bias": True}),  # 4 heads x 5 queries: tiles cut between queries
+    (8, 2, 3, 33, {"dropout": True}),
+])
+def test_gqa_packing_reads_kv_once_per_group_with_the_same_bits(H, Hkv, nq, chunks, mods):
+    """Where a head's rows fill less than a Q tile and the packed grid keeps 4 blocks per
+    SM (src/core/tiles.cpp pack_gqa), the readable FA2 forward serves a K/V head's G query
+    heads per block, their rows query by query: fewer blocks (the emulator's progress
+    reports each launch's), K_j and V_j read once per group (the simulator's count, which
+    walks the same packed tiles, equals count_io's), and every bit as each sequence alone,
+    unpacked (too small a grid to pack), as the simulator and as the cpu backend; causal,
+    with per-head score modifications and dropout keyed on each row's own head."""
+    B, d, G = 4, 16, H // Hkv
+    Nk = chunks * 16
+    q, k, v = problem(B, H, Hkv, nq, Nk, d, seed=nq)
+    kw = dict(causal=True, split_size=16)
+    rng = np.random.default_rng(nq)
+    if mods.get("alibi"):
+        kw["alibi_slopes"] = rng.uniform(0.01, 0.5, (B, H)).astype(np.float32)
+    if mods.get("bias"):
+        kw["bias"] = rng.standard_normal((1, H, nq, Nk), dtype=np.float32)
+    if mods.get("dropout"):
+        kw.update(dropout_p=0.25, seed=5)
+    tiles = dict(block_r=8, block_c=16)
+    packed = -(-G * nq // 8)
+    assert B * Hkv * chunks * packed == 4 * 132  # the emulated H200's 132 SMs: just enough to pack
+    seen = []
+    o, lse = pyfa.fa2_forward(q, k, v, options=pyfa.Options(
+        backend="emu", variant="reference", progress=lambda done, total: seen.append(total), **tiles), **kw)
+    assert seen == [chunks * packed * Hkv * B, -(-nq // 8) * H * B], seen  # the chunks, then the combine
+    want = pyfa.sim.fa2_forward(q, k, v, options=pyfa.Options(**tiles), **kw)
+    assert same_bits(o, want.o) and same_bits(lse, want.lse)
+    rec = pyfa.sim.count_io("fa2", batch=B, heads=H, heads_kv=Hkv, seqlen_q=nq, seqlen_k=Nk, head_dim=d,
+                            causal=True, split_size=16, bias=kw["bias"].shape if "bias" in kw else None, **tiles)
+    assert (rec.reads, rec.writes) == (want.io.reads, want.io.writes)
+    assert rec.reads["K"] <= B * Hkv * packed * Nk * d * 4  # each K/V tile once per packed Q tile
+    cpu = pyfa.fa2_forward(q, k, v, options=pyfa.Options(backend="cpu", **tiles), **kw)
+    assert same_bits(cpu[0], o) and same_bits(cpu[1], lse)
+    for b in range(B):
+        one = dict(kw, alibi_slopes=kw["alibi_slopes"][b:b + 1]) if "alibi_slopes" in kw else kw
+        if "dropout_p" in kw:  # sequence b alone draws as batch element 0: compare without a batch
+            break
+        seen.clear()
+        ob, lb = pyfa.fa2_forward(q[b:b + 1], k[b:b + 1], v[b:b + 1], options=pyfa.Options(
+            backend="emu", variant="reference", progress=lambda done, total: seen.append(total), **tiles), **one)
+        assert seen[0] == chunks * -(-nq // 8) * H  # unpacked: one block per query head
+        assert same_bits(ob, o[b:b + 1]) and same_bits(lb, lse[b:b + 1]), b
+
+
+def test_gqa_packing_through_a_paged_cache():
+    """A decoding step through a shuffled paged cache of 4 sequences of different lengths
+    (one launch for the batch: the emulator packs it), row for row the simulator's and the
+    cpu backend's, and each sequence's own unpacked step."""
+    rng = np.random.default_rng(21)
+    B, H, Hkv, d, page = 4, 8, 4, 16, 16
+    lengths = np.array([527, 300, 11, 400], np.int32)  # cached keys; the step adds one
+    q = rng.standard_normal((B, 1, H, d), dtype=np.float32)
+    k = rng.standard_normal((B, 528, Hkv, d), dtype=np.float32)
+    v = rng.standard_normal((B, 528, Hkv, d), dtype=np.float32)
+    kc, vc, table = paged(rng, k, v, page, 528 // page)
+    for b, n in enumerate(lengths):
+        for n0 in range(0, n, page):
+            rows = slice(n0, min(n, n0 + page))
+            kc[table[b, n0 // page], :rows.stop - n0] = k[b, rows]
+            vc[table[b, n0 // page], :rows.stop - n0] = v[b, rows]
+    tiles = dict(block_r=8, block_c=16)
+    new = [(k[b:b + 1, n:n + 1], v[b:b + 1, n:n + 1]) for b, n in enumerate(lengths)]
+    kn, vn = (np.concatenate([x[i] for x in new]) for i in (0, 1))
+    outs = {}
+    for backend in ("emu", "cpu", "sim"):
+        call = pyfa.sim.attention_with_kvcache if backend == "sim" else pyfa.attention_with_kvcache
+        opts = pyfa.Options(**tiles) if backend == "sim" else pyfa.Options(backend=backend, **tiles)
+        kb, vb = kc.copy(), vc.copy()
+        outs[backend] = call(q, kb, vb, lengths, kn, vn, block_table=table, causal=True, split_size=16,
+                             return_lse=True, options=opts)
+    for backend in ("cpu", "sim"):
+        assert all(same_bits(a, b) for a, b in zip(outs[backend], outs["emu"])), backend
+    for b, n in enumerate(lengths):
+        kb, vb = kc.copy(), vc.copy()
+        o, lse = pyfa.attention_with_kvcache(q[b:b + 1], kb, vb, lengths[b:b + 1], kn[b:b + 1], vn[b:b + 1],
+                                             block_table=table[b:b + 1], causal=True, split_size=16,
+                                             return_lse=True, options=pyfa.Options(backend="emu", **tiles))
+        assert same_bits(o, outs["emu"][0][b:b + 1]) and same_bits(lse, outs["emu"][1][b:b + 1]), b
+
+
 def test_split_size_refused_where_it_cannot_apply():
     q, k, v = problem(1, 2, 1, 5, 150, 32, seed=2)
     with pytest.raises(pyfa.InvalidArgumentError, match="split_size.*multiple"):

@@ -376,12 +376,42 @@ def test_decode_preset_shows_bytes_per_token_beside_the_floor():
     want = pyfa.sim.count_io("fa2", batch=B, heads=H, heads_kv=Hkv, seqlen_q=1, seqlen_k=Nk, head_dim=d,
                              causal=True, split_size=256)
     assert fa2["bytes_per_token"] * B == want.total
-    # One block per query head reads each K/V tile G = 4 times; read once per group, the
-    # step is the floor plus the partials (128 chunks x (d + 1) x 4 bytes, written and read).
+    # FA2's forward packs each group's 4 query heads into its blocks here (16 x 8 x 128
+    # blocks, far above 4 per SM): K/V once per group, so the step is the floor plus the
+    # partials (128 chunks x (d + 1) x 4 bytes, written and read) and LSE.
     partials = 2 * (Nk // 256) * H * (d + 1) * 4
+    assert dec["fa2_packs"]
     assert fa2["partials_bytes_per_token"] == partials
-    assert fa2["kv_rereads_bytes_per_token"] == 3 * 2 * Hkv * Nk * d * 4
-    assert fa2["over_floor"] > 1.05 and fa2["grouped_over_floor"] <= 1.05
+    assert fa2["kv_rereads_bytes_per_token"] == 0
+    assert fa2["bytes_per_token"] == floor + partials + H * 4
+    assert fa2["over_floor"] <= 1.05
+    # FA1's forward runs one block per query head: each K/V tile 4 times.
+    fa1 = next(a for a in dec["algorithms"] if a["name"] == "fa1")
+    assert fa1["kv_rereads_bytes_per_token"] == 3 * 2 * Hkv * Nk * d * 4
+    assert fa1["over_floor"] > 1.05 and fa1["grouped_over_floor"] <= 1.06
     text = report_render.render_text(r)
     assert "bytes per generated token" in text and "re-reads" in text
     assert "Decoding: bytes per generated token" in [n["title"] for n in r["notes"]]
+    note = next(n["text"] for n in r["notes"] if n["title"] == "Decoding: bytes per generated token")
+    assert "packs the group's query heads" in note
+    # Batch 1 at context 8192 would pack into 32 x 8 = 256 blocks, under 4 per SM of the
+    # profile's 132: it keeps one block per query head (1024 blocks) and says so.
+    one = report_model.build_report(replace(s, batch=1, seqlen_k=8192), preset="decode")
+    assert not one["decode"]["fa2_packs"]
+    fa2_one = next(a for a in one["decode"]["algorithms"] if a["name"] == "fa2")
+    assert fa2_one["kv_rereads_bytes_per_token"] == 3 * 2 * Hkv * 8192 * d * 4
+    assert "runs one block per query head here" in next(
+        n["text"] for n in one["notes"] if n["title"] == "Decoding: bytes per generated token")
+
+
+def test_pack_gqa_rule():
+    """The rule (src/core/tiles.cpp pack_gqa; the emulator's launches in tests/test_kvcache.py
+    follow it): pack only where it takes fewer blocks and keeps 4 blocks per SM."""
+    from pyfa.sim.tiles import EMU_PROFILE, pack_gqa
+    assert pack_gqa(16, 32, 8, 1, 64, 128) and pack_gqa(1, 32, 8, 1, 64, 66)
+    assert not pack_gqa(1, 32, 8, 1, 64, 65)  # 8 x 65 = 520 blocks < 4 x 132
+    assert not pack_gqa(16, 32, 32, 1, 64, 128)  # no GQA
+    assert not pack_gqa(16, 32, 8, 64, 64, 128)  # a head's rows fill its tiles: no fewer blocks
+    assert not pack_gqa(16, 32, 8, 128, 64, 128)
+    assert pack_gqa(16, 32, 8, 40, 64, 128)  # 160 rows in 3 tiles, not 4 x 1
+    assert EMU_PROFILE.sm_count == 132

@@ -28,7 +28,7 @@ from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..checks import check_count_args, check_offsets, check_split_size, check_tile
 from .io import IORecord
 from .mask import Mask
-from .tiles import EMU_PROFILE, DeviceProfile, resolve_tiles
+from .tiles import EMU_PROFILE, DeviceProfile, pack_gqa, resolve_tiles
 from .tiling import ceil_div
 
 STAT_BYTES = 4
@@ -47,6 +47,7 @@ class Walk:
     e: int          # bytes per tensor element
     bias_rows: object = None  # an additive bias (issue 27): its rows, Nq or 1; None: none
     split: int = 0  # FA2's split_size (split-KV, the split backward); 0: one chunk
+    pack: bool = False  # the FA2 forward's blocks pack the group's rows (tiles.pack_gqa)
 
     def bias_io(self, io, scores, backward=False, tiles=0):
         """A bias's traffic (pyfa/sim/score.py bias_io, dbias_io): `scores` scores of visited
@@ -124,26 +125,34 @@ class Walk:
 
 
 def fa2_forward_io(w):
-    """src/kernels/fa2_forward.cuh, per query head: Q_i read once, K_j and V_j once per
+    """src/kernels/fa2_forward.cuh, per block row (a query head; packed, w.pack, the
+    group's G heads, their G * Nq rows query by query): Q_i read once, K_j and V_j once per
     visited (i, j), O_i and LSE_i written once."""
+    qg = w.G if w.pack else 1
+    rows = qg * w.Nq
     io = IORecord()
-    io.read("Q", w.Nq * w.d * w.e)
-    for i in range(w.Tr):
-        keys = w.keys_visited(i)
+    io.read("Q", rows * w.d * w.e)
+    scores = 0
+    for t in range(ceil_div(rows, w.Br)):
+        r0, br = t * w.Br, min(w.Br, rows - t * w.Br)
+        i0, i1 = r0 // qg, (r0 + br - 1) // qg  # the tile's first and last query
+        begin, end = w.mask.kv_tiles(i0, i1 - i0 + 1, w.Bc, w.Nk)
+        keys = max(0, min(w.Nk, end * w.Bc) - begin * w.Bc)
         io.read("K", keys * w.d * w.e)
         io.read("V", keys * w.d * w.e)
+        scores += br * keys
     if w.split:
         # Split-KV: every chunk writes its partial O, LSE of every row (LSE = -inf where a
         # row sees none of it), and the combine step reads them all back, as the simulator.
         chunks = ceil_div(w.Nk, w.split)
-        io.write("O partials", chunks * w.Nq * w.d * w.e)
-        io.write("LSE partials", chunks * w.Nq * STAT_BYTES)
-        io.read("O partials", chunks * w.Nq * w.d * w.e)
-        io.read("LSE partials", chunks * w.Nq * STAT_BYTES)
-    io.write("O", w.Nq * w.d * w.e)
-    io.write("LSE", w.Nq * STAT_BYTES)
-    w.bias_io(io, sum(w.row_tile(i)[1] * w.keys_visited(i) for i in range(w.Tr)))
-    return io.scaled(w.G)
+        io.write("O partials", chunks * rows * w.d * w.e)
+        io.write("LSE partials", chunks * rows * STAT_BYTES)
+        io.read("O partials", chunks * rows * w.d * w.e)
+        io.read("LSE partials", chunks * rows * STAT_BYTES)
+    io.write("O", rows * w.d * w.e)
+    io.write("LSE", rows * STAT_BYTES)
+    w.bias_io(io, scores)
+    return io.scaled(w.G // qg)
 
 
 def fa2_backward_preprocess_io(w):
@@ -310,12 +319,19 @@ def count_kernels(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, h
                 Br, Bc = resolve_tiles(kernel, head_dim, block_r, block_c, profile)
                 tiles.append({"pass": p, "kernel": kernel, "block_r": Br, "block_c": Bc})
             split = _kernel_split(split_size, head_dim, kernel, Br, Bc)
+            pack = kernel == "fa2_forward" and pack_gqa(batch, heads, Hkv, seqlen_q, Br, _chunks(seqlen_k, split),
+                                                         profile)
             w = Walk(seqlen_q, seqlen_k, head_dim, heads // Hkv, Br, Bc, mask, dtype_bytes, bias_rows,
-                     split)
+                     split, pack)
             record = record + walker(w)
     out = record.scaled(batch * Hkv)
     out.label = f"{algo} {passes}"
     return out, tiles
+
+
+def _chunks(Nk, split):
+    """Split-KV's chunks of Nk keys (1 unsplit)."""
+    return ceil_div(Nk, split) if split else 1
 
 
 def _check_split_algo(split_size, algo):
@@ -416,8 +432,8 @@ def count_io_varlen(algo, *, passes="forward", cu_seqlens_q, cu_seqlens_k, heads
                                                                  zip(offsets[1], offsets[1][1:]))]
     B = len(lengths)
     rows = max_k = None
+    longest_q, longest_k = (max((n[a] for n in lengths), default=0) for a in (0, 1))
     if bias is not None:
-        longest_q, longest_k = (max((n[a] for n in lengths), default=0) for a in (0, 1))
         shape = (1,) * (4 - len(tuple(bias))) + tuple(bias) if isinstance(bias, (tuple, list)) else None
         rows = _bias_rows(bias, algo, B, heads, shape[2] if shape else 1, shape[3] if shape else 0)
         max_k = shape[3]
@@ -429,10 +445,13 @@ def count_io_varlen(algo, *, passes="forward", cu_seqlens_q, cu_seqlens_k, heads
         for kernel, walker in WALKERS[(algo, p)]:
             Br, Bc = resolve_tiles(kernel, head_dim, block_r, block_c, profile)
             split = _kernel_split(split_size, head_dim, kernel, Br, Bc)
+            # One launch for the batch: packing decided for its bounds (varlen.py likewise).
+            pack = kernel == "fa2_forward" and pack_gqa(B, heads, Hkv, longest_q, Br, _chunks(longest_k, split),
+                                                         profile)
             for nq, nk in lengths:
                 mask = Mask.resolve(causal, window, causal_align, nq, nk)
                 record = record + walker(Walk(nq, nk, head_dim, heads // Hkv, Br, Bc, mask,
-                                              dtype_bytes, rows, split))
+                                              dtype_bytes, rows, split, pack))
     out = record.scaled(Hkv)
     if bias is not None and "backward" in wanted:
         out.write("dBias", B * heads * rows * max_k * dtype_bytes)

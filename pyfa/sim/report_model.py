@@ -18,7 +18,7 @@ from ..checks import MAX_HEAD_DIM
 from .mask import Mask, check_causal_align, check_window
 from .report_render import PASS_WORDS, _problem_line, gb
 from .standard import PASS_NAMES, backward_steps, count_standard_io, forward_steps
-from .tiles import EMU_PROFILE, FLOAT_BYTES, DeviceProfile, smem_bytes
+from .tiles import EMU_PROFILE, FLOAT_BYTES, DeviceProfile, pack_gqa, resolve_tiles, smem_bytes
 
 # Device profiles for default tiles and the M of Theta(N^2 d^2 / M). The A100's is the
 # shared memory one block may opt in to on sm_80 (163 KiB), the GPU of the paper's table.
@@ -187,8 +187,12 @@ def decode_section(report, s):
                      # The same kernel with each K/V tile read once for its group (the cpu
                      # backend's forward_group): the floor plus the partials and LSE.
                      "grouped_over_floor": (a["total"] - (kv - kv_floor)) / floor})
+    dev = s.device()
+    Br, Bc = resolve_tiles("fa2_forward", s.head_dim, s.block_r, s.block_c, dev)
+    chunks = count_mod._chunks(s.seqlen_k, count_mod._kernel_split(s.split_size, s.head_dim, "fa2_forward", Br, Bc))
     return {"tokens_per_step": tokens, "floor_bytes_per_token": floor / tokens, "G": G,
-            "split_size": s.split_size, "algorithms": rows}
+            "split_size": s.split_size, "algorithms": rows,
+            "fa2_packs": pack_gqa(s.batch, s.heads, s.kv_heads(), s.seqlen_q, Br, chunks, dev)}
 
 
 def tiles_fit(tiles, s):
@@ -413,10 +417,19 @@ def notes(report, s):
                     f"dK, dV back at the end."))
     dec = report.get("decode")
     if dec:
-        per = "; ".join(f"{r['name']} {gb(r['bytes_per_token'])} per token, {r['over_floor']:.2f}× the floor "
+        per = "; ".join(f"{r['name']} {gb(r['bytes_per_token'])} per token, {r['over_floor']:.3f}× the floor "
                         f"({gb(r['kv_rereads_bytes_per_token'])} of K/V re-reads, "
-                        f"{gb(r['partials_bytes_per_token'])} of split partials; with each K/V tile read once "
-                        f"for its group {r['grouped_over_floor']:.3f}×)" for r in dec["algorithms"])
+                        f"{gb(r['partials_bytes_per_token'])} of split partials"
+                        + (f"; with each K/V tile read once for its group {r['grouped_over_floor']:.3f}×)"
+                           if r["kv_rereads_bytes_per_token"] else ")") for r in dec["algorithms"])
+        packs = ("packs the group's query heads into its blocks here (src/core/tiles.cpp pack_gqa: "
+                 "their rows then take fewer Q tiles, and the packed grid still holds 4 blocks per SM "
+                 "of the profile), so it reads each K/V tile once per group, as the cpu backend's "
+                 "decode path does" if dec["fa2_packs"] else
+                 "runs one block per query head here (src/core/tiles.cpp pack_gqa packs a group's "
+                 "heads only where their rows then take fewer Q tiles and the packed grid still "
+                 "holds 4 blocks per SM of the profile), so each of the "
+                 f"{dec['G']} query heads of a group reads K_j and V_j again")
         split = (f"split-KV with {dec['split_size']} keys per chunk: each chunk writes a partial O "
                  f"and LSE of every query row and the combine step reads them back, "
                  f"2·(d + 1)·4 bytes per row and chunk" if dec["split_size"]
@@ -424,12 +437,10 @@ def notes(report, s):
         out.append(("Decoding: bytes per generated token",
                     f"A decoding step generates {dec['tokens_per_step']} tokens (one per query row). "
                     f"The floor is every visible key's K and V row read once per K/V head, plus q "
-                    f"read and o written: {gb(dec['floor_bytes_per_token'])} per token. {per}. Where "
-                    f"a count is above 1.05× the floor, the reasons are these two: the modelled FA2 "
-                    f"forward kernel (src/kernels/fa2_forward.cuh) runs one block per query head, so "
-                    f"each of the {dec['G']} query heads of a group reads K_j and V_j again "
-                    f"(the cpu backend's decode path, forward_group, serves a group's query heads "
-                    f"together and reads them once); and {split}."))
+                    f"read and o written: {gb(dec['floor_bytes_per_token'])} per token. {per}. The "
+                    f"excess over the floor has two sources: K/V re-reads, where blocks serve one "
+                    f"query head each (FA1's forward always; FA2's forward, "
+                    f"src/kernels/fa2_forward.cuh, {packs}); and {split}."))
     if flash:
         tiles = "; ".join(f"{a['name']}: " + ", ".join(dict.fromkeys(  # unique, in order
             f"{t['kernel']} {t['block_r']}×{t['block_c']}" for t in a["tiles"]))

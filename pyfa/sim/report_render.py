@@ -148,8 +148,10 @@ def _sections(r, steps=False):
         for a in dec["algorithms"]:
             rows.append((a["name"], _num(a["bytes_per_token"], 1e6), f"{a['over_floor']:.3f}",
                          _num(a["kv_rereads_bytes_per_token"], 1e6), _num(a["partials_bytes_per_token"], 1e6)))
-            rows.append((f"{a['name']}, K/V once per group", _num(a["bytes_per_token"] - a["kv_rereads_bytes_per_token"], 1e6),
-                         f"{a['grouped_over_floor']:.3f}", "0", _num(a["partials_bytes_per_token"], 1e6)))
+            if a["kv_rereads_bytes_per_token"]:
+                rows.append((f"{a['name']}, K/V once per group",
+                             _num(a["bytes_per_token"] - a["kv_rereads_bytes_per_token"], 1e6),
+                             f"{a['grouped_over_floor']:.3f}", "0", _num(a["partials_bytes_per_token"], 1e6)))
         split = f"split_size {dec['split_size']}" if dec["split_size"] else "no split-KV"
         secs.append(("table", f"Decoding: bytes per generated token ({dec['tokens_per_step']} tokens per step, "
                               f"{split}; MB = 10⁶ bytes; the floor: the visible K and V once per K/V "

@@ -4,6 +4,8 @@ src/common/smem.h and the default-tile rules in src/core/tiles.cpp.
 tests/test_tiles.py checks every function here against the compiled library.
 """
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -170,6 +172,43 @@ def fa1_default_tiles(kernel, d, profile=EMU_PROFILE, block_r=None, block_c=None
         else:
             break
     return Br, Bc
+
+
+def pack_gqa(B, H, Hkv, Nq, Br, chunks, profile=EMU_PROFILE):
+    """Whether the readable FA2 forward packs a K/V head's G = H / Hkv query heads into
+    its blocks (src/common/params.h pack_gqa), for a grid of B sequences, Nq query rows,
+    Q tiles of Br rows and `chunks` split-KV chunks (1 unsplit): where that takes fewer
+    blocks (a head's last Q tile part empty, as decoding's one row) and still leaves 4
+    blocks per SM (src/core/tiles.cpp pack_gqa, which says why)."""
+    G = H // Hkv
+    packed = -(-G * Nq // Br)
+    if G <= 1 or packed >= G * -(-Nq // Br):
+        return False
+    return B * Hkv * max(chunks, 1) * packed >= 4 * profile.sm_count
+
+
+# The grid a simulated FA2 forward is one part of: (B, Nq, Nk) bounds of a packed batch,
+# whose one launch the library sizes, packing decided once for it (pyfa/sim/varlen.py
+# runs its sequences one at a time); None: the call's own.
+_GRID = contextvars.ContextVar("pyfa_sim_grid", default=None)
+
+
+@contextlib.contextmanager
+def launch_grid(B, Nq, Nk):
+    """Within it, grid_pack_gqa decides for a launch of B sequences of at most Nq
+    queries and Nk keys."""
+    token = _GRID.set((B, Nq, Nk))
+    try:
+        yield
+    finally:
+        _GRID.reset(token)
+
+
+def grid_pack_gqa(B, H, Hkv, Nq, Nk, Br, split_size):
+    """pack_gqa for a simulated FA2 forward of (B, H, Hkv, Nq, Nk) on the emulated
+    device, or for the launch_grid it runs within."""
+    B, Nq, Nk = _GRID.get() or (B, Nq, Nk)
+    return pack_gqa(B, H, Hkv, Nq, Br, -(-Nk // split_size) if split_size else 1)
 
 
 # Kernels whose default tiles follow their own rule rather than FA2's halving.

@@ -26,6 +26,7 @@ from .fa1_forward import fa1_forward
 from .fa2_backward import fa2_backward
 from .fa2_forward import fa2_forward
 from .io import IORecord
+from .tiles import launch_grid
 
 __all__ = ["attention_varlen", "fa1_backward_varlen", "fa1_forward_varlen", "fa2_backward_varlen",
            "fa2_forward_varlen"]
@@ -94,7 +95,9 @@ def _run(algo, passes, function, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen
             kw = dict(kwargs, alibi_slopes=np.asarray(slopes)[len(parts):len(parts) + 1])
         if bias is not None:
             kw = dict(kw, bias=_corner(bias, len(parts), H, qz - qa, kz - ka))
-        with score.batch_offset(len(parts)):
+        # One launch serves the batch: the FA2 forward's GQA packing is decided for its
+        # bounds (tiles.launch_grid), as the library decides it.
+        with score.batch_offset(len(parts)), launch_grid(len(offsets_q) - 1, max_q, max_k):
             r = kernel(*args, layout="bnhd", options=options, **kw)
         if qz == qa or kz == ka:  # answered without a kernel: count what the varlen kernels move
             r.io = count_io_varlen(algo, passes=passes, cu_seqlens_q=[0, qz - qa], cu_seqlens_k=[0, kz - ka],

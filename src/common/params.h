@@ -103,6 +103,26 @@ struct AttentionParams {
     TensorStrides o_part_strides;  // of one partial
     int64_t o_part_step, lse_part_step;  // elements from partial c to c + 1
 
+    // ---- GQA packing (FA2 forward; src/core/tiles.cpp pack_gqa decides): 1: a block
+    // serves the G = H / Hkv query heads of K/V head blockIdx.y, their rows packed query
+    // by query into one grid of G * Nq rows (q_row), so that K_j and V_j are read once for
+    // the group, not G times; 0: a block serves one query head. No bit depends on it: a
+    // row's steps never read another row (docs/numerics.md, "Invariance").
+    int pack_gqa;
+
+    // Query heads whose rows one FA2 forward block holds: G packed, else 1.
+    PYFA_HD int64_t packed_heads() const { return pack_gqa ? heads / heads_kv : 1; }
+    // Row R of block row y's rows (y: blockIdx.y, a query head or, packed, a K/V head):
+    // query i of query head h.
+    struct QRow {
+        int64_t h, i;
+    };
+    PYFA_HD QRow q_row(int64_t y, int64_t R) const {
+        if (!pack_gqa) return QRow{y, R};
+        const int64_t G = heads / heads_kv;
+        return QRow{y * G + R % G, R / G};
+    }
+
     // The K/V tiles of `visit` (a Q tile's band) in this launch's chunk: all of them
     // without split-KV. Bc: block_c, a compile-time constant in the fast kernels (no
     // 64-bit division there).
@@ -122,7 +142,8 @@ struct AttentionParams {
     // (A grid's x and Tr fit 32 bits: the one division a block makes stays a 32-bit one.)
     PYFA_HD ChunkBlock chunk_block(int64_t x) const {
         if (split_launch_chunks <= 1) return ChunkBlock{x, split_index};
-        const uint32_t x32 = static_cast<uint32_t>(x), Tr = static_cast<uint32_t>((seqlen_q + block_r - 1) / block_r);
+        const uint32_t x32 = static_cast<uint32_t>(x),
+                       Tr = static_cast<uint32_t>((seqlen_q * packed_heads() + block_r - 1) / block_r);
         return ChunkBlock{x32 % Tr, split_index + x32 / Tr};
     }
 

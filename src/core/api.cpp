@@ -1077,6 +1077,21 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->split_size: %lld chunks of O do not fit in memory",
                     static_cast<long long>(split_chunks));
 
+    // GQA packing of the readable FA2 forward's blocks (params.h pack_gqa), where its grid
+    // x still holds the packed tiles; the combine launch of a split forward keeps one
+    // query head per block.
+    if (op.op == PYFA_OP_FA2_FORWARD && backend.runs_table_kernels() && ids[0] == PYFA_KERNEL_FA2_FORWARD &&
+        ceil_div(base.seqlen_q * (base.heads / base.heads_kv), tiles[0][0]) <= kMaxGridX &&
+        pack_gqa(base.batch, base.heads, base.heads_kv, base.seqlen_q, tiles[0][0], split_chunks,
+                 profile.sm_count)) {
+        base.pack_gqa = 1;
+        AttentionParams p = base;
+        p.block_r = tiles[0][0];
+        p.block_c = tiles[0][1];
+        shapes[0] = launch_shape(ids[0], p);
+        if ((st = backend.check_launch(ids[0], shapes[0])) != PYFA_OK) return st;
+    }
+
     // Last of the argument checks, so that the others are reported first.
     const bool in_place = device_pointers || (cfg.flags & PYFA_FLAG_IN_PLACE);
     if ((st = check_overlaps(op, pr, inputs, outputs, in_place)) != PYFA_OK) return st;
@@ -1211,7 +1226,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     // Launch n of the call's launches: the op's kernels, or the split forward's chunks
     // (`per` a launch: all of them in one grid of Tr x chunks blocks along x, as many as
     // that axis holds, or one each for a backend that runs the whole op) and its combine.
-    const int64_t Tr = std::max<int64_t>(1, ceil_div(bound.seqlen_q, tiles[0][0]));  // chunk_block's (params.h)
+    const int64_t Tr = std::max<int64_t>(1, ceil_div(bound.seqlen_q * bound.packed_heads(), tiles[0][0]));  // chunk_block's (params.h)
     const int64_t per = split_chunks == 0 || backend.runs_whole_op()
                             ? 1
                             : std::max<int64_t>(1, std::min<int64_t>(split_chunks, kMaxGridX / Tr));
@@ -1234,6 +1249,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
             p.o_strides = dense_strides(T_O, pr);
             p.lse = lse_part + p.split_index * lse_step;
         } else {
+            p.pack_gqa = 0;
             p.split_count = split_chunks;
             p.o_part = o_part;
             p.lse_part = lse_part;
@@ -1272,7 +1288,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
             }
             int k = 0;
             const AttentionParams p = launch_params(n, &k);
-            LaunchShape shape = shapes[k];
+            LaunchShape shape = p.split_count > 0 ? launch_shape(ids[k], p) : shapes[k];
             if (p.split_launch_chunks > 1) shape.grid[0] *= static_cast<unsigned>(p.split_launch_chunks);
             if ((st = backend.launch(ids[k], p, shape, cfg, stream)) != PYFA_OK) return st;
         }

@@ -34,6 +34,12 @@ struct LaunchShape {
 // have been checked by fits() and whose tile counts fit a grid dimension.
 LaunchShape launch_shape(int kernel, const AttentionParams& p);
 
+// Whether the readable FA2 forward packs a K/V head's query heads into its blocks
+// (params.h pack_gqa) for a grid of B sequences, H query heads over Hkv K/V heads, Nq
+// query rows, Q tiles of Br rows and `chunks` split-KV chunks (1 unsplit) on a device of
+// sm_count SMs. Twin: pyfa/sim/tiles.py pack_gqa.
+bool pack_gqa(int64_t B, int64_t H, int64_t Hkv, int64_t Nq, int64_t Br, int64_t chunks, int sm_count);
+
 // Exact shared-memory bytes of a kernel's layout, or -1 for an unknown kernel, a size
 // below 1, or a size that does not fit in int64_t.
 int64_t smem_bytes(int kernel, int64_t Br, int64_t Bc, int64_t d);

@@ -166,15 +166,28 @@ LaunchShape launch_shape(int kernel, const AttentionParams& p) {
     s.smem_bytes = smem_bytes(kernel, p.block_r, p.block_c, p.head_dim);
     s.threads = threads_of(kernel, p.block_r);
     switch (row->grid) {
-        case kGridQTiles: s.grid[0] = static_cast<unsigned>(ceil_div(p.seqlen_q, p.block_r)); break;
+        case kGridQTiles: s.grid[0] = static_cast<unsigned>(ceil_div(p.seqlen_q * p.packed_heads(), p.block_r)); break;
         case kGridKvTilesKvHeads: s.grid[0] = static_cast<unsigned>(ceil_div(p.seqlen_k, p.block_c)); break;
         case kGridHeads:  // one block per (head, batch): FA1's parallelism
         case kGridKvHeads: s.grid[0] = 1; break;
     }
-    const bool kv = row->grid == kGridKvTilesKvHeads || row->grid == kGridKvHeads;
+    const bool kv = row->grid == kGridKvTilesKvHeads || row->grid == kGridKvHeads || p.pack_gqa;
     s.grid[1] = static_cast<unsigned>(kv ? p.heads_kv : p.heads);
     s.grid[2] = static_cast<unsigned>(p.batch);
     return s;
+}
+
+// Packing a group's rows into shared Q tiles pays where it takes fewer blocks, each of
+// which reads its K/V tiles once: G heads of Nq rows need ceil(G*Nq/Br) tiles, not
+// G*ceil(Nq/Br), fewer wherever a head's last tile is part empty (decoding's Nq = 1 fills
+// 1 row of Br, and G heads take 1 tile, not G). It costs parallelism, so
+// it is taken only while the packed grid still holds 4 blocks per SM, enough resident
+// blocks for the loads of some to run behind the arithmetic of others; below that the
+// G-fold re-reads (mostly L2 hits) cost less than idle SMs.
+bool pack_gqa(int64_t B, int64_t H, int64_t Hkv, int64_t Nq, int64_t Br, int64_t chunks, int sm_count) {
+    const int64_t G = H / Hkv, packed = ceil_div(G * Nq, Br);
+    if (G <= 1 || packed >= G * ceil_div(Nq, Br)) return false;
+    return B * Hkv * max64(chunks, 1) * packed >= 4 * static_cast<int64_t>(sm_count);
 }
 
 namespace {

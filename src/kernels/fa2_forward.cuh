@@ -3,7 +3,10 @@
 // Numerical contract: docs/numerics.md.
 //
 // One block per (Q row block i, query head h, batch b); head h reads K/V head
-// hk = h / (H / Hkv). The block loads Q_i once and walks the K/V tiles j of the mask's
+// hk = h / (H / Hkv). With GQA packing (params.h pack_gqa, where the group's rows take
+// fewer tiles packed, as decoding's) one block per (i, K/V head hk, b) instead, its rows
+// those of the group's G query heads taken query by query: K_j, V_j read once per group.
+// The block loads Q_i once and walks the K/V tiles j of the mask's
 // band [begin, end) (tiles wholly masked for Q_i are skipped), keeping the running max m_i, the running sum l_i and the
 // unnormalized accumulator O_i in shared memory:
 //     m_new   = max(m_old, rowmax(S_ij))                 S_ij = scale * Q_i K_j^T
@@ -27,9 +30,9 @@
 namespace PYFA_KERNELS {
 
 __global__ void fa2_forward_kernel(const AttentionParams p) {
-    const int64_t h = blockIdx.y, b = blockIdx.z;
-    if (p.split_count > 0) {  // split-KV's combine launch (params.h)
-        split_combine_tile(p, blockIdx.x, h, b, threadIdx.x, blockDim.x);
+    const int64_t y = blockIdx.y, b = blockIdx.z;  // y: the query head, or packed the K/V head
+    if (p.split_count > 0) {  // split-KV's combine launch (params.h), never packed
+        split_combine_tile(p, blockIdx.x, y, b, threadIdx.x, blockDim.x);
         return;
     }
     // Q tile i of key chunk `chunk` (params.h chunk_block), whose partial (O, LSE) lies
@@ -37,23 +40,27 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
     const AttentionParams::ChunkBlock cb = p.chunk_block(blockIdx.x);
     const int64_t i = cb.i, part = cb.chunk - p.split_index;
     const Sequence seq = p.sequence(b);
-    const int64_t d = p.head_dim, Nq = seq.Nq, Nk = seq.Nk;
+    const int64_t d = p.head_dim, Nk = seq.Nk;
+    const int64_t rows = seq.Nq * p.packed_heads();  // this block row's rows: Nq, or G * Nq packed
     const int64_t Br = p.block_r, Bc = p.block_c;
-    if (i * Br >= Nq) return;  // past its sequence's rows (a shorter one of a packed batch)
+    if (i * Br >= rows) return;  // past its sequence's rows (a shorter one of a packed batch)
     const int64_t tid = threadIdx.x, nthreads = blockDim.x;
 
-    const int64_t hk = h / (p.heads / p.heads_kv);  // the K/V head of this query head
-    const float* Q = p.q + p.q_strides.at(seq.batch, h, seq.q0);   // (Nq, d) of this head, HBM row stride row_q
+    const int64_t hk = p.pack_gqa ? y : y / (p.heads / p.heads_kv);  // the K/V head of these rows
+    // Row r of the tile is query qr(r).i of query head qr(r).h (params.h q_row).
+    const int64_t row0 = i * Br;
+    const int64_t br = min64(Br, rows - row0);  // rows of this tile (fewer in the tail)
+    auto qr = [&](int64_t r) { return p.q_row(y, row0 + r); };
     // Key n of the sequence is row p.kv_row(seq.k0 + n) of K and V (params.h: paged K/V).
     const float* K = p.k + p.k_strides.at(seq.batch, hk, 0);  // (rows of k, d), row stride row_k
     const float* V = p.v + p.v_strides.at(seq.batch, hk, 0);  // (rows of v, d), row stride row_v
-    float* O = p.o + part * p.o_part_step + p.o_strides.at(seq.batch, h, seq.q0);  // (Nq, d), row stride row_o
-    float* LSE = p.lse + part * p.lse_part_step + p.stat_at(seq, h);                 // (Nq), dense
-    const int64_t row_q = p.q_strides.row, row_k = p.k_strides.row;
-    const int64_t row_v = p.v_strides.row, row_o = p.o_strides.row;
-
-    const int64_t row0 = i * Br;
-    const int64_t br = min64(Br, Nq - row0);  // rows of this tile (fewer in the tail)
+    const int64_t row_k = p.k_strides.row, row_v = p.v_strides.row;
+    // Query qr(r) of Q (d), of O (d) and of LSE (1): partial `part` of them under split-KV.
+    auto Q_row = [&](int64_t r) { return p.q + p.q_strides.at(seq.batch, qr(r).h, seq.q0 + qr(r).i); };
+    auto O_row = [&](int64_t r) {
+        return p.o + part * p.o_part_step + p.o_strides.at(seq.batch, qr(r).h, seq.q0 + qr(r).i);
+    };
+    auto LSE_row = [&](int64_t r) { return p.lse + part * p.lse_part_step + p.stat_at(seq, qr(r).h) + qr(r).i; };
 
     PYFA_DYNAMIC_SMEM(smem_raw);
     float* smem = reinterpret_cast<float*>(smem_raw);
@@ -69,7 +76,7 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
     float* alpha = smem + L.offset[FA2F_alpha];  // (br)
 
     for (int64_t e = tid; e < br * d; e += nthreads) {
-        Qi[e] = Q[(row0 + e / d) * row_q + e % d + (PYFA_FAULT(bounds) ? 1 : 0)];
+        Qi[e] = Q_row(e / d)[e % d + (PYFA_FAULT(bounds) ? 1 : 0)];
         Oi[e] = 0.0f;
     }
     for (int64_t r = tid; r < br; r += nthreads) {
@@ -77,7 +84,9 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
         li[r] = 0.0f;
     }
 
-    const TileRange visit = p.split_tiles(seq.mask.kv_tiles(row0, br, Bc, Nk), Bc, cb.chunk);
+    // The tile's queries are qr(0).i .. qr(br - 1).i (increasing with r).
+    const TileRange visit =
+        p.split_tiles(seq.mask.kv_tiles(qr(0).i, qr(br - 1).i - qr(0).i + 1, Bc, Nk), Bc, cb.chunk);
     for (int64_t j = visit.begin; j < visit.end; ++j) {
         const int64_t col0 = j * Bc;
         const int64_t bc = min64(Bc, Nk - col0);
@@ -93,15 +102,16 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
         // S_ij[r, c]: the score pipeline (common/score.h), its sum x = 0 .. d-1 in order.
         for (int64_t e = tid; e < br * bc; e += nthreads) {
             const int64_t r = e / bc, c = e % bc;
-            Sij[r * lds + c] = attention_score(p, seq.mask, Qi + r * d, Kj + c * ldk, b, h, row0 + r, col0 + c);
+            Sij[r * lds + c] = attention_score(p, seq.mask, Qi + r * d, Kj + c * ldk, b, qr(r).h, qr(r).i, col0 + c);
         }
         __syncthreads();
-        const Band band = seq.mask.band(row0, col0);
+        // The visible keys of row r among c = 0 .. bc-1.
+        auto cols = [&](int64_t r) { return seq.mask.band(qr(r).i, col0).cols(0, bc); };
 
         // m_new = max(m_old, S_ij[r, 0], ..., S_ij[r, bc-1]); alpha = exp(m_old - m_new).
         // A row that sees no key of the tile takes no step (alpha is not read for it).
         for (int64_t r = tid; r < br; r += nthreads) {
-            if (band.cols(r, bc).begin == band.cols(r, bc).end) continue;
+            if (cols(r).begin == cols(r).end) continue;
             const float m_old = mi[r];
             float m_new = m_old;
             for (int64_t c = 0; c < bc; ++c) m_new = pyfa_max(m_new, Sij[r * lds + c]);
@@ -119,19 +129,19 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
 
         // l_i = fma(alpha, l_i, rowsum(P~_ij)), the row sum taken c = 0 .. bc-1 in order.
         for (int64_t r = tid; r < br; r += nthreads) {
-            if (band.cols(r, bc).begin == band.cols(r, bc).end) continue;
+            if (cols(r).begin == cols(r).end) continue;
             float rowsum = 0.0f;
             for (int64_t c = 0; c < bc; ++c) rowsum = rowsum + Sij[r * lds + c];
             li[r] = pyfa_fma(alpha[r], li[r], rowsum);
             // P V takes P~ o Z / (1 - p) (common/dropout.h); l above took P~ undropped.
-            p.dropout.apply_row(Sij + r * lds, bc, b, h, row0 + r, col0);
+            p.dropout.apply_row(Sij + r * lds, bc, b, qr(r).h, qr(r).i, col0);
         }
         if (p.dropout.on()) __syncthreads();  // every row's P~ is dropped before P V reads it
         // O_i = fma(alpha, O_i, P~_ij V_j), the product summed over the row's visible keys
         // c in increasing order (hidden ones are left out, not multiplied by 0).
         for (int64_t e = tid; e < br * d; e += nthreads) {
             const int64_t r = e / d, x = e % d;
-            const TileRange vis = band.cols(r, bc);
+            const TileRange vis = cols(r);
             if (vis.begin == vis.end) continue;
             float pv = 0.0f;
             for (int64_t c = vis.begin; c < vis.end; ++c) pv = pyfa_fma(Sij[r * lds + c], Vj[c * d + x], pv);
@@ -144,11 +154,11 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
     // it gets O = 0 and LSE = -inf rather than 0/0.
     for (int64_t e = tid; e < br * d; e += nthreads) {
         const float l = li[e / d];
-        O[(row0 + e / d) * row_o + e % d] = pyfa_canonical_nan(l == 0.0f ? 0.0f : Oi[e] / l);
+        O_row(e / d)[e % d] = pyfa_canonical_nan(l == 0.0f ? 0.0f : Oi[e] / l);
     }
     for (int64_t r = tid; r < br; r += nthreads) {
         const float l = li[r];
-        LSE[row0 + r] = pyfa_canonical_nan(l == 0.0f ? -INFINITY : mi[r] + pyfa_log(l));
+        *LSE_row(r) = pyfa_canonical_nan(l == 0.0f ? -INFINITY : mi[r] + pyfa_log(l));
     }
 }
 
