@@ -11,6 +11,7 @@ import pytest
 
 import pyfa
 import pyfa.sim
+from conftest import HAS_CUDA
 
 NEG_INF = np.float32(-np.inf)
 # (backend, variant, tiles): every implementation of the FA2 forward that runs here.
@@ -221,6 +222,29 @@ def test_gqa_packing_reads_kv_once_per_group_with_the_same_bits(H, Hkv, nq, chun
             backend="emu", variant="reference", progress=lambda done, total: seen.append(total), **tiles), **one)
         assert seen[0] == chunks * -(-nq // 8) * H  # unpacked: one block per query head
         assert same_bits(ob, o[b:b + 1]) and same_bits(lb, lse[b:b + 1]), b
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="no usable CUDA GPU here")
+def test_gqa_packed_decode_on_cuda():
+    """On the GPU (tools/device_check.sh runs the tests named cuda): a decoding step of 8
+    sequences, 8 query heads over 2 K/V heads, split at 32 keys: 1024 packed blocks, which
+    pack on any GPU of up to 256 SMs (the launch's block count says so), with the
+    simulator's bits, the emulator's and the cpu backend's."""
+    B, H, Hkv, Nk, d, split = 8, 8, 2, 2048, 64, 32
+    q, k, v = problem(B, H, Hkv, 1, Nk, d, seed=3)
+    tiles = dict(block_r=16, block_c=32)
+    sms = pyfa.device_profile("cuda")["sm_count"]
+    seen = []
+    o, lse = pyfa.fa2_forward(q, k, v, causal=True, split_size=split, options=pyfa.Options(
+        backend="cuda", variant="reference", progress=lambda done, total: seen.append(total), **tiles))
+    if B * Hkv * (Nk // split) >= 4 * sms:
+        assert seen[0] == B * Hkv * (Nk // split), (seen, sms)
+    want = pyfa.sim.fa2_forward(q, k, v, causal=True, split_size=split, options=pyfa.Options(**tiles))
+    assert same_bits(o, want.o) and same_bits(lse, want.lse)
+    for backend in ("emu", "cpu"):
+        r = pyfa.fa2_forward(q, k, v, causal=True, split_size=split, options=pyfa.Options(backend=backend, **tiles))
+        assert same_bits(r[0], o) and same_bits(r[1], lse), backend
 
 
 def test_gqa_packing_through_a_paged_cache():
