@@ -13,8 +13,8 @@
 //            the chooser takes the largest that fits the device, src/core/tiles.cpp fast_row)
 //   LAYOUT   its shared-memory layout (common/smem.h), a function of (Br, Bc, d)
 //   THREADS  threads per block, an expression in Br
-//   GRID     kGridQTiles (Tr, H, B), kGridKvTilesKvHeads (Tc, Hkv, B), kGridHeads (1, H, B)
-//            or kGridKvHeads (1, Hkv, B)
+//   GRID     kGridQTiles (Tr, H, B) (GQA packed, params.h pack_gqa: (ceil(G*Nq/Br), Hkv, B)),
+//            kGridKvTilesKvHeads (Tc, Hkv, B), kGridHeads (1, H, B) or kGridKvHeads (1, Hkv, B)
 #pragma once
 
 #define PYFA_KERNEL_TABLE(X)                                                                          \
