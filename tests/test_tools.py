@@ -188,8 +188,12 @@ def test_gpu_steps_run_on_the_emulator_with_stand_in_tools(tmp_path):
     p = run([sys.executable, script, "bench", "--backend", "emu", "--seqlens", "40", "--head-dims", "64",
              "--batch", "1", "--heads", "1", "--target-ms", "1", "--out", str(tmp_path / "bench.json")], env=env)
     assert p.returncode == 0, p.stdout + p.stderr
-    records = json.loads((tmp_path / "bench.json").read_text())["records"]
+    bench = json.loads((tmp_path / "bench.json").read_text())
+    records = bench["records"]
     timed = {(r["op"], r["tiles"]) for r in records if r["status"] == "ok"}
+    # The decoding step (split-KV, GQA) checked against the reference and timed first.
+    assert [(r["B"], r["N"], r["status"], r["packed"]) for r in bench["decode"]] == [(1, 64, "ok", False)]
+    assert bench["decode"][0]["rel_err"] < 1e-5 and bench["decode"][0]["ms"] > 0
     for op in pyfa.api.OPS:
         assert {(op, "default"), (op, "32x32")} <= timed, records
     # The fast variant beside the readable one where the op has it, skipped (named) where not.

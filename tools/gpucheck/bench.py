@@ -21,6 +21,12 @@ BENCH_BATCH, BENCH_HEADS = 4, 8
 BENCH_KERNEL_VARIANTS = ["reference", "fast", "auto"]
 GRADS = ("dq", "dk", "dv")
 
+# Decoding (issue 21): one split-KV step of a Llama-3-8B-like model (32 query heads over 8
+# K/V heads, d = 128, Nq = 1, split_size "decode"), (batch, context) pairs; the emulator's
+# are small. GB/s: the step's floor (K and V once, q and o) over its median time.
+DECODE_SHAPE = dict(heads=32, heads_kv=8, head_dim=128)
+DECODE_PLAN = {"cuda": [(1, 8192), (1, 32768), (16, 8192), (16, 32768)], "emu": [(1, 64)]}
+
 # What the SDPA rows are: PyTorch picks its memory-efficient kernel for fp32 inputs, and
 # that kernel runs its matmuls on tensor cores in 3xTF32 mode (three TF32 products per
 # fp32 one), whatever the TF32 flags say: not plain fp32 arithmetic on CUDA cores, so the
@@ -57,6 +63,9 @@ class TorchCuda:
 
     def poison(self, t):
         t.fill_(float("nan"))
+
+    def repeat_heads(self, t, g):
+        return t.repeat_interleave(g, dim=1)
 
     def address(self, t):
         return t.data_ptr()
@@ -137,6 +146,9 @@ class HostEmu:
 
     def poison(self, t):
         t.fill(self.np.nan)
+
+    def repeat_heads(self, t, g):
+        return self.np.repeat(t, g, axis=1)
 
     def address(self, t):
         return int(self.ffi.cast("uintptr_t", self.ffi.from_buffer(t)))
@@ -256,6 +268,7 @@ def dry_run(args, seqlens, variants):
     for op in ops():
         print(f"  {op.name}: {op.device_function}(problem, config, {', '.join(op.inputs + op.outputs)}, "
               f"stream); kernels {', '.join(op.kernels)}")
+    print(f"  would time decoding steps (B, N): {args.decode or DECODE_PLAN[args.backend]}")
     passes = " and ".join(sorted({op.pass_ for op in ops()}, reverse=True))
     for n, d, tiles in bench_plan(seqlens, variants):
         print(f"  would time B={args.batch} H={args.heads} N={n} d={d} tiles={tiles_label(tiles)}: "
@@ -307,6 +320,14 @@ def cmd_bench(args):
         predicted = prev[1] * 1e-3 * (n / prev[0]) ** 2 * 25 if prev else 0.0
         return time.time() + predicted + 2 > deadline()
 
+    # The decoding steps first: a few seconds, never starved by the larger problems below.
+    result["decode"] = []
+    for rec in decode_steps(args, backend):
+        result["decode"].append(rec)
+        write_json(args.out, result)
+        print(f"  decode B={rec['B']:2} N={rec['N']:6} split={rec['split_size']} packed={rec['packed']}: "
+              + (f"{rec['ms']:.3f} ms, {rec['gbs']:.0f} GB/s, rel err {rec['rel_err']:.1e} {rec['status']}"
+                 if rec.get("ms") is not None else rec["status"]))
     for n, d, tiles in bench_plan(seqlens, variants):
         per_set = 4 * batch * heads * n * d * 4 * 2  # q, k, v, do and as much again of outputs
         n_sets = 1 if not backend.l2_bytes else max(1, min(4, math.ceil(4 * backend.l2_bytes / per_set)))
@@ -381,14 +402,69 @@ def cmd_bench(args):
                 record({**base, "ms": None, "status": f"error: {type(e).__name__}: {e}"})
         del sets
     write_json(args.out, result)
-    failed = [r for r in result["records"] if r["status"].startswith(("CHECK", "error"))]
+    failed = [r for r in result["records"] + result["decode"] if r["status"].startswith(("CHECK", "error"))]
     print(f"bench: {len(result['records'])} records, {len(failed)} failed, "
           f"{len([r for r in result['records'] if r['status'].startswith('skipped')])} skipped")
     return 1 if failed else 0
 
 
+def decode_steps(args, backend):
+    """Records of the decoding steps (DECODE_PLAN, or --decode B,N ...): time, GB/s, whether
+    the FA2 forward's blocks pack each K/V head's query heads (pyfa.sim.tiles.pack_gqa on
+    the device's SM count), and the relative error of the first sequence's output against
+    the backend's reference on K and V repeated out to the query heads."""
+    import pyfa
+    from pyfa import _lib
+    from pyfa.sim.tiles import DeviceProfile, pack_gqa
+    ffi, _ = _lib.load()
+    H, Hkv, d = DECODE_SHAPE["heads"], DECODE_SHAPE["heads_kv"], DECODE_SHAPE["head_dim"]
+    split = pyfa.checks.decode_split_size(d)
+    prof = pyfa.device_profile(backend.name)
+    sms = DeviceProfile(prof["name"], prof["smem_per_block"], prof["max_threads_per_block"], prof["sm_count"])
+    op = pyfa.api.OPS["fa2_forward"]
+    plan = args.decode or DECODE_PLAN[backend.name]
+    for b, n in plan:
+        base = {"B": b, "N": n, "H": H, "Hkv": Hkv, "d": d, "split_size": split,
+                "packed": pack_gqa(b, H, Hkv, 1, pyfa.default_tiles("fa2_forward", d, backend.name)[0],
+                                   -(-n // split), sms)}
+        if time.time() + 5 > deadline():
+            yield {**base, "ms": None, "status": "skipped: time budget"}
+            continue
+        try:
+            t = {"q": backend.randn((b, H, 1, d)), "k": backend.randn((b, Hkv, n, d)),
+                 "v": backend.randn((b, Hkv, n, d)), "o": backend.empty((b, H, 1, d)),
+                 "lse": backend.empty((b, H, 1))}
+            problem = ffi.new("pyfa_problem *", {"batch": b, "heads": H, "heads_kv": Hkv, "seqlen_q": 1,
+                                                 "seqlen_k": n, "head_dim": d, "causal": 1,
+                                                 "split_size": split})
+            config = make_config(backend.name, None, "auto")
+            backend.poison(t["o"])
+            call_device(op, problem, config, t, backend)
+            backend.sync()
+            g = H // Hkv
+            ref = backend.reference("forward", t["q"][:1], backend.repeat_heads(t["k"][:1], g),
+                                    backend.repeat_heads(t["v"][:1], g), t["q"][:1], True)["o"]
+            err = backend.rel_err(t["o"][:1], ref)
+            call = lambda r: call_device(op, problem, config, t, backend)  # noqa: E731
+            times = backend.time_ms(call, choose_reps(backend.time_ms(call, 1)[0], args.target_ms, hi=10))
+            ms = statistics.median(times)
+            floor = 4 * (2 * b * Hkv * n * d + 2 * b * H * d)
+            ok = backend.all_finite(t["o"]) and err < 1e-3
+            yield {**base, "ms": ms, "ms_min": min(times), "gbs": floor / ms / 1e6, "rel_err": err,
+                   "status": "ok" if ok else "CHECK FAILED (outputs not all written or rel err >= 1e-3)"}
+        except Exception as e:  # recorded, and the next step still runs
+            yield {**base, "ms": None, "status": f"error: {type(e).__name__}: {e}"}
+
+
+def decode_pair(text):
+    b, n = (int(x) for x in text.split(","))
+    return b, n
+
+
 def add_parser(sub):
     p = sub.add_parser("bench", help="time every op's device entry point beside torch SDPA")
+    p.add_argument("--decode", type=decode_pair, nargs="*", metavar="B,N",
+                   help="decoding steps to time (batch, context); default DECODE_PLAN's for the backend")
     p.add_argument("--out")
     p.add_argument("--backend", choices=["cuda", "emu"], default="cuda",
                    help="emu: the emulator on host buffers, to try this step without a GPU")

@@ -94,7 +94,19 @@ def timing_lines(b):
         err = f"{r['rel_err']:.1e}" if r.get("rel_err") is not None else "-"
         lines.append(f"| {r['op']} | {r['N']} | {r['d']} | {r['tiles']} | {r['ms']:.3f} | {r['tflops']:.2f} | "
                      f"{fma} | {mul_add} | {vs} | {err} | {r['status']} |")
-    return lines + [""]
+    lines.append("")
+    if b.get("decode"):
+        lines += ["Decoding steps (fa2_forward, Nq = 1, split-KV, variant auto; GB/s: K and V once plus "
+                  "q and o over the median time; packed: a block serves a K/V head's query heads):", "",
+                  "| B | N | H / Hkv | d | split | packed | ms | GB/s | rel err | status |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in b["decode"]:
+            timing = (f"{r['ms']:.3f} | {r['gbs']:.0f} | {r['rel_err']:.1e}" if r.get("ms") is not None
+                      else "- | - | -")
+            lines.append(f"| {r['B']} | {r['N']} | {r['H']} / {r['Hkv']} | {r['d']} | {r['split_size']} | "
+                         f"{r['packed']} | {timing} | {r['status']} |")
+        lines.append("")
+    return lines
 
 
 def markdown(s):
