@@ -442,8 +442,10 @@ def decode_steps(args, backend):
             call_device(op, problem, config, t, backend)
             backend.sync()
             g = H // Hkv
+            # One query aligned bottom-right sees every key: the reference runs unmasked (SDPA's
+            # is_causal would align it top-left, to key 0 alone).
             ref = backend.reference("forward", t["q"][:1], backend.repeat_heads(t["k"][:1], g),
-                                    backend.repeat_heads(t["v"][:1], g), t["q"][:1], True)["o"]
+                                    backend.repeat_heads(t["v"][:1], g), t["q"][:1], False)["o"]
             err = backend.rel_err(t["o"][:1], ref)
             call = lambda r: call_device(op, problem, config, t, backend)  # noqa: E731
             times = backend.time_ms(call, choose_reps(backend.time_ms(call, 1)[0], args.target_ms, hi=10))
