@@ -47,6 +47,17 @@ def kernels_with_layout():
 def test_bench_smoke_prints_ratios_on_its_last_line():
     p = run([sys.executable, str(TOOLS / "bench.py"), "--smoke"])
     assert p.returncode == 0, p.stdout + p.stderr
+    # The decoding steps on the readable FA2 forward: batch 1 at 8k unpacked (1024 blocks:
+    # 7.8 per SM), the others packed, at the IO model's bytes (4.01x and 1.016x the floor).
+    dec = {(x["batch"], x["context"]): x for x in p.decode}
+    assert set(dec) == {(1, 8192), (1, 32768), (16, 8192), (16, 32768)}
+    assert not dec[(1, 8192)]["packed"] and dec[(1, 8192)]["blocks"] == 32 * 32
+    assert all(x["packed"] for k, x in dec.items() if k != (1, 8192))
+    assert dec[(16, 32768)]["blocks"] == 16 * 8 * 128 and dec[(16, 32768)]["over_floor"] < 1.05
+    assert dec[(1, 8192)]["over_floor"] > 4
+    for x in dec.values():
+        assert x["forecast_us"] == pytest.approx(x["hbm_bytes"] / 4.8e6) and x["resident_per_sm"] >= 1
+    assert "Decoding steps on fa2_forward/reference" in p.stdout
     last = p.stdout.strip().splitlines()[-1]
     assert last.startswith("summary: "), last
     assert re.search(r"\bemu/numpy=\d+\.\d+x", last), last
@@ -268,7 +279,9 @@ def sass_report_run(ptxas_build, tmp_path_factory):
     p = run([sys.executable, str(TOOLS / "sass_report.py"), "--cubin", str(build / "kernels.cubin"),
              "--ptxas-json", str(build / "ptxas.json"), "--json", str(out)], timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
-    return p, json.loads(out.read_text())["rows"]
+    report = json.loads(out.read_text())
+    p.decode = report["decode"]
+    return p, report["rows"]
 
 
 @pytest.mark.slow

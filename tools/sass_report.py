@@ -73,6 +73,12 @@ H200 = {
     "latency_warps": 8,           # warps per SM that hide latency (2 per scheduler)
 }
 PROBLEM = {"batch": 4, "heads": 8, "seqlen": 4096}
+# Decoding steps (issue 21): Nq = 1 against a Llama-3-8B-like cache (32 query heads over 8
+# K/V heads, d = 128, causal, split_size "decode"), (batch, context) pairs. Memory-bound:
+# the forecast is the step's HBM bytes (pyfa.sim.count_io of the readable FA2 forward the
+# step runs) over the H200's 4.8 TB/s, beside the grid's blocks per SM.
+DECODE = {"heads": 32, "heads_kv": 8, "head_dim": 128, "steps": [(1, 8192), (1, 32768), (16, 8192), (16, 32768)]}
+HBM_BYTES_PER_S = 4.8e12
 
 
 FP_OPCODES = {"FFMA", "FADD", "FMUL", "FMNMX", "FSEL", "FSETP", "FSET", "FCHK", "MUFU",
@@ -451,6 +457,38 @@ def forecast(kernel, loop, blocks_per_sm, threads, br, bc, d):
     return flop_per_clk_sm * g["sms"] * g["clock_hz"] * latency * wave_eff / 1e12
 
 
+def decode_rows(rows):
+    """The decoding steps of DECODE on the readable fa2_forward kernel (its row at d = 128:
+    resident blocks per SM): grid (packed by pack_gqa on the H200's 132 SMs, or one block
+    per query head), blocks per SM, HBM bytes (fp32) against the floor (K and V once, q
+    and o), and the time those bytes take at 4.8 TB/s. [] without the simulator."""
+    try:
+        import pyfa.sim as sim
+        from pyfa.checks import decode_split_size
+        from pyfa.sim.tiles import EMU_PROFILE, pack_gqa
+    except Exception:
+        return []
+    H, Hkv, d = DECODE["heads"], DECODE["heads_kv"], DECODE["head_dim"]
+    G, split = H // Hkv, decode_split_size(d)
+    ref = next((r for r in rows if r["kernel"] == "fa2_forward" and r["variant"] == "reference"
+                and r["head_dim"] == d), None)
+    br = ref["block_r"] if ref and ref["block_r"] else sim.default_tiles("fa2_forward", d)[0]
+    out = []
+    for B, N in DECODE["steps"]:
+        chunks = -(-N // split)
+        packed = pack_gqa(B, H, Hkv, 1, br, chunks, EMU_PROFILE)
+        blocks = B * chunks * (Hkv * -(-G // br) if packed else H)
+        rec = sim.count_io("fa2", batch=B, heads=H, heads_kv=Hkv, seqlen_q=1, seqlen_k=N, head_dim=d,
+                           causal=True, split_size=split)
+        floor = 4 * (2 * B * Hkv * N * d + 2 * B * H * d)
+        out.append({"batch": B, "context": N, "split_size": split, "packed": packed, "blocks": blocks,
+                    "blocks_per_sm": blocks / H200["sms"],
+                    "resident_per_sm": ref["blocks_per_sm"] if ref else None,
+                    "hbm_bytes": rec.total, "over_floor": rec.total / floor,
+                    "forecast_us": rec.total / HBM_BYTES_PER_S * 1e6})
+    return out
+
+
 def aggregate(loops_):
     """The hot loops of one kernel summed, one iteration of each (tools/README.md)."""
     if not loops_:
@@ -605,10 +643,21 @@ def main(argv=None):
              f"lds_per_flop={f(r['lds_per_flop'], '.3f')} "
              f"forecast_tflops={f(r['forecast_tflops'], '.1f')}"
              for r in rows if r["head_dim"] == d0 and r["default_tiles"]]
+    decode = decode_rows(rows)
+    if decode:
+        print(f"\nDecoding steps on fa2_forward/reference (Nq = 1, H = {DECODE['heads']} over Hkv = "
+              f"{DECODE['heads_kv']}, d = {DECODE['head_dim']}, split {decode[0]['split_size']}; "
+              f"memory-bound: HBM bytes at {HBM_BYTES_PER_S / 1e12:g} TB/s)")
+        print("| B | context | packed | blocks | blocks per SM (resident at most) | HBM MB | x floor | forecast us |")
+        print("|---" * 8 + "|")
+        for x in decode:
+            print(f"| {x['batch']} | {x['context']} | {x['packed']} | {x['blocks']} | "
+                  f"{x['blocks_per_sm']:.1f} ({f(x['resident_per_sm'], 'd')}) | {x['hbm_bytes'] / 1e6:.1f} | "
+                  f"{x['over_floor']:.3f} | {x['forecast_us']:.1f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"arch": args.arch, "flags": flags,
                                                "model": H200, "problem": PROBLEM,
-                                               "rows": rows}, indent=2) + "\n")
+                                               "rows": rows, "decode": decode}, indent=2) + "\n")
     print("summary: " + " | ".join(parts))
     return 0
 
