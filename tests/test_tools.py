@@ -56,7 +56,9 @@ def test_bench_smoke_prints_ratios_on_its_last_line():
     assert dec[(16, 32768)]["blocks"] == 16 * 8 * 128 and dec[(16, 32768)]["over_floor"] < 1.05
     assert dec[(1, 8192)]["over_floor"] > 4
     for x in dec.values():
-        assert x["forecast_us"] == pytest.approx(x["hbm_bytes"] / 4.8e6) and x["resident_per_sm"] >= 1
+        assert x["forecast_us"] == pytest.approx(x["hbm_bytes"] / 4.8e6)
+        # A Q tile of the block's few rows (8 x 64): more resident blocks than 64 x 64's one.
+        assert (x["block_r"], x["block_c"]) == (8, 64) and x["resident_per_sm"] >= 2, x
     assert "Decoding steps on fa2_forward/reference" in p.stdout
     last = p.stdout.strip().splitlines()[-1]
     assert last.startswith("summary: "), last

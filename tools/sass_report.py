@@ -458,10 +458,11 @@ def forecast(kernel, loop, blocks_per_sm, threads, br, bc, d):
 
 
 def decode_rows(rows):
-    """The decoding steps of DECODE on the readable fa2_forward kernel (its row at d = 128:
-    resident blocks per SM): grid (packed by pack_gqa on the H200's 132 SMs, or one block
-    per query head), blocks per SM, HBM bytes (fp32) against the floor (K and V once, q
-    and o), and the time those bytes take at 4.8 TB/s. [] without the simulator."""
+    """The decoding steps of DECODE on the readable fa2_forward kernel (its registers and
+    threads at d = 128): grid (packed by pack_gqa on the H200's 132 SMs, or one block per
+    query head), blocks per SM beside the resident ones the step's Q tile of few rows
+    allows, HBM bytes (fp32) against the floor (K and V once, q and o), and the time those
+    bytes take at 4.8 TB/s. [] without the simulator."""
     try:
         import pyfa.sim as sim
         from pyfa.checks import decode_split_size
@@ -472,18 +473,22 @@ def decode_rows(rows):
     G, split = H // Hkv, decode_split_size(d)
     ref = next((r for r in rows if r["kernel"] == "fa2_forward" and r["variant"] == "reference"
                 and r["head_dim"] == d), None)
-    br = ref["block_r"] if ref and ref["block_r"] else sim.default_tiles("fa2_forward", d)[0]
+    br, bc = sim.default_tiles("fa2_forward", d)
     out = []
     for B, N in DECODE["steps"]:
         chunks = -(-N // split)
         packed = pack_gqa(B, H, Hkv, 1, br, chunks, EMU_PROFILE)
         blocks = B * chunks * (Hkv * -(-G // br) if packed else H)
+        # The Q tile the library takes for a block's few rows (src/core/api.cpp, few_rows).
+        rows_br = max(8, -(-(G if packed else 1) // 8) * 8)
+        resident = (occupancy(ref["registers"], ref["threads"], sim.smem_bytes("fa2_forward", rows_br, bc, d))[0]
+                    if ref and ref["registers"] and ref["threads"] else None)
         rec = sim.count_io("fa2", batch=B, heads=H, heads_kv=Hkv, seqlen_q=1, seqlen_k=N, head_dim=d,
                            causal=True, split_size=split)
         floor = 4 * (2 * B * Hkv * N * d + 2 * B * H * d)
         out.append({"batch": B, "context": N, "split_size": split, "packed": packed, "blocks": blocks,
-                    "blocks_per_sm": blocks / H200["sms"],
-                    "resident_per_sm": ref["blocks_per_sm"] if ref else None,
+                    "blocks_per_sm": blocks / H200["sms"], "block_r": rows_br, "block_c": bc,
+                    "resident_per_sm": resident,
                     "hbm_bytes": rec.total, "over_floor": rec.total / floor,
                     "forecast_us": rec.total / HBM_BYTES_PER_S * 1e6})
     return out
@@ -648,10 +653,11 @@ def main(argv=None):
         print(f"\nDecoding steps on fa2_forward/reference (Nq = 1, H = {DECODE['heads']} over Hkv = "
               f"{DECODE['heads_kv']}, d = {DECODE['head_dim']}, split {decode[0]['split_size']}; "
               f"memory-bound: HBM bytes at {HBM_BYTES_PER_S / 1e12:g} TB/s)")
-        print("| B | context | packed | blocks | blocks per SM (resident at most) | HBM MB | x floor | forecast us |")
-        print("|---" * 8 + "|")
+        print("| B | context | packed | tiles | blocks | blocks per SM (resident at most) | HBM MB | x floor "
+              "| forecast us |")
+        print("|---" * 9 + "|")
         for x in decode:
-            print(f"| {x['batch']} | {x['context']} | {x['packed']} | {x['blocks']} | "
+            print(f"| {x['batch']} | {x['context']} | {x['packed']} | {x['block_r']}x{x['block_c']} | {x['blocks']} | "
                   f"{x['blocks_per_sm']:.1f} ({f(x['resident_per_sm'], 'd')}) | {x['hbm_bytes'] / 1e6:.1f} | "
                   f"{x['over_floor']:.3f} | {x['forecast_us']:.1f} |")
     if args.json:
