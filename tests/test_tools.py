@@ -47,19 +47,6 @@ def kernels_with_layout():
 def test_bench_smoke_prints_ratios_on_its_last_line():
     p = run([sys.executable, str(TOOLS / "bench.py"), "--smoke"])
     assert p.returncode == 0, p.stdout + p.stderr
-    # The decoding steps on the readable FA2 forward: batch 1 at 8k unpacked (1024 blocks:
-    # 7.8 per SM), the others packed, at the IO model's bytes (4.01x and 1.016x the floor).
-    dec = {(x["batch"], x["context"]): x for x in p.decode}
-    assert set(dec) == {(1, 8192), (1, 32768), (16, 8192), (16, 32768)}
-    assert not dec[(1, 8192)]["packed"] and dec[(1, 8192)]["blocks"] == 32 * 32
-    assert all(x["packed"] for k, x in dec.items() if k != (1, 8192))
-    assert dec[(16, 32768)]["blocks"] == 16 * 8 * 128 and dec[(16, 32768)]["over_floor"] < 1.05
-    assert dec[(1, 8192)]["over_floor"] > 4
-    for x in dec.values():
-        assert x["forecast_us"] == pytest.approx(x["hbm_bytes"] / 4.8e6)
-        # A Q tile of the block's few rows (8 x 64): more resident blocks than 64 x 64's one.
-        assert (x["block_r"], x["block_c"]) == (8, 64) and x["resident_per_sm"] >= 2, x
-    assert "Decoding steps on fa2_forward/reference" in p.stdout
     last = p.stdout.strip().splitlines()[-1]
     assert last.startswith("summary: "), last
     assert re.search(r"\bemu/numpy=\d+\.\d+x", last), last
@@ -303,6 +290,19 @@ def test_sass_report_rows_and_summary(sass_report_run):
         assert r["hot_loops"] >= 1, f"{r['name']}: no innermost loop with an FFMA found"
         assert 0 < r["fp_share"] <= 1 and r["lds_per_flop"] >= 0, r
         assert r["forecast_tflops"] is not None and 0 < r["forecast_tflops"] < 67, r
+    # The decoding steps on the readable FA2 forward: batch 1 at 8k unpacked (1024 blocks:
+    # 7.8 per SM), the others packed, at the IO model's bytes (4.01x and 1.016x the floor).
+    dec = {(x["batch"], x["context"]): x for x in p.decode}
+    assert set(dec) == {(1, 8192), (1, 32768), (16, 8192), (16, 32768)}
+    assert not dec[(1, 8192)]["packed"] and dec[(1, 8192)]["blocks"] == 32 * 32
+    assert all(x["packed"] for k, x in dec.items() if k != (1, 8192))
+    assert dec[(16, 32768)]["blocks"] == 16 * 8 * 128 and dec[(16, 32768)]["over_floor"] < 1.05
+    assert dec[(1, 8192)]["over_floor"] > 4
+    for x in dec.values():
+        assert x["forecast_us"] == pytest.approx(x["hbm_bytes"] / 4.8e6)
+        # A Q tile of the block's few rows (8 x 64): more resident blocks than 64 x 64's one.
+        assert (x["block_r"], x["block_c"]) == (8, 64) and x["resident_per_sm"] >= 2, x
+    assert "Decoding steps on fa2_forward/reference" in p.stdout
     last = p.stdout.strip().splitlines()[-1]
     assert last.startswith("summary: ")
     parts = last[len("summary: "):].split(" | ")
