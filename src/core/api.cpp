@@ -1094,7 +1094,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     const int64_t block_rows = base.seqlen_q * base.packed_heads();
     const bool few_rows = op.op == PYFA_OP_FA2_FORWARD && backend.runs_table_kernels() &&
                           ids[0] == PYFA_KERNEL_FA2_FORWARD && cfg.block_r == 0 && block_rows < tiles[0][0];
-    if (few_rows) tiles[0][0] = static_cast<int>(max64(8, ceil_div(block_rows, 8) * 8));
+    if (few_rows) tiles[0][0] = static_cast<int>(min64(tiles[0][0], max64(8, ceil_div(block_rows, 8) * 8)));
     if (base.pack_gqa || few_rows) {
         AttentionParams p = base;
         p.block_r = tiles[0][0];
