@@ -381,6 +381,9 @@ def test_decode_preset_shows_bytes_per_token_beside_the_floor():
     # partials (128 chunks x (d + 1) x 4 bytes, written and read) and LSE.
     partials = 2 * (Nk // 256) * H * (d + 1) * 4
     assert dec["fa2_packs"]
+    # Each block's 4 rows in a Q tile of 8 (src/core/api.cpp few_rows), counted as run.
+    fa2_tiles = next(a for a in r["algorithms"] if a["name"] == "fa2")["tiles"]
+    assert [(t["kernel"], t["block_r"], t["block_c"]) for t in fa2_tiles] == [("fa2_forward", 8, 64)]
     assert fa2["partials_bytes_per_token"] == partials
     assert fa2["kv_rereads_bytes_per_token"] == 0
     assert fa2["bytes_per_token"] == floor + partials + H * 4

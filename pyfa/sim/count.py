@@ -28,7 +28,7 @@ from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..checks import check_count_args, check_offsets, check_split_size, check_tile
 from .io import IORecord
 from .mask import Mask
-from .tiles import EMU_PROFILE, DeviceProfile, pack_gqa, resolve_tiles
+from .tiles import EMU_PROFILE, DeviceProfile, few_rows, pack_gqa, resolve_tiles
 from .tiling import ceil_div
 
 STAT_BYTES = 4
@@ -317,10 +317,13 @@ def count_kernels(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, h
                 Br, Bc = check_tile("block_r", block_r), check_tile("block_c", block_c)
             else:
                 Br, Bc = resolve_tiles(kernel, head_dim, block_r, block_c, profile)
-                tiles.append({"pass": p, "kernel": kernel, "block_r": Br, "block_c": Bc})
             split = _kernel_split(split_size, head_dim, kernel, Br, Bc)
             pack = kernel == "fa2_forward" and pack_gqa(batch, heads, Hkv, seqlen_q, Br, _chunks(seqlen_k, split),
                                                          profile)
+            if kernel == "fa2_forward":
+                Br = few_rows(Br, seqlen_q * (heads // Hkv if pack else 1), block_r)
+            if kernel is not None:
+                tiles.append({"pass": p, "kernel": kernel, "block_r": Br, "block_c": Bc})
             w = Walk(seqlen_q, seqlen_k, head_dim, heads // Hkv, Br, Bc, mask, dtype_bytes, bias_rows,
                      split, pack)
             record = record + walker(w)
@@ -448,6 +451,8 @@ def count_io_varlen(algo, *, passes="forward", cu_seqlens_q, cu_seqlens_k, heads
             # One launch for the batch: packing decided for its bounds (varlen.py likewise).
             pack = kernel == "fa2_forward" and pack_gqa(B, heads, Hkv, longest_q, Br, _chunks(longest_k, split),
                                                          profile)
+            if kernel == "fa2_forward":
+                Br = few_rows(Br, longest_q * (heads // Hkv if pack else 1), block_r)
             for nq, nk in lengths:
                 mask = Mask.resolve(causal, window, causal_align, nq, nk)
                 record = record + walker(Walk(nq, nk, head_dim, heads // Hkv, Br, Bc, mask,

@@ -3,7 +3,7 @@
 The loops are the kernel's: one block per (Q row block i, query head h, batch b), each
 walking the K/V tiles j of its band mask.kv_tiles(i) in increasing order, then within a
 tile the same fp32 operations in the same order (docs/numerics.md). Query head h reads
-K/V head h // (H / Hkv). With GQA packing (tiles.grid_pack_gqa, as the library decides)
+K/V head h // (H / Hkv). With GQA packing (tiles.grid_launch, as the library decides)
 a block is a (Q row block i, K/V head, batch b) instead, its rows the group's G heads
 taken query by query: row R is query R // G of head hk * G + R % G. Only independent
 work is vectorized: all blocks and all row blocks i at once (those whose band holds j),
@@ -23,7 +23,7 @@ from ..checks import ScoreMods, check_qkv, check_split_size, resolve_scale, rest
 from .io import IORecord
 from .mask import Mask
 from .merge import merge_states
-from .tiles import grid_pack_gqa, launch_tiles
+from .tiles import grid_launch, launch_tiles
 from .tiling import ceil_div, kv_heads
 
 F32 = np.float32
@@ -51,7 +51,7 @@ def fa2_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_righ
     mask = Mask.resolve(causal, window, causal_align, Nq, Nk, mods.diagonal_offset)
 
     # Blocks: NB per Q row block, each of NR rows (qg query heads' Nq, query by query).
-    qg = H // Hkv if grid_pack_gqa(B, H, Hkv, Nq, Nk, Br, split_size) else 1
+    qg, Br = grid_launch(B, H, Hkv, Nq, Nk, Br, split_size, block_r)
     Hb, NR = H // qg, qg * Nq
     NB, Tr, Tc = B * Hb, ceil_div(NR, Br), ceil_div(Nk, Bc)
     io = IORecord(label=f"FA2 forward (simulated), Br={Br}, Bc={Bc}")

@@ -195,7 +195,7 @@ _GRID = contextvars.ContextVar("pyfa_sim_grid", default=None)
 
 @contextlib.contextmanager
 def launch_grid(B, Nq, Nk):
-    """Within it, grid_pack_gqa decides for a launch of B sequences of at most Nq
+    """Within it, grid_launch decides for a launch of B sequences of at most Nq
     queries and Nk keys."""
     token = _GRID.set((B, Nq, Nk))
     try:
@@ -204,11 +204,21 @@ def launch_grid(B, Nq, Nk):
         _GRID.reset(token)
 
 
-def grid_pack_gqa(B, H, Hkv, Nq, Nk, Br, split_size):
-    """pack_gqa for a simulated FA2 forward of (B, H, Hkv, Nq, Nk) on the emulated
-    device, or for the launch_grid it runs within."""
+def few_rows(Br, rows, block_r):
+    """The readable FA2 forward's Q tile where its blocks hold fewer rows than the default
+    Br (a decoding step's; src/core/api.cpp few_rows): those rows rounded up to 8, unless
+    the caller gave block_r. No bit and no byte depends on it."""
+    if block_r or rows >= Br:
+        return Br
+    return min(Br, max(8, -(-rows // 8) * 8))
+
+
+def grid_launch(B, H, Hkv, Nq, Nk, Br, split_size, block_r):
+    """(query heads per block, Br) of a simulated FA2 forward of (B, H, Hkv, Nq, Nk) on
+    the emulated device, or of the launch_grid it runs within: pack_gqa, then few_rows."""
     B, Nq, Nk = _GRID.get() or (B, Nq, Nk)
-    return pack_gqa(B, H, Hkv, Nq, Br, -(-Nk // split_size) if split_size else 1)
+    qg = H // Hkv if pack_gqa(B, H, Hkv, Nq, Br, -(-Nk // split_size) if split_size else 1) else 1
+    return qg, few_rows(Br, qg * Nq, block_r)
 
 
 # Kernels whose default tiles follow their own rule rather than FA2's halving.
