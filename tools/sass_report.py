@@ -459,28 +459,27 @@ def forecast(kernel, loop, blocks_per_sm, threads, br, bc, d):
 
 def decode_rows(rows):
     """The decoding steps of DECODE on the readable fa2_forward kernel (its registers and
-    threads at d = 128): grid (packed by pack_gqa on the H200's 132 SMs, or one block per
-    query head), blocks per SM beside the resident ones the step's Q tile of few rows
-    allows, HBM bytes (fp32) against the floor (K and V once, q and o), and the time those
+    threads at d = 128): grid (packed on the H200's 132 SMs, or one block per query head)
+    and Q tile as the library launches them (pyfa.sim.tiles.fa2_launch), blocks per SM
+    beside the resident ones that Q tile allows, HBM bytes (fp32) against the floor (K and V once, q and o), and the time those
     bytes take at 4.8 TB/s. [] without the simulator."""
     try:
         import pyfa.sim as sim
         from pyfa.checks import decode_split_size
-        from pyfa.sim.tiles import EMU_PROFILE, pack_gqa
+        from pyfa.sim.tiles import fa2_launch
     except Exception:
         return []
     H, Hkv, d = DECODE["heads"], DECODE["heads_kv"], DECODE["head_dim"]
-    G, split = H // Hkv, decode_split_size(d)
+    split = decode_split_size(d)
     ref = next((r for r in rows if r["kernel"] == "fa2_forward" and r["variant"] == "reference"
                 and r["head_dim"] == d), None)
     br, bc = sim.default_tiles("fa2_forward", d)
     out = []
     for B, N in DECODE["steps"]:
         chunks = -(-N // split)
-        packed = pack_gqa(B, H, Hkv, 1, br, chunks, EMU_PROFILE)
-        blocks = B * chunks * (Hkv * -(-G // br) if packed else H)
-        # The Q tile the library takes for a block's few rows (src/core/api.cpp, few_rows).
-        rows_br = max(8, -(-(G if packed else 1) // 8) * 8)
+        qg, rows_br = fa2_launch(B, H, Hkv, 1, N, br, split, None)
+        packed = qg > 1
+        blocks = B * chunks * (H // qg) * -(-qg // rows_br)
         resident = (occupancy(ref["registers"], ref["threads"], sim.smem_bytes("fa2_forward", rows_br, bc, d))[0]
                     if ref and ref["registers"] and ref["threads"] else None)
         rec = sim.count_io("fa2", batch=B, heads=H, heads_kv=Hkv, seqlen_q=1, seqlen_k=N, head_dim=d,

@@ -28,7 +28,7 @@ from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..checks import check_count_args, check_offsets, check_split_size, check_tile
 from .io import IORecord
 from .mask import Mask
-from .tiles import EMU_PROFILE, DeviceProfile, few_rows, pack_gqa, resolve_tiles
+from .tiles import EMU_PROFILE, DeviceProfile, fa2_launch, resolve_tiles
 from .tiling import ceil_div
 
 STAT_BYTES = 4
@@ -47,7 +47,7 @@ class Walk:
     e: int          # bytes per tensor element
     bias_rows: object = None  # an additive bias (issue 27): its rows, Nq or 1; None: none
     split: int = 0  # FA2's split_size (split-KV, the split backward); 0: one chunk
-    pack: bool = False  # the FA2 forward's blocks pack the group's rows (tiles.pack_gqa)
+    pack: bool = False  # the FA2 forward's blocks pack the group's rows (tiles.fa2_launch)
 
     def bias_io(self, io, scores, backward=False, tiles=0):
         """A bias's traffic (pyfa/sim/score.py bias_io, dbias_io): `scores` scores of visited
@@ -318,10 +318,7 @@ def count_kernels(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, h
             else:
                 Br, Bc = resolve_tiles(kernel, head_dim, block_r, block_c, profile)
             split = _kernel_split(split_size, head_dim, kernel, Br, Bc)
-            pack = kernel == "fa2_forward" and pack_gqa(batch, heads, Hkv, seqlen_q, Br, _chunks(seqlen_k, split),
-                                                         profile)
-            if kernel == "fa2_forward":
-                Br = few_rows(Br, seqlen_q * (heads // Hkv if pack else 1), block_r)
+            pack, Br = _fa2_forward_launch(kernel, batch, heads, Hkv, seqlen_q, seqlen_k, Br, split, block_r, profile)
             if kernel is not None:
                 tiles.append({"pass": p, "kernel": kernel, "block_r": Br, "block_c": Bc})
             w = Walk(seqlen_q, seqlen_k, head_dim, heads // Hkv, Br, Bc, mask, dtype_bytes, bias_rows,
@@ -332,9 +329,13 @@ def count_kernels(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, h
     return out, tiles
 
 
-def _chunks(Nk, split):
-    """Split-KV's chunks of Nk keys (1 unsplit)."""
-    return ceil_div(Nk, split) if split else 1
+def _fa2_forward_launch(kernel, B, H, Hkv, Nq, Nk, Br, split, block_r, profile):
+    """(packed, Br) of `kernel`'s launch: tiles.fa2_launch's for the FA2 forward, else
+    (False, Br)."""
+    if kernel != "fa2_forward":
+        return False, Br
+    qg, Br = fa2_launch(B, H, Hkv, Nq, Nk, Br, split, block_r, profile)
+    return qg > 1, Br
 
 
 def _check_split_algo(split_size, algo):
@@ -449,10 +450,8 @@ def count_io_varlen(algo, *, passes="forward", cu_seqlens_q, cu_seqlens_k, heads
             Br, Bc = resolve_tiles(kernel, head_dim, block_r, block_c, profile)
             split = _kernel_split(split_size, head_dim, kernel, Br, Bc)
             # One launch for the batch: packing decided for its bounds (varlen.py likewise).
-            pack = kernel == "fa2_forward" and pack_gqa(B, heads, Hkv, longest_q, Br, _chunks(longest_k, split),
-                                                         profile)
-            if kernel == "fa2_forward":
-                Br = few_rows(Br, longest_q * (heads // Hkv if pack else 1), block_r)
+            pack, Br = _fa2_forward_launch(kernel, B, heads, Hkv, longest_q, longest_k, Br, split, block_r,
+                                           profile)
             for nq, nk in lengths:
                 mask = Mask.resolve(causal, window, causal_align, nq, nk)
                 record = record + walker(Walk(nq, nk, head_dim, heads // Hkv, Br, Bc, mask,

@@ -18,7 +18,7 @@ from ..checks import MAX_HEAD_DIM
 from .mask import Mask, check_causal_align, check_window
 from .report_render import PASS_WORDS, _problem_line, gb
 from .standard import PASS_NAMES, backward_steps, count_standard_io, forward_steps
-from .tiles import EMU_PROFILE, FLOAT_BYTES, DeviceProfile, pack_gqa, resolve_tiles, smem_bytes
+from .tiles import EMU_PROFILE, FLOAT_BYTES, DeviceProfile, fa2_launch, resolve_tiles, smem_bytes
 
 # Device profiles for default tiles and the M of Theta(N^2 d^2 / M). The A100's is the
 # shared memory one block may opt in to on sm_80 (163 KiB), the GPU of the paper's table.
@@ -189,10 +189,11 @@ def decode_section(report, s):
                      "grouped_over_floor": (a["total"] - (kv - kv_floor)) / floor})
     dev = s.device()
     Br, Bc = resolve_tiles("fa2_forward", s.head_dim, s.block_r, s.block_c, dev)
-    chunks = count_mod._chunks(s.seqlen_k, count_mod._kernel_split(s.split_size, s.head_dim, "fa2_forward", Br, Bc))
+    split = count_mod._kernel_split(s.split_size, s.head_dim, "fa2_forward", Br, Bc)
+    qg, _ = fa2_launch(s.batch, s.heads, s.kv_heads(), s.seqlen_q, s.seqlen_k, Br, split, s.block_r, dev)
     return {"tokens_per_step": tokens, "floor_bytes_per_token": floor / tokens, "G": G,
             "split_size": s.split_size, "algorithms": rows,
-            "fa2_packs": pack_gqa(s.batch, s.heads, s.kv_heads(), s.seqlen_q, Br, chunks, dev)}
+            "fa2_packs": qg > 1}
 
 
 def tiles_fit(tiles, s):

@@ -213,12 +213,20 @@ def few_rows(Br, rows, block_r):
     return min(Br, max(8, -(-rows // 8) * 8))
 
 
-def grid_launch(B, H, Hkv, Nq, Nk, Br, split_size, block_r):
-    """(query heads per block, Br) of a simulated FA2 forward of (B, H, Hkv, Nq, Nk) on
-    the emulated device, or of the launch_grid it runs within: pack_gqa, then few_rows."""
-    B, Nq, Nk = _GRID.get() or (B, Nq, Nk)
-    qg = H // Hkv if pack_gqa(B, H, Hkv, Nq, Br, -(-Nk // split_size) if split_size else 1) else 1
+def fa2_launch(B, H, Hkv, Nq, Nk, Br, split_size, block_r, profile=EMU_PROFILE):
+    """(query heads per block, Br) of the readable FA2 forward's launch for B sequences of
+    at most Nq queries and Nk keys, default tiles Br, split_size keys per chunk (0 or None:
+    one chunk) and the caller's block_r (None: default): pack_gqa, then few_rows, as
+    src/core/api.cpp decides them."""
+    qg = H // Hkv if pack_gqa(B, H, Hkv, Nq, Br, -(-Nk // split_size) if split_size else 1, profile) else 1
     return qg, few_rows(Br, qg * Nq, block_r)
+
+
+def grid_launch(B, H, Hkv, Nq, Nk, Br, split_size, block_r):
+    """fa2_launch of a simulated FA2 forward of (B, H, Hkv, Nq, Nk), or of the
+    launch_grid it runs within."""
+    B, Nq, Nk = _GRID.get() or (B, Nq, Nk)
+    return fa2_launch(B, H, Hkv, Nq, Nk, Br, split_size, block_r)
 
 
 # Kernels whose default tiles follow their own rule rather than FA2's halving.

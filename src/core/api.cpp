@@ -1079,21 +1079,19 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
 
     // GQA packing of the readable FA2 forward's blocks (params.h pack_gqa), where its grid
     // x still holds the packed tiles; the combine launch of a split forward keeps one
-    // query head per block.
-    if (op.op == PYFA_OP_FA2_FORWARD && backend.runs_table_kernels() && ids[0] == PYFA_KERNEL_FA2_FORWARD &&
-        ceil_div(base.seqlen_q * (base.heads / base.heads_kv), tiles[0][0]) <= kMaxGridX &&
-        pack_gqa(base.batch, base.heads, base.heads_kv, base.seqlen_q, tiles[0][0], split_chunks,
-                 profile.sm_count)) {
+    // query head per block. (pyfa/sim/tiles.py fa2_launch decides both of these alike.)
+    const bool readable_fa2_forward =
+        op.op == PYFA_OP_FA2_FORWARD && backend.runs_table_kernels() && ids[0] == PYFA_KERNEL_FA2_FORWARD;
+    if (readable_fa2_forward && ceil_div(base.seqlen_q * (base.heads / base.heads_kv), tiles[0][0]) <= kMaxGridX &&
+        pack_gqa(base.batch, base.heads, base.heads_kv, base.seqlen_q, tiles[0][0], split_chunks, profile.sm_count))
         base.pack_gqa = 1;
-    }
     // A decoding step's rows fill a few of a default Q tile's 64: where the caller left Br
     // to the default, the readable FA2 forward takes the rows its blocks hold, rounded up
     // to 8, so that its smaller shared memory lets more blocks share an SM (at d = 128,
     // 64 x 64 tiles leave room for one). Br changes no bit of the FA2 forward
     // (docs/numerics.md) and no byte it moves: each block's rows are one Q tile either way.
     const int64_t block_rows = base.seqlen_q * base.packed_heads();
-    const bool few_rows = op.op == PYFA_OP_FA2_FORWARD && backend.runs_table_kernels() &&
-                          ids[0] == PYFA_KERNEL_FA2_FORWARD && cfg.block_r == 0 && block_rows < tiles[0][0];
+    const bool few_rows = readable_fa2_forward && cfg.block_r == 0 && block_rows < tiles[0][0];
     if (few_rows) tiles[0][0] = static_cast<int>(min64(tiles[0][0], max64(8, ceil_div(block_rows, 8) * 8)));
     if (base.pack_gqa || few_rows) {
         AttentionParams p = base;

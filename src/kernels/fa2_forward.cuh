@@ -41,15 +41,15 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
     const int64_t i = cb.i, part = cb.chunk - p.split_index;
     const Sequence seq = p.sequence(b);
     const int64_t d = p.head_dim, Nk = seq.Nk;
-    const int64_t rows = seq.Nq * p.packed_heads();  // this block row's rows: Nq, or G * Nq packed
+    const int64_t NR = seq.Nq * p.packed_heads();  // this block row's rows: Nq, or G * Nq packed
     const int64_t Br = p.block_r, Bc = p.block_c;
-    if (i * Br >= rows) return;  // past its sequence's rows (a shorter one of a packed batch)
+    if (i * Br >= NR) return;  // past its sequence's rows (a shorter one of a packed batch)
     const int64_t tid = threadIdx.x, nthreads = blockDim.x;
 
     const int64_t hk = p.pack_gqa ? y : y / (p.heads / p.heads_kv);  // the K/V head of these rows
     // Row r of the tile is query qr(r).i of query head qr(r).h (params.h q_row).
     const int64_t row0 = i * Br;
-    const int64_t br = min64(Br, rows - row0);  // rows of this tile (fewer in the tail)
+    const int64_t br = min64(Br, NR - row0);  // rows of this tile (fewer in the tail)
     auto qr = [&](int64_t r) { return p.q_row(y, row0 + r); };
     // Key n of the sequence is row p.kv_row(seq.k0 + n) of K and V (params.h: paged K/V).
     const float* K = p.k + p.k_strides.at(seq.batch, hk, 0);  // (rows of k, d), row stride row_k
@@ -102,7 +102,8 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
         // S_ij[r, c]: the score pipeline (common/score.h), its sum x = 0 .. d-1 in order.
         for (int64_t e = tid; e < br * bc; e += nthreads) {
             const int64_t r = e / bc, c = e % bc;
-            Sij[r * lds + c] = attention_score(p, seq.mask, Qi + r * d, Kj + c * ldk, b, qr(r).h, qr(r).i, col0 + c);
+            const AttentionParams::QRow q = qr(r);
+            Sij[r * lds + c] = attention_score(p, seq.mask, Qi + r * d, Kj + c * ldk, b, q.h, q.i, col0 + c);
         }
         __syncthreads();
         // The visible keys of row r among c = 0 .. bc-1.

@@ -410,12 +410,12 @@ def cmd_bench(args):
 
 def decode_steps(args, backend):
     """Records of the decoding steps (DECODE_PLAN, or --decode B,N ...): time, GB/s, whether
-    the FA2 forward's blocks pack each K/V head's query heads (pyfa.sim.tiles.pack_gqa on
+    the FA2 forward's blocks pack each K/V head's query heads (pyfa.sim.tiles.fa2_launch on
     the device's SM count), and the relative error of the first sequence's output against
     the backend's reference on K and V repeated out to the query heads."""
     import pyfa
     from pyfa import _lib
-    from pyfa.sim.tiles import DeviceProfile, pack_gqa
+    from pyfa.sim.tiles import DeviceProfile, fa2_launch
     ffi, _ = _lib.load()
     H, Hkv, d = DECODE_SHAPE["heads"], DECODE_SHAPE["heads_kv"], DECODE_SHAPE["head_dim"]
     split = pyfa.checks.decode_split_size(d)
@@ -425,8 +425,8 @@ def decode_steps(args, backend):
     plan = args.decode or DECODE_PLAN[backend.name]
     for b, n in plan:
         base = {"B": b, "N": n, "H": H, "Hkv": Hkv, "d": d, "split_size": split,
-                "packed": pack_gqa(b, H, Hkv, 1, pyfa.default_tiles("fa2_forward", d, backend.name)[0],
-                                   -(-n // split), sms)}
+                "packed": fa2_launch(b, H, Hkv, 1, n, pyfa.default_tiles("fa2_forward", d, backend.name)[0],
+                                     split, None, sms)[0] > 1}
         if time.time() + 5 > deadline():
             yield {**base, "ms": None, "status": "skipped: time budget"}
             continue
