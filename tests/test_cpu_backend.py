@@ -450,6 +450,9 @@ def test_bench_sweep_smoke_prints_ratios_on_its_last_line():
 # case: (B, H, Hkv, Nq, Nk, d, Br, Bc, keywords); d = 40 and 20 leave edges of the W x W
 # transposes, Nk not a multiple of Bc a short last tile; d = 64 and 128 take the transposes
 # with a constant row stride and P~ V's whole-row register tiles over V read in place.
+# R = G * Nq rows of at most 8 (AVX-512) or 4 (AVX2, portable) with d a multiple of the
+# vector width take the scores in registers (scores_in_registers), the others K_j^T in
+# memory: R = 1 to 8 appear below.
 SLOPES = np.linspace(0.05, 0.6, 8, dtype=np.float32)
 DECODE_CASES = [
     (1, 8, 2, 1, 77, 40, 16, 16, {}),
@@ -461,6 +464,11 @@ DECODE_CASES = [
     (1, 4, 2, 2, 37, 24, 8, 8, dict(bias=True)),
     (1, 4, 1, 1, 150, 128, 16, 32, {}),
     (1, 8, 2, 2, 97, 64, 8, 32, dict(causal=True, softcap=2.0)),
+    (1, 6, 2, 2, 45, 32, 8, 16, dict(causal=True)),
+    (2, 2, 2, 1, 70, 64, 16, 32, {}),
+    (1, 7, 1, 1, 33, 16, 8, 16, dict(window=(5, 0))),
+    (1, 4, 2, 1, 64, 32, 8, 16, {}),
+    (1, 10, 2, 1, 64, 32, 8, 16, dict(causal=True)),
 ]
 
 

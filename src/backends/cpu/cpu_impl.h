@@ -541,6 +541,65 @@ inline void transpose_tile(const float* K, int64_t bc, int64_t d, int64_t ld, fl
     transpose_tile_d<0>(K, bc, d, ld, KT, Cp, pf);
 }
 
+// A decode group's scores S[n * Cp + c] = sum_x Q[n * ldq + x] K[c * ld + x] (the R rows of
+// Q at Q, ldq apart; K_j's bc rows at K, ld apart; lanes c >= bc get +0), with each W x W
+// block of K_j transposed in registers and consumed there: the same chains as
+// transpose_tile + gemm_store_kb (x = 0 .. d-1 in order from +0, one fma per step), without
+// storing K_j^T (as large as L1 at d = 128) and reading it back. R sums stay in registers
+// beside the W rows of a block, so only R <= RMAX, d a multiple of W; false otherwise.
+template <int R, int64_t D>
+inline void scores_in_registers_d(const float* K, int64_t bc, int64_t dd, int64_t ldd, const float* Q,
+                                  int64_t ldq, float* S, int64_t Cp, NextTile* pf) {
+    const int64_t d = D ? D : dd, ld = D ? D : ldd;
+    for (int64_t c0 = 0; c0 < Cp; c0 += W) {
+        const int64_t rows_here = min64(W, bc - c0);
+        const float* Kc = K + c0 * ld;  // (rows_here, d), row stride ld
+        vf acc[R];
+        for (int n = 0; n < R; ++n) acc[n] = vf{};
+        for (int64_t x0 = 0; x0 < d; x0 += W) {
+            if (pf) pf->issue(pf->per_block);
+            vf rows[W];
+            for (int k = 0; k < W; ++k) rows[k] = rows_here == W || k < rows_here ? ldu(Kc + k * ld + x0) : vf{};
+            transpose(rows);  // rows[k]: K[c0 .. c0+W-1, x0 + k]
+            for (int k = 0; k < W; ++k)
+                for (int n = 0; n < R; ++n) acc[n] = vmadd(rows[k], splat(Q[n * ldq + x0 + k]), acc[n]);
+        }
+        for (int n = 0; n < R; ++n) st(S + n * Cp + c0, acc[n]);
+    }
+}
+
+template <int R>
+inline void scores_in_registers_r(const float* K, int64_t bc, int64_t d, int64_t ld, const float* Q,
+                                  int64_t ldq, float* S, int64_t Cp, NextTile* pf) {
+    if (d == 64 && ld == 64) return scores_in_registers_d<R, 64>(K, bc, d, ld, Q, ldq, S, Cp, pf);
+    if (d == 128 && ld == 128) return scores_in_registers_d<R, 128>(K, bc, d, ld, Q, ldq, S, Cp, pf);
+    scores_in_registers_d<R, 0>(K, bc, d, ld, Q, ldq, S, Cp, pf);
+}
+
+// 32 vector registers hold a block's 16 rows and 8 sums; 16 hold 8 rows and 4.
+constexpr int64_t RMAX = W >= 16 ? 8 : 4;
+inline bool scores_in_registers(const float* K, int64_t bc, int64_t d, int64_t ld, const float* Q,
+                                int64_t ldq, int64_t R, float* S, int64_t Cp, NextTile* pf) {
+    if (d % W != 0 || R > RMAX) return false;
+    switch (R) {
+        case 1: scores_in_registers_r<1>(K, bc, d, ld, Q, ldq, S, Cp, pf); return true;
+        case 2: scores_in_registers_r<2>(K, bc, d, ld, Q, ldq, S, Cp, pf); return true;
+        case 3: scores_in_registers_r<3>(K, bc, d, ld, Q, ldq, S, Cp, pf); return true;
+        case 4: scores_in_registers_r<4>(K, bc, d, ld, Q, ldq, S, Cp, pf); return true;
+        default: break;
+    }
+    if constexpr (RMAX > 4) {
+        switch (R) {
+            case 5: scores_in_registers_r<5>(K, bc, d, ld, Q, ldq, S, Cp, pf); return true;
+            case 6: scores_in_registers_r<6>(K, bc, d, ld, Q, ldq, S, Cp, pf); return true;
+            case 7: scores_in_registers_r<7>(K, bc, d, ld, Q, ldq, S, Cp, pf); return true;
+            case 8: scores_in_registers_r<8>(K, bc, d, ld, Q, ldq, S, Cp, pf); return true;
+            default: break;
+        }
+    }
+    return false;
+}
+
 // ---------------------------------------------------------------------------------------
 // Forward (FA1 and FA2), one Q tile: lanes are the tile's rows, so the row max, the row
 // sum and every per-row factor are element-wise across the Bc scores of a column.
@@ -1001,7 +1060,11 @@ void forward_group(const Ctx& ctx, int64_t u, int64_t i, float* ws) {
             const KvRows Kh = k_rows(p, seq, hk0 + k), Vh = v_rows(p, seq, hk0 + k);
             int64_t ldk = 0;
             const float* K = Kh.tile(n0, bc, g.Kp, &ldk);  // (bc, d), row stride ldk
-            transpose_tile(K, bc, d, ldk, g.KT, Cp, &pf);
+            // S[n][c] = sum_x Q[n,x] K[c,x].
+            if (!scores_in_registers(K, bc, d, ldk, g.Qg, Ep, R, g.S, Cp, &pf)) {
+                transpose_tile(K, bc, d, ldk, g.KT, Cp, &pf);
+                gemm_store_kb(g.KT, Cp, Cp, g.Qg, Ep, 1, d, R, g.S, Cp);
+            }
             if (k == nh - 1) pf.issue(pf.lines());  // what the blocks left, if any
             // P~ V reads V_j in place when its rows fill whole vectors (each line once: the
             // lanes of x partition them) and are evenly spaced, else from a copy padded to Dp.
@@ -1010,8 +1073,6 @@ void forward_group(const Ctx& ctx, int64_t u, int64_t i, float* ws) {
                 std::memcpy(g.Vj + c * Ep, Vh.row(n0 + c), sizeof(float) * static_cast<size_t>(d));
             const float* Vsrc = v_in_place ? Vh.row(n0) : g.Vj;
             const int64_t Vld = v_in_place ? Vh.ld : Ep;
-            // S[n][c] = sum_x Q[n,x] K[c,x].
-            gemm_store_kb(g.KT, Cp, Cp, g.Qg, Ep, 1, d, R, g.S, Cp);
 
             // Steps 1-2: the score pipeline along keys, then the row max.
             for (int64_t n = 0; n < R; ++n) {
