@@ -159,13 +159,13 @@ class Column:
         self.times, self.result, self.note = [], None, ""
 
 
-def time_group(columns, repeats, gap=0.0, burst=0):
+def time_group(columns, repeats, gap=0.0, burst=0, warm_ms=0.0):
     """Warm-up, then `repeats` rounds over the columns in turn. A column whose call fails
     (a kernel still in the works, say) keeps the error as its note and is left out.
     burst > 0: in each round a column waits `gap` idle seconds (so that threads the previous
-    contender left spinning, BLAS's or OpenMP's, are quiet), makes one untimed call (its
-    own threads wake up), then `burst` timed calls back to back, as a decoding loop makes
-    them."""
+    contender left spinning, BLAS's or OpenMP's, are quiet), makes untimed calls back to
+    back until `warm_ms` have passed (at least one: its own threads wake up), then `burst`
+    timed calls back to back, as a decoding loop makes them."""
     live = []
     for c in columns:
         if c.fn is None:
@@ -179,7 +179,10 @@ def time_group(columns, repeats, gap=0.0, burst=0):
         for c in live:
             if burst:
                 time.sleep(gap)
+                start = time.perf_counter()
                 c.fn()
+                while (time.perf_counter() - start) * 1e3 < warm_ms:
+                    c.fn()
             for _ in range(burst or 1):
                 t0 = time.perf_counter()
                 c.fn()
@@ -606,8 +609,8 @@ def decode(args):
     print("GB/s: the step's floor bytes (K and V of the context once, plus q and o) over its time; "
           "read parts / read blas: a streaming read (BLAS sdot) of an array of those bytes, one part per "
           "thread / one call with BLAS's own threads, in the same rounds; bandwidth: the faster of the two; "
-          f"% bw: GB/s over it; in each round a column idles {args.decode_gap} s, makes one untimed call, "
-          f"then {DECODE_BURST} timed calls back to back")
+          f"% bw: GB/s over it; in each round a column idles {args.decode_gap} s, makes untimed calls back "
+          f"to back for {args.decode_warm:g} ms (at least one), then {DECODE_BURST} timed calls back to back")
     print("columns: cpu = pyfa.fa2_forward on the cpu backend, cache (B, Hkv, N, d) read in place; "
           f"cpu split = the same with split_size={split} ('decode'); kvcache = "
           "pyfa.attention_with_kvcache on a (B, N, Hkv, d) cache (flash-attn's layout, read in place as packed "
@@ -655,7 +658,7 @@ def decode(args):
                 with torch.no_grad():
                     return sdpa(tq, tke, tve)
             cols += [Column("torch gqa", torch_gqa), Column("torch exp", torch_exp)]
-        timed = time_group(cols, repeats, gap=args.decode_gap, burst=DECODE_BURST)
+        timed = time_group(cols, repeats, gap=args.decode_gap, burst=DECODE_BURST, warm_ms=args.decode_warm)
         # The bandwidth: the faster of the two streaming reads (by median).
         reads = [t for t in timed if t[0].startswith("read")]
         best = min(reads, key=lambda t: t[1])
@@ -799,6 +802,10 @@ def main(argv=None):
     dc.add_argument("--decode-gap", type=float, default=0.2,
                     help="idle seconds before each column's calls in a round (BLAS and OpenMP threads spin "
                          "~0.1 s after a call)")
+    dc.add_argument("--decode-warm", type=float, default=50.0,
+                    help="untimed milliseconds of calls after each idle spell, before the timed ones (0: one "
+                         "call); after 0.2 s idle a 2-thread step at 8k ran up to 1.6x slower for its first "
+                         "30-40 ms here")
     dc.add_argument("--decode-kvcache", action="store_true",
                     help="--decode: also time pyfa.attention_with_kvcache on a flash-attn layout cache")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
