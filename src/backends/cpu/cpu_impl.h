@@ -589,26 +589,16 @@ inline void scores_in_registers_r(const float* K, int64_t bc, int64_t d, int64_t
 }
 
 // 32 vector registers hold a block's 16 rows and 8 sums; 16 hold 8 rows and 4.
-constexpr int64_t RMAX = W >= 16 ? 8 : 4;
+constexpr int RMAX = W >= 16 ? 8 : 4;
+template <int R = 1>
 inline bool scores_in_registers(const float* K, int64_t bc, int64_t d, int64_t ld, const float* Q,
-                                int64_t ldq, int64_t R, float* S, int64_t Cp, NextTile* pf) {
-    if (d % W != 0 || R > RMAX) return false;
-    switch (R) {
-        case 1: scores_in_registers_r<1>(K, bc, d, ld, Q, ldq, S, Cp, pf); return true;
-        case 2: scores_in_registers_r<2>(K, bc, d, ld, Q, ldq, S, Cp, pf); return true;
-        case 3: scores_in_registers_r<3>(K, bc, d, ld, Q, ldq, S, Cp, pf); return true;
-        case 4: scores_in_registers_r<4>(K, bc, d, ld, Q, ldq, S, Cp, pf); return true;
-        default: break;
+                                int64_t ldq, int64_t rows, float* S, int64_t Cp, NextTile* pf) {
+    if (d % W != 0) return false;
+    if (rows == R) {
+        scores_in_registers_r<R>(K, bc, d, ld, Q, ldq, S, Cp, pf);
+        return true;
     }
-    if constexpr (RMAX > 4) {
-        switch (R) {
-            case 5: scores_in_registers_r<5>(K, bc, d, ld, Q, ldq, S, Cp, pf); return true;
-            case 6: scores_in_registers_r<6>(K, bc, d, ld, Q, ldq, S, Cp, pf); return true;
-            case 7: scores_in_registers_r<7>(K, bc, d, ld, Q, ldq, S, Cp, pf); return true;
-            case 8: scores_in_registers_r<8>(K, bc, d, ld, Q, ldq, S, Cp, pf); return true;
-            default: break;
-        }
-    }
+    if constexpr (R < RMAX) return scores_in_registers<R + 1>(K, bc, d, ld, Q, ldq, rows, S, Cp, pf);
     return false;
 }
 
