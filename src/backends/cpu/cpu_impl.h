@@ -503,8 +503,9 @@ struct NextTile {
 
     int64_t lines() const { return 2 * rows * row_lines; }
     // The position is walked in locals: kept in the struct (reached through a pointer
-    // from the transposes), each prefetch cost a load and a store of it.
-    void issue(int64_t n) {
+    // from the transposes), each prefetch cost a load and a store of it. Inlined: called
+    // from P~ V's steps, a call would spill the register tile's sums around it.
+    __attribute__((always_inline)) void issue(int64_t n) {
         constexpr int64_t line = 64 / sizeof(float);
         int64_t t_ = t, r_ = r, e_ = e;
         const float* row_ = row;
