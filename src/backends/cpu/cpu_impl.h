@@ -574,6 +574,8 @@ inline void scores_in_registers_d(const float* K, int64_t bc, int64_t dd, int64_
             vf rows[W];
             for (int k = 0; k < W; ++k) rows[k] = rows_here == W || k < rows_here ? ldu(Kc + k * ld + x0) : vf{};
             transpose(rows);  // rows[k]: K[c0 .. c0+W-1, x0 + k]
+            // Unrolled, so that rows[k] is a register: rolled, GCC kept the rows on the stack.
+#pragma GCC unroll 16
             for (int k = 0; k < W; ++k)
                 for (int n = 0; n < R; ++n) acc[n] = vmadd(rows[k], splat(Q[n * ldq + x0 + k]), acc[n]);
         }
