@@ -501,6 +501,21 @@ def test_decode_shapes_equal_the_simulator(n, isa):
         assert same_bits(got[0], want[0]) and same_bits(got[1], want[1]), f"{isa}, {threads} threads, {kw}"
 
 
+def test_split_decode_runs_of_chunks_equal_the_simulator(isa):
+    """A split decoding step's items are runs of consecutive chunks of one K/V head, each
+    chunk's last tile prefetching the next one's first: 18 chunks of 64 keys make runs of
+    4 (a short last run of 2) on one thread, 2 on two, 1 on three; the bits stay the
+    simulator's."""
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((1, 4, 1, 64), dtype=np.float32)
+    k, v = (rng.standard_normal((1, 1, 1100, 64), dtype=np.float32) for _ in range(2))
+    want = pyfa.sim.fa2_forward(q, k, v, split_size=64, block_c=64)
+    for threads in (1, 2, 3):
+        got = pyfa.fa2_forward(q, k, v, split_size=64, block_c=64,
+                               options=pyfa.Options(backend="cpu", threads=threads))
+        assert same_bits(got[0], want.o) and same_bits(got[1], want.lse), f"{isa}, {threads} threads"
+
+
 def test_decode_varlen_equals_the_simulator():
     # Packed sequences of 1, 0 and 3 query rows against 50, 9 and 70 keys, GQA 4:1.
     rng = np.random.default_rng(5)

@@ -307,24 +307,32 @@ pyfa_status cpu_run(int op, const AttentionParams* params, size_t count, const p
         // Split-KV, every launch at once (api.cpp): params[c] computes chunk c's partial
         // (O, LSE) for c < count - 1, params[count - 1] folds them (common/merge.h). All
         // chunks are one phase, so that a long context costs two phases rather than a
-        // pool hand-off per chunk (which at 128 chunks took longer than the chunks);
-        // consecutive items are consecutive chunks of one head, read in address order.
+        // pool hand-off per chunk (which at 128 chunks took longer than the chunks). An
+        // item is a run of consecutive chunks of one head, read in address order by one
+        // thread, so that a chunk's last tile prefetches the next one's first (decoding:
+        // a chunk of 256 keys is 4 tiles, and its first tile's read was not overlapped);
+        // runs as long as still leave 4 items per thread.
         const int64_t chunks = static_cast<int64_t>(count) - 1;
         const bool group = p0.seqlen_q <= pyfa_cpu::kGroupRows;  // as the unsplit decode below
+        const int64_t nh = group ? pyfa_cpu::group_heads(p0, threads, chunks * ceil_div(p0.seqlen_q, p0.block_r)) : 1;
+        const int64_t Tr = ceil_div(p0.seqlen_q, p0.block_r), units = (group ? p0.batch * p0.heads_kv / nh : BH) * Tr;
+        const int64_t run = std::clamp<int64_t>(units * chunks / (4 * static_cast<int64_t>(threads)), 1, chunks);
+        const int64_t runs = ceil_div(chunks, run);
         plans.reserve(static_cast<size_t>(chunks));
         for (int64_t c = 0; c < chunks; ++c) {
             plans.emplace_back(params[c], false, nullptr);
             plans.back().ctx.group = group;
+            plans.back().ctx.group_heads = nh;
+            plans.back().ctx.prefetch_past = (c + 1) % run != 0 && c + 1 < chunks;
         }
-        const int64_t nh = group ? pyfa_cpu::group_heads(p0, threads, chunks * plans[0].Tr()) : 1;
-        for (Plan& f : plans) f.ctx.group_heads = nh;
-        const int64_t Tr = plans[0].Tr(), units = (group ? p0.batch * p0.heads_kv / nh : BH) * Tr;
-        phases.push_back({chunks * units, [&, Tr, chunks, group](int64_t k, float* ws) {
-                              const Plan& f = plans[static_cast<size_t>(k % chunks)];
-                              const int64_t u = k / chunks;
-                              if (group) isa->forward_group(f.ctx, u / Tr, u % Tr, ws);
-                              else isa->forward(f.ctx, u / Tr, Tr - 1 - u % Tr, ws);
-                              runner->done_one();
+        phases.push_back({runs * units, [&, Tr, chunks, run, runs, group](int64_t k, float* ws) {
+                              const int64_t u = k / runs, first = k % runs * run;
+                              for (int64_t c = first; c < std::min(first + run, chunks); ++c) {
+                                  const Plan& f = plans[static_cast<size_t>(c)];
+                                  if (group) isa->forward_group(f.ctx, u / Tr, u % Tr, ws);
+                                  else isa->forward(f.ctx, u / Tr, Tr - 1 - u % Tr, ws);
+                                  runner->done_one();
+                              }
                           }});
         const AttentionParams& fold = params[count - 1];
         phases.push_back({BH * Tr, [&, Tr](int64_t k, float*) {

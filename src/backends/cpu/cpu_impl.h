@@ -1052,7 +1052,8 @@ void forward_group(const Ctx& ctx, int64_t u, int64_t i, float* ws) {
             K0.touch(n0, bc, nh * d, all.S);
             V0.touch(n0, bc, nh * d, all.S);
         }
-        const int64_t next_rows = !prefetch || j + 1 == visit.end ? 0 : min64(Bc, Nk - col0 - Bc);
+        const bool more = j + 1 < visit.end || (ctx.prefetch_past && col0 + Bc < Nk);
+        const int64_t next_rows = !prefetch || !more ? 0 : min64(Bc, Nk - col0 - Bc);
         NextTile pf{p, K0.X, V0.X, K0.ld, V0.ld, n0 + Bc, next_rows,
                     ceil_div(nh * d, 64 / static_cast<int64_t>(sizeof(float)))};
         // Half the lines go out under the transposes, half under P~ V's steps (those of its
