@@ -314,8 +314,9 @@ pyfa_status cpu_run(int op, const AttentionParams* params, size_t count, const p
         // runs as long as still leave 4 items per thread.
         const int64_t chunks = static_cast<int64_t>(count) - 1;
         const bool group = p0.seqlen_q <= pyfa_cpu::kGroupRows;  // as the unsplit decode below
-        const int64_t nh = group ? pyfa_cpu::group_heads(p0, threads, chunks * ceil_div(p0.seqlen_q, p0.block_r)) : 1;
-        const int64_t Tr = ceil_div(p0.seqlen_q, p0.block_r), units = (group ? p0.batch * p0.heads_kv / nh : BH) * Tr;
+        const int64_t Tr = ceil_div(p0.seqlen_q, p0.block_r);
+        const int64_t nh = group ? pyfa_cpu::group_heads(p0, threads, chunks * Tr) : 1;
+        const int64_t units = (group ? p0.batch * p0.heads_kv / nh : BH) * Tr;
         const int64_t run = std::clamp<int64_t>(units * chunks / (4 * static_cast<int64_t>(threads)), 1, chunks);
         const int64_t runs = ceil_div(chunks, run);
         plans.reserve(static_cast<size_t>(chunks));

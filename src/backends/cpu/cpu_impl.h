@@ -369,6 +369,11 @@ inline void gemm_wide(const float* A, int64_t lda, int64_t ni, const float* B, i
     for (; i < ni; i += W) gemm_cols<1>(A, lda, B, sj, sk, K, nj, i, epi, sel);
 }
 
+// How many times gemm_wide calls its hook: once per step of each whole register tile.
+inline int64_t gemm_wide_hooked_steps(int64_t ni, int64_t K, int64_t nj) {
+    return ni / (WI * W) * (nj / NJW) * K;
+}
+
 // C[j * ldc + i] = sum_k A[k * lda + i] * B[j * sj + k * sk], as gemm stores it, but in
 // blocks of KB along k: each sum is stopped in C after a block and goes on from there with
 // the next, so its chain is unchanged, while a block of A and of B stays in L1 for every
@@ -1059,7 +1064,7 @@ void forward_group(const Ctx& ctx, int64_t u, int64_t i, float* ws) {
         // Half the lines go out under the transposes, half under P~ V's steps (those of its
         // whole register tiles), so that reads stay in flight through the whole tile: all
         // under the transposes, one Zen 4 thread took 5.5-6.0 against 4.6-4.9 ms at N = 8192.
-        const int64_t pv_steps = nh * bc * (R / NJW) * (Dp / (WI * W));
+        const int64_t pv_steps = nh * gemm_wide_hooked_steps(Dp, bc, R);
         const int64_t under_pv = pv_steps ? pf.lines() / 2 : 0;
         pf.per_block = ceil_div(pf.lines() - under_pv, nh * (bc / W) * (d / W) + 1);
         const int64_t per_step = pv_steps ? ceil_div(under_pv, pv_steps) : 0;
