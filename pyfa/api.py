@@ -595,8 +595,9 @@ def _run_host(op, intake, outs, problem, config, progress, varlen=None, mod_tens
         # Every array the library writes is ours until the call returns: a cancelled call
         # may leave them partly written, and no staging copy is needed.
         config.flags |= lib.PYFA_FLAG_IN_PLACE
+    emulated = config.backend == lib.PYFA_BACKEND_EMU
     _lib.call(lib.pyfa_run, config, op.c_op, problem, config, tensors, ffi.NULL, progress=progress,
-              quick=_work(op, intake.dims) <= _lib.QUICK_WORK)
+              quick=_work(op, intake.dims) <= _lib.QUICK_WORK["emu" if emulated else "native"])
     results = []
     for given, view, written in targets.values():
         if given is None:
@@ -850,8 +851,9 @@ _COMMON_DOC = """
 
     Ctrl-C (or options.progress returning True) cancels a running call: the library
     stops and KeyboardInterrupt (CancelledError) is raised, with nothing of the
-    caller's written. A Ctrl-C that comes after the library has finished is too late
-    to cancel: the call completes every output (out= arrays are never left partly
+    caller's written. A Ctrl-C that comes after the library has finished, or during a
+    call short enough to run on the main thread (milliseconds, tens at most), is too
+    late to cancel: the call completes every output (out= arrays are never left partly
     written) and then raises KeyboardInterrupt.
 
     options.variant: "auto" (the fast, register-tiled kernels where they apply, else the

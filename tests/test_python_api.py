@@ -310,7 +310,7 @@ def test_ctrl_c_after_success_raises_only_once_out_is_complete():
 
 
 def test_small_calls_run_on_the_main_thread_large_ones_stay_cancellable():
-    # The ~0.1 ms hand-off to the helper thread is skipped for calls of at most QUICK_WORK,
+    # The hand-off to the helper thread is skipped for calls of at most QUICK_WORK (by backend),
     # and only while SIGINT has Python's own handler; a Ctrl-C during such a call that
     # then fails is raised at once (nothing of the caller's was written).
     out = child("""
@@ -329,10 +329,13 @@ def test_small_calls_run_on_the_main_thread_large_ones_stay_cancellable():
         _lib.call = spy
         rng = np.random.default_rng(0)
         small = rng.standard_normal((1, 2, 16, 8), dtype=np.float32)
-        large = rng.standard_normal((1, 4, 256, 64), dtype=np.float32)   # 4 * 256 * 256 * 64 = 2^24
+        mid = rng.standard_normal((1, 4, 256, 64), dtype=np.float32)     # 4 * 256 * 256 * 64 = 2^24
+        large = rng.standard_normal((1, 4, 1024, 128), dtype=np.float32)  # 4 * 1024 * 1024 * 128 = 2^29
         cpu = pyfa.Options(backend="cpu")
         pyfa.fa2_forward(small, small, small, options=cpu)
         pyfa.attention_grad(small, small, small, small, options=cpu)   # two calls: forward, backward
+        pyfa.fa2_forward(mid, mid, mid, options=cpu)                   # quick natively,
+        pyfa.fa2_forward(mid, mid, mid, options=pyfa.Options(backend="emu"))  # not emulated
         pyfa.fa2_forward(large, large, large, options=cpu)
         signal.signal(signal.SIGINT, lambda *a: None)
         pyfa.fa2_forward(small, small, small, options=cpu)
@@ -349,7 +352,7 @@ def test_small_calls_run_on_the_main_thread_large_ones_stay_cancellable():
         except KeyboardInterrupt:
             print("interrupted")
     """)
-    assert out.splitlines() == ["[True, True, True, False, False]", "interrupted"]
+    assert out.splitlines() == ["[True, True, True, True, False, False, False]", "interrupted"]
 
 
 # ---- the loader and the command line

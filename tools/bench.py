@@ -802,10 +802,10 @@ def main(argv=None):
     dc.add_argument("--decode-gap", type=float, default=0.2,
                     help="idle seconds before each column's calls in a round (BLAS and OpenMP threads spin "
                          "~0.1 s after a call)")
-    dc.add_argument("--decode-warm", type=float, default=50.0,
+    dc.add_argument("--decode-warm", type=float, default=300.0,
                     help="untimed milliseconds of calls after each idle spell, before the timed ones (0: one "
-                         "call); after 0.2 s idle a 2-thread step at 8k ran up to 1.6x slower for its first "
-                         "30-40 ms here")
+                         "call); after 0.2 s idle a 2-thread step at 8k ran up to 1.3x slower for its first "
+                         "150 ms here (tools/README.md)")
     dc.add_argument("--decode-kvcache", action="store_true",
                     help="--decode: also time pyfa.attention_with_kvcache on a flash-attn layout cache")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
