@@ -531,6 +531,55 @@ def test_decode_varlen_equals_the_simulator():
     assert same_bits(got[0], want.o) and same_bits(got[1], want.lse)
 
 
+def in_line_at(a, offset):
+    """A copy of `a` starting `offset` floats past a 64-byte line."""
+    raw = np.empty(a.size + 32, np.float32)
+    start = (-raw.ctypes.data // 4) % 16 + offset
+    out = raw[start:start + a.size].reshape(a.shape)
+    out[...] = a
+    return out
+
+
+@pytest.mark.parametrize("d", [16, 80, 128])
+def test_decode_v_anywhere_in_a_line_every_build(d, isa):
+    """V rows that start anywhere in a 64-byte line (NumPy's large arrays start 16 bytes
+    past one): on AVX-512 P~ V reads them from the line's start with masked edge vectors
+    and shifted lanes, in one register-tile pass (d = 16) or two (d = 80, 128), V in
+    place or gathered at the shift (pages of 3), tiles the mask cuts (causal, 3 rows) or
+    not; rows a stride apart that is no whole line keep the unshifted reads. The
+    simulator's bits at every offset."""
+    rng = np.random.default_rng(d + 1)
+    B, N, H, Hkv, page = 1, 100, 8, 2, 3
+    tiles = dict(block_r=8, block_c=32)
+    q = rng.standard_normal((B, H, 3, d), dtype=np.float32)
+    k, v = (rng.standard_normal((B, Hkv, N, d), dtype=np.float32) for _ in range(2))
+    dense = pyfa.sim.fa2_forward(q, k, v, causal=True, **tiles)
+    qc = np.ascontiguousarray(q[:, :, -1:].transpose(0, 2, 1, 3))
+    kc, vc = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (k, v))
+    lens = np.array([N], np.int32)
+    cache = pyfa.sim.attention_with_kvcache(qc, kc, vc, lens, return_lse=True, options=pyfa.Options(**tiles))
+    per = -(-N // page)
+    table = rng.permutation(per).astype(np.int32).reshape(1, per)
+    kp, vp = (np.zeros((per, page, Hkv, d), np.float32) for _ in range(2))
+    for x, pages in ((kc, kp), (vc, vp)):
+        padded = np.zeros((1, per * page, Hkv, d), np.float32)
+        padded[:, :N] = x
+        pages[table] = padded.reshape(1, per, page, Hkv, d)
+    wide = np.zeros((B, N, Hkv, d + 4), np.float32)  # rows (Hkv (d + 4)) floats apart
+    for offset in (0, 1, 4, 7, 12, 15):
+        vd, vk, vpg = in_line_at(v, offset), in_line_at(vc, offset), in_line_at(vp, offset)
+        ws = in_line_at(wide, offset)
+        ws[..., :d] = vc
+        for threads in (1, 2):
+            cpu = pyfa.Options(backend="cpu", threads=threads, **tiles)
+            where = f"{isa}, V at +{offset} floats, {threads} threads"
+            got = pyfa.fa2_forward(q, k, vd, causal=True, options=cpu)
+            assert same_bits(got[0], dense.o) and same_bits(got[1], dense.lse), where + ", dense causal"
+            for kk, vv, tb in ((kc, vk, None), (kp, vpg, table), (kc, ws[..., :d], None)):
+                got = pyfa.attention_with_kvcache(qc, kk, vv, lens, block_table=tb, return_lse=True, options=cpu)
+                assert same_bits(got[0], cache[0]) and same_bits(got[1], cache[1]), f"{where}, {vv.strides}"
+
+
 @pytest.mark.parametrize("d", [40, 128])
 def test_decode_kv_caches_every_build(d, isa):
     """A decoding step against flash-attn's (B, N, Hkv, d) cache and against paged caches
