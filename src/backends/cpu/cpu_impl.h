@@ -616,10 +616,11 @@ inline void transpose_tile(const float* K, int64_t bc, int64_t d, int64_t ld, fl
 // transpose_tile + gemm_store_kb (x = 0 .. d-1 in order from +0, one fma per step), without
 // storing K_j^T (as large as L1 at d = 128) and reading it back. R sums stay in registers
 // beside the W rows of a block, so only R <= RMAX, d a multiple of W; false otherwise.
-template <int R, int64_t D>
+// D: d as a constant (0: dd); LD: the row stride as one (0: ldd, a (B, N, Hkv, d) cache's).
+template <int R, int64_t D, int64_t LD = D>
 inline void scores_in_registers_d(const float* K, int64_t bc, int64_t dd, int64_t ldd, const float* Q,
                                   int64_t ldq, float* S, int64_t Cp, NextTile* pf) {
-    const int64_t d = D ? D : dd, ld = D ? D : ldd;
+    const int64_t d = D ? D : dd, ld = LD ? LD : ldd;
     for (int64_t c0 = 0; c0 < Cp; c0 += W) {
         const int64_t rows_here = min64(W, bc - c0);
         const float* Kc = K + c0 * ld;  // (rows_here, d), row stride ld
@@ -644,6 +645,7 @@ inline void scores_in_registers_r(const float* K, int64_t bc, int64_t d, int64_t
                                   int64_t ldq, float* S, int64_t Cp, NextTile* pf) {
     if (d == 64 && ld == 64) return scores_in_registers_d<R, 64>(K, bc, d, ld, Q, ldq, S, Cp, pf);
     if (d == 128 && ld == 128) return scores_in_registers_d<R, 128>(K, bc, d, ld, Q, ldq, S, Cp, pf);
+    if (d == 128) return scores_in_registers_d<R, 128, 0>(K, bc, d, ld, Q, ldq, S, Cp, pf);
     scores_in_registers_d<R, 0>(K, bc, d, ld, Q, ldq, S, Cp, pf);
 }
 
