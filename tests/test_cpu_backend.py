@@ -543,11 +543,9 @@ def in_line_at(a, offset):
 @pytest.mark.parametrize("d", [16, 80, 128])
 def test_decode_v_anywhere_in_a_line_every_build(d, isa):
     """V rows that start anywhere in a 64-byte line (NumPy's large arrays start 16 bytes
-    past one): on AVX-512 P~ V reads them from the line's start with masked edge vectors
-    and shifted lanes, in one register-tile pass (d = 16) or two (d = 80, 128), V in
-    place or gathered at the shift (pages of 3), tiles the mask cuts (causal, 3 rows) or
-    not; rows a stride apart that is no whole line keep the unshifted reads. The
-    simulator's bits at every offset."""
+    past one), read by P~ V in place (loads that straddle two lines) or gathered (pages
+    of 3), in tiles the mask cuts (causal, 3 rows) or not, and rows a stride apart that
+    is no whole line: the simulator's bits at every offset, on every build."""
     rng = np.random.default_rng(d + 1)
     B, N, H, Hkv, page = 1, 100, 8, 2, 3
     tiles = dict(block_r=8, block_c=32)

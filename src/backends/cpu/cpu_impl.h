@@ -258,28 +258,11 @@ struct StepSpan {
 struct NoHook {
     void operator()(int64_t) const {}
 };
-// How a register tile loads its NI vectors of a row of A: whole (NoEdge), or with the
-// first and last masked (EdgeLanes: a row read from the aligned line before its start,
-// lanes outside it zero and never touched in memory).
-struct NoEdge {
-    __attribute__((always_inline)) vf load(const float* p, bool, bool) const { return ldu(p); }
-};
-#if PYFA_CPU_W == 16 && defined(__AVX512F__)
-struct EdgeLanes {
-    __mmask16 first, last;
-    __attribute__((always_inline)) vf load(const float* p, bool is_first, bool is_last) const {
-        if (is_first) return _mm512_maskz_loadu_ps(first, p);
-        if (is_last) return _mm512_maskz_loadu_ps(last, p);
-        return ld(p);
-    }
-};
-#endif
-template <int NI, int NJ, class Epi, class Sel, class Hook = NoHook, class Edge = NoEdge>
+template <int NI, int NJ, class Epi, class Sel, class Hook = NoHook>
 __attribute__((always_inline)) inline void micro(const float* A, int64_t lda, const float* B,
                                                  int64_t sj, int64_t sk, int64_t K, int64_t i0,
                                                  int64_t j0, Epi& epi, const Sel& sel,
-                                                 const float* C = nullptr, int64_t ldc = 0, Hook hook = Hook{},
-                                                 const Edge& edge = Edge{}) {
+                                                 const float* C = nullptr, int64_t ldc = 0, Hook hook = Hook{}) {
     vf acc[NJ][NI];
     for (int jj = 0; jj < NJ; ++jj)
         for (int ii = 0; ii < NI; ++ii)
@@ -291,7 +274,7 @@ __attribute__((always_inline)) inline void micro(const float* A, int64_t lda, co
         for (int64_t k = k0; k < k1; ++k) {
             hook(k);
             vf av[NI];
-            for (int ii = 0; ii < NI; ++ii) av[ii] = edge.load(a + k * lda + ii * W, ii == 0, ii == NI - 1);
+            for (int ii = 0; ii < NI; ++ii) av[ii] = ldu(a + k * lda + ii * W);
             for (int jj = 0; jj < NJ; ++jj) {
                 const vf bv = splat(b[jj * sj + k * sk]);
                 for (int ii = 0; ii < NI; ++ii) {
@@ -390,40 +373,6 @@ inline void gemm_wide(const float* A, int64_t lda, int64_t ni, const float* B, i
 inline int64_t gemm_wide_hooked_steps(int64_t ni, int64_t K, int64_t nj) {
     return ni / (WI * W) * (nj / NJW) * K;
 }
-
-#if PYFA_CPU_W == 16 && defined(__AVX512F__)
-// gemm_wide over ni = NI * W lanes whose rows are read through `edge` (each row's first
-// and last vector masked), in one pass of register tiles or, past 5 vectors, two (5 + 4 at
-// d = 128): 9 vectors in one tile spilled its 18 sums around every step's hook. The hook
-// runs in the first pass only, once per step of each tile of NJW operands, as gemm_wide's.
-constexpr int EDGE_NI = 9;
-template <int NI, int I0, class Epi, class Sel, class Hook>
-__attribute__((always_inline)) inline void gemm_edge_pass(const float* A, int64_t lda, const float* B, int64_t sj,
-                                                          int64_t sk, int64_t K, int64_t nj, Epi& epi, const Sel& sel,
-                                                          Hook hook, const EdgeLanes& edge) {
-    int64_t j = 0;
-    for (; j + NJW <= nj; j += NJW) micro<NI, NJW>(A, lda, B, sj, sk, K, I0 * W, j, epi, sel, nullptr, 0, hook, edge);
-    if (j < nj) micro<NI, 1>(A, lda, B, sj, sk, K, I0 * W, j, epi, sel, nullptr, 0, NoHook{}, edge);
-}
-template <int NI = 2, class Epi, class Sel, class Hook>
-inline void gemm_edge(const float* A, int64_t lda, int64_t ni, const float* B, int64_t sj, int64_t sk, int64_t K,
-                      int64_t nj, Epi epi, const Sel& sel, Hook hook, const EdgeLanes& edge) {
-    if (ni != NI * W) {
-        if constexpr (NI < EDGE_NI) gemm_edge<NI + 1>(A, lda, ni, B, sj, sk, K, nj, epi, sel, hook, edge);
-        return;
-    }
-    if constexpr (NI <= 5) {
-        gemm_edge_pass<NI, 0>(A, lda, B, sj, sk, K, nj, epi, sel, hook, edge);
-    } else {
-        constexpr int N1 = (NI + 1) / 2;
-        constexpr __mmask16 whole = 0xFFFF;
-        gemm_edge_pass<N1, 0>(A, lda, B, sj, sk, K, nj, epi, sel, hook, EdgeLanes{edge.first, whole});
-        gemm_edge_pass<NI - N1, N1>(A, lda, B, sj, sk, K, nj, epi, sel, NoHook{}, EdgeLanes{whole, edge.last});
-    }
-}
-#else
-constexpr int EDGE_NI = 0;  // no masked loads: rows are read where they lie
-#endif
 
 // C[j * ldc + i] = sum_k A[k * lda + i] * B[j * sj + k * sk], as gemm stores it, but in
 // blocks of KB along k: each sum is stopped in C after a block and goes on from there with
@@ -550,12 +499,12 @@ __attribute__((always_inline)) inline void transpose(vf* rows) {
 // time, and the prefetches keep the reads in flight under the transposes instead. Into
 // L2, not L1: the current tile's V_j and K_j^T use L1.
 struct NextTile {
-    const AttentionParams* p;
+    const AttentionParams& p;
     const float *K, *V;
     int64_t ldk, ldv, n0, rows, row_lines;
     int64_t per_block = 0;                   // issued per W x W block of a transpose
     int64_t t = rows ? 0 : 2, r = 0, e = 0;  // the next line: of K (t = 0) or V, row r, line e
-    const float* row = rows ? K + p->kv_row(n0) * ldk : nullptr;
+    const float* row = rows ? K + p.kv_row(n0) * ldk : nullptr;
 
     int64_t lines() const { return 2 * rows * row_lines; }
     // The position is walked in locals: kept in the struct (reached through a pointer
@@ -570,7 +519,7 @@ struct NextTile {
             if (++e_ < row_lines) continue;
             e_ = 0;
             if (++r_ == rows) r_ = 0, ++t_;
-            if (t_ < 2) row_ = t_ ? V + p->kv_row(n0 + r_) * ldv : K + p->kv_row(n0 + r_) * ldk;
+            if (t_ < 2) row_ = t_ ? V + p.kv_row(n0 + r_) * ldv : K + p.kv_row(n0 + r_) * ldk;
         }
         t = t_, r = r_, e = e_, row = row_;
     }
@@ -1019,7 +968,7 @@ inline GrpBufs grp_bufs(const AttentionParams& p, float* ws) {
     g.Ep = pad_stride(d);
     g.KT = ws;                      // (d, Cp)   K_j transposed, keys past bc zero
     g.S = g.KT + d * g.Cp;          // (R, Cp)   S_ij, then P~_ij
-    g.Vj = g.S + g.R * g.Cp;        // (Bc, Ep)  V_j, columns d .. Dp-1 zero (or from v_shift on)
+    g.Vj = g.S + g.R * g.Cp;        // (Bc, Ep)  V_j, columns d .. Dp-1 zero
     g.mn = g.Vj + Bc * g.Ep;        // (Rw) each: m_new, safe_max(m_new), alpha, rowsum,
     g.ms = g.mn + g.Rw;             //            and the lanes of rows that see a key of
     g.alpha = g.ms + g.Rw;          //            a cut tile (vi bits)
@@ -1028,18 +977,18 @@ inline GrpBufs grp_bufs(const AttentionParams& p, float* ws) {
     g.Kp = g.sees + g.Rw;           // (Bc, d)   paged K/V: K_j's rows gathered
     g.Qg = g.Kp + round_up(Bc * d, W);  // per head, slot floats apart (every buffer
                                         // starts on a vector):
-    g.O = g.Qg + g.R * g.Ep;        //   (R, Ep) the group's q rows, (R, Ep) O rows (x
-    g.m = g.O + g.R * g.Ep;         //   at lane x + v_shift), (Rw) m and (Rw) l
+    g.O = g.Qg + g.R * g.Ep;        //   (R, Ep) the group's q rows, (R, Dp) O rows,
+    g.m = g.O + g.R * g.Dp;         //   (Rw) m and (Rw) l
     g.l = g.m + g.Rw;
-    g.slot = 2 * g.R * g.Ep + 2 * g.Rw;
+    g.slot = g.R * g.Ep + g.R * g.Dp + 2 * g.Rw;
     return g;
 }
 
 inline size_t grp_floats(const AttentionParams& p, int64_t heads) {
     const int64_t d = p.head_dim, Bc = p.block_c, R = group_rows(p), Rw = round_up(R, W);
-    const int64_t Cp = round_up(Bc, W), Ep = pad_stride(d);
+    const int64_t Cp = round_up(Bc, W), Ep = pad_stride(d), Dp = round_up(d, W);
     return static_cast<size_t>(d * Cp + R * Cp + Bc * Ep + 5 * Rw + round_up(Bc * d, W) +
-                               heads * (2 * R * Ep + 2 * Rw));
+                               heads * (R * Ep + R * Dp + 2 * Rw));
 }
 
 // P~ V in a cut tile: lanes along x, steps k keys, operands j the group's rows (row j % br
@@ -1051,37 +1000,6 @@ struct SelGroupKeys {
     vi keep(int64_t k, int64_t, int64_t j) const { return splati(band->visible(j % br, k) ? -1 : 0); }
     StepSpan span(int64_t, int64_t, int64_t K) const { return StepSpan{0, 0, 0, K}; }  // by operand: every step
 };
-
-// Step 5 of a group's tile: pv[n][x] = sum_c P~[n,c] V[c,x] (P~ at P, R rows Cp apart; V_j's
-// bc rows at V, ldv apart, lane l of a row at V + l: x = l - shift), then O = fma(alpha, O,
-// pv) (O's R rows ldo apart, in V's lanes), a row of a cut tile that sees no key left as
-// it is; the next tile's prefetches go out under the steps, per_step each. With a shift
-// (AVX-512 only) each row's first and last vector are masked (gemm_edge), else ni lanes
-// are read whole (gemm_wide). Out of line, with the prefetch position in locals: a second
-// product inlined into forward_group cost both their registers (the sums spilled at every
-// step, the step took 1.8x as long).
-template <class Sel>
-__attribute__((noinline)) void pv_tile(const float* V, int64_t ldv, int64_t ni, int64_t shift, const float* P,
-                                       int64_t Cp, int64_t bc, int64_t R, float* O, int64_t ldo, const float* alpha,
-                                       const float* sees, bool cut, const Sel& sel, NextTile& next, int64_t per_step) {
-    NextTile pf = next;
-    auto step = [&](int64_t n, int64_t x, vf pv) PYFA_CPU_EPI {
-        float* o = O + n * ldo + x;
-        const vf v = vmadd(splat(alpha[n]), ld(o), pv);
-        st(o, cut ? (lane_set(sees[n]) ? v : ld(o)) : v);
-    };
-    auto hook = [&](int64_t) PYFA_CPU_EPI { pf.issue(per_step); };
-#if PYFA_CPU_W == 16 && defined(__AVX512F__)
-    if (shift) {
-        const EdgeLanes edge{static_cast<__mmask16>(0xFFFFu << shift), static_cast<__mmask16>((1u << shift) - 1)};
-        gemm_edge(V, ldv, ni, P, Cp, 1, bc, R, step, sel, hook, edge);
-    } else
-#else
-    (void)shift;  // always 0: v_shift needs masked loads
-#endif
-        gemm_wide(V, ldv, ni, P, Cp, 1, bc, R, step, sel, hook);
-    next = pf;
-}
 
 // Q tile i of the groups of query heads of ctx.group_heads adjacent K/V heads: item u is
 // batch element b = u / (Hkv / group_heads), K/V heads hk0 = u % (Hkv / group_heads) *
@@ -1111,7 +1029,7 @@ void forward_group(const Ctx& ctx, int64_t u, int64_t i, float* ws) {
             const float* Q = p.q + q_head(p, b * p.heads + h0 + n / br).rows + (row0 + n % br) * d;  // (d)
             std::memcpy(g.Qg + n * Ep, Q, sizeof(float) * static_cast<size_t>(d));
         }
-        for (int64_t e = 0; e < R * Ep; ++e) g.O[e] = 0.0f;
+        for (int64_t e = 0; e < R * Dp; ++e) g.O[e] = 0.0f;
         for (int64_t n = 0; n < Rw; ++n) {
             g.m[n] = -INFINITY;
             g.l[n] = 0.0f;
@@ -1128,18 +1046,6 @@ void forward_group(const Ctx& ctx, int64_t u, int64_t i, float* ws) {
     // a third less time per step with AVX-512, a sixth with AVX2 (docs/cpu_backend.md).
     const bool prefetch = DECODE_PREFETCH || paged || K0.ld != nh * d || V0.ld != nh * d;
     const TileRange visit = ctx.kv_tiles(b, i);
-    // Where a head's V rows start `shift` floats past a 64-byte line (NumPy's large arrays
-    // start 16 bytes past one), P~ V reads each row from that line on, its first and last
-    // vectors masked, instead of with loads that straddle two lines; lane l then holds
-    // x = l - shift, in O's rows too (the same sums: the lanes are independent). On Zen 4
-    // the straddling loads had made a step with V in L2 15% slower. One shift per head for
-    // the item, taken from its first tile; a later tile whose rows start elsewhere in
-    // their line (pages) is copied to Vj at that shift.
-    auto v_shift = [&](const KvRows& Vh) -> int64_t {
-        if (d % W != 0 || d / W + 1 > EDGE_NI || Vh.ld % W != 0 || visit.begin == visit.end) return 0;
-        const uintptr_t a = reinterpret_cast<uintptr_t>(Vh.row(seq.k0 + visit.begin * Bc));
-        return a % sizeof(float) ? 0 : static_cast<int64_t>(a / sizeof(float) % W);
-    };
     for (int64_t j = visit.begin; j < visit.end; ++j) {
         const int64_t col0 = j * Bc, bc = min64(Bc, Nk - col0), n0 = seq.k0 + col0;
         // K_j and V_j (of the item's heads) read once in address order before they are
@@ -1155,7 +1061,7 @@ void forward_group(const Ctx& ctx, int64_t u, int64_t i, float* ws) {
         }
         const bool more = j + 1 < visit.end || (ctx.prefetch_past && col0 + Bc < Nk);
         const int64_t next_rows = !prefetch || !more ? 0 : min64(Bc, Nk - col0 - Bc);
-        NextTile pf{&p, K0.X, V0.X, K0.ld, V0.ld, n0 + Bc, next_rows,
+        NextTile pf{p, K0.X, V0.X, K0.ld, V0.ld, n0 + Bc, next_rows,
                     ceil_div(nh * d, 64 / static_cast<int64_t>(sizeof(float)))};
         // Half the lines go out under the transposes, half under P~ V's steps (those of its
         // whole register tiles), so that reads stay in flight through the whole tile: all
@@ -1179,17 +1085,11 @@ void forward_group(const Ctx& ctx, int64_t u, int64_t i, float* ws) {
                 gemm_store_kb(g.KT, Cp, Cp, g.Qg, Ep, 1, d, R, g.S, Cp);
             }
             // P~ V reads V_j in place when its rows fill whole vectors (each line once: the
-            // lanes of x partition them), are evenly spaced and start at the head's shift in
-            // their line, else from a copy padded to Dp (to Ep at a shift).
-            const int64_t shift = v_shift(Vh);
-            const bool v_in_place = d == Dp && Vh.even(n0, bc) &&
-                                    (!shift || static_cast<int64_t>(reinterpret_cast<uintptr_t>(Vh.row(n0)) /
-                                                                    sizeof(float) % W) == shift);
+            // lanes of x partition them) and are evenly spaced, else from a copy padded to Dp.
+            const bool v_in_place = d == Dp && Vh.even(n0, bc);
             for (int64_t c = 0; !v_in_place && c < bc; ++c)
-                std::memcpy(g.Vj + c * Ep + shift, Vh.row(n0 + c), sizeof(float) * static_cast<size_t>(d));
-            const float* Vsrc = !v_in_place ? g.Vj
-                                : reinterpret_cast<const float*>(reinterpret_cast<uintptr_t>(Vh.row(n0)) -
-                                                                 sizeof(float) * static_cast<size_t>(shift));
+                std::memcpy(g.Vj + c * Ep, Vh.row(n0 + c), sizeof(float) * static_cast<size_t>(d));
+            const float* Vsrc = v_in_place ? Vh.row(n0) : g.Vj;
             const int64_t Vld = v_in_place ? Vh.ld : Ep;
 
             // Steps 1-2: the score pipeline along keys, then the row max.
@@ -1233,11 +1133,15 @@ void forward_group(const Ctx& ctx, int64_t u, int64_t i, float* ws) {
             // P V takes P~ o Z / (1 - p) (common/dropout.h); l above took P~ undropped.
             for (int64_t n = 0; p.dropout.on() && n < R; ++n)
                 p.dropout.apply_row(g.S + n * Cp, bc, b, h0 + n / br, row0 + n % br, col0);
-            // Step 5: P~ V into O.
-            const int64_t ni = shift ? Ep : Dp;
-            if (!cut) pv_tile(Vsrc, Vld, ni, shift, g.S, Cp, bc, R, g.O, Ep, g.alpha, g.sees, cut, NoSel{}, pf, per_step);
-            else pv_tile(Vsrc, Vld, ni, shift, g.S, Cp, bc, R, g.O, Ep, g.alpha, g.sees, cut, SelGroupKeys{&band, br}, pf,
-                         per_step);
+            // Step 5: pv[n][x] = sum_c P~[n,c] V[c,x], then O = fma(alpha, O, pv).
+            auto step = [&](int64_t n, int64_t x, vf pv) PYFA_CPU_EPI {
+                float* o = g.O + n * Dp + x;
+                const vf next = vmadd(splat(g.alpha[n]), ld(o), pv);
+                st(o, cut ? (lane_set(g.sees[n]) ? next : ld(o)) : next);
+            };
+            auto prefetch_some = [&](int64_t) PYFA_CPU_EPI { pf.issue(per_step); };
+            if (!cut) gemm_wide(Vsrc, Vld, Dp, g.S, Cp, 1, bc, R, step, NoSel{}, prefetch_some);
+            else gemm_wide(Vsrc, Vld, Dp, g.S, Cp, 1, bc, R, step, SelGroupKeys{&band, br}, prefetch_some);
             if (k == nh - 1) pf.issue(pf.lines());  // what the steps left, if any
         }
     }
@@ -1245,7 +1149,7 @@ void forward_group(const Ctx& ctx, int64_t u, int64_t i, float* ws) {
     // O = O / l, LSE = m + log(l); a row that saw no key: O = 0, LSE = -inf.
     for (int64_t k = 0; k < nh; ++k) {
         const GrpBufs g = all.head(k);
-        const int64_t h0 = (hk0 + k) * G, shift = v_shift(v_rows(p, seq, hk0 + k));
+        const int64_t h0 = (hk0 + k) * G;
         for (int64_t n = R; n < Rw; ++n) {
             g.m[n] = 0.0f;
             g.l[n] = 0x1p+0f;
@@ -1259,7 +1163,7 @@ void forward_group(const Ctx& ctx, int64_t u, int64_t i, float* ws) {
             const int64_t r = n % br;
             const float ln = g.l[n];
             float* O = p.o + qh.rows + (row0 + r) * d;  // (d)
-            const float* On = g.O + n * Ep + shift;
+            const float* On = g.O + n * Dp;
             for (int64_t x = 0; x < d; ++x) O[x] = canon(ln == 0.0f ? 0.0f : On[x] / ln);
             p.lse[qh.stat + row0 + r] = canon(g.alpha[n]);
         }
