@@ -267,9 +267,11 @@ _progress_callback = None
 # by backend: emulated, 2^22 is tens of milliseconds; natively (cpu, cuda) 2^27 is a few
 # milliseconds of a forward and at most ~30 of a memory-bound step (a decoding step
 # reads 4 bytes per multiply-add without GQA: 0.5 GB at 20 GB/s). A Ctrl-C waits that
-# long. The hand-off costs more than its ~0.1 ms warm: a 2-thread decoding step at
-# N = 8192 (2^25), whose K/V stream leaves every cache cold, took 2.62-3.19 ms handed
-# off against 2.14-2.85 on the main thread (Zen 4, medians of 300, alternating).
+# long. The hand-off costs more than its ~0.1 ms warm: back to back, a 2-thread
+# decoding step at N = 8192 (2^25), whose K/V stream leaves every cache cold, took
+# 2.62-3.19 ms handed off against 2.14-2.85 on the main thread (Zen 4, medians of 300,
+# alternating); after an idle spell and 300 ms of calls (bench.py --decode) the two
+# measured alike.
 QUICK_WORK = {"emu": 1 << 22, "native": 1 << 27}
 
 # The main thread's calls run on one long-lived helper thread. A thread started per call
@@ -378,9 +380,10 @@ def call(fn, config, *args, progress=None, quick=False):
     quick=True (a call the caller knows takes milliseconds, tens at most: QUICK_WORK)
     runs on the main thread itself, skipping the hand-off to the helper thread and back
     (~0.1 ms warm, more after a step that left the caches cold: most of a small decoding
-    step's time, a sixth of one at N = 8192). A Ctrl-C then cannot stop it, but the call
-    is over within tens of milliseconds and the interrupt keeps the contract of a call
-    that had already succeeded: SIGINT's handler is swapped for one that notes it
+    step's time, back to back up to a sixth of one at N = 8192). A Ctrl-C then cannot
+    stop it, but the call is over within tens of milliseconds and the interrupt keeps
+    the contract of a call that had already succeeded: SIGINT's handler is swapped for
+    one that notes it
     (signal.signal runs a pending handler before it swaps, so none is lost or run late).
     Only while SIGINT has Python's default handler: another handler runs as it would.
     """
