@@ -383,9 +383,9 @@ def call(fn, config, *args, progress=None, quick=False):
     step's time, back to back up to a sixth of one at N = 8192). A Ctrl-C then cannot
     stop it, but the call is over within tens of milliseconds and the interrupt keeps
     the contract of a call that had already succeeded: SIGINT's handler is swapped for
-    one that notes it
-    (signal.signal runs a pending handler before it swaps, so none is lost or run late).
-    Only while SIGINT has Python's default handler: another handler runs as it would.
+    one that notes it (signal.signal runs a pending handler before it swaps, so none is
+    lost or run late). Only while SIGINT has Python's default handler: another handler
+    runs as it would.
     """
     ffi, _ = load()
     state = _Progress(progress)
