@@ -7,6 +7,7 @@ steps end to end on the emulator, with stand-in `ncu` and `compute-sanitizer` sc
 
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -58,12 +59,15 @@ def test_bench_smoke_prints_ratios_on_its_last_line():
 
 def test_bench_decode_and_varlen_smoke_print_bandwidth_and_torch_side_by_side():
     p = run([sys.executable, str(TOOLS / "bench.py"), "--decode", "--varlen", "--smoke", "--decode-threads", "2",
-             "--decode-kvcache"])
+             "--decode-kvcache", "--decode-c", "--decode-warm", "20"])
     assert p.returncode == 0, p.stdout + p.stderr
     out = p.stdout
     assert "BITS DIFFER" not in out and "cpu == emu bit for bit" in out, out
     rows = {line[9:20].strip() for line in out.splitlines() if line.startswith("     256 ")}
     assert {"bandwidth", "cpu", "kvcache", "kv paged"} <= rows, out
+    if platform.machine() in ("x86_64", "AMD64") and shutil.which("cc"):  # tools/decode_loop.c, compiled
+        assert {"read from C", "cpu from C"} <= rows, out
+        assert re.search(r"\d+% of the read from C; the cpu column's bits", out), out
     summaries = [line for line in out.splitlines() if line.startswith("summary: ")]
     assert len(summaries) == 2, out
     assert re.search(r"N=256: cpu( split)? \d+\.\d GB/s = \d+% of \d+\.\d GB/s measured", summaries[0]), out

@@ -586,6 +586,36 @@ def decode_bytes(b, h, hkv, n, d):
     return 4 * (2 * b * hkv * n * d + 2 * b * h * d)
 
 
+def decode_from_c(loop, dims, threads, q, k, v, buf, repeats, gap, warm_ms):
+    """({"cpu from C": times, "read from C": times} (ms), the step's o): tools/decode_loop.c's
+    bursts of the cpu column's step (pyfa_fa2_forward, `threads` threads) and of a
+    streaming read of buf, each after `gap` idle seconds and `warm_ms` of untimed calls,
+    alternating, for `repeats` rounds. Raises RuntimeError when a call fails."""
+    import ctypes
+    ffi, lib = pyfa._lib.load()
+    b, h, hkv, n, d = dims
+    problem, config = ffi.new("pyfa_problem *"), ffi.new("pyfa_config *")
+    problem.struct_size, config.struct_size = ffi.sizeof("pyfa_problem"), ffi.sizeof("pyfa_config")
+    problem.batch, problem.heads, problem.heads_kv = b, h, hkv
+    problem.seqlen_q, problem.seqlen_k, problem.head_dim = 1, n, d
+    config.backend, config.threads, config.flags = lib.PYFA_BACKEND_CPU, threads, lib.PYFA_FLAG_IN_PLACE
+    address = [int(ffi.cast("uintptr_t", x)) for x in (lib.pyfa_fa2_forward, problem, config)]
+    o, lse = np.empty((b, h, 1, d), np.float32), np.empty((b, h, 1), np.float32)
+    out = (ctypes.c_double * DECODE_BURST)()
+    times = {"cpu from C": [], "read from C": []}
+    for _ in range(repeats):
+        time.sleep(gap)
+        if loop.decode_loop_read(buf.ctypes.data, buf.size, threads, warm_ms, DECODE_BURST, out) != 0:
+            raise RuntimeError("decode_loop_read failed to start its threads")
+        times["read from C"] += list(out)
+        time.sleep(gap)
+        st = loop.decode_loop_step(*address, *(x.ctypes.data for x in (q, k, v, o, lse)), warm_ms, DECODE_BURST, out)
+        if st != 0:
+            raise RuntimeError(f"pyfa_fa2_forward returned {st}: {pyfa._lib.last_error()}")
+        times["cpu from C"] += list(out)
+    return times, o
+
+
 def decode(args):
     from concurrent.futures import ThreadPoolExecutor
     b, h, hkv, d, contexts, repeats = DECODE_PRESETS["smoke" if args.preset == "smoke" else "full"]
@@ -618,6 +648,10 @@ def decode(args):
           "shuffled order, read through the block table; "
           "torch gqa = SDPA with enable_gqa=True; torch exp = SDPA on K/V expanded to H heads beforehand "
           "(outside the timing)")
+    if args.decode_c:
+        print("from C (--decode-c): the cpu column's step (pyfa_fa2_forward) and a streaming read of the floor "
+              "bytes on the same threads, warm-up and timed calls back to back in C (tools/decode_loop.c), after "
+              "the same idle spell, in the same rounds; their note gives the step's share of that read")
     print(f"{'context':>8} {'column':11} {'ms':>9} {'min ms':>9} {'GB/s':>7} {'% bw':>6} {'x torch':>8}  note")
     rng = np.random.default_rng(args.seed)
     rows = []
@@ -664,6 +698,21 @@ def decode(args):
         best = min(reads, key=lambda t: t[1])
         timed = [("bandwidth", best[1], best[2], f"the faster read: {best[0]}")] + timed
         res = {c.name: c.result for c in cols}
+        from_c = {}
+        if args.decode_c:
+            loop, why = cpu_probe.decode_loop(cpu_probe.identity()["isa"])
+            if loop is None:
+                print(f"--decode-c: {why}")
+            else:
+                c_times, c_o = decode_from_c(loop, (b, h, hkv, n, d), threads, q, k, v, buf, repeats,
+                                             args.decode_gap, args.decode_warm)
+                from_c = {name: statistics.median(ts) for name, ts in c_times.items()}
+                share = 100 * from_c["read from C"] / from_c["cpu from C"]
+                bits = "the cpu column's bits" if same_bits([c_o], [res["cpu"][0]]) else "BITS DIFFER from cpu's"
+                timed += [("read from C", from_c["read from C"], min(c_times["read from C"]),
+                           "tools/decode_loop.c"),
+                          ("cpu from C", from_c["cpu from C"], min(c_times["cpu from C"]),
+                           f"{share:.0f}% of the read from C; {bits}")]
         emu_bits = same_bits([res["cpu"][0]], [pyfa.fa2_forward(q, k, v, options=pyfa.Options(
             backend="emu"))[0]]) if args.preset == "smoke" else None
         bw = timed[0][1]
@@ -675,24 +724,26 @@ def decode(args):
                 continue
             if name == "cpu" and emu_bits is not None:
                 note = "cpu == emu bit for bit" if emu_bits else "cpu != emu: BITS DIFFER"
-            if name.startswith("cpu") and res.get("torch gqa") is not None:
+            if name in res and name.startswith("cpu") and res.get("torch gqa") is not None:
                 ref = torch.from_numpy(res[name][0])
                 err = float((ref - res["torch gqa"]).abs().max())
                 note = (note + f" max|cpu - torch| {err:.1e}").strip()
             pct = 100 * gbs[name] / gbs["bandwidth"]
             xt = (f"{tbest / ms:7.2f}x" if tbest and not name.startswith(("torch", "read")) and name != "bandwidth"
-                  else "-")
+                  and "from C" not in name else "-")
             print(f"{n:8d} {name:11} {ms:9.3f} {fastest:9.3f} {gbs[name]:7.2f} {pct:5.0f}% {xt:>8}  {note}".rstrip())
-        rows.append((n, {name: ms for name, ms, _, _ in timed}, gbs))
+        rows.append((n, {name: ms for name, ms, _, _ in timed}, gbs, from_c))
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
     parts_out = []
-    for n, ms, gbs in rows:
+    for n, ms, gbs, from_c in rows:
         torch_ms = [ms[c] for c in ("torch gqa", "torch exp") if ms.get(c)]
         best_cpu = max(("cpu", "cpu split"), key=lambda c: gbs.get(c, 0))
         s = (f"N={n}: {best_cpu} {gbs[best_cpu]:.1f} GB/s = {100 * gbs[best_cpu] / gbs['bandwidth']:.0f}% of "
              f"{gbs['bandwidth']:.1f} GB/s measured")
         if torch_ms:
             s += f", {min(torch_ms) / ms[best_cpu]:.2f}x torch's best"
+        if from_c:
+            s += f"; from C: cpu {100 * from_c['read from C'] / from_c['cpu from C']:.0f}% of the read"
         parts_out.append(s)
     return "summary: decode B={} H={} Hkv={} d={} {}".format(b, h, hkv, d, " | ".join(parts_out))
 
@@ -808,6 +859,9 @@ def main(argv=None):
                          "150 ms here (tools/README.md)")
     dc.add_argument("--decode-kvcache", action="store_true",
                     help="--decode: also time pyfa.attention_with_kvcache on a flash-attn layout cache")
+    dc.add_argument("--decode-c", action="store_true",
+                    help="--decode: also time the cpu column's step and a streaming read from C "
+                         "(tools/decode_loop.c: no Python between the calls)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:

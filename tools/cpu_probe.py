@@ -6,6 +6,7 @@ call takes now (the library's own answer: the cpu profile's name).
 fma_peak(isa, threads): the FMA peak in GFLOP/s of `threads` cores together, measured
 by tools/fma_peak.c compiled here with the ISA's flags (None, with the reason, without a
 C compiler, off x86, or for the portable build, which has no vector FMA of its own).
+decode_loop(isa): tools/decode_loop.c compiled alike, for bench.py --decode-c.
 """
 import ctypes
 import os
@@ -74,19 +75,33 @@ def identity():
     return info
 
 
-def _compile(isa):
+def _compile(isa, name="fma_peak"):
+    """(tools/<name>.c built as a shared library with the ISA's flags, loaded with ctypes;
+    or None and why)."""
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         return None, "no C compiler (CC, cc, gcc, clang)"
-    out = os.path.join(tempfile.mkdtemp(prefix="pyfa-fma-"), "fma_peak.so")
-    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fma_peak.c")
-    p = subprocess.run([cc, "-O2", *ISA_FLAGS[isa], "-shared", "-fPIC", src, "-o", out],
+    out = os.path.join(tempfile.mkdtemp(prefix="pyfa-probe-"), f"{name}.so")
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.c")
+    p = subprocess.run([cc, "-O2", *ISA_FLAGS[isa], "-shared", "-fPIC", src, "-o", out, "-lpthread"],
                        capture_output=True, text=True)
     if p.returncode != 0:
         return None, f"{cc} failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}"
-    lib = ctypes.CDLL(out)
-    lib.fma_peak_loop.restype = ctypes.c_float
-    lib.fma_peak_loop.argtypes = [ctypes.c_int64]
+    return ctypes.CDLL(out), ""
+
+
+def decode_loop(isa):
+    """(tools/decode_loop.c loaded, with its functions' argument types; or None and why)."""
+    if isa not in ISA_FLAGS or platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"no decode loop for the {isa} build on {platform.machine()}"
+    lib, why = _compile(isa, "decode_loop")
+    if lib is None:
+        return None, why
+    ptr, dp = ctypes.c_void_p, ctypes.POINTER(ctypes.c_double)
+    lib.decode_loop_step.restype = ctypes.c_int
+    lib.decode_loop_step.argtypes = [ptr] * 8 + [ctypes.c_double, ctypes.c_int, dp]
+    lib.decode_loop_read.restype = ctypes.c_int
+    lib.decode_loop_read.argtypes = [ptr, ctypes.c_size_t, ctypes.c_int, ctypes.c_double, ctypes.c_int, dp]
     return lib, ""
 
 
@@ -100,6 +115,8 @@ def fma_peak(isa, threads, seconds=0.15, tries=5):
     lib, why = _compile(isa)
     if lib is None:
         return None, why
+    lib.fma_peak_loop.restype = ctypes.c_float
+    lib.fma_peak_loop.argtypes = [ctypes.c_int64]
     per_step = lib.fma_peak_chains() * lib.fma_peak_width() * 2
     n = 1 << 16
     while True:  # calibrate: steps for about `seconds` on one core
