@@ -648,10 +648,15 @@ def decode(args):
           "shuffled order, read through the block table; "
           "torch gqa = SDPA with enable_gqa=True; torch exp = SDPA on K/V expanded to H heads beforehand "
           "(outside the timing)")
+    loop = None
     if args.decode_c:
         print("from C (--decode-c): the cpu column's step (pyfa_fa2_forward) and a streaming read of the floor "
               "bytes on the same threads, warm-up and timed calls back to back in C (tools/decode_loop.c), after "
-              "the same idle spell, in the same rounds; their note gives the step's share of that read")
+              "the same idle spell, in rounds of their own after the other columns'; their note gives the step's "
+              "share of that read")
+        loop, why = cpu_probe.decode_loop(cpu_probe.identity()["isa"])
+        if loop is None:
+            print(f"--decode-c: {why}")
     print(f"{'context':>8} {'column':11} {'ms':>9} {'min ms':>9} {'GB/s':>7} {'% bw':>6} {'x torch':>8}  note")
     rng = np.random.default_rng(args.seed)
     rows = []
@@ -699,20 +704,15 @@ def decode(args):
         timed = [("bandwidth", best[1], best[2], f"the faster read: {best[0]}")] + timed
         res = {c.name: c.result for c in cols}
         from_c = {}
-        if args.decode_c:
-            loop, why = cpu_probe.decode_loop(cpu_probe.identity()["isa"])
-            if loop is None:
-                print(f"--decode-c: {why}")
-            else:
-                c_times, c_o = decode_from_c(loop, (b, h, hkv, n, d), threads, q, k, v, buf, repeats,
-                                             args.decode_gap, args.decode_warm)
-                from_c = {name: statistics.median(ts) for name, ts in c_times.items()}
-                share = 100 * from_c["read from C"] / from_c["cpu from C"]
-                bits = "the cpu column's bits" if same_bits([c_o], [res["cpu"][0]]) else "BITS DIFFER from cpu's"
-                timed += [("read from C", from_c["read from C"], min(c_times["read from C"]),
-                           "tools/decode_loop.c"),
-                          ("cpu from C", from_c["cpu from C"], min(c_times["cpu from C"]),
-                           f"{share:.0f}% of the read from C; {bits}")]
+        if loop is not None:
+            c_times, c_o = decode_from_c(loop, (b, h, hkv, n, d), threads, q, k, v, buf, repeats,
+                                         args.decode_gap, args.decode_warm)
+            from_c = {name: statistics.median(ts) for name, ts in c_times.items()}
+            share = 100 * from_c["read from C"] / from_c["cpu from C"]
+            bits = "the cpu column's bits" if same_bits([c_o], [res["cpu"][0]]) else "BITS DIFFER from cpu's"
+            timed += [("read from C", from_c["read from C"], min(c_times["read from C"]), "tools/decode_loop.c"),
+                      ("cpu from C", from_c["cpu from C"], min(c_times["cpu from C"]),
+                       f"{share:.0f}% of the read from C; {bits}")]
         emu_bits = same_bits([res["cpu"][0]], [pyfa.fa2_forward(q, k, v, options=pyfa.Options(
             backend="emu"))[0]]) if args.preset == "smoke" else None
         bw = timed[0][1]
