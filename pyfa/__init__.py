@@ -32,6 +32,7 @@ from .errors import (
 )
 from .kvcache import attention_with_kvcache, merge_states
 from .options import Options
+from .prepared import PreparedCall, prepare
 from .varlen import attention_varlen, attention_varlen_grad
 
 
@@ -45,9 +46,9 @@ def __getattr__(name):
 __all__ = [
     "ArgumentTypeError", "BackendUnavailableError", "CancelledError", "CudaError",
     "EmulationError", "Error", "InternalError", "InvalidArgumentError", "KernelHazardError",
-    "LibraryNotFoundError", "Options", "OutOfMemoryError", "PyfaError", "TileTooLargeError",
+    "LibraryNotFoundError", "Options", "OutOfMemoryError", "PreparedCall", "PyfaError", "TileTooLargeError",
     "attention", "attention_grad", "attention_varlen", "attention_varlen_grad", "attention_with_kvcache",
     "backends", "default_tiles", "device_profile", "dropout_mask",
     "fa1_backward", "fa1_forward", "fa2_backward", "fa2_forward", "get_include",
-    "get_library", "library_version", "merge_states", "sim", "smem_bytes", "unavailable_backends",
+    "get_library", "library_version", "merge_states", "prepare", "sim", "smem_bytes", "unavailable_backends",
 ]

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import _arrays, _lib
+from . import _arrays, _lib, prepared
 from ._arrays import Array, ArrayLike
 from .checks import (
     EMPTY_VALUES, MAX_HEAD_DIM, Bias, ScoreMods, caller_shape, check_dropout_mask, check_int, check_layout, check_like,
@@ -329,20 +329,20 @@ def _tensors(memory, pointers, varlen=None):
 def _mod_tensors(mods, intake, grad=False):
     """The score modifications' arrays (a checks.ScoreMods field holding one goes to the
     pyfa_tensors field of its name) as {field: (address, (batch, head, row) element
-    strides)}, with the objects that keep them alive. Each is a (B, H[, Nq, Nk]) view,
+    strides)}, with {field: the object that keeps it alive}. Each is a (B, H[, Nq, Nk]) view,
     a broadcast axis of stride 0, its last axis contiguous. On the CPU they are the NumPy
     views ScoreMods checked; for CUDA arrays they must be on q's device (refused, naming
     the field, otherwise: pyfa does not copy them over). A checks.Bias gives its view,
     as a backward that writes dbias takes it when `grad` (checks.Bias.for_grad)."""
     ffi, _ = _lib.load()
-    found, keep = {}, []
+    found, keep = {}, {}
     for field in dataclasses.fields(mods):
         x = getattr(mods, field.name)
         if x is None or isinstance(x, (bool, int, float, str, tuple)):
             continue
         if isinstance(x, Bias):  # on the CPU (_check_mods_place)
             view = x.for_grad() if grad else x.view
-            keep.append(view)
+            keep[field.name] = view
             found[field.name] = (_address(ffi, view), element_strides(view))
             continue
         on_cpu = isinstance(x, np.ndarray)
@@ -351,13 +351,14 @@ def _mod_tensors(mods, intake, grad=False):
                 f"{field.name}: on {'the CPU' if on_cpu else _arrays.place_of(field.name, x)}, but q is on "
                 f"{intake.place}; give it where q is")
         if on_cpu:
+            keep[field.name] = x
             address, shape, strides = _address(ffi, x), x.shape, tuple(s // 4 for s in x.strides)
         else:
             place = _arrays.place_of(field.name, x)
             if place.index is not None and intake.place.index is not None and place != intake.place:
                 raise InvalidArgumentError(f"{field.name}: on {place}, but q is on {intake.place}")
             t = _arrays.device_tensor(field.name, x, intake.stream)
-            keep.append(t)
+            keep[field.name] = t
             shape = t.shape
             strides = t.strides if t.strides is not None else \
                 tuple(int(np.prod(shape[n + 1:])) for n in range(len(shape)))
@@ -591,13 +592,32 @@ def _run_host(op, intake, outs, problem, config, progress, varlen=None, mod_tens
     _set_mod_tensors(tensors, problem, mod_tensors)
     if dbias is not None:  # our own array, written by the library in the bias's shape
         tensors.dbias.data = ffi.cast("void *", _address(ffi, dbias[0]))
+    rec = prepared.recording()
+    if rec is not None:
+        if dbias is not None and dbias[1] is not None:
+            raise InvalidArgumentError(f"out (dbias): {rec.function} writes it through a staging copy; "
+                                       "leave it to pyfa to allocate")
+        for n, x in zip(varlen.pointers, varlen.keep) if varlen is not None else ():
+            rec.bound(n, x)
+        for n in op.inputs:
+            rec.bound(n, intake.tensors[n])
+        for n, (given, view, written) in targets.items():
+            rec.output(f"out ({n})", given, view, written)
+        if dbias is not None:
+            rec.output("dbias", None, None, dbias[0])
     if all(view is not written for _, view, written in targets.values()):
         # Every array the library writes is ours until the call returns: a cancelled call
         # may leave them partly written, and no staging copy is needed.
         config.flags |= lib.PYFA_FLAG_IN_PLACE
     emulated = config.backend == lib.PYFA_BACKEND_EMU
-    _lib.call(lib.pyfa_run, config, op.c_op, problem, config, tensors, ffi.NULL, progress=progress,
-              quick=_work(op, intake.dims) <= _lib.QUICK_WORK["emu" if emulated else "native"])
+    args = (op.c_op, problem, config, tensors, ffi.NULL)
+    quick = _work(op, intake.dims) <= _lib.QUICK_WORK["emu" if emulated else "native"]
+    _lib.call(lib.pyfa_run, config, *args, progress=progress, quick=quick)
+    if rec is not None:
+        # The outputs pyfa allocated are the caller's once returned: a replay that fails
+        # or is cancelled must leave them as they were, so replays stage them.
+        config.flags &= ~lib.PYFA_FLAG_IN_PLACE
+        rec.step(lib.pyfa_run, config, args, progress, quick)
     results = []
     for given, view, written in targets.values():
         if given is None:
@@ -756,7 +776,13 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
         problem.struct_size = _lib.load()[0].sizeof("pyfa_problem")
         problem.split_size = split_size
     config = _config(options)
-    mod_tensors, _keep = _mod_tensors(mods, intake, grad=dbias is not None)
+    mod_tensors, mod_arrays = _mod_tensors(mods, intake, grad=dbias is not None)
+    rec = prepared.recording()
+    if rec is not None:
+        if intake.place.kind != "cpu":
+            raise InvalidArgumentError(f"q: {rec.function} takes CPU arrays only, got one on {intake.place}")
+        for name, x in mod_arrays.items():
+            rec.bound(name, x)
     with _lib.interrupts_after():
         if intake.place.kind == "cpu":
             results = _run_host(op, intake, outs, problem, config, options.progress, varlen, mod_tensors, dbias)

@@ -10,7 +10,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import _arrays
+from . import _arrays, prepared
 from .checks import Pages, check_offsets, check_offsets_shape
 from .errors import ArgumentTypeError, InvalidArgumentError
 
@@ -100,12 +100,9 @@ class _Cache:
                     raise InvalidArgumentError(f"{name}: read-only, but k_new's rows are written into it")
             self.n_new = k_new.shape[1]
         self.k_new, self.v_new = k_new, v_new
-        if np.any(self.seqlens < 0):
-            raise InvalidArgumentError(f"cache_seqlens: must be >= 0, got {self.seqlens.tolist()}")
-        self.lengths = self.seqlens.astype(np.int64) + self.n_new  # each sequence's keys after the append
         self.table = None
         if block_table is None:
-            capacity = rows
+            self.capacity = rows
             if k_cache.shape[0] != B:
                 raise InvalidArgumentError(f"k_cache: batch {k_cache.shape[0]} differs from q's {B} "
                                            "(a paged cache takes block_table)")
@@ -114,14 +111,22 @@ class _Cache:
             if self.table.shape[0] != B:
                 raise InvalidArgumentError(f"block_table: expected {B} rows (q's batch), got {self.table.shape}")
             self.page_size = rows
-            capacity = self.table.shape[1] * rows
-        if np.any(self.lengths > capacity):
-            b = int(np.argmax(self.lengths > capacity))
+            self.capacity = self.table.shape[1] * rows
+        self.refresh()
+
+    def refresh(self):
+        """Reads cache_seqlens (and the block table) as they are now and checks them: each
+        sequence's keys after the append (self.lengths) within the cache."""
+        if np.any(self.seqlens < 0):
+            raise InvalidArgumentError(f"cache_seqlens: must be >= 0, got {self.seqlens.tolist()}")
+        self.lengths = self.seqlens.astype(np.int64) + self.n_new
+        if np.any(self.lengths > self.capacity):
+            b = int(np.argmax(self.lengths > self.capacity))
             raise InvalidArgumentError(f"cache_seqlens: sequence {b} holds {int(self.seqlens[b])} keys, with "
                                        f"{self.n_new} new ones {int(self.lengths[b])}, beyond the cache's "
-                                       f"{capacity}")
+                                       f"{self.capacity}")
         if self.table is not None:
-            _check_table(self.table, self.lengths, rows, k_cache.shape[0])
+            _check_table(self.table, self.lengths, self.page_size, self.k_cache.shape[0])
 
     def rows(self, b, n):
         """(index along the cache's axis 0, row) of logical keys n (an int array) of sequence b."""
@@ -238,15 +243,52 @@ def with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_ta
                                    "(pyfa.attention_varlen takes one)")
     cache = _Cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
     saved = cache.append() if cache.n_new else []
+    rec = prepared.recording()
     try:
-        o, lse = run(*cache.packed())
+        packed = cache.packed()
+        if rec is not None:
+            _prepare(rec, cache, packed)
+        o, lse_rows = run(*packed)
     except BaseException:
         cache.undo(saved)
         raise
     B, Nq, H, d = q.shape
     o = np.asarray(o).reshape(B, Nq, H, d)
-    lse = np.ascontiguousarray(np.asarray(lse).reshape(H, B, Nq).transpose(1, 0, 2))
+    lse = np.ascontiguousarray(np.asarray(lse_rows).reshape(H, B, Nq).transpose(1, 0, 2))
+    if rec is not None:
+        (_, _, (_, problem, *_), _, _), = rec.steps  # the one library call, and its pyfa_problem
+        rec.replay_around(lambda steps: _replay(steps, cache, packed[5], problem, lse_rows, lse))
     return (o, lse) if return_lse else o
+
+
+def _prepare(rec, cache, packed):
+    """pyfa.prepare's checks of a cache call: what a replay re-reads must be the caller's
+    arrays (cache_seqlens, block_table); the packed offsets and counts are pyfa's, rewritten
+    by each replay."""
+    rec.bound("cache_seqlens", cache.seqlens)
+    if cache.table is not None:
+        rec.bound("block_table", cache.table)
+    if cache.k_new is not None:
+        rec.bound("k_new", cache.k_new)
+        rec.bound("v_new", cache.v_new)
+    rec.ours += [packed[3], packed[4], packed[5]]
+
+
+def _replay(steps, cache, used, problem, lse_rows, lse):
+    """One replay of a prepared attention_with_kvcache: cache_seqlens (and the table) read
+    and checked again, the new rows appended, the attended counts and the grid's longest
+    one rewritten, the library call, the append undone if it fails."""
+    cache.refresh()
+    saved = cache.append() if cache.n_new else []
+    try:
+        used[...] = cache.lengths
+        problem.seqlen_k = max(1, int(cache.lengths.max()))
+        steps()
+    except BaseException:
+        cache.undo(saved)
+        raise
+    B, H, Nq = lse.shape
+    np.copyto(lse, lse_rows.reshape(H, B, Nq).transpose(1, 0, 2))
 
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *,

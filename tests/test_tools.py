@@ -64,13 +64,14 @@ def test_bench_decode_and_varlen_smoke_print_bandwidth_and_torch_side_by_side():
     out = p.stdout
     assert "BITS DIFFER" not in out and "cpu == emu bit for bit" in out, out
     rows = {line[9:20].strip() for line in out.splitlines() if line.startswith("     256 ")}
-    assert {"bandwidth", "cpu", "kvcache", "kv paged"} <= rows, out
+    assert {"bandwidth", "cpu", "cpu prep", "kvcache", "kv prep", "kv paged"} <= rows, out
+    assert "the cpu column's bits" in out and "the kvcache column's bits" in out, out
     if platform.machine() in ("x86_64", "AMD64") and shutil.which("cc"):  # tools/decode_loop.c, compiled
         assert {"read from C", "cpu from C"} <= rows, out
         assert re.search(r"\d+% of the read from C; the cpu column's bits", out), out
     summaries = [line for line in out.splitlines() if line.startswith("summary: ")]
     assert len(summaries) == 2, out
-    assert re.search(r"N=256: cpu( split)? \d+\.\d GB/s = \d+% of \d+\.\d GB/s measured", summaries[0]), out
+    assert re.search(r"N=256: cpu( split| prep)? \d+\.\d GB/s = \d+% of \d+\.\d GB/s measured", summaries[0]), out
     assert summaries[1].startswith("summary: varlen 4 sequences") and "ms" in summaries[1], out
 
 

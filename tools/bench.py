@@ -642,10 +642,12 @@ def decode(args):
           f"% bw: GB/s over it; in each round a column idles {args.decode_gap} s, makes untimed calls back "
           f"to back for {args.decode_warm:g} ms (at least one), then {DECODE_BURST} timed calls back to back")
     print("columns: cpu = pyfa.fa2_forward on the cpu backend, cache (B, Hkv, N, d) read in place; "
-          f"cpu split = the same with split_size={split} ('decode'); kvcache = "
+          f"cpu split = the same with split_size={split} ('decode'); cpu prep = the cpu column's call "
+          "through pyfa.prepare (set up once, replayed on the same arrays, as a decoding loop would); kvcache = "
           "pyfa.attention_with_kvcache on a (B, N, Hkv, d) cache (flash-attn's layout, read in place as packed "
-          f"sequences with seqused_k); kv paged = the same on a paged cache, pages of {DECODE_PAGE} rows in "
-          "shuffled order, read through the block table; "
+          "sequences with seqused_k); kv prep = the kvcache column's call through pyfa.prepare; kv paged = "
+          f"kvcache's call on a paged cache, pages of {DECODE_PAGE} rows in shuffled order, read through the "
+          "block table; "
           "torch gqa = SDPA with enable_gqa=True; torch exp = SDPA on K/V expanded to H heads beforehand "
           "(outside the timing)")
     loop = None
@@ -671,10 +673,12 @@ def decode(args):
         cols = [Column("read parts", lambda: stream_read(parts, pool)),
                 Column("read blas", lambda: stream_read_blas(buf)),
                 Column("cpu", lambda: pyfa.fa2_forward(q, k, v, options=cpu)),
-                Column("cpu split", lambda: pyfa.fa2_forward(q, k, v, split_size=split, options=cpu))]
+                Column("cpu split", lambda: pyfa.fa2_forward(q, k, v, split_size=split, options=cpu)),
+                Column("cpu prep", pyfa.prepare(pyfa.fa2_forward, q, k, v, options=cpu))]
         if args.decode_kvcache:
             qc, kc, vc = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v))
             cols.append(Column("kvcache", lambda: pyfa.attention_with_kvcache(qc, kc, vc, lens, options=cpu)))
+            cols.append(Column("kv prep", pyfa.prepare(pyfa.attention_with_kvcache, qc, kc, vc, lens, options=cpu)))
             per = -(-n // DECODE_PAGE)
             table = rng.permutation(b * per).astype(np.int32).reshape(b, per)
             kp, vp = (np.zeros((b * per, DECODE_PAGE, hkv, d), np.float32) for _ in range(2))
@@ -724,6 +728,10 @@ def decode(args):
                 continue
             if name == "cpu" and emu_bits is not None:
                 note = "cpu == emu bit for bit" if emu_bits else "cpu != emu: BITS DIFFER"
+            for mine, base in (("cpu prep", "cpu"), ("kv prep", "kvcache")):
+                if name == mine and base in res:
+                    same = same_bits(*(([res[c]] if c.startswith("kv") else [res[c][0]]) for c in (name, base)))
+                    note = f"the {base} column's bits" if same else f"BITS DIFFER from {base}'s"
             if name in res and name.startswith("cpu") and res.get("torch gqa") is not None:
                 ref = torch.from_numpy(res[name][0])
                 err = float((ref - res["torch gqa"]).abs().max())
@@ -737,7 +745,7 @@ def decode(args):
     parts_out = []
     for n, ms, gbs, from_c in rows:
         torch_ms = [ms[c] for c in ("torch gqa", "torch exp") if ms.get(c)]
-        best_cpu = max(("cpu", "cpu split"), key=lambda c: gbs.get(c, 0))
+        best_cpu = max(("cpu", "cpu split", "cpu prep"), key=lambda c: gbs.get(c, 0))
         s = (f"N={n}: {best_cpu} {gbs[best_cpu]:.1f} GB/s = {100 * gbs[best_cpu] / gbs['bandwidth']:.0f}% of "
              f"{gbs['bandwidth']:.1f} GB/s measured")
         if torch_ms:
