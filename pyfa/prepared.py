@@ -48,8 +48,8 @@ class _Recording:
             return
         raise InvalidArgumentError(
             f"{label}: {self.function} reads a copy pyfa made of it (strides the library cannot "
-            "address, or not a NumPy array), so a replay would not see its changes; pass a NumPy "
-            "float32 array whose last axis is contiguous, or call the function directly")
+            "address, or not a NumPy array of its dtype), so a replay would not see its changes; pass "
+            "a NumPy array of the dtype it takes, its last axis contiguous, or call the function directly")
 
     def output(self, label, given, view, written):
         """An output: allocated by pyfa (given None) or the caller's, written in place."""
