@@ -211,9 +211,12 @@ def _build_fault_tools(tmp_path):
     return shim, driver
 
 
-def _run_driver(tmp_path, workers, mode, max_points=120):
+def _run_driver(tmp_path, workers, mode, max_points=120, keep=None):
     shim, driver = _build_fault_tools(tmp_path)
     env = dict(os.environ, LD_PRELOAD=str(shim))
+    env.pop("PYFA_HOST_KEEP_BYTES", None)
+    if keep is not None:
+        env["PYFA_HOST_KEEP_BYTES"] = keep
     env.pop("FAULTSHIM_FAIL_AFTER", None)
     run = subprocess.run([str(driver), str(workers), str(max_points), mode], capture_output=True,
                          text=True, env=env, timeout=600)
@@ -229,13 +232,21 @@ def _run_driver(tmp_path, workers, mode, max_points=120):
 
 @pytest.mark.slow
 def test_failed_allocations_give_a_status_never_a_crash(tmp_path):
-    done = _run_driver(tmp_path, workers=1, mode="warm")
+    # With no host scratch kept between calls, so that each call allocates its own.
+    done = _run_driver(tmp_path, workers=1, mode="warm", keep="0")
     # Not vacuous: allocations were refused in every computing entry point, and the
     # calls reported out of memory.
     for entry in ("pyfa_fa2_forward", "pyfa_fa2_backward", "pyfa_fa2_backward_device", "pyfa_fa1_forward",
                   "pyfa_fa1_backward", "pyfa_fa1_forward_device"):
         refused = [l for l in done if l.startswith(f"done {entry} ") and " refused=0" not in l]
         assert refused and any(" status=6 " in l for l in refused), entry
+
+
+@pytest.mark.slow
+def test_failed_allocations_with_scratch_kept_between_calls(tmp_path):
+    # The default: the blocks of earlier calls are reused, and those still allocated fail.
+    done = _run_driver(tmp_path, workers=1, mode="warm")
+    assert any(" status=6 " in l for l in done)
 
 
 @pytest.mark.slow

@@ -836,7 +836,7 @@ struct Scratch {
         if (backend) {
             const pyfa_status st = backend->allocate(&ptr, bytes, stream);
             if (st != PYFA_OK) return st;
-        } else if (!(ptr = std::malloc(bytes ? bytes : 1))) {
+        } else if (!(ptr = host_take(bytes ? bytes : 1))) {
             return fail(PYFA_ERROR_OUT_OF_MEMORY, "out of host memory for %zu bytes", bytes);
         }
         owned[count++] = ptr;
@@ -847,7 +847,7 @@ struct Scratch {
     pyfa_status release() {
         pyfa_status first = PYFA_OK;
         for (int n = 0; n < count; ++n) {
-            const pyfa_status st = backend ? backend->deallocate(owned[n], stream) : (std::free(owned[n]), PYFA_OK);
+            const pyfa_status st = backend ? backend->deallocate(owned[n], stream) : (host_give(owned[n]), PYFA_OK);
             if (first == PYFA_OK) first = st;
         }
         count = 0;

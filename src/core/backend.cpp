@@ -1,7 +1,9 @@
 // backend.cpp: the registry of backends, and what a Backend does unless it says
 // otherwise (host memory; no kernel it cannot run; no whole-op path).
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 
 #include "common/score.h"
 #include "core/internal.h"
@@ -86,14 +88,97 @@ pyfa_status Backend::library_stream(void** stream) const {
     return PYFA_OK;
 }
 
+namespace {
+
+// A block's size lives in the 64 bytes before what host_take returns.
+constexpr size_t kHeader = 64;
+
+struct HostKeep {
+    std::mutex lock;
+    void* blocks[kHostKeepBlocks] = {};  // their headers, the most recently given last
+    int count = 0;
+    size_t bytes = 0;
+    ~HostKeep() {
+        for (int n = 0; n < count; ++n) std::free(blocks[n]);
+    }
+};
+
+HostKeep& host_keep() {
+    static HostKeep keep;
+    return keep;
+}
+
+size_t block_size(const void* header) { return *static_cast<const size_t*>(header); }
+
+size_t keep_limit() {
+    const char* text = std::getenv("PYFA_HOST_KEEP_BYTES");
+    if (!text) return kHostKeepBytes;
+    char* end = nullptr;
+    const unsigned long long n = std::strtoull(text, &end, 10);
+    return *text >= '0' && *text <= '9' && end && *end == '\0' ? static_cast<size_t>(n) : 0;
+}
+
+}  // namespace
+
+void* host_take(size_t bytes) {
+    const size_t size = (bytes + 63) / 64 * 64;
+    HostKeep& keep = host_keep();
+    {
+        std::lock_guard<std::mutex> hold(keep.lock);
+        // The smallest kept block that fits, unless it is more than twice as large.
+        int best = -1;
+        for (int n = 0; n < keep.count; ++n) {
+            const size_t have = block_size(keep.blocks[n]);
+            if (have >= size && have <= 2 * size + 4096 && (best < 0 || have < block_size(keep.blocks[best])))
+                best = n;
+        }
+        if (best >= 0) {
+            void* header = keep.blocks[best];
+            keep.bytes -= block_size(header);
+            std::memmove(keep.blocks + best, keep.blocks + best + 1, sizeof(void*) * (keep.count - best - 1));
+            --keep.count;
+            return static_cast<char*>(header) + kHeader;
+        }
+    }
+    if (size > SIZE_MAX - kHeader) return nullptr;
+    void* header = std::aligned_alloc(64, size + kHeader);
+    if (!header) return nullptr;
+    *static_cast<size_t*>(header) = size;
+    return static_cast<char*>(header) + kHeader;
+}
+
+void host_give(void* ptr) {
+    if (!ptr) return;
+    void* header = static_cast<char*>(ptr) - kHeader;
+    const size_t size = block_size(header);
+    HostKeep& keep = host_keep();
+    void* drop[kHostKeepBlocks + 1] = {};
+    int dropped = 0;
+    const size_t limit = keep_limit();
+    if (size <= limit) {
+        std::lock_guard<std::mutex> hold(keep.lock);
+        while (keep.count > 0 && (keep.count == kHostKeepBlocks || keep.bytes + size > limit)) {
+            drop[dropped++] = keep.blocks[0];  // the least recently given first
+            keep.bytes -= block_size(keep.blocks[0]);
+            std::memmove(keep.blocks, keep.blocks + 1, sizeof(void*) * (keep.count - 1));
+            --keep.count;
+        }
+        keep.blocks[keep.count++] = header;
+        keep.bytes += size;
+    } else {
+        drop[dropped++] = header;
+    }
+    for (int n = 0; n < dropped; ++n) std::free(drop[n]);
+}
+
 pyfa_status Backend::allocate(void** ptr, size_t bytes, void*) const {
-    *ptr = std::malloc(bytes ? bytes : 1);
+    *ptr = host_take(bytes ? bytes : 1);
     if (!*ptr) return fail(PYFA_ERROR_OUT_OF_MEMORY, "out of host memory for %zu bytes", bytes);
     return PYFA_OK;
 }
 
 pyfa_status Backend::deallocate(void* ptr, void*) const {
-    std::free(ptr);
+    host_give(ptr);
     return PYFA_OK;
 }
 

@@ -164,6 +164,19 @@ protected:
     ~Backend() = default;
 };
 
+// Host scratch for the host backends (Backend::allocate's default, the cpu backend's
+// workspaces): 64-byte aligned, nullptr when out of memory. A call's scratch is freed when
+// it ends, and a block of more than glibc's mmap threshold (128 KiB) came back as fresh
+// pages on every call, whose faults the kernel serialises between the pool's threads (a
+// split decoding step at N = 8192 on 2 threads of a Zen 4: 13% of its time). So the last
+// few blocks given back are kept for the next call: at most kHostKeepBlocks, and at most
+// PYFA_HOST_KEEP_BYTES bytes in all (read at each give; default kHostKeepBytes, 0 keeps
+// none, and a value that is not a whole number keeps none).
+void* host_take(size_t bytes);
+void host_give(void* ptr);
+constexpr int kHostKeepBlocks = 8;
+constexpr size_t kHostKeepBytes = size_t{64} << 20;
+
 // At most this many backends register.
 constexpr int kMaxBackends = 8;
 // Adds b to the backends; called by PYFA_REGISTER_BACKEND while the library loads.

@@ -110,17 +110,23 @@ class Runner {
 public:
     Runner(const pyfa_config& cfg, int threads, int64_t total) : cfg_(cfg), threads_(threads), total_(total) {}
 
-    // Runs every phase in order; false when progress asked to stop.
-    bool run(const std::vector<Phase>& phases, size_t ws_floats) {
-        // Each thread's workspace starts on a 64-byte boundary.
+    // Runs every phase in order; PYFA_ERROR_CANCELLED when progress asked to stop.
+    pyfa_status run(const std::vector<Phase>& phases, size_t ws_floats) {
         // No more threads than the largest phase has items.
         int64_t most = 1;
         for (const Phase& ph : phases) most = std::max(most, ph.items);
         threads_ = static_cast<int>(std::min<int64_t>(threads_, most));
-        const size_t stride = (ws_floats + 15) / 16 * 16;
-        std::vector<float> buf(stride * static_cast<size_t>(threads_) + 16);
-        float* base = buf.data();
-        base += (16 - (reinterpret_cast<uintptr_t>(base) / sizeof(float)) % 16) % 16;
+        // Each thread's workspace starts on a 64-byte boundary, zeroed as the kernels expect.
+        const size_t stride = (ws_floats + 15) / 16 * 16, floats = stride * static_cast<size_t>(threads_);
+        float* const base = static_cast<float*>(host_take(floats * sizeof(float)));
+        if (!base)
+            return fail(PYFA_ERROR_OUT_OF_MEMORY, "out of host memory for the cpu backend's %zu-byte workspace",
+                        floats * sizeof(float));
+        std::memset(base, 0, floats * sizeof(float));
+        struct Give {
+            float* p;
+            ~Give() { host_give(p); }
+        } give{base};
         for (const Phase& ph : phases) {
             if (stop_) break;
             std::atomic<int64_t> next{0};
@@ -134,7 +140,7 @@ public:
             };
             pyfa_cpu::run_on_threads(static_cast<int>(std::min<int64_t>(threads_, ph.items)), worker);
         }
-        return !cancelled_;
+        return cancelled_ ? fail(PYFA_ERROR_CANCELLED, "cancelled by config->progress") : PYFA_OK;
     }
 
     // After each unit of work: counts it and, at most every 50 ms and from one thread at a
@@ -447,8 +453,7 @@ pyfa_status cpu_run(int op, const AttentionParams* params, size_t count, const p
     for (const Plan& pl : plans) ws = std::max(ws, isa->workspace_floats(pl.ctx));
     Runner r(cfg, threads, total);
     runner = &r;
-    if (!r.run(phases, ws)) return fail(PYFA_ERROR_CANCELLED, "cancelled by config->progress");
-    return PYFA_OK;
+    return r.run(phases, ws);
 }
 
 // Host memory; kernels of its own, which take a whole op at once (it may fuse the op's
