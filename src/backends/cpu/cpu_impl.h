@@ -101,6 +101,18 @@ inline vf vmadd(vf a, vf b, vf c) {
 #endif
 }
 
+// keep ? vmadd(a, b, c) : c, lane by lane (a selected product's step). With AVX-512 one
+// merge-masked fused multiply-add instead of the sum and a blend after it.
+inline vf vmadd_if(vi keep, vf a, vf b, vf c) {
+#if PYFA_CPU_W == 16 && defined(__AVX512F__)
+    const __m512i m = reinterpret_cast<__m512i>(keep);
+    return _mm512_mask3_fmadd_ps(a, b, c, _mm512_test_epi32_mask(m, m));
+#else
+    const vf t = vmadd(a, b, c);
+    return keep ? t : c;
+#endif
+}
+
 inline float ssafe(float m) { return m == -INFINITY ? 0.0f : m; }  // safe_max
 inline vf vmax(vf a, vf b) { return b > a ? b : a; }  // pyfa_max
 inline vf vsafe(vf m) { return m == splat(-INFINITY) ? splat(0.0f) : m; }  // safe_max
@@ -252,6 +264,11 @@ struct StepSpan {
         if (ae <= ab) ab = ae = b;
         return StepSpan{b, ab, ae, e};
     }
+    // Steps k that are keys, taken by rows r_min .. r_max of band b (lo <= k - r <= hi):
+    // some row takes k in [r_min + lo, r_max + hi], every row in [r_max + lo, r_min + hi].
+    static StepSpan keys_of_rows(int64_t K, const Band& b, int64_t r_min, int64_t r_max) {
+        return of(K, r_min + b.lo, r_max + b.hi, r_max + b.lo, r_min + b.hi);
+    }
 };
 
 // A register tile's hook, called before each step k (NoHook: none).
@@ -279,8 +296,7 @@ __attribute__((always_inline)) inline void micro(const float* A, int64_t lda, co
                 const vf bv = splat(b[jj * sj + k * sk]);
                 for (int ii = 0; ii < NI; ++ii) {
                     if constexpr (decltype(selecting)::value) {
-                        const vf t = vmadd(av[ii], bv, acc[jj][ii]);
-                        acc[jj][ii] = sel.keep(k, i0 + ii * W, j0 + jj) ? t : acc[jj][ii];
+                        acc[jj][ii] = vmadd_if(sel.keep(k, i0 + ii * W, j0 + jj), av[ii], bv, acc[jj][ii]);
                     } else {
                         acc[jj][ii] = vmadd(av[ii], bv, acc[jj][ii]);
                     }
@@ -290,7 +306,7 @@ __attribute__((always_inline)) inline void micro(const float* A, int64_t lda, co
     };
     if constexpr (Sel::on) {
         // A step no lane takes changes no sum, and one every lane takes needs no select.
-        const StepSpan sp = sel.span(i0, NI * W, K);
+        const StepSpan sp = sel.span(i0, NI * W, j0, NJ, K);
         steps(sp.begin, sp.all_begin, std::true_type{});
         steps(sp.all_begin, sp.all_end, std::false_type{});
         steps(sp.all_end, sp.end, std::true_type{});
@@ -440,10 +456,9 @@ struct SelRowsKeys {
     const VBand* vb;
     vi lane;
     vi keep(int64_t k, int64_t i, int64_t) const { return vb->rows_see(lane + static_cast<int32_t>(i), k); }
-    // Rows i0 .. i0+ni-1: keys lo <= c - r <= hi for some row, for every row.
-    StepSpan span(int64_t i0, int64_t ni, int64_t K) const {
-        const Band& b = vb->band;
-        return StepSpan::of(K, i0 + b.lo, i0 + ni - 1 + b.hi, i0 + ni - 1 + b.lo, i0 + b.hi);
+    // The lanes' rows i0 .. i0+ni-1.
+    StepSpan span(int64_t i0, int64_t ni, int64_t, int64_t, int64_t K) const {
+        return StepSpan::keys_of_rows(K, vb->band, i0, i0 + ni - 1);
     }
 };
 // Backward P^T dO and dS^T Q: lanes are keys, steps k rows.
@@ -453,7 +468,7 @@ struct SelKeysRows {
     vi lane;
     vi keep(int64_t k, int64_t i, int64_t) const { return vb->keys_seen(lane + static_cast<int32_t>(i), k); }
     // Keys i0 .. i0+ni-1: rows lo <= c - r <= hi for some key, for every key.
-    StepSpan span(int64_t i0, int64_t ni, int64_t K) const {
+    StepSpan span(int64_t i0, int64_t ni, int64_t, int64_t, int64_t K) const {
         const Band& b = vb->band;
         return StepSpan::of(K, i0 - b.hi, i0 + ni - 1 - b.lo, i0 + ni - 1 - b.hi, i0 - b.lo);
     }
@@ -463,7 +478,10 @@ struct SelOpsKeys {
     static constexpr bool on = true;
     const Band* band;
     vi keep(int64_t k, int64_t, int64_t j) const { return splati(band->visible(j, k) ? -1 : 0); }
-    StepSpan span(int64_t, int64_t, int64_t K) const { return StepSpan{0, 0, 0, K}; }  // by operand: every step
+    // The operands' rows j0 .. j0+nj-1.
+    StepSpan span(int64_t, int64_t, int64_t j0, int64_t nj, int64_t K) const {
+        return StepSpan::keys_of_rows(K, *band, j0, j0 + nj - 1);
+    }
 };
 
 // One stage of a W x W transpose: swaps bit H of the row index with bit H of the lane.
@@ -998,7 +1016,16 @@ struct SelGroupKeys {
     const Band* band;
     int64_t br;
     vi keep(int64_t k, int64_t, int64_t j) const { return splati(band->visible(j % br, k) ? -1 : 0); }
-    StepSpan span(int64_t, int64_t, int64_t K) const { return StepSpan{0, 0, 0, K}; }  // by operand: every step
+    // The operands' rows j % br, j = j0 .. j0+nj-1: some row takes k within the rows'
+    // extreme spans, every row within their common one.
+    StepSpan span(int64_t, int64_t, int64_t j0, int64_t nj, int64_t K) const {
+        int64_t r_min = j0 % br, r_max = r_min;
+        for (int64_t j = j0 + 1; j < j0 + nj; ++j) {
+            r_min = min64(r_min, j % br);
+            r_max = max64(r_max, j % br);
+        }
+        return StepSpan::keys_of_rows(K, *band, r_min, r_max);
+    }
 };
 
 // Q tile i of the groups of query heads of ctx.group_heads adjacent K/V heads: item u is
