@@ -331,6 +331,7 @@ pyfa_status cpu_run(int op, const AttentionParams* params, size_t count, const p
             plans.back().ctx.group = group;
             plans.back().ctx.group_heads = nh;
             plans.back().ctx.prefetch_past = (c + 1) % run != 0 && c + 1 < chunks;
+            plans.back().ctx.first_prefetched = c % run != 0;
         }
         phases.push_back({runs * units, [&, Tr, chunks, run, runs, group](int64_t k, float* ws) {
                               const int64_t u = k / runs, first = k % runs * run;
