@@ -670,32 +670,20 @@ inline size_t fwd_floats(const AttentionParams& p) {
 }
 
 // Reads one float of every 64-byte line of the rows x[r * ld .. r * ld + d), r < rows, in
-// address order; sink keeps the reads (its first element is overwritten later).
-// cached: the lines are expected in L2 already (a split chunk's first tile, prefetched by
-// the chunk before), and the reads go into 4 sums of two lines each; into one, each read
-// waited on the add before it (3 cycles a line), which at 64-key chunks took a third of the
-// step. Otherwise one sum: from memory its pace of a line per add measured faster (Zen 4,
-// the avx2 build's dense step, which reads every tile so: 6.2 against 9.0 ms on one thread
-// at N = 8192), the faster reads crowding out the hardware prefetchers' own.
-inline void touch_lines(const float* x, int64_t rows, int64_t d, int64_t ld, float* sink, bool cached) {
+// address order; sink keeps the reads (its first element is overwritten later). One chain
+// of adds, so a line per add: from memory that pace measured faster than four chains'
+// (Zen 4, the avx2 build's dense decoding step, which reads every tile so: 6.2 against 9.0
+// ms on one thread at N = 8192), the faster reads crowding out the hardware prefetchers.
+inline void touch_lines(const float* x, int64_t rows, int64_t d, int64_t ld, float* sink) {
     constexpr int64_t line = 64 / sizeof(float);
-    float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
-    auto run = [&](const float* y, int64_t n) {  // the lines of y[0 .. n)
-        int64_t e = 0;
-        for (; cached && e + 8 * line <= n; e += 8 * line) {
-            t0 += y[e] + y[e + line];
-            t1 += y[e + 2 * line] + y[e + 3 * line];
-            t2 += y[e + 4 * line] + y[e + 5 * line];
-            t3 += y[e + 6 * line] + y[e + 7 * line];
-        }
-        for (; e < n; e += line) t0 += y[e];
-    };
+    float t = 0.0f;
     if (ld == d) {
-        run(x, rows * d);
+        for (int64_t e = 0; e < rows * d; e += line) t += x[e];
     } else {
-        for (int64_t r = 0; r < rows; ++r) run(x + r * ld, d);
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t e = 0; e < d; e += line) t += x[r * ld + e];
     }
-    sink[0] = t0 + t1 + t2 + t3;
+    sink[0] = t;
 }
 
 // A K/V head's rows as the forwards read them: K_j, V_j of keys n0 .. n0 + bc - 1 of
@@ -710,9 +698,9 @@ struct KvRows {
     int64_t ld;
     const float* row(int64_t n) const { return X + p.kv_row(n) * ld; }
     // touch_lines of rows n0 .. n0 + bc - 1, `width` floats of each from the head's.
-    void touch(int64_t n0, int64_t bc, int64_t width, float* sink, bool cached) const {
-        if (!p.block_table) return touch_lines(X + n0 * ld, bc, width, ld, sink, cached);
-        for (int64_t c = 0; c < bc; ++c) touch_lines(row(n0 + c), 1, width, width, sink, cached);
+    void touch(int64_t n0, int64_t bc, int64_t width, float* sink) const {
+        if (!p.block_table) return touch_lines(X + n0 * ld, bc, width, ld, sink);
+        for (int64_t c = 0; c < bc; ++c) touch_lines(row(n0 + c), 1, width, width, sink);
     }
     // Whether keys n0 .. n0 + bc - 1 lie evenly spaced, ld apart: unpaged, or in one page.
     bool even(int64_t n0, int64_t bc) const {
@@ -1095,12 +1083,15 @@ void forward_group(const Ctx& ctx, int64_t u, int64_t i, float* ws) {
         // W-row blocks and the product's passes alone left most of the step waiting on
         // memory (the step is memory-bound). With `prefetch` that is the first tile
         // only: the next ones come in under this one's transposes (NextTile, paged or not;
-        // docs/cpu_backend.md, Emerald Rapids). (One head's paged rows: read where a tile
-        // lies in one page, else gathered below, each row once in order.)
-        if ((!paged || nh > 1) && (!prefetch || j == visit.begin)) {
-            const bool cached = prefetch && j == visit.begin && ctx.first_prefetched;
-            K0.touch(n0, bc, nh * d, all.S, cached);
-            V0.touch(n0, bc, nh * d, all.S, cached);
+        // docs/cpu_backend.md, Emerald Rapids), and not even that where the call before
+        // (a split's previous chunk) prefetched it: read again from L2, one line per add
+        // of touch_lines' chain, it took a tenth of a step at 64-key chunks. (One head's
+        // paged rows: read where a tile lies in one page, else gathered below, each row
+        // once in order.)
+        const bool prefetched = prefetch && (j > visit.begin || ctx.first_prefetched);
+        if ((!paged || nh > 1) && !prefetched) {
+            K0.touch(n0, bc, nh * d, all.S);
+            V0.touch(n0, bc, nh * d, all.S);
         }
         const bool more = j + 1 < visit.end || (ctx.prefetch_past && col0 + Bc < Nk);
         const int64_t next_rows = !prefetch || !more ? 0 : min64(Bc, Nk - col0 - Bc);
