@@ -1085,7 +1085,7 @@ void forward_group(const Ctx& ctx, int64_t u, int64_t i, float* ws) {
         // only: the next ones come in under this one's transposes (NextTile, paged or not;
         // docs/cpu_backend.md, Emerald Rapids), and not even that where the call before
         // (a split's previous chunk) prefetched it: read again from L2, one line per add
-        // of touch_lines' chain, it took a tenth of a step at 64-key chunks. (One head's
+        // of touch_lines' chain, it took a sixth of a step at 64-key chunks. (One head's
         // paged rows: read where a tile lies in one page, else gathered below, each row
         // once in order.)
         const bool prefetched = prefetch && (j > visit.begin || ctx.first_prefetched);
