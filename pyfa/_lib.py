@@ -26,6 +26,7 @@ except ImportError:  # an interpreter without CPython's module
 
 from ._version import DISTRIBUTION
 from .errors import Error, LibraryNotFoundError, STATUS_CLASSES
+from .options import cancels
 
 _HERE = Path(__file__).resolve().parent
 _SOURCE_ROOT = _HERE.parent
@@ -314,7 +315,7 @@ class _Progress:
             return 1
         if self.user is not None:
             try:
-                if self.user(done, total) is True:
+                if cancels(self.user(done, total)):
                     self.cancel = True
             except BaseException as e:  # re-raised on the caller's thread
                 self.error = e

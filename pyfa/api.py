@@ -24,7 +24,7 @@ from ._arrays import Array, ArrayLike
 from .checks import (
     EMPTY_VALUES, MAX_HEAD_DIM, Bias, ScoreMods, caller_shape, check_dropout_mask, check_int, check_layout, check_like,
     check_qkv, check_split_size,
-    check_rows, check_sizes, element_strides, is_empty, mask_bounds, resolve_scale,
+    check_rows, check_sizes, element_strides, is_empty, mask_bounds, refuse_self_overlap, resolve_scale,
 )
 from .errors import ArgumentTypeError, BackendUnavailableError, InvalidArgumentError
 from .options import Options, Progress  # noqa: F401 (Progress: the callback's type)
@@ -272,6 +272,8 @@ def _strides(x4):
 def _in_place(x):
     """A checked CPU view as the library can address it (x itself when it can, else a
     C-contiguous copy) and its strides (None for a per-row tensor, always dense)."""
+    if not x.flags.aligned:  # a float * the kernels could not use; ascontiguousarray keeps it
+        x = np.array(x, order="C")
     if x.ndim == 3:
         return np.ascontiguousarray(x), None
     strides = _strides(x)
@@ -352,7 +354,11 @@ def _mod_tensors(mods, intake, grad=False):
                 f"{intake.place}; give it where q is")
         if on_cpu:
             keep[field.name] = x
-            address, shape, strides = _address(ffi, x), x.shape, tuple(s // 4 for s in x.strides)
+            # An axis of length 1 takes its dense stride: all zeros would read as dense
+            # (pyfa.h), and a (B, 1) view broadcast from (1,) has them.
+            address, shape = _address(ffi, x), x.shape
+            strides = tuple(s // 4 if n > 1 else int(np.prod(shape[a + 1:]))
+                            for a, (n, s) in enumerate(zip(shape, x.strides)))
         else:
             place = _arrays.place_of(field.name, x)
             if place.index is not None and intake.place.index is not None and place != intake.place:
@@ -549,11 +555,13 @@ def _refuse_given_overlaps(intake, outs):
         refuse_overlaps(given, list(intake.memory.items()), _spans_overlap)
 
 
-def _host_outputs(op, intake, outs):
+def _host_outputs(op, intake, outs, others=()):
     """{name: (caller's object or None, its NumPy view or None, the NumPy array the library
     writes)}, each in the caller's rank and layout. A given output is written directly
     when it is C-contiguous, otherwise through a fresh array copied into it after
-    success; one that overlaps another output or an input is refused."""
+    success; one that overlaps another output, itself, an input or one of `others`
+    ([(label, NumPy array)]: the score modifications' and packed sequences' arrays) is
+    refused."""
     result = {}
     for name in op.outputs:
         shape, given = intake.shape(name), outs[name]
@@ -570,15 +578,17 @@ def _host_outputs(op, intake, outs):
             raise InvalidArgumentError(f"{label}: expected shape {shape}, got {a.shape}")
         if not a.flags.writeable:
             raise InvalidArgumentError(f"{label}: is read-only")
+        refuse_self_overlap(label, a.shape, a.strides)
         result[name] = (given, a, a if a.flags.c_contiguous else np.empty(shape, np.float32))
     refuse_overlaps([(f"out ({n})", view) for n, (_, view, _) in result.items() if view is not None],
-                    list(intake.memory.items()), np.shares_memory)
+                    list(intake.memory.items()) + list(others), np.shares_memory)
     return result
 
 
-def _run_host(op, intake, outs, problem, config, progress, varlen=None, mod_tensors=None, dbias=None):
+def _run_host(op, intake, outs, problem, config, progress, varlen=None, mod_tensors=None, dbias=None,
+              others=()):
     ffi, lib = _lib.load()
-    targets = _host_outputs(op, intake, outs)
+    targets = _host_outputs(op, intake, outs, others)
     if dbias is not None:
         refuse_overlaps([("out (dbias)", dbias[1][1])] if dbias[1] else [],
                         [(f"out ({n})", view) for n, (_, view, _) in targets.items() if view is not None],
@@ -636,7 +646,7 @@ def _work(op, dims):
     return b * h * nq * nk * d * (3 if op.pass_ == "backward" else 1)
 
 
-def _run_empty(op, intake, outs):
+def _run_empty(op, intake, outs, others=()):
     """The outputs of an empty problem (Nq = 0 or Nk = 0), EMPTY_VALUES, without the
     library (which refuses zero lengths). On CUDA arrays only outputs with no elements can
     be made without a kernel; others are refused."""
@@ -659,7 +669,7 @@ def _run_empty(op, intake, outs):
             results.append(given)
         return tuple(results)
     results = []
-    for name, (given, view, written) in _host_outputs(op, intake, outs).items():
+    for name, (given, view, written) in _host_outputs(op, intake, outs, others).items():
         target = written if view is None else view
         target[...] = EMPTY_VALUES[name]
         results.append(_arrays.as_kind(intake.kind, target) if given is None else given)
@@ -697,6 +707,8 @@ def _run_device(op, intake, outs, problem, config, progress, varlen=None, mod_te
                 raise InvalidArgumentError(f"{label}: expected shape {shape}, got {t.shape}")
             if t.readonly:
                 raise InvalidArgumentError(f"{label}: is read-only")
+            if t.strides is not None:
+                refuse_self_overlap(label, t.shape, tuple(4 * st for st in t.strides))
         targets[name] = (given, array, t)
     refuse_overlaps([(f"out ({n})", t) for n, (_, _, t) in targets.items()],
                     list(intake.memory.items()), _spans_overlap)
@@ -764,7 +776,8 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
     if is_empty(*intake.dims[2:4]):
         mask_bounds(causal, window, causal_align, *intake.dims[2:4])
         resolve_scale(scale, intake.dims[4])
-        results = _run_empty(op, intake, outs)
+        _check_run_options(op, options, split_size, intake)
+        results = _run_empty(op, intake, outs, _other_inputs(mods, varlen))
         if dbias is not None:
             dbias[0][...] = 0
         return results + _dbias_results(dbias, intake)
@@ -785,9 +798,72 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
             rec.bound(name, x)
     with _lib.interrupts_after():
         if intake.place.kind == "cpu":
-            results = _run_host(op, intake, outs, problem, config, options.progress, varlen, mod_tensors, dbias)
+            results = _run_host(op, intake, outs, problem, config, options.progress, varlen, mod_tensors, dbias,
+                                _other_inputs(mods, varlen))
             return results + _dbias_results(dbias, intake)
         return _run_device(op, intake, outs, problem, config, options.progress, varlen, mod_tensors)
+
+
+def _check_run_options(op, options, split_size, intake):
+    """For an empty problem, where no kernel runs: options and split_size checked as a run
+    checks them, by the library itself on a problem of one row and key of the same head
+    dim (CPU arrays), so that an argument pyfa cannot honour is refused whatever the sizes."""
+    d = intake.dims[4]
+    _config(options)
+    check_split_size(split_size, d)
+    if intake.place.kind != "cpu":
+        return
+    one = {n: np.zeros(tensor_shape(n, 1, 1, 1, 1, d), np.float32) for n in op.inputs}
+    with prepared.paused():
+        _run(op.name, one, causal=False, window=None, causal_align="bottom_right", scale=None, layout="bhnd",
+             options=options.replace(progress=None), out=None, stream=None, mods={}, split_size=split_size)
+
+
+def _other_inputs(mods, varlen):
+    """[(label, NumPy array)]: the CPU arrays a call reads besides its tensors (the score
+    modifications', the packed sequences' offsets, counts and block table), which its
+    outputs must not overlap either."""
+    found = []
+    for field in dataclasses.fields(mods):
+        x = getattr(mods, field.name)
+        x = x.given if isinstance(x, Bias) else x
+        if isinstance(x, np.ndarray):
+            found.append((field.name, x))
+    if varlen is not None:
+        found += [(name, x) for name, x in zip(varlen.pointers, varlen.keep) if isinstance(x, np.ndarray)]
+    return found
+
+
+def _stage_o(intake, outs, forward, others):
+    """For a call that runs a forward and then a backward (attention_grad): (what the
+    forward writes o into, a function that completes the caller's o from it once the
+    backward has succeeded). A CPU out= o is checked now (as the forward would) and written
+    only at the end, so that a backward that fails or is cancelled leaves it as it was;
+    others: [(label, NumPy array)] it must not overlap either (the keywords' arrays).
+    Under pyfa.prepare, and for CUDA arrays, the forward writes it directly."""
+    given = outs["o"]
+    if given is None or intake.place.kind != "cpu" or prepared.recording() is not None:
+        return given, lambda o: o
+    op = OPS[forward]
+    _, view, _ = _host_outputs(op, intake, {n: given if n == "o" else None for n in op.outputs}, others)["o"]
+
+    def finish(o):
+        np.copyto(view, o)
+        return given
+    return None, finish
+
+
+def _array_keywords(mods):
+    """[(name, NumPy array)]: the CPU arrays among a call's score-modification keywords."""
+    found = []
+    for name, x in mods.items():
+        try:
+            a = _arrays.host_array(name, x)
+        except TypeError:  # refused with its own message by the call that takes it
+            continue
+        if isinstance(a, np.ndarray):
+            found.append((name, a))
+    return found
 
 
 def _bias_grad(function, mods, backward):
@@ -817,6 +893,7 @@ def _dbias_target(bias, given, intake):
         raise InvalidArgumentError(f"out (dbias): expected shape {bias.shape} (the bias's), got {a.shape}")
     if not a.flags.writeable:
         raise InvalidArgumentError("out (dbias): is read-only")
+    refuse_self_overlap("out (dbias)", a.shape, a.strides)
     refuse_overlaps([("out (dbias)", a)], list(intake.memory.items()) + [("bias", bias.view)], np.shares_memory)
     return np.empty(bias.shape, np.float32), (given, a)
 
@@ -1027,19 +1104,25 @@ def attention_grad(q: ArrayLike, k: ArrayLike, v: ArrayLike, do: ArrayLike, *,
     bias_grad = _bias_grad("pyfa.attention_grad", mods, True)
     with_dbias = bias_grad and mods.get("bias") is not None
     outs = _out_dict("attention_grad", ("o", "dq", "dk", "dv") + (("dbias",) if with_dbias else ()), out)
-    _refuse_given_overlaps(_intake(dict(q=q, k=k, v=v, do=do), stream, options.backend,
-                                   layout, outs), outs)
+    intake = _intake(dict(q=q, k=k, v=v, do=do), stream, options.backend, layout, outs)
+    _refuse_given_overlaps(intake, outs)
     kw = dict(causal=causal, window=window, causal_align=causal_align, scale=scale,
               layout=layout, options=options, stream=stream, **mods)
     grads = (outs["dq"], outs["dk"], outs["dv"]) + ((outs["dbias"],) if with_dbias else ())
     if algo == "fa1" and split_size not in (None, 0):
         raise InvalidArgumentError(f"split_size: only algo='fa2' splits, got {split_size!r}")
-    if algo == "fa1":
-        o, m, l = fa1_forward(q, k, v, out=(outs["o"], None, None), **kw)
-        return (o, *fa1_backward(q, k, v, o, m, l, do, out=grads, bias_grad=bias_grad, **kw))
-    o, lse = fa2_forward(q, k, v, out=(outs["o"], None), split_size=split_size, **kw)
-    return (o, *fa2_backward(q, k, v, o, lse, do, out=grads, split_size=split_size, bias_grad=bias_grad,
-                             **kw))
+    # One interrupts_after block over both calls: a Ctrl-C after the backward is raised
+    # once o is complete.
+    with _lib.interrupts_after():
+        o_out, finish = _stage_o(intake, outs, f"{algo}_forward", _array_keywords(mods))
+        if algo == "fa1":
+            o, m, l = fa1_forward(q, k, v, out=(o_out, None, None), **kw)
+            grads = fa1_backward(q, k, v, o, m, l, do, out=grads, bias_grad=bias_grad, **kw)
+        else:
+            o, lse = fa2_forward(q, k, v, out=(o_out, None), split_size=split_size, **kw)
+            grads = fa2_backward(q, k, v, o, lse, do, out=grads, split_size=split_size, bias_grad=bias_grad,
+                                 **kw)
+        return (finish(o), *grads)
 
 
 for _f in (fa2_forward, fa2_backward, fa1_forward, fa1_backward, attention, attention_grad):

@@ -132,7 +132,8 @@ def check_sizes(q4, k4, q, k):
 
 # What each output of an empty problem (Nq = 0 or Nk = 0) holds, as PyTorch's SDPA gives
 # it: rows that see no key (O = 0; LSE and FA1's m -inf, l = 0) and zero gradients (no
-# query, or no key, contributes). Neither the library nor the simulated kernels run then.
+# query, or no key, contributes). No kernel runs then; the library checks the options on a
+# problem of one row (pyfa/api.py, _check_run_options).
 EMPTY_VALUES = {"o": 0.0, "lse": -math.inf, "m": -math.inf, "l": 0.0,
                 "dq": 0.0, "dk": 0.0, "dv": 0.0}
 
@@ -163,6 +164,30 @@ def check_rows(name, x, q4):
         raise InvalidArgumentError(f"{name}: expected one value per query row, shape {rows} "
                          f"(or without its leading 1s), got {x.shape}")
     return x[(None,) * (3 - x.ndim)]
+
+
+def c_aligned(x, dtype=None):
+    """np.ascontiguousarray(x, dtype), copied also where its first element is not aligned to
+    its item size (a view into a byte buffer), which ascontiguousarray keeps as it is: the
+    library takes a typed pointer."""
+    x = np.ascontiguousarray(x, dtype)
+    return x if x.flags.aligned else np.array(x, order="C")
+
+
+def refuse_self_overlap(label, shape, strides):
+    """InvalidArgumentError when two elements of an array that pyfa writes (shape, byte
+    strides) share memory (a stride-0 axis, an as_strided view): its elements would be
+    written over each other. Axes sorted by stride, each must step past all the memory the
+    smaller ones span; a layout that interleaves axes without overlapping is refused too."""
+    if 0 in shape:
+        return
+    span = 1
+    for stride, n in sorted((abs(s), n) for n, s in zip(shape, strides) if n > 1):
+        if stride < span:
+            raise InvalidArgumentError(f"{label}: its elements overlap each other in memory (strides "
+                                       f"{tuple(strides)}, shape {tuple(shape)}); pass an array whose "
+                                       f"elements each have their own memory")
+        span = stride * (n - 1) + span
 
 
 def element_strides(x4):
@@ -375,8 +400,8 @@ def check_bias(function, bias, dims):
     view = None
     if isinstance(x, np.ndarray):
         view = x.reshape(padded)
-        if element_strides(view) is None:
-            view = np.ascontiguousarray(view)
+        if element_strides(view) is None or not view.flags.aligned:
+            view = c_aligned(view)
     return Bias(x, shape, full, view)
 
 
@@ -430,7 +455,7 @@ def check_alibi_slopes(slopes, dims):
     if a.shape not in ((H,), (B, H)):
         raise InvalidArgumentError(f"alibi_slopes: expected shape ({H},) or ({B}, {H}), got {a.shape}")
     with np.errstate(over="ignore"):
-        a = np.ascontiguousarray(a, np.float32)
+        a = c_aligned(a, np.float32)
     if not np.isfinite(a).all():
         raise InvalidArgumentError("alibi_slopes: must be finite (as float32)")
     return np.broadcast_to(a, (B, H))

@@ -11,7 +11,7 @@ from typing import Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _arrays, prepared
-from .checks import Pages, check_offsets, check_offsets_shape
+from .checks import Pages, c_aligned, check_offsets, check_offsets_shape, refuse_self_overlap
 from .errors import ArgumentTypeError, InvalidArgumentError
 
 ArrayOrParts = Union[np.ndarray, Sequence[np.ndarray]]
@@ -98,6 +98,8 @@ class _Cache:
             for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
                 if not x.flags.writeable:
                     raise InvalidArgumentError(f"{name}: read-only, but k_new's rows are written into it")
+                # An expanded cache (stride 0) would take one sequence's new row over another's.
+                refuse_self_overlap(name, x.shape, x.strides)
             self.n_new = k_new.shape[1]
         self.k_new, self.v_new = k_new, v_new
         self.table = None
@@ -185,7 +187,7 @@ def _paged_rows(table, page_size, num_pages):
     the packed logical rows b * max_pages * page_size onwards (cu_seqlens_k), which the
     flattened table maps onto the pages (a checks.Pages)."""
     B, max_pages = table.shape
-    pages = Pages(np.ascontiguousarray(table.reshape(-1)), page_size, num_pages)
+    pages = Pages(c_aligned(table.reshape(-1)), page_size, num_pages)
     return _offsets("block_table", np.full(B, max_pages * page_size)), pages
 
 

@@ -20,11 +20,22 @@ import dataclasses
 import warnings
 from typing import Callable, Optional
 
+import numpy as np
+
 from .checks import check_int, check_tile
 from .errors import ArgumentTypeError, InvalidArgumentError
 
 # progress(done, total): True cancels the call.
 Progress = Callable[[int, int], Optional[bool]]
+
+
+def cancels(answer):
+    """Whether a progress callback's answer cancels its call: True (or NumPy's True) does,
+    None and False do not; anything else is refused rather than read by its truth."""
+    if answer is None or isinstance(answer, (bool, np.bool_)):
+        return bool(answer)
+    raise ArgumentTypeError(f"progress: must return None, False or True (True cancels), got "
+                            f"{type(answer).__name__}")
 
 INT_MAX = 2**31 - 1
 EMU_CHECKS = ("off", "strict")  # Options.emu_check: "strict" sets PYFA_FLAG_EMU_STRICT

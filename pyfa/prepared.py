@@ -14,6 +14,7 @@ from a fresh call: an array pyfa had to copy (a replay would read the stale copy
 output written through a staging copy, CUDA arrays, and calls that run no kernel.
 """
 
+import contextlib
 import inspect
 import threading
 from typing import Any, Callable
@@ -29,6 +30,18 @@ _state = threading.local()
 def recording():
     """The _Recording of the prepare() running on this thread, or None."""
     return getattr(_state, "recording", None)
+
+
+@contextlib.contextmanager
+def paused():
+    """A block whose library calls a prepare() running on this thread does not record
+    (checks that run a call of their own)."""
+    rec = recording()
+    _state.recording = None
+    try:
+        yield
+    finally:
+        _state.recording = rec
 
 
 class _Recording:

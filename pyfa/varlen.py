@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _arrays, _lib
 from . import api
-from .checks import (Pages, check_max_seqlen, check_offsets, check_offsets_shape, check_seqused,
+from .checks import (Pages, c_aligned, check_max_seqlen, check_offsets, check_offsets_shape, check_seqused,
                      check_varlen_rank)
 from .errors import ArgumentTypeError, InvalidArgumentError
 from .options import Options
@@ -103,13 +103,13 @@ def resolve_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         cu_k = _arrays.host_array("cu_seqlens_k", cu_seqlens_k)
         offsets_q = check_offsets("cu_seqlens_q", cu_q, total_q)
         offsets_k = check_offsets("cu_seqlens_k", cu_k, total_k, len(offsets_q) - 1)
-        keep = [np.ascontiguousarray(cu_q), np.ascontiguousarray(cu_k)]
+        keep = [c_aligned(cu_q), c_aligned(cu_k)]
         fields = ["cu_seqlens_q", "cu_seqlens_k"]
         attended = offsets_k  # the offsets whose lengths bound max_seqlen_k
         if seqused_k is not None:
             used = _arrays.host_array("seqused_k", seqused_k)
             attended = (0,) + tuple(np.cumsum(check_seqused("seqused_k", used, offsets_k)).tolist())
-            keep.append(np.ascontiguousarray(used))
+            keep.append(c_aligned(used))
             fields.append("seqused_k")
         if pages is not None:
             keep.append(pages.table)
@@ -239,18 +239,23 @@ def attention_varlen_grad(q, k, v, do, cu_seqlens_q, cu_seqlens_k, *,
     for name, x in (("q", q), ("k", k)):
         check_varlen_rank(name, _shape(name, x))
     # do, and the out= arrays, checked before any kernel runs.
-    api._refuse_given_overlaps(api._intake(dict(q=q, k=k, v=v, do=do), stream, options.backend, "bnhd",
-                                           outs), outs)
+    intake = api._intake(dict(q=q, k=k, v=v, do=do), stream, options.backend, "bnhd", outs)
+    api._refuse_given_overlaps(intake, outs)
     kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, window=window,
               causal_align=causal_align, scale=scale, options=options, stream=stream, mods=mods,
               function="pyfa.attention_varlen_grad", split_size=split_size)
     grads = (outs["dq"], outs["dk"], outs["dv"]) + ((outs["dbias"],) if with_dbias else ())
-    if algo == "fa1":
-        o, m, l = run("fa1_forward", dict(q=q, k=k, v=v), cu_seqlens_q, cu_seqlens_k,
-                      out=(outs["o"], None, None), **kw)
-        return (o, *run("fa1_backward", dict(q=q, k=k, v=v, o=o, m=m, l=l, do=do), cu_seqlens_q,
-                        cu_seqlens_k, out=grads, **kw))
-    o, lse = run("fa2_forward", dict(q=q, k=k, v=v), cu_seqlens_q, cu_seqlens_k,
-                 out=(outs["o"], None), **kw)
-    return (o, *run("fa2_backward", dict(q=q, k=k, v=v, o=o, lse=lse, do=do), cu_seqlens_q,
-                    cu_seqlens_k, out=grads, **kw))
+    offsets = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    with _lib.interrupts_after():  # as in pyfa.attention_grad
+        o_out, finish = api._stage_o(intake, outs, f"{algo}_forward", api._array_keywords({**mods, **offsets}))
+        if algo == "fa1":
+            o, m, l = run("fa1_forward", dict(q=q, k=k, v=v), cu_seqlens_q, cu_seqlens_k,
+                          out=(o_out, None, None), **kw)
+            grads = run("fa1_backward", dict(q=q, k=k, v=v, o=o, m=m, l=l, do=do), cu_seqlens_q,
+                        cu_seqlens_k, out=grads, **kw)
+        else:
+            o, lse = run("fa2_forward", dict(q=q, k=k, v=v), cu_seqlens_q, cu_seqlens_k,
+                         out=(o_out, None), **kw)
+            grads = run("fa2_backward", dict(q=q, k=k, v=v, o=o, lse=lse, do=do), cu_seqlens_q,
+                        cu_seqlens_k, out=grads, **kw)
+        return (finish(o), *grads)

@@ -209,10 +209,9 @@ def test_a_window_wider_than_any_distance_is_the_unbounded_one(window):
 
 @pytest.mark.parametrize("nq, nk", [(0, 12), (16, 0), (0, 0)])
 @pytest.mark.parametrize("backend", ["cpu", "emu"])
-def test_empty_problems_give_sdpa_s_answer_without_the_library(nq, nk, backend, monkeypatch):
+def test_empty_problems_give_sdpa_s_answer(nq, nk, backend):
     q = np.ones((1, 2, nq, 8), np.float32)
     k = np.ones((1, 2, nk, 8), np.float32)
-    monkeypatch.setattr(_lib, "call", None)  # the library is never called
     opts = pyfa.Options(backend=backend)
     o, lse = pyfa.fa2_forward(q, k, k, options=opts)
     o1, m, l = pyfa.fa1_forward(q, k, k, options=opts)
@@ -228,6 +227,20 @@ def test_empty_problems_give_sdpa_s_answer_without_the_library(nq, nk, backend, 
     sim1 = pyfa.sim.fa1_backward(q, k, k, o1, m, l, q)
     assert [x.shape for x in (sim1.dq, sim1.dk, sim1.dv)] == [q.shape, k.shape, k.shape]
     assert not (sim1.dq.any() or sim1.dk.any() or sim1.dv.any())
+
+
+@pytest.mark.parametrize("options, split_size, error", [
+    (dict(backend="bogus"), None, "backend"), (dict(threads=10**9), None, "threads"),
+    (dict(backend="cpu", variant="fast"), None, "variant"), (dict(block_r=2**20), None, "block_r"),
+    (dict(emu_order="bogus"), None, "emu_order"), ({}, -5, "split_size"), ({}, "bogus", "split_size")])
+def test_empty_problems_refuse_options_as_a_run_does(options, split_size, error):
+    # No kernel runs, but what a run would refuse is refused (the library checks it on one row).
+    q, k = np.ones((1, 2, 0, 8), np.float32), np.ones((1, 2, 4, 8), np.float32)
+    with pytest.raises(pyfa.Error, match=error):
+        pyfa.attention(q, k, k, split_size=split_size, options=pyfa.Options(**options))
+    with pytest.raises(pyfa.Error, match=error):
+        pyfa.fa2_backward(q, k, k, q, np.zeros((1, 2, 0), np.float32), q, split_size=split_size,
+                          options=pyfa.Options(**options))
 
 
 def test_empty_problems_are_still_checked():

@@ -425,6 +425,22 @@ def test_alibi_slopes_refuses_bad_values_by_name(bad, error, match):
             call()
 
 
+@pytest.mark.parametrize("backend", ["cpu", "emu"])
+def test_one_head_s_slopes_serve_every_batch_element(backend):
+    # (H,) slopes with H = 1 broadcast to (B, 1) are strides (0, 0): passed as such they
+    # read as a dense (B, H) array, and batch b >= 1 read past the slopes (found by a fuzz).
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((3, 1, 5, 16), dtype=np.float32)
+    k, v = (rng.standard_normal((3, 1, 9, 16), dtype=np.float32) for _ in range(2))
+    slopes = np.array([0.3], np.float32)
+    want = pyfa.sim.fa2_forward(q, k, v, alibi_slopes=slopes)
+    o, lse = pyfa.fa2_forward(q, k, v, alibi_slopes=slopes, options=pyfa.Options(backend=backend))
+    assert same_bits(o, want.o) and same_bits(lse, want.lse)
+    g = pyfa.attention_grad(q, k, v, q, alibi_slopes=slopes, options=pyfa.Options(backend=backend))
+    gs = pyfa.sim.fa2_backward(q, k, v, want.o, want.lse, q, alibi_slopes=slopes)
+    assert all(same_bits(a, b) for a, b in zip(g[1:], (gs.dq, gs.dk, gs.dv)))
+
+
 def test_alibi_slopes_take_lists_and_other_dtypes_as_float32():
     q, k, v, _ = _inputs(CASES[0][0])
     cpu = pyfa.Options(backend="cpu")

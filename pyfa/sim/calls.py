@@ -14,10 +14,10 @@ import inspect
 
 import numpy as np
 
-from ..checks import (EMPTY_VALUES, caller_shape, check_bias, check_like, check_qkv, check_rows, is_empty,
-                      mask_bounds, resolve_scale)
+from ..checks import (EMPTY_VALUES, ScoreMods, caller_shape, check_bias, check_like, check_qkv, check_rows,
+                      check_split_size, is_empty, mask_bounds, resolve_scale)
 from ..errors import CancelledError
-from ..options import resolve
+from ..options import cancels, resolve
 from . import io
 from .count import count_io
 
@@ -29,7 +29,7 @@ class _Reporter:
         self.function, self.progress, self.total, self.done = function, progress, total, 0
 
     def report(self):
-        if self.progress(min(self.done, self.total), self.total) is True:
+        if cancels(self.progress(min(self.done, self.total), self.total)):
             raise CancelledError(f"{self.function}: cancelled by its progress callback")
 
     def __call__(self, nbytes):
@@ -52,14 +52,19 @@ def _total(algo, passes, args, kwargs, options):
 ROWS = ("lse", "m", "l")  # per-row tensors, (B, H, Nq); the others are 4-D
 
 
-def _empty(result_class, tensors, kwargs):
+def _empty(name, result_class, tensors, kwargs, named):
     """The result of an empty problem (Nq = 0 or Nk = 0), as pyfa's API gives it
-    (checks.EMPTY_VALUES), after the checks the kernel would make; None when the problem
-    is not empty."""
+    (checks.EMPTY_VALUES), after the checks the kernel would make, the score modifications
+    (every keyword but the kernel's own, `named`) and split_size included; None when the
+    problem is not empty."""
     layout = kwargs.get("layout", "bhnd")
-    q4, k4, _, rank, _ = check_qkv(tensors["q"], tensors["k"], tensors["v"], layout)
+    q4, k4, _, rank, heads_kv = check_qkv(tensors["q"], tensors["k"], tensors["v"], layout)
     if not is_empty(q4.shape[2], k4.shape[2]):
         return None
+    dims = (*q4.shape[:3], k4.shape[2], q4.shape[3], heads_kv)
+    ScoreMods.resolve(name, dims, kwargs.get("causal_align", "bottom_right"),
+                      **{n: x for n, x in kwargs.items() if n not in named})
+    check_split_size(kwargs.get("split_size"), q4.shape[3])
     for name, x in tensors.items():
         if name in ROWS:
             check_rows(name, x, q4)
@@ -93,13 +98,14 @@ def simulated(algo, passes, result_class):
         name = f"pyfa.sim.{kernel.__name__}"
         tensor_names = [n for n, p in inspect.signature(kernel).parameters.items()
                         if p.kind == p.POSITIONAL_OR_KEYWORD]
+        named = {n for n, p in inspect.signature(kernel).parameters.items() if p.kind != p.VAR_KEYWORD}
 
         @functools.wraps(kernel)
         def run(*args, options=None, **kwargs):
             legacy = {n: kwargs.pop(n) for n in TILES if n in kwargs}
             options = resolve(name, options, legacy, allowed=TILES)
             tiles = dict(block_r=options.block_r, block_c=options.block_c)
-            empty = _empty(result_class, dict(zip(tensor_names, args)), kwargs)
+            empty = _empty(name, result_class, dict(zip(tensor_names, args)), kwargs, named)
             if empty is not None:
                 return empty
             if options.progress is None:
