@@ -645,7 +645,8 @@ def decode(args):
           f"cpu split = the same with split_size={split} ('decode'); cpu prep = the cpu column's call "
           "through pyfa.prepare (set up once, replayed on the same arrays, as a decoding loop would); kvcache = "
           "pyfa.attention_with_kvcache on a (B, N, Hkv, d) cache (flash-attn's layout, read in place as packed "
-          "sequences with seqused_k); kv prep = the kvcache column's call through pyfa.prepare; kv paged = "
+          "sequences with seqused_k); kv prep = the kvcache column's call through pyfa.prepare; kv split = "
+          f"the kvcache column's call with split_size={split}; kv paged = "
           f"kvcache's call on a paged cache, pages of {DECODE_PAGE} rows in shuffled order, read through the "
           "block table; "
           "torch gqa = SDPA with enable_gqa=True; torch exp = SDPA on K/V expanded to H heads beforehand "
@@ -679,6 +680,8 @@ def decode(args):
             qc, kc, vc = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v))
             cols.append(Column("kvcache", lambda: pyfa.attention_with_kvcache(qc, kc, vc, lens, options=cpu)))
             cols.append(Column("kv prep", pyfa.prepare(pyfa.attention_with_kvcache, qc, kc, vc, lens, options=cpu)))
+            cols.append(Column("kv split", lambda: pyfa.attention_with_kvcache(qc, kc, vc, lens, split_size=split,
+                                                                              options=cpu)))
             per = -(-n // DECODE_PAGE)
             table = rng.permutation(b * per).astype(np.int32).reshape(b, per)
             kp, vp = (np.zeros((b * per, DECODE_PAGE, hkv, d), np.float32) for _ in range(2))
@@ -728,9 +731,10 @@ def decode(args):
                 continue
             if name == "cpu" and emu_bits is not None:
                 note = "cpu == emu bit for bit" if emu_bits else "cpu != emu: BITS DIFFER"
-            for mine, base in (("cpu prep", "cpu"), ("kv prep", "kvcache")):
+            # O of each column, flattened: (B, Nq, H, d) and (B, H, Nq, d) agree at Nq = 1.
+            for mine, base in (("cpu prep", "cpu"), ("kv prep", "kvcache"), ("kv split", "cpu split")):
                 if name == mine and base in res:
-                    same = same_bits(*(([res[c]] if c.startswith("kv") else [res[c][0]]) for c in (name, base)))
+                    same = same_bits(*([np.ravel(res[c] if c.startswith("kv") else res[c][0])] for c in (name, base)))
                     note = f"the {base} column's bits" if same else f"BITS DIFFER from {base}'s"
             if name in res and name.startswith("cpu") and res.get("torch gqa") is not None:
                 ref = torch.from_numpy(res[name][0])
