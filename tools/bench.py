@@ -581,6 +581,18 @@ DECODE_BURST = 3  # timed calls per column and round
 DECODE_PAGE = 16  # --decode-kvcache's paged column: rows per page (vLLM's default block size)
 
 
+def placed(x, offset):
+    """A copy of x whose data starts `offset` bytes past a 64-byte boundary (None: x as
+    NumPy placed it; large NumPy arrays start 16 bytes past one, PyTorch's tensors at one)."""
+    if offset is None:
+        return x
+    buf = np.empty(x.nbytes + 64, np.uint8)
+    start = -buf.__array_interface__["data"][0] % 64 + offset
+    a = buf[start:start + x.nbytes].view(x.dtype).reshape(x.shape)
+    a[...] = x
+    return a
+
+
 def decode_bytes(b, h, hkv, n, d):
     """The floor of one decoding step: the visible K and V once, plus q and o."""
     return 4 * (2 * b * hkv * n * d + 2 * b * h * d)
@@ -636,6 +648,9 @@ def decode(args):
           f"load average {os.getloadavg()[0]:.2f} at the start")
     print(f"numpy {np.__version__} (BLAS {blas_name()}); pyfa {pyfa.__version__}; "
           f"torch {torch.__version__ if torch else 'not installed'}")
+    print("q, K, V placed " + ("where NumPy put them (large arrays 16 bytes past a 64-byte boundary)"
+                              if args.decode_offset is None else f"{args.decode_offset} bytes past a 64-byte "
+                              "boundary (--decode-offset)"))
     print("GB/s: the step's floor bytes (K and V of the context once, plus q and o) over its time; "
           "read parts / read blas: a streaming read (BLAS sdot) of an array of those bytes, one part per "
           "thread / one call with BLAS's own threads, in the same rounds; bandwidth: the faster of the two; "
@@ -664,9 +679,8 @@ def decode(args):
     rng = np.random.default_rng(args.seed)
     rows = []
     for n in contexts:
-        q = rng.standard_normal((b, h, 1, d), dtype=np.float32)
-        k = rng.standard_normal((b, hkv, n, d), dtype=np.float32)
-        v = rng.standard_normal((b, hkv, n, d), dtype=np.float32)
+        q, k, v = (placed(rng.standard_normal(shape, dtype=np.float32), args.decode_offset)
+                   for shape in ((b, h, 1, d), (b, hkv, n, d), (b, hkv, n, d)))
         nbytes = decode_bytes(b, h, hkv, n, d)
         buf = np.ones(nbytes // 4, np.float32)
         parts = np.array_split(buf, threads)
@@ -677,7 +691,8 @@ def decode(args):
                 Column("cpu split", lambda: pyfa.fa2_forward(q, k, v, split_size=split, options=cpu)),
                 Column("cpu prep", pyfa.prepare(pyfa.fa2_forward, q, k, v, options=cpu))]
         if args.decode_kvcache:
-            qc, kc, vc = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v))
+            qc, kc, vc = (placed(np.ascontiguousarray(x.transpose(0, 2, 1, 3)), args.decode_offset)
+                          for x in (q, k, v))
             cols.append(Column("kvcache", lambda: pyfa.attention_with_kvcache(qc, kc, vc, lens, options=cpu)))
             cols.append(Column("kv prep", pyfa.prepare(pyfa.attention_with_kvcache, qc, kc, vc, lens, options=cpu)))
             cols.append(Column("kv split", lambda: pyfa.attention_with_kvcache(qc, kc, vc, lens, split_size=split,
@@ -869,6 +884,9 @@ def main(argv=None):
                     help="untimed milliseconds of calls after each idle spell, before the timed ones (0: one "
                          "call); after 0.2 s idle a 2-thread step at 8k ran up to 1.3x slower for its first "
                          "150 ms here (tools/README.md)")
+    dc.add_argument("--decode-offset", type=int, choices=range(0, 64, 4), metavar="{0,4,...,60}",
+                    help="--decode: place q, K and V this many bytes past a 64-byte boundary (default: where "
+                         "NumPy puts them, 16 bytes past one for the large ones)")
     dc.add_argument("--decode-kvcache", action="store_true",
                     help="--decode: also time pyfa.attention_with_kvcache on a flash-attn layout cache")
     dc.add_argument("--decode-c", action="store_true",
