@@ -16,6 +16,8 @@ from typing import Any, Callable, Dict, Optional, Protocol, Tuple, Union
 
 import numpy as np
 
+from .errors import ArgumentTypeError, InvalidArgumentError
+
 
 class SupportsDLPack(Protocol):
     def __dlpack__(self, *, stream: Any = ...) -> Any: ...
@@ -68,16 +70,16 @@ def place_of(name: str, x: Any) -> Place:
         try:
             dev_type, dev_id = x.__dlpack_device__()
         except Exception as e:
-            raise TypeError(f"{name}: __dlpack_device__() failed: {e}") from e
+            raise ArgumentTypeError(f"{name}: __dlpack_device__() failed: {e}") from e
         if dev_type in (_DL_CPU, _DL_CUDA_HOST):
             return CPU
         if dev_type in (_DL_CUDA, _DL_CUDA_MANAGED):
             return Place("cuda", int(dev_id))
         what = _DL_NAMES.get(int(dev_type), f"DLPack device type {int(dev_type)}")
-        raise TypeError(f"{name}: a {what} array; pyfa takes CPU and CUDA arrays")
+        raise ArgumentTypeError(f"{name}: a {what} array; pyfa takes CPU and CUDA arrays")
     if hasattr(x, "__cuda_array_interface__"):
         return Place("cuda", None)
-    raise TypeError(f"{name}: expected {ARRAY_HELP}, of float32, got {type(x).__name__}")
+    raise ArgumentTypeError(f"{name}: expected {ARRAY_HELP}, of float32, got {type(x).__name__}")
 
 
 def common_place(arrays: Dict[str, Any]) -> Place:
@@ -92,7 +94,7 @@ def common_place(arrays: Dict[str, Any]) -> Place:
             first_name, first = name, p
         elif p.kind != first.kind or (p.kind == "cuda" and None not in (p.index, first.index)
                                       and p.index != first.index):
-            raise ValueError(f"{name}: on {p}, but {first_name} is on {first}; "
+            raise InvalidArgumentError(f"{name}: on {p}, but {first_name} is on {first}; "
                              f"every array of one call must be on one device")
         elif first.index is None:
             first = p
@@ -109,7 +111,7 @@ def host_array(name: str, x: Any) -> Any:
     try:
         return np.from_dlpack(x)
     except Exception as e:  # the producer's own words: e.g. torch's "requires grad"
-        raise TypeError(f"{name}: could not be read through DLPack: {e}") from e
+        raise ArgumentTypeError(f"{name}: could not be read through DLPack: {e}") from e
 
 
 # ---- CUDA arrays
@@ -194,7 +196,7 @@ def _export(name, x, stream):
         except TypeError:  # a producer older than DLPack 1.0's max_version
             return x.__dlpack__(stream=s)
     except Exception as e:
-        raise TypeError(f"{name}: could not be exported through DLPack: {e}") from e
+        raise ArgumentTypeError(f"{name}: could not be exported through DLPack: {e}") from e
 
 
 def _from_capsule(name, capsule):
@@ -203,25 +205,25 @@ def _from_capsule(name, capsule):
     if _capsule_valid(capsule, b"dltensor_versioned"):
         m = _DLManagedTensorVersioned.from_address(_capsule_pointer(capsule, b"dltensor_versioned"))
         if m.version.major != 1:
-            raise TypeError(f"{name}: DLPack {m.version.major}.{m.version.minor}; pyfa reads 1.x")
+            raise ArgumentTypeError(f"{name}: DLPack {m.version.major}.{m.version.minor}; pyfa reads 1.x")
         return m.dl_tensor, bool(m.flags & _DL_READ_ONLY)
     if _capsule_valid(capsule, b"dltensor"):
         return _DLManagedTensor.from_address(_capsule_pointer(capsule, b"dltensor")).dl_tensor, False
-    raise TypeError(f"{name}: __dlpack__() returned no unused DLPack capsule")
+    raise ArgumentTypeError(f"{name}: __dlpack__() returned no unused DLPack capsule")
 
 
 def _check_layout(name, shape, strides, dtype_ok, dtype_text):
     """float32, non-negative strides, the last axis contiguous (the shape is the API's to
     check): what the library can address in place."""
     if not dtype_ok:
-        raise TypeError(f"{name}: expected dtype float32, got {dtype_text}")
+        raise ArgumentTypeError(f"{name}: expected dtype float32, got {dtype_text}")
     if strides is None or not shape:
         return
     if any(s < 0 for s in strides):
-        raise ValueError(f"{name}: negative strides are not supported (element strides "
+        raise InvalidArgumentError(f"{name}: negative strides are not supported (element strides "
                          f"{tuple(strides)})")
     if shape[-1] != 1 and strides[-1] != 1:
-        raise ValueError(f"{name}: the last axis of a CUDA array must be contiguous (shape "
+        raise InvalidArgumentError(f"{name}: the last axis of a CUDA array must be contiguous (shape "
                          f"{shape}, element strides {tuple(strides)})")
 
 
@@ -231,7 +233,7 @@ def device_tensor(name: str, x: Any, stream: int) -> DeviceTensor:
         capsule = _export(name, x, stream)
         t, readonly = _from_capsule(name, capsule)
         if t.device.device_type not in (_DL_CUDA, _DL_CUDA_MANAGED):
-            raise TypeError(f"{name}: __dlpack_device__ said CUDA, but its capsule is on "
+            raise ArgumentTypeError(f"{name}: __dlpack_device__ said CUDA, but its capsule is on "
                             f"device type {t.device.device_type}")
         ndim = int(t.ndim)
         shape = tuple(int(t.shape[i]) for i in range(ndim))
@@ -251,15 +253,15 @@ def device_tensor(name: str, x: Any, stream: int) -> DeviceTensor:
         strides = cai.get("strides")
         if strides is not None:
             if any(s % 4 for s in strides):
-                raise ValueError(f"{name}: byte strides {tuple(strides)} are not whole float32s")
+                raise InvalidArgumentError(f"{name}: byte strides {tuple(strides)} are not whole float32s")
             strides = tuple(int(s) // 4 for s in strides)
         _check_layout(name, shape, strides, dtype == np.float32, cai["typestr"])
         if cai.get("mask") is not None:
-            raise ValueError(f"{name}: masked CUDA arrays are not supported")
+            raise InvalidArgumentError(f"{name}: masked CUDA arrays are not supported")
         ptr, readonly = int(cai["data"][0] or 0), bool(cai["data"][1])
         owner = x
     if ptr % 4:
-        raise ValueError(f"{name}: its device pointer {ptr:#x} is not aligned to a float32")
+        raise InvalidArgumentError(f"{name}: its device pointer {ptr:#x} is not aligned to a float32")
     return DeviceTensor(name, ptr, shape, strides, readonly, owner)
 
 
@@ -277,10 +279,10 @@ def stream_handle(stream: Any) -> int:
     or a stream object of PyTorch (.cuda_stream), CuPy (.ptr) or the __cuda_stream__
     protocol."""
     if isinstance(stream, bool):
-        raise TypeError("stream: expected a cudaStream_t as an int or a stream object, got bool")
+        raise ArgumentTypeError("stream: expected a cudaStream_t as an int or a stream object, got bool")
     if isinstance(stream, int):
         if stream < 0:
-            raise ValueError(f"stream: a cudaStream_t is not negative, got {stream}")
+            raise InvalidArgumentError(f"stream: a cudaStream_t is not negative, got {stream}")
         return stream
     if hasattr(stream, "__cuda_stream__"):
         return int(stream.__cuda_stream__()[1])
@@ -288,7 +290,7 @@ def stream_handle(stream: Any) -> int:
         value = getattr(stream, attr, None)
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-    raise TypeError(f"stream: expected a cudaStream_t as an int or a stream object "
+    raise ArgumentTypeError(f"stream: expected a cudaStream_t as an int or a stream object "
                     f"(PyTorch, CuPy, __cuda_stream__), got {type(stream).__name__}")
 
 
@@ -412,5 +414,5 @@ def allocator_for(kind: str) -> Tuple[Callable[[Tuple[int, ...], Optional[int], 
     for lib in ("torch", "cupy"):
         if lib in sys.modules:
             return ALLOCATORS[lib], lib
-    raise TypeError(f"q: pyfa cannot allocate CUDA outputs for {kind} arrays (it allocates "
+    raise ArgumentTypeError(f"q: pyfa cannot allocate CUDA outputs for {kind} arrays (it allocates "
                     f"with PyTorch or CuPy, and neither is imported); pass out=")

@@ -687,8 +687,10 @@ class Pages:
         return self.table[r // self.page_size].astype(np.int64) * self.page_size + r % self.page_size
 
 
-def check_max_seqlen(name, value, offsets):
-    """max_seqlen_q or _k: None (the longest length of `offsets`) or an int >= it."""
+def check_max_seqlen(name, value, offsets, total):
+    """max_seqlen_q or _k: None (the longest length of `offsets`) or an int >= it, and at
+    most `total`, the packed rows of all sequences (a longer one cannot be, and would size
+    the kernels' grid for nothing)."""
     longest = max(b - a for a, b in zip(offsets, offsets[1:]))
     if value is None:
         return longest
@@ -696,6 +698,8 @@ def check_max_seqlen(name, value, offsets):
         raise ArgumentTypeError(f"{name}: expected None or an int, got {type(value).__name__}")
     if value < longest:
         raise InvalidArgumentError(f"{name}: {value} is below the longest sequence ({longest} rows)")
+    if value > max(total, 1):
+        raise InvalidArgumentError(f"{name}: {value} is more than the {total} rows of all the sequences together")
     return int(value)
 
 

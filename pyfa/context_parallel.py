@@ -36,6 +36,7 @@ from torch import Tensor
 
 from . import api
 from .checks import _check_dropout, check_int, check_softcap, mask_bounds
+from .errors import ArgumentTypeError, InvalidArgumentError
 from .kvcache import merge_states
 from .sim.context_parallel import (block_sees, chunks, kept_shard, ring_schedule, shard_rows, shard_sees,
                                   wavefront_chain)
@@ -542,7 +543,7 @@ def _agree(plan, q, k, v, signature):
     for rank, theirs in enumerate(everyone):
         for name, field, a, b in zip(names, fields, digest, theirs.tolist()):
             if a != b:
-                raise ValueError(f"pyfa.torch.context_parallel_attention: rank {rank}'s {name} differs from "
+                raise InvalidArgumentError(f"pyfa.torch.context_parallel_attention: rank {rank}'s {name} differs from "
                                  f"rank {plan.rank}'s ({field!r}); every rank holds an equal shard and passes "
                                  f"the same arguments")
 
@@ -555,16 +556,16 @@ def _shard_bias(bias, mode, B, H, L, N):
     from . import torch as pt
     pt._check_tensor("bias", bias)
     if mode != "ring":
-        raise ValueError("bias: only mode='ring' takes a bias (in Ulysses mode each rank would need "
+        raise InvalidArgumentError("bias: only mode='ring' takes a bias (in Ulysses mode each rank would need "
                          "every row of its heads' bias)")
     if bias.dtype != torch.float32:
-        raise TypeError(f"bias: expected dtype torch.float32, got {bias.dtype}")
+        raise ArgumentTypeError(f"bias: expected dtype torch.float32, got {bias.dtype}")
     if bias.dim() > 4:
-        raise ValueError(f"bias: expected at most 4 dimensions, got shape {tuple(bias.shape)}")
+        raise InvalidArgumentError(f"bias: expected at most 4 dimensions, got shape {tuple(bias.shape)}")
     b = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)) if bias.dim() < 4 else bias
     want = (B, H, L, N)
     if b.shape[3] != N or any(n not in (1, w) for n, w in zip(b.shape[:3], want[:3])):
-        raise ValueError(f"bias: shape {tuple(bias.shape)} does not broadcast to (B, H, L, N) = {want} "
+        raise InvalidArgumentError(f"bias: shape {tuple(bias.shape)} does not broadcast to (B, H, L, N) = {want} "
                          "(this rank's query rows over the whole sequence's keys)")
     if not bias.requires_grad:
         return b
@@ -572,7 +573,7 @@ def _shard_bias(bias, mode, B, H, L, N):
     if b.shape[2] == 1 and L > 1:
         # Its dBias would be a sum over the rows of every rank, which no rank folds in the
         # one-device order (docs/numerics.md, "The additive bias").
-        raise ValueError("bias: one row for all of this rank's query rows, and it requires grad: its dbias "
+        raise InvalidArgumentError("bias: one row for all of this rank's query rows, and it requires grad: its dbias "
                          "would sum the rows of every rank, which context_parallel_attention does not fold; "
                          "pass it with its L rows (bias.expand(...).contiguous()) or bias.detach()")
     return b
@@ -631,29 +632,29 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, split_size: i
     for name, t in (("q", q), ("k", k), ("v", v)):
         pt._check_tensor(name, t)
         if t.dim() != 4:
-            raise ValueError(f"{name}: expected 4 dimensions, got shape {tuple(t.shape)}")
+            raise InvalidArgumentError(f"{name}: expected 4 dimensions, got shape {tuple(t.shape)}")
     if mode not in _MODES:
-        raise ValueError(f"mode: expected 'ring' or 'ulysses', got {mode!r}")
+        raise InvalidArgumentError(f"mode: expected 'ring' or 'ulysses', got {mode!r}")
     if layout not in ("bhnd", "bnhd"):
-        raise ValueError(f"layout: expected 'bhnd' or 'bnhd', got {layout!r}")
+        raise InvalidArgumentError(f"layout: expected 'bhnd' or 'bnhd', got {layout!r}")
     pt._check_bool("causal", causal)
     pt._check_bool("zigzag", zigzag)
     pt._check_bool("return_lse", return_lse)
     B, H, L, Nk, d, Hkv = pt._dims(q, k, v, layout)
     if Nk != L:
-        raise ValueError(f"k: shard length {Nk} differs from q's {L} (q, k and v are sharded alike)")
+        raise InvalidArgumentError(f"k: shard length {Nk} differs from q's {L} (q, k and v are sharded alike)")
     split = check_int("split_size", split_size, 1, 1 << 40)
     unit = 2 * split if zigzag else split
     if L % unit:
-        raise ValueError(f"q: shard length {L} must be a multiple of {'2 * ' if zigzag else ''}split_size "
+        raise InvalidArgumentError(f"q: shard length {L} must be a multiple of {'2 * ' if zigzag else ''}split_size "
                          f"= {unit}")
     if zigzag and mode != "ring":
-        raise ValueError("zigzag: only mode='ring' takes the zigzag sharding")
+        raise InvalidArgumentError("zigzag: only mode='ring' takes the zigzag sharding")
     if mode == "ulysses" and schedule != "auto":
-        raise ValueError(f"schedule: only mode='ring' takes a schedule, got {schedule!r} with mode='ulysses'")
+        raise InvalidArgumentError(f"schedule: only mode='ring' takes a schedule, got {schedule!r} with mode='ulysses'")
     plan_schedule = ring_schedule(schedule, zigzag)
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0:
-        raise ValueError(f"timeout: expected seconds > 0, got {timeout!r}")
+        raise InvalidArgumentError(f"timeout: expected seconds > 0, got {timeout!r}")
     softcap = check_softcap(softcap)
     drop = _check_dropout(dropout_p, 0 if seed is None else seed, offset)  # a seed of None is drawn below
     if not dist.is_available() or not dist.is_initialized():
@@ -667,9 +668,9 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, split_size: i
     kind = dist.get_backend(group)
     wants = {"gloo": "cpu", "nccl": "cuda"}.get(str(kind))
     if wants is not None and q.device.type != wants:
-        raise ValueError(f"q: on {q.device}, but the group's backend {kind} takes {wants} tensors")
+        raise InvalidArgumentError(f"q: on {q.device}, but the group's backend {kind} takes {wants} tensors")
     if mode == "ulysses" and (H % world or Hkv % world):
-        raise ValueError(f"mode='ulysses': the heads (H = {H}, Hkv = {Hkv}) must be divisible by the world "
+        raise InvalidArgumentError(f"mode='ulysses': the heads (H = {H}, Hkv = {Hkv}) must be divisible by the world "
                          f"size {world}, so that each rank takes whole groups of query heads with their K/V head")
     bounds = mask_bounds(causal, window, "top_left", world * L, world * L)
     if alibi_slopes is not None:

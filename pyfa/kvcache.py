@@ -38,7 +38,7 @@ def _float32(name, x, ndim):
     if not isinstance(x, np.ndarray):
         raise ArgumentTypeError(f"{name}: expected a NumPy float32 array, got {type(x).__name__}")
     if x.dtype != np.float32:
-        raise InvalidArgumentError(f"{name}: expected float32, got {x.dtype}")
+        raise ArgumentTypeError(f"{name}: expected dtype float32, got {x.dtype}")
     if x.ndim != ndim:
         raise InvalidArgumentError(f"{name}: expected {ndim} dimensions, got shape {x.shape}")
     return x
@@ -47,7 +47,7 @@ def _float32(name, x, ndim):
 def _int32(name, x, ndim):
     x = np.asarray(x)
     if x.dtype != np.int32:
-        raise InvalidArgumentError(f"{name}: expected int32, got {x.dtype}")
+        raise ArgumentTypeError(f"{name}: expected dtype int32, got {x.dtype}")
     if x.ndim != ndim:
         raise InvalidArgumentError(f"{name}: expected {ndim} dimensions, got shape {x.shape}")
     return x
@@ -61,6 +61,8 @@ class _Cache:
     def __init__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table):
         self.q = _float32("q", q, 4)
         B, Nq, H, d = q.shape
+        if B < 1:
+            raise InvalidArgumentError(f"q: batch must be >= 1, got shape {q.shape}")
         self.k_cache = _float32("k_cache", k_cache, 4)
         self.v_cache = _float32("v_cache", v_cache, 4)
         if v_cache.shape != k_cache.shape:
@@ -110,8 +112,9 @@ class _Cache:
                                            "(a paged cache takes block_table)")
         else:
             self.table = _int32("block_table", block_table, 2)
-            if self.table.shape[0] != B:
-                raise InvalidArgumentError(f"block_table: expected {B} rows (q's batch), got {self.table.shape}")
+            if self.table.shape[0] != B or self.table.shape[1] < 1:
+                raise InvalidArgumentError(f"block_table: expected {B} rows (q's batch) of at least one page, "
+                                           f"got shape {self.table.shape}")
             self.page_size = rows
             self.capacity = self.table.shape[1] * rows
         self.refresh()
@@ -237,6 +240,8 @@ def _offsets(name, lengths):
 
 
 def with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse, bias=None):
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise ArgumentTypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
     """attention_with_kvcache's steps around `run` (packed q, k, v, cu_q, cu_k, seqused_k,
     pages -> (o (total_q, H, d), lse (H, total_q))), the library's or the simulator's: checks,
     the append (undone if run fails), the packing, and the outputs' shapes."""

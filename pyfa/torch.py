@@ -37,7 +37,8 @@ if not all(hasattr(torch.library, f) for f in ("custom_op", "register_vmap", "re
 from torch import Tensor
 
 from . import api, varlen
-from .checks import check_int, check_softcap, check_window
+from .checks import check_int, check_softcap, check_tile, check_window
+from .errors import ArgumentTypeError, InvalidArgumentError
 from .options import Options
 
 __all__ = ["attention", "context_parallel_attention", "attention_varlen", "scaled_dot_product_attention", "flash_attn_func",
@@ -53,7 +54,7 @@ def _on_device_of(t):
 
 def _check_dtype(name, t):
     if t.dtype != torch.float32:
-        raise TypeError(f"{name}: expected dtype torch.float32, got {t.dtype} (pyfa computes in "
+        raise ArgumentTypeError(f"{name}: expected dtype torch.float32, got {t.dtype} (pyfa computes in "
                         f"fp32 only; under torch.autocast pyfa's ops cast their inputs to float32)")
 
 
@@ -63,21 +64,21 @@ def _dims(q, k, v, layout):
     does)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
-            raise ValueError(f"{name}: expected 4 dimensions, got shape {tuple(t.shape)}")
+            raise InvalidArgumentError(f"{name}: expected 4 dimensions, got shape {tuple(t.shape)}")
     if tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"v: shape {tuple(v.shape)} differs from k's {tuple(k.shape)}")
+        raise InvalidArgumentError(f"v: shape {tuple(v.shape)} differs from k's {tuple(k.shape)}")
     if layout == "bnhd":
         (B, Nq, H, d), (Bk, Nk, Hkv, dk) = q.shape, k.shape
     else:
         (B, H, Nq, d), (Bk, Hkv, Nk, dk) = q.shape, k.shape
     if Bk != B:
-        raise ValueError(f"k: batch {Bk} differs from q's {B}")
+        raise InvalidArgumentError(f"k: batch {Bk} differs from q's {B}")
     if dk != d:
-        raise ValueError(f"k: head dim {dk} differs from q's {d}")
+        raise InvalidArgumentError(f"k: head dim {dk} differs from q's {d}")
     if d < 1:
-        raise ValueError(f"q: head dim must be >= 1, got {d}")
+        raise InvalidArgumentError(f"q: head dim must be >= 1, got {d}")
     if Hkv < 1 or H % Hkv != 0:
-        raise ValueError(f"k: its {Hkv} heads must divide q's {H} heads (grouped-query "
+        raise InvalidArgumentError(f"k: its {Hkv} heads must divide q's {H} heads (grouped-query "
                          f"attention), got q {tuple(q.shape)}, k {tuple(k.shape)}")
     return B, H, Nq, Nk, d, Hkv
 
@@ -407,12 +408,12 @@ del _op, _device
 
 def _check_tensor(name, t):
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        raise ArgumentTypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
 
 
 def _check_bool(name, x):
     if not isinstance(x, bool):
-        raise TypeError(f"{name}: expected a bool, got {type(x).__name__}")
+        raise ArgumentTypeError(f"{name}: expected a bool, got {type(x).__name__}")
     return x
 
 
@@ -423,12 +424,15 @@ def _dropout_args(dropout_p, seed, offset):
     (pyfa.checks.ScoreMods). Drawing a seed reads a tensor: a graph break under
     torch.compile, where a seed of one's own avoids it."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p: expected a float in [0, 1), got {type(dropout_p).__name__}")
+        raise ArgumentTypeError(f"dropout_p: expected a float in [0, 1), got {type(dropout_p).__name__}")
+    # Checked without dropout too, as pyfa.attention checks them: refused, never ignored.
+    if seed is not None:
+        seed = check_int("seed", seed, 0, 2 ** 64 - 1)
+    offset = check_int("offset", offset, 0, 2 ** 64 - 1)
     if dropout_p == 0:
         return 0.0, 0, 0
     if seed is None:
         seed = int(torch.randint(-2 ** 63, 2 ** 63 - 1, (), dtype=torch.int64)) % 2 ** 64
-    seed, offset = check_int("seed", seed, 0, 2 ** 64 - 1), check_int("offset", offset, 0, 2 ** 64 - 1)
     signed = lambda x: x - 2 ** 64 if x >= 2 ** 63 else x
     return float(dropout_p), signed(seed), signed(offset)
 
@@ -487,20 +491,21 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
     if not isinstance(layout, str) or layout not in _LAYOUTS:
-        raise ValueError(f"layout: expected 'bhnd' or 'bnhd', got {layout!r}")
+        raise InvalidArgumentError(f"layout: expected 'bhnd' or 'bnhd', got {layout!r}")
     _check_bool("causal", causal)
     _check_bool("return_lse", return_lse)
     rank = q.dim()
     if rank not in (2, 3, 4):
         words = "(B, H, N, d), (H, N, d)" if layout == "bhnd" else "(B, N, H, d), (N, H, d)"
-        raise ValueError(f"q: expected shape {words} or (N, d), got {tuple(q.shape)}")
+        raise InvalidArgumentError(f"q: expected shape {words} or (N, d), got {tuple(q.shape)}")
     for name, t in (("k", k), ("v", v)):
         if t.dim() != rank:
-            raise ValueError(f"{name}: expected {rank} dimensions like q, got shape {tuple(t.shape)}")
+            raise InvalidArgumentError(f"{name}: expected {rank} dimensions like q, got shape {tuple(t.shape)}")
     left, right = check_window(window)
+    block_r, block_c = check_tile("block_r", block_r), check_tile("block_c", block_c)
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+            raise ArgumentTypeError(f"scale: expected a float or None, got {type(scale).__name__}")
         scale = float(scale)
     dropout_p, seed, offset = _dropout_args(dropout_p, seed, offset)
     softcap = check_softcap(softcap)
@@ -523,7 +528,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
 
 
 def _refuse(name, value, why):
-    raise ValueError(f"{name}: {why}, got {value!r}")
+    raise InvalidArgumentError(f"{name}: {why}, got {value!r}")
 
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
@@ -549,7 +554,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     if attn_mask is not None:
         _check_tensor("attn_mask", attn_mask)
         if is_causal:
-            raise ValueError("attn_mask: given with is_causal=True; PyTorch refuses the pair too "
+            raise InvalidArgumentError("attn_mask: given with is_causal=True; PyTorch refuses the pair too "
                              "(fold the causal mask into attn_mask)")
         if attn_mask.dtype == torch.bool:
             bias = torch.zeros(attn_mask.shape, dtype=torch.float32, device=attn_mask.device)
@@ -557,36 +562,36 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         elif attn_mask.dtype == torch.float32:
             bias = attn_mask
         else:
-            raise TypeError(f"attn_mask: expected dtype torch.bool or torch.float32, got {attn_mask.dtype}")
+            raise ArgumentTypeError(f"attn_mask: expected dtype torch.bool or torch.float32, got {attn_mask.dtype}")
     drop = dict(dropout_p=dropout_p)
     _check_bool("is_causal", is_causal)
     _check_bool("enable_gqa", enable_gqa)
     if query.dim() < 2 or key.dim() != query.dim() or value.dim() != query.dim():
-        raise ValueError(f"query, key, value: expected the same number (>= 2) of dimensions, "
+        raise InvalidArgumentError(f"query, key, value: expected the same number (>= 2) of dimensions, "
                          f"got shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
     if value.shape[-1] != key.shape[-1]:
-        raise ValueError(f"value: head dim {value.shape[-1]} differs from key's {key.shape[-1]}; "
+        raise InvalidArgumentError(f"value: head dim {value.shape[-1]} differs from key's {key.shape[-1]}; "
                          f"pyfa needs them equal")
     if value.shape[:-1] != key.shape[:-1]:
-        raise ValueError(f"value: shape {tuple(value.shape)} differs from key's {tuple(key.shape)} "
+        raise InvalidArgumentError(f"value: shape {tuple(value.shape)} differs from key's {tuple(key.shape)} "
                          f"before the last axis")
     lead = query.shape[:-3] if query.dim() > 3 else ()
     if key.shape[:len(lead)] != lead:
-        raise ValueError(f"key: leading dimensions {tuple(key.shape[:len(lead)])} differ from "
+        raise InvalidArgumentError(f"key: leading dimensions {tuple(key.shape[:len(lead)])} differ from "
                          f"query's {tuple(lead)}; pyfa does not broadcast them")
     if query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
         hq, hkv = query.shape[-3], key.shape[-3]
         if not enable_gqa:
-            raise ValueError(f"key: {hkv} heads differ from query's {hq}; pass enable_gqa=True "
+            raise InvalidArgumentError(f"key: {hkv} heads differ from query's {hq}; pass enable_gqa=True "
                              f"for grouped-query attention (as torch's SDPA requires)")
         if hkv == 0 or hq % hkv != 0:
-            raise ValueError(f"key: its {hkv} heads must divide query's {hq} heads "
+            raise InvalidArgumentError(f"key: its {hkv} heads must divide query's {hq} heads "
                              f"(enable_gqa=True)")
     if query.dim() > 4:
         flat = [t.reshape(-1, *t.shape[-3:]) for t in (query, key, value)]
         if bias is not None:
             if bias.dim() > query.dim():
-                raise ValueError(f"attn_mask: shape {tuple(attn_mask.shape)} has more dimensions than query")
+                raise InvalidArgumentError(f"attn_mask: shape {tuple(attn_mask.shape)} has more dimensions than query")
             bias = bias.reshape((1,) * (query.dim() - bias.dim()) + tuple(bias.shape))
             tail = tuple(bias.shape[-3:])
             bias = (bias.reshape(1, *tail) if all(n == 1 for n in bias.shape[:-3])
@@ -600,11 +605,11 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
 def _flash_window(window_size):
     """flash-attn's window_size (left, right), -1 unbounded, as pyfa's window."""
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise TypeError(f"window_size: expected a pair (left, right), got {window_size!r}")
+        raise ArgumentTypeError(f"window_size: expected a pair (left, right), got {window_size!r}")
     sides = []
     for side, x in zip(("left", "right"), window_size):
         if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < -1:
-            raise ValueError(f"window_size: {side} side must be an int >= 0, or -1 (unbounded), "
+            raise InvalidArgumentError(f"window_size: {side} side must be an int >= 0, or -1 (unbounded), "
                              f"got {x!r}")
         sides.append(None if x == -1 else int(x))
     return None if sides == [None, None] else tuple(sides)
@@ -613,7 +618,7 @@ def _flash_window(window_size):
 def _check_flash_extras(softcap, alibi_slopes, deterministic):
     """The score modifications of a flash-attn call as pyfa.torch.attention's keywords."""
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}")
+        raise ArgumentTypeError(f"softcap: expected a float, got {type(softcap).__name__}")
     # pyfa is always deterministic, which satisfies either request.
     _check_bool("deterministic", deterministic)
     return dict(softcap=check_softcap(softcap), alibi_slopes=alibi_slopes)
@@ -652,7 +657,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
         if t.dim() != 4:
-            raise ValueError(f"{name}: expected shape (B, N, H, d), got {tuple(t.shape)}")
+            raise InvalidArgumentError(f"{name}: expected shape (B, N, H, d), got {tuple(t.shape)}")
     mods = _check_flash_extras(softcap, alibi_slopes, deterministic)
     _check_bool("return_attn_probs", return_attn_probs)
     o, lse = attention(q, k, v, causal=causal, window=_flash_window(window_size),
@@ -799,14 +804,14 @@ del _device
 def _check_offsets(name, cu):
     _check_tensor(name, cu)
     if cu.dtype != torch.int32:
-        raise TypeError(f"{name}: expected dtype torch.int32 (flash-attn's cu_seqlens), got {cu.dtype}")
+        raise ArgumentTypeError(f"{name}: expected dtype torch.int32 (flash-attn's cu_seqlens), got {cu.dtype}")
 
 
 def _longest(name, cu, given):
     """max_seqlen: given, or the longest length of the offsets cu (read on the host)."""
     if given is not None:
         if isinstance(given, bool) or not isinstance(given, numbers.Integral):
-            raise TypeError(f"{name}: expected an int or None, got {type(given).__name__}")
+            raise ArgumentTypeError(f"{name}: expected an int or None, got {type(given).__name__}")
         return int(given)
     return int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
 
@@ -840,15 +845,16 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
         if t.dim() != 3:
-            raise ValueError(f"{name}: expected a packed tensor (total, heads, d), got shape {tuple(t.shape)}")
+            raise InvalidArgumentError(f"{name}: expected a packed tensor (total, heads, d), got shape {tuple(t.shape)}")
     _check_offsets("cu_seqlens_q", cu_seqlens_q)
     _check_offsets("cu_seqlens_k", cu_seqlens_k)
     _check_bool("causal", causal)
     _check_bool("return_lse", return_lse)
     left, right = check_window(window)
+    block_r, block_c = check_tile("block_r", block_r), check_tile("block_c", block_c)
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+            raise ArgumentTypeError(f"scale: expected a float or None, got {type(scale).__name__}")
         scale = float(scale)
     max_q = _longest("max_seqlen_q", cu_seqlens_q, max_seqlen_q)
     max_k = _longest("max_seqlen_k", cu_seqlens_k, max_seqlen_k)
@@ -893,12 +899,12 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         pages = paged and name != "q"
         if t.dim() != (4 if pages else 3):
             want = "(num_pages, page_size, Hkv, d) (block_table given)" if pages else "(total, H, d)"
-            raise ValueError(f"{name}: expected shape {want}, got {tuple(t.shape)}")
+            raise InvalidArgumentError(f"{name}: expected shape {want}, got {tuple(t.shape)}")
     mods = _check_flash_extras(softcap, alibi_slopes, deterministic)
     _check_bool("return_attn_probs", return_attn_probs)
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(m, bool) or not isinstance(m, numbers.Integral):
-            raise TypeError(f"{name}: expected an int, got {type(m).__name__}")
+            raise ArgumentTypeError(f"{name}: expected an int, got {type(m).__name__}")
     if paged:
         return _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
                              dropout_p, softmax_scale, causal, _flash_window(window_size), mods,
@@ -917,9 +923,9 @@ def _host_views(named, what):
         if t is None:
             continue
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+            raise ArgumentTypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if t.device.type != "cpu":
-            raise ValueError(f"{name}: {what} is pyfa's on CPU tensors only in this version, got one on "
+            raise InvalidArgumentError(f"{name}: {what} is pyfa's on CPU tensors only in this version, got one on "
                              f"{t.device}")
     return {name: (t.detach().numpy() if t is not None else None) for name, t in named.items()}
 
@@ -941,7 +947,7 @@ def _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     arrays = _host_views(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                               block_table=block_table), "flash_attn_varlen_func with a block_table")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise ValueError("block_table: paged K/V has no backward in pyfa (nor in flash-attn); call under "
+        raise InvalidArgumentError("block_table: paged K/V has no backward in pyfa (nor in flash-attn); call under "
                          "torch.no_grad() or on tensors that do not require grad")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or dropout_p != 0:
         _refuse("dropout_p", dropout_p, "not taken with block_table (paged K/V is the inference path); 0 only")
@@ -982,16 +988,16 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(name, t)
         if t.dim() != 4:
-            raise ValueError(f"{name}: expected shape (B, N, H, d), got {tuple(t.shape)}")
+            raise InvalidArgumentError(f"{name}: expected shape (B, N, H, d), got {tuple(t.shape)}")
     for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
                     ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
         if x is not None:
-            raise ValueError(f"{name}: not supported by pyfa yet; only None is honoured")
+            raise InvalidArgumentError(f"{name}: not supported by pyfa yet; only None is honoured")
     mods = _check_flash_extras(softcap, alibi_slopes, False)
     _check_bool("rotary_interleaved", rotary_interleaved)
     _check_bool("return_softmax_lse", return_softmax_lse)
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
-        raise ValueError(f"num_splits: expected an int >= 0, got {num_splits!r}")
+        raise InvalidArgumentError(f"num_splits: expected an int >= 0, got {num_splits!r}")
     if num_splits > 1:
         _refuse("num_splits", num_splits, "pyfa splits the keys by a fixed size, never by a count "
                 "(pyfa.attention_with_kvcache(split_size=...)); 0 or 1 only")
@@ -1008,10 +1014,10 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
             and not cache_seqlens.is_floating_point():
         lengths = cache_seqlens.tolist()
     else:
-        raise ValueError(f"cache_seqlens: expected None, an int or an int tensor ({B},), got "
+        raise InvalidArgumentError(f"cache_seqlens: expected None, an int or an int tensor ({B},), got "
                          f"{cache_seqlens!r}")
     if any(not 0 <= n <= ncache for n in lengths):
-        raise ValueError(f"cache_seqlens: each length must be in [0, {ncache}] (the cache's "
+        raise InvalidArgumentError(f"cache_seqlens: each length must be in [0, {ncache}] (the cache's "
                          f"length), got {lengths}")
     kw = dict(causal=causal, window=window, scale=softmax_scale, layout="bnhd", return_lse=True,
               **mods)
@@ -1041,7 +1047,7 @@ def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, 
     elif isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = cache_seqlens.numpy()
     elif cache_seqlens is None:
-        raise ValueError("cache_seqlens: required with k, v or block_table (where the keys end)")
+        raise InvalidArgumentError("cache_seqlens: required with k, v or block_table (where the keys end)")
     mods = _host_mods(mods)
     out = attention_with_kvcache(arrays["q"], arrays["k_cache"], arrays["v_cache"], cache_seqlens,
                                  arrays["k"], arrays["v"], block_table=arrays["block_table"], causal=causal,

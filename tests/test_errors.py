@@ -312,3 +312,60 @@ def test_c_abi_caps_threads():
             assert ffi.string(lib.pyfa_last_error()).decode() == \
                 f"config->threads: expected 0 (one per core) to 256, got {threads}"
     assert np.all(o == 1.0)  # the one call that ran: uniform V gives O = 1
+
+
+# ---- found by a fuzzing helper (2026-12-07): each a pyfa.Error naming its argument
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def test_arrays_pyfa_cannot_take_are_pyfa_errors():
+    for bad in (Q.tolist(), 3.0, "q"):
+        with pytest.raises(pyfa.ArgumentTypeError, match="q"):
+            pyfa.attention(bad, K, V)
+    with pytest.raises(pyfa.ArgumentTypeError, match="out"):
+        pyfa.attention(Q, K, V, out=[[0.0]])
+    torch = _torch()
+    with pytest.raises(pyfa.ArgumentTypeError, match="q: could not be read through DLPack"):
+        pyfa.attention(torch.from_numpy(Q).requires_grad_(), K, V)
+
+
+def test_pyfa_torch_refuses_with_pyfa_errors():
+    torch = _torch()
+    import pyfa.torch as pt
+    q, k, v = (torch.from_numpy(x) for x in (Q, K, V))
+    for call, exc, needle in [
+            (lambda: pt.attention(Q, k, v), pyfa.ArgumentTypeError, "q: expected a torch.Tensor"),
+            (lambda: pt.attention(q.double(), k, v), pyfa.ArgumentTypeError, "q: expected dtype"),
+            (lambda: pt.attention(q, k, v, causal=1), pyfa.ArgumentTypeError, "causal"),
+            (lambda: pt.attention(q, k, v, layout="nhbd"), pyfa.InvalidArgumentError, "layout"),
+            (lambda: pt.attention(q, k, v, block_r=1.5), pyfa.ArgumentTypeError, "block_r"),
+            (lambda: pt.attention(q, k, v, block_c=0), pyfa.InvalidArgumentError, "block_c"),
+            # Without dropout too: refused, never ignored.
+            (lambda: pt.attention(q, k, v, seed=-1), pyfa.InvalidArgumentError, "seed"),
+            (lambda: pt.attention(q, k, v, offset="x"), pyfa.ArgumentTypeError, "offset")]:
+        with pytest.raises(exc, match=needle):
+            call()
+
+
+def test_varlen_and_cache_arguments_name_themselves():
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((12, 2, 8), dtype=np.float32) for _ in range(3))
+    cu = np.array([0, 5, 12], np.int32)
+    with pytest.raises(pyfa.InvalidArgumentError, match="max_seqlen_q: .* more than the 12 rows"):
+        pyfa.attention_varlen(q, k, v, cu, cu, max_seqlen_q=2 ** 40)
+    with pytest.raises(pyfa.InvalidArgumentError, match="max_seqlen_k"):
+        pyfa.sim.attention_varlen(q, k, v, cu, cu, max_seqlen_k=13)
+    qc = rng.standard_normal((1, 1, 2, 8), dtype=np.float32)
+    kc = rng.standard_normal((1, 16, 2, 8), dtype=np.float32)
+    lens = np.array([4], np.int32)
+    with pytest.raises(pyfa.ArgumentTypeError, match="return_lse"):
+        pyfa.attention_with_kvcache(qc, kc, kc.copy(), lens, return_lse="no")
+    with pytest.raises(pyfa.InvalidArgumentError, match="q: batch must be >= 1"):
+        pyfa.attention_with_kvcache(qc[:0], kc[:0], kc[:0].copy(), lens[:0])
+    with pytest.raises(pyfa.InvalidArgumentError, match="block_table: .* at least one page"):
+        pyfa.attention_with_kvcache(qc, kc, kc.copy(), lens, block_table=np.zeros((1, 0), np.int32))
+    with pytest.raises(pyfa.ArgumentTypeError, match="cache_seqlens: expected dtype int32"):
+        pyfa.attention_with_kvcache(qc, kc, kc.copy(), lens.astype(np.int64))
+    with pytest.raises(pyfa.ArgumentTypeError, match="k_cache: expected dtype float32"):
+        pyfa.attention_with_kvcache(qc, kc.astype(np.float64), kc.copy(), lens)

@@ -119,7 +119,7 @@ def test_attention_varlen_checks_the_block_table():
     q, kp, vp, cu_q, cu_k, table, *_ = flash_paged(4)
     out = np.full_like(q, 7.0)
     bad = {
-        "block_table: expected int32, got int64": dict(block_table=table.astype(np.int64)),
+        "block_table: expected dtype int32, got int64": dict(block_table=table.astype(np.int64)),
         r"block_table: expected 3 rows \(one per sequence\)": dict(block_table=table[:2]),
         r"block_table: sequence 0 names pages \[-1": dict(block_table=np.where(table == table[0, 0], -1, table)),
         "cu_seqlens_k: sequence 2 has 50 keys, beyond the 40 its block_table row maps":

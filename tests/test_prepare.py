@@ -206,6 +206,6 @@ def test_a_cache_call_needs_the_lengths_as_an_array_it_can_read_again():
     k_cache, v_cache = (rng.standard_normal((1, 8, 2, 16), dtype=np.float32) for _ in range(2))
     q, k_new, v_new = (rng.standard_normal((1, 1, 2, 16), dtype=np.float32) for _ in range(3))
     before = k_cache.copy(), v_cache.copy()
-    with pytest.raises(pyfa.InvalidArgumentError, match="^cache_seqlens: "):
+    with pytest.raises(pyfa.ArgumentTypeError, match="^cache_seqlens: "):  # a list of ints is int64
         pyfa.prepare(pyfa.attention_with_kvcache, q, k_cache, v_cache, [4], k_new, v_new)
     assert np.array_equal(k_cache, before[0]) and np.array_equal(v_cache, before[1])
