@@ -1094,8 +1094,9 @@ def attention_grad(q: ArrayLike, k: ArrayLike, v: ArrayLike, do: ArrayLike, *,
     """The forward and backward of attention(q, k, v, ...) for the incoming gradient do
     (like the output): returns (o, dq, dk, dv), o like q and the gradients like q, k, v.
     Arguments as in attention(); do is checked before any kernel runs; options.progress
-    sees each of the two calls in turn. out: (o, dq, dk, dv), each None to allocate it.
-    With bias=: (o, dq, dk, dv, dbias), dbias of the bias's shape (out= then takes five),
+    sees each of the two calls in turn. out: (o, dq, dk, dv), each None to allocate it;
+    a CPU out= o is written once the backward has succeeded (a backward that fails or is
+    cancelled leaves it as it was). With bias=: (o, dq, dk, dv, dbias), dbias of the bias's shape (out= then takes five),
     unless bias_grad=False.
     split_size: algo "fa2" only, given to both the split forward (fa2_forward) and the
     split backward (fa2_backward)."""

@@ -224,7 +224,8 @@ def attention_varlen_grad(q, k, v, do, cu_seqlens_q, cu_seqlens_k, *,
     returns (o, dq, dk, dv), shaped like q, q, k, v, and with bias= a fifth, dbias of the
     bias's shape: sequence b's dS in its corner, +0 beyond it, summed over an axis the bias
     broadcasts as pyfa.attention_grad sums (the sequences in increasing order). Arguments
-    as in attention_varlen; out: (o, dq, dk, dv[, dbias]), each None to allocate it.
+    as in attention_varlen; out: (o, dq, dk, dv[, dbias]), each None to allocate it (o
+    written as pyfa.attention_grad writes it: once the backward has succeeded).
     split_size (FA2): given to the split forward and the split backward
     (pyfa.fa2_backward's: dQ folded per key chunk, dK and dV per query chunk, each sequence
     chunked from its own first row and key). Deterministic, and row for row the bits of
