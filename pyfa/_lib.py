@@ -364,6 +364,14 @@ class interrupts_after:
         return False
 
 
+def raise_pending_interrupt():
+    """Inside an interrupts_after block, between two calls: a Ctrl-C that arrived during
+    the first (after it had succeeded) is raised now rather than after the next."""
+    if _completion.interrupted:
+        _completion.interrupted = False
+        raise KeyboardInterrupt
+
+
 def call(fn, config, *args, progress=None, quick=False):
     """fn(*args), a libpyfa entry point whose pyfa_config is `config`, raising its status.
 

@@ -12,6 +12,7 @@ layout asked for, or the out= arrays given.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass
 from collections.abc import Mapping
@@ -357,7 +358,7 @@ def _mod_tensors(mods, intake, grad=False):
             # An axis of length 1 takes its dense stride: all zeros would read as dense
             # (pyfa.h), and a (B, 1) view broadcast from (1,) has them.
             address, shape = _address(ffi, x), x.shape
-            strides = tuple(s // 4 if n > 1 else int(np.prod(shape[a + 1:]))
+            strides = tuple(s // 4 if n > 1 else math.prod(shape[a + 1:])
                             for a, (n, s) in enumerate(zip(shape, x.strides)))
         else:
             place = _arrays.place_of(field.name, x)
@@ -371,6 +372,11 @@ def _mod_tensors(mods, intake, grad=False):
             address = t.ptr
             if len(shape) == 1:  # (H,): shared by every batch element
                 shape, strides = (1,) + shape, (0,) + strides
+            if shape[-1] == 1:  # one head: any stride, but all zeros would read as dense
+                strides = tuple(strides[:-1]) + (1,)
+            if not any(strides):
+                raise InvalidArgumentError(f"{field.name}: broadcast along every axis (strides 0), which "
+                                           "pyfa.h reads as dense; pass a materialised array")
         found[field.name] = (address, (tuple(strides) + (0, 0))[:3])
     return found, keep
 
@@ -578,7 +584,8 @@ def _host_outputs(op, intake, outs, others=()):
             raise InvalidArgumentError(f"{label}: expected shape {shape}, got {a.shape}")
         if not a.flags.writeable:
             raise InvalidArgumentError(f"{label}: is read-only")
-        refuse_self_overlap(label, a.shape, a.strides)
+        if not a.flags.c_contiguous:
+            refuse_self_overlap(label, a.shape, a.strides, a.itemsize)
         result[name] = (given, a, a if a.flags.c_contiguous else np.empty(shape, np.float32))
     refuse_overlaps([(f"out ({n})", view) for n, (_, view, _) in result.items() if view is not None],
                     list(intake.memory.items()) + list(others), np.shares_memory)
@@ -770,13 +777,14 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
     # longest lengths as Nq, Nk (each sequence reads its own corner).
     dims = intake.dims if varlen is None else (varlen.batch, intake.dims[1], varlen.max_q, varlen.max_k,
                                                *intake.dims[4:])
+    keywords = dict(mods)
     mods = ScoreMods.resolve(function or f"pyfa.{op_name}", dims, causal_align, **mods)
     _check_mods_place(mods, intake)
     dbias = _dbias_target(mods.bias, dbias_out, intake) if with_dbias else None
     if is_empty(*intake.dims[2:4]):
         mask_bounds(causal, window, causal_align, *intake.dims[2:4])
         resolve_scale(scale, intake.dims[4])
-        _check_run_options(op, options, split_size, intake)
+        _check_run_options(op, options, split_size, intake, dims, keywords)
         results = _run_empty(op, intake, outs, _other_inputs(mods, varlen))
         if dbias is not None:
             dbias[0][...] = 0
@@ -804,19 +812,28 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
         return _run_device(op, intake, outs, problem, config, options.progress, varlen, mod_tensors)
 
 
-def _check_run_options(op, options, split_size, intake):
+def _check_run_options(op, options, split_size, intake, dims, mods):
     """For an empty problem, where no kernel runs: options and split_size checked as a run
-    checks them, by the library itself on a problem of one row and key of the same head
-    dim (CPU arrays), so that an argument pyfa cannot honour is refused whatever the sizes."""
-    d = intake.dims[4]
+    checks them, by the library itself on a problem of one row and key of the same batch,
+    heads and head dim (CPU arrays), with the score modifications `mods` (the keywords,
+    already checked against the real sizes; a bias as one element), so that an argument
+    pyfa cannot honour, alone or with a modification, is refused whatever the sizes."""
+    B, H, _, _, d, Hkv = dims  # packed sequences: B the sequences
+    if B < 1:  # no sequences: slopes of none are not the library's to check
+        B, mods = 1, {n: x for n, x in mods.items() if n != "alibi_slopes"}
     _config(options)
     check_split_size(split_size, d)
     if intake.place.kind != "cpu":
         return
-    one = {n: np.zeros(tensor_shape(n, 1, 1, 1, 1, d), np.float32) for n in op.inputs}
+    one = {n: np.zeros(tensor_shape(n, B, H, 1, 1, d, Hkv), np.float32) for n in op.inputs}
+    if mods.get("bias") is not None:
+        mods = {**mods, "bias": np.zeros((1, 1, 1, 1), np.float32)}
     with prepared.paused():
         _run(op.name, one, causal=False, window=None, causal_align="bottom_right", scale=None, layout="bhnd",
-             options=options.replace(progress=None), out=None, stream=None, mods={}, split_size=split_size)
+             options=options.replace(progress=None), out=None, stream=None, mods=mods, split_size=split_size)
+
+
+_MOD_FIELDS = tuple(f.name for f in dataclasses.fields(ScoreMods))
 
 
 def _other_inputs(mods, varlen):
@@ -824,11 +841,11 @@ def _other_inputs(mods, varlen):
     modifications', the packed sequences' offsets, counts and block table), which its
     outputs must not overlap either."""
     found = []
-    for field in dataclasses.fields(mods):
-        x = getattr(mods, field.name)
+    for name in _MOD_FIELDS:
+        x = getattr(mods, name)
         x = x.given if isinstance(x, Bias) else x
         if isinstance(x, np.ndarray):
-            found.append((field.name, x))
+            found.append((name, x))
     if varlen is not None:
         found += [(name, x) for name, x in zip(varlen.pointers, varlen.keep) if isinstance(x, np.ndarray)]
     return found
@@ -893,7 +910,7 @@ def _dbias_target(bias, given, intake):
         raise InvalidArgumentError(f"out (dbias): expected shape {bias.shape} (the bias's), got {a.shape}")
     if not a.flags.writeable:
         raise InvalidArgumentError("out (dbias): is read-only")
-    refuse_self_overlap("out (dbias)", a.shape, a.strides)
+    refuse_self_overlap("out (dbias)", a.shape, a.strides, a.itemsize)
     refuse_overlaps([("out (dbias)", a)], list(intake.memory.items()) + [("bias", bias.view)], np.shares_memory)
     return np.empty(bias.shape, np.float32), (given, a)
 
@@ -1096,7 +1113,8 @@ def attention_grad(q: ArrayLike, k: ArrayLike, v: ArrayLike, do: ArrayLike, *,
     Arguments as in attention(); do is checked before any kernel runs; options.progress
     sees each of the two calls in turn. out: (o, dq, dk, dv), each None to allocate it;
     a CPU out= o is written once the backward has succeeded (a backward that fails or is
-    cancelled leaves it as it was). With bias=: (o, dq, dk, dv, dbias), dbias of the bias's shape (out= then takes five),
+    cancelled leaves it as it was; not so in pyfa.prepare's replays, which write it with
+    the forward). A Ctrl-C during the forward is raised before the backward. With bias=: (o, dq, dk, dv, dbias), dbias of the bias's shape (out= then takes five),
     unless bias_grad=False.
     split_size: algo "fa2" only, given to both the split forward (fa2_forward) and the
     split backward (fa2_backward)."""
@@ -1118,9 +1136,11 @@ def attention_grad(q: ArrayLike, k: ArrayLike, v: ArrayLike, do: ArrayLike, *,
         o_out, finish = _stage_o(intake, outs, f"{algo}_forward", _array_keywords(mods))
         if algo == "fa1":
             o, m, l = fa1_forward(q, k, v, out=(o_out, None, None), **kw)
+            _lib.raise_pending_interrupt()
             grads = fa1_backward(q, k, v, o, m, l, do, out=grads, bias_grad=bias_grad, **kw)
         else:
             o, lse = fa2_forward(q, k, v, out=(o_out, None), split_size=split_size, **kw)
+            _lib.raise_pending_interrupt()
             grads = fa2_backward(q, k, v, o, lse, do, out=grads, split_size=split_size, bias_grad=bias_grad,
                                  **kw)
         return (finish(o), *grads)

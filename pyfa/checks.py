@@ -174,14 +174,14 @@ def c_aligned(x, dtype=None):
     return x if x.flags.aligned else np.array(x, order="C")
 
 
-def refuse_self_overlap(label, shape, strides):
+def refuse_self_overlap(label, shape, strides, itemsize=4):
     """InvalidArgumentError when two elements of an array that pyfa writes (shape, byte
     strides) share memory (a stride-0 axis, an as_strided view): its elements would be
     written over each other. Axes sorted by stride, each must step past all the memory the
     smaller ones span; a layout that interleaves axes without overlapping is refused too."""
     if 0 in shape:
         return
-    span = 1
+    span = itemsize
     for stride, n in sorted((abs(s), n) for n, s in zip(shape, strides) if n > 1):
         if stride < span:
             raise InvalidArgumentError(f"{label}: its elements overlap each other in memory (strides "
@@ -687,10 +687,8 @@ class Pages:
         return self.table[r // self.page_size].astype(np.int64) * self.page_size + r % self.page_size
 
 
-def check_max_seqlen(name, value, offsets, total):
-    """max_seqlen_q or _k: None (the longest length of `offsets`) or an int >= it, and at
-    most `total`, the packed rows of all sequences (a longer one cannot be, and would size
-    the kernels' grid for nothing)."""
+def check_max_seqlen(name, value, offsets):
+    """max_seqlen_q or _k: None (the longest length of `offsets`) or an int >= it."""
     longest = max(b - a for a, b in zip(offsets, offsets[1:]))
     if value is None:
         return longest
@@ -698,8 +696,6 @@ def check_max_seqlen(name, value, offsets, total):
         raise ArgumentTypeError(f"{name}: expected None or an int, got {type(value).__name__}")
     if value < longest:
         raise InvalidArgumentError(f"{name}: {value} is below the longest sequence ({longest} rows)")
-    if value > max(total, 1):
-        raise InvalidArgumentError(f"{name}: {value} is more than the {total} rows of all the sequences together")
     return int(value)
 
 

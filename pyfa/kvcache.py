@@ -101,7 +101,7 @@ class _Cache:
                 if not x.flags.writeable:
                     raise InvalidArgumentError(f"{name}: read-only, but k_new's rows are written into it")
                 # An expanded cache (stride 0) would take one sequence's new row over another's.
-                refuse_self_overlap(name, x.shape, x.strides)
+                refuse_self_overlap(name, x.shape, x.strides, x.itemsize)
             self.n_new = k_new.shape[1]
         self.k_new, self.v_new = k_new, v_new
         self.table = None
@@ -240,11 +240,11 @@ def _offsets(name, lengths):
 
 
 def with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse, bias=None):
-    if not isinstance(return_lse, (bool, np.bool_)):
-        raise ArgumentTypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
     """attention_with_kvcache's steps around `run` (packed q, k, v, cu_q, cu_k, seqused_k,
     pages -> (o (total_q, H, d), lse (H, total_q))), the library's or the simulator's: checks,
     the append (undone if run fails), the packing, and the outputs' shapes."""
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise ArgumentTypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
     if bias is not None:  # its key axis would follow the longest cache_seqlens, not Nmax
         raise InvalidArgumentError("bias: pyfa.attention_with_kvcache takes no bias in this version "
                                    "(pyfa.attention_varlen takes one)")

@@ -108,13 +108,23 @@ def _options(backend, block_r, block_c):
     return Options.current().replace(**given)
 
 
-def _check_options(q, kw):
+def _check_options(q, kw, k=None):
     """Checks the keywords kw as pyfa checks them, for a call with nothing to compute (the
-    library refuses empty tensors): by pyfa itself, on a one-row problem of q's head dim
-    on q's device, so that an argument is refused, never ignored, whatever the sizes."""
-    one = q.new_zeros((1, 1, 1, q.shape[-1]))
+    library refuses empty tensors): by pyfa itself, on a problem of one row and one key
+    of q's head dim on q's device (with k: of q's batch and q's and k's heads, so that
+    (H,) or (B, H) ALiBi slopes fit), so that an argument is refused, never ignored,
+    whatever the sizes."""
+    if k is not None and q.dim() == 4 and min(q.shape[0], q.shape[2 if kw["layout"] == "bnhd" else 1],
+                                              k.shape[2 if kw["layout"] == "bnhd" else 1]) > 0:
+        axis = 1 if kw["layout"] == "bnhd" else 2
+        one_q = q.new_zeros(q.shape[:axis] + (1,) + q.shape[axis + 1:])
+        one_k = q.new_zeros(k.shape[:axis] + (1,) + k.shape[axis + 1:])
+    else:
+        one_q = one_k = q.new_zeros((1, 1, 1, q.shape[-1]))
+        kw = {**kw, "layout": "bhnd"}
+        kw.pop("alibi_slopes", None)  # sized for heads or a batch this stand-in lacks
     with _on_device_of(q):
-        api.fa2_forward(one, one, one, **kw)
+        api.fa2_forward(one_q, one_k, one_k, **kw)
 
 
 # The operators' non-tensor arguments, in schema order after the tensors.
@@ -139,7 +149,7 @@ def _fa2_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, window_left: Opt
                    block_c, backend, dropout_p, seed, offset, softcap, alibi_slopes, split_size)
     if q.numel() == 0 or k.numel() == 0:
         # No query rows, or no keys: every row sees nothing (O = 0, LSE = -inf).
-        _check_options(q, kw)
+        _check_options(q, kw, k)
         return q.new_zeros(q.shape), q.new_full((B, H, Nq), -math.inf)
     # DLPack refuses tensors that require grad.
     with _on_device_of(q):
@@ -172,7 +182,7 @@ def _fa2_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: T
     kw = _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r,
                    block_c, backend, dropout_p, seed, offset, softcap, alibi_slopes, split_size)
     if q.numel() == 0 or k.numel() == 0:
-        _check_options(q, kw)
+        _check_options(q, kw, k)
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     # CUDA tensors must be C-contiguous (a gradient may come expanded or transposed).
     with _on_device_of(q):
@@ -294,7 +304,7 @@ def _fa2_forward_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, causal: boo
     kw = _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r,
                    block_c, backend, dropout_p, seed, offset, softcap, alibi_slopes, split_size)
     if q.numel() == 0 or k.numel() == 0:
-        _check_options(q, kw)
+        _check_options(q, kw, k)
         return q.new_zeros(q.shape), q.new_full((B, H, Nq), -math.inf)
     with _on_device_of(q):
         return api.fa2_forward(q.detach(), k.detach(), v.detach(), bias=bias.detach(), **kw)
@@ -327,7 +337,7 @@ def _fa2_backward_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, o: Tensor,
                    block_c, backend, dropout_p, seed, offset, softcap, alibi_slopes, split_size)
     dbias_shape = bias.shape if bias_grad else (0,)
     if q.numel() == 0 or k.numel() == 0:
-        _check_options(q, kw)
+        _check_options(q, kw, k)
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), bias.new_zeros(dbias_shape)
     with _on_device_of(q):
         grads = api.fa2_backward(q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(),
@@ -409,6 +419,12 @@ del _op, _device
 def _check_tensor(name, t):
     if not isinstance(t, torch.Tensor):
         raise ArgumentTypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+
+
+def _check_str(name, x):
+    # Checked here: torch's schema would refuse anything else with a RuntimeError of its own.
+    if not isinstance(x, str):
+        raise ArgumentTypeError(f"{name}: expected a str, got {type(x).__name__}")
 
 
 def _check_bool(name, x):
@@ -503,6 +519,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             raise InvalidArgumentError(f"{name}: expected {rank} dimensions like q, got shape {tuple(t.shape)}")
     left, right = check_window(window)
     block_r, block_c = check_tile("block_r", block_r), check_tile("block_c", block_c)
+    _check_str("backend", backend)
+    _check_str("causal_align", causal_align)
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
             raise ArgumentTypeError(f"scale: expected a float or None, got {type(scale).__name__}")
@@ -852,6 +870,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     _check_bool("return_lse", return_lse)
     left, right = check_window(window)
     block_r, block_c = check_tile("block_r", block_r), check_tile("block_c", block_c)
+    _check_str("backend", backend)
+    _check_str("causal_align", causal_align)
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
             raise ArgumentTypeError(f"scale: expected a float or None, got {type(scale).__name__}")
@@ -927,6 +947,8 @@ def _host_views(named, what):
         if t.device.type != "cpu":
             raise InvalidArgumentError(f"{name}: {what} is pyfa's on CPU tensors only in this version, got one on "
                              f"{t.device}")
+        if t.dtype not in (torch.float32, torch.int32, torch.int64, torch.bool):  # NumPy has no bfloat16
+            raise ArgumentTypeError(f"{name}: expected dtype torch.float32, got {t.dtype}")
     return {name: (t.detach().numpy() if t is not None else None) for name, t in named.items()}
 
 
@@ -1025,6 +1047,10 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         n = lengths[0] if lengths else ncache
         o, lse = attention(q, k_cache[:, :n], v_cache[:, :n], **kw)
     else:
+        slopes = mods.get("alibi_slopes")
+        if isinstance(slopes, torch.Tensor) and slopes.dim() == 2 and slopes.shape[0] != q.shape[0]:
+            raise InvalidArgumentError(f"alibi_slopes: expected shape ({q.shape[2]},) or ({q.shape[0]}, "
+                                       f"{q.shape[2]}), got {tuple(slopes.shape)}")
         parts = [attention(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n],
                            **{**kw, **_batch_element(mods, b, keep_batch=True)})
                  for b, n in enumerate(lengths)]

@@ -115,8 +115,8 @@ def resolve_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             keep.append(pages.table)
             fields.append("block_table")
         pointers = {f: a.__array_interface__["data"][0] for f, a in zip(fields, keep)}
-        return Varlen(len(offsets_q) - 1, check_max_seqlen("max_seqlen_q", max_seqlen_q, offsets_q, total_q),
-                      check_max_seqlen("max_seqlen_k", max_seqlen_k, attended, total_k), pointers, tuple(keep),
+        return Varlen(len(offsets_q) - 1, check_max_seqlen("max_seqlen_q", max_seqlen_q, offsets_q),
+                      check_max_seqlen("max_seqlen_k", max_seqlen_k, attended), pointers, tuple(keep),
                       offsets_q, offsets_k, pages)
     if pages is not None:
         raise InvalidArgumentError("k: paged K/V is taken from host (NumPy) arrays only in this version")
@@ -130,12 +130,12 @@ def resolve_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             raise InvalidArgumentError(f"seqused_k: expected a contiguous int32 CUDA array of shape ({batch},)")
         pointers["seqused_k"] = int(cai["data"][0])
     maxima = []
-    for name, cu, value, total in (("max_seqlen_q", cu_seqlens_q, max_seqlen_q, total_q),
-                                   ("max_seqlen_k", cu_seqlens_k, max_seqlen_k, total_k)):
+    for name, cu, value in (("max_seqlen_q", cu_seqlens_q, max_seqlen_q),
+                            ("max_seqlen_k", cu_seqlens_k, max_seqlen_k)):
         if value is None:
             host = _host_copy(name.replace("max_seqlen", "cu_seqlens"), cu)
             value = int(np.max(np.diff(host.astype(np.int64))))
-        maxima.append(check_max_seqlen(name, value, (0, 0), total))
+        maxima.append(check_max_seqlen(name, value, (0, 0)))
     return Varlen(batch, *maxima, pointers, (cu_seqlens_q, cu_seqlens_k, seqused_k))
 
 
@@ -252,11 +252,13 @@ def attention_varlen_grad(q, k, v, do, cu_seqlens_q, cu_seqlens_k, *,
         if algo == "fa1":
             o, m, l = run("fa1_forward", dict(q=q, k=k, v=v), cu_seqlens_q, cu_seqlens_k,
                           out=(o_out, None, None), **kw)
+            _lib.raise_pending_interrupt()
             grads = run("fa1_backward", dict(q=q, k=k, v=v, o=o, m=m, l=l, do=do), cu_seqlens_q,
                         cu_seqlens_k, out=grads, **kw)
         else:
             o, lse = run("fa2_forward", dict(q=q, k=k, v=v), cu_seqlens_q, cu_seqlens_k,
                          out=(o_out, None), **kw)
+            _lib.raise_pending_interrupt()
             grads = run("fa2_backward", dict(q=q, k=k, v=v, o=o, lse=lse, do=do), cu_seqlens_q,
                         cu_seqlens_k, out=grads, **kw)
         return (finish(o), *grads)

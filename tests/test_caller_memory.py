@@ -145,3 +145,35 @@ def test_a_progress_callback_answering_anything_else_is_refused():
     for call in (pyfa.attention, pyfa.sim.fa2_forward):
         with pytest.raises(TypeError, match="progress: must return None, False or True"):
             call(q, k, v, options=opts)
+
+
+def test_a_ctrl_c_in_the_forward_is_raised_before_the_backward():
+    # The backward would refuse these tiles: the interrupt must not be lost behind its error.
+    import os
+    import signal
+    q, k, v, do = qkv(7, N=128, d=64)
+    o = np.full_like(q, 7.0)
+    sent = []
+
+    def interrupt_once(done, total):
+        if not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        pyfa.attention_grad(q, k, v, do, out=(o, None, None, None),
+                            options=pyfa.Options(backend="emu", block_r=128, block_c=128, progress=interrupt_once))
+    assert sent and np.all(o == 7.0)
+
+
+def test_empty_problems_check_options_with_their_modifications():
+    e, k = np.zeros((1, 2, 0, 64), np.float32), np.zeros((1, 2, 4, 64), np.float32)
+    lse = np.zeros((1, 2, 0), np.float32)
+    fast = pyfa.Options(backend="emu", variant="fast")
+    for mods in (dict(softcap=1.0), dict(alibi_slopes=np.ones(2, np.float32)),
+                 dict(bias=np.zeros((1, 2, 0, 4), np.float32))):
+        with pytest.raises(pyfa.InvalidArgumentError, match="takes no"):
+            pyfa.fa2_backward(e, k, k, e, lse, e, options=fast, **mods)
+        # ... and (H,) slopes of two heads fit the check's stand-in problem.
+    got = pyfa.fa2_backward(e, k, k, e, lse, e, alibi_slopes=np.ones(2, np.float32), options=CPU)
+    assert [g.shape for g in got] == [e.shape, k.shape, k.shape] and not any(g.any() for g in got)

@@ -352,10 +352,9 @@ def test_varlen_and_cache_arguments_name_themselves():
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((12, 2, 8), dtype=np.float32) for _ in range(3))
     cu = np.array([0, 5, 12], np.int32)
-    with pytest.raises(pyfa.InvalidArgumentError, match="max_seqlen_q: .* more than the 12 rows"):
-        pyfa.attention_varlen(q, k, v, cu, cu, max_seqlen_q=2 ** 40)
-    with pytest.raises(pyfa.InvalidArgumentError, match="max_seqlen_k"):
-        pyfa.sim.attention_varlen(q, k, v, cu, cu, max_seqlen_k=13)
+    # A max_seqlen beyond the packed rows is a padded batch's (flash-attn's callers pass one).
+    o = pyfa.attention_varlen(q, k, v, cu, cu, max_seqlen_q=16, max_seqlen_k=16)
+    assert np.array_equal(o, pyfa.attention_varlen(q, k, v, cu, cu))
     qc = rng.standard_normal((1, 1, 2, 8), dtype=np.float32)
     kc = rng.standard_normal((1, 16, 2, 8), dtype=np.float32)
     lens = np.array([4], np.int32)
@@ -369,3 +368,24 @@ def test_varlen_and_cache_arguments_name_themselves():
         pyfa.attention_with_kvcache(qc, kc, kc.copy(), lens.astype(np.int64))
     with pytest.raises(pyfa.ArgumentTypeError, match="k_cache: expected dtype float32"):
         pyfa.attention_with_kvcache(qc, kc.astype(np.float64), kc.copy(), lens)
+
+
+def test_pyfa_torch_empty_problems_and_flash_extras():
+    torch = _torch()
+    import pyfa.torch as pt
+    q = torch.randn(1, 4, 3, 8)
+    o = pt.attention(q, q[:, :, :0], q[:, :, :0], alibi_slopes=torch.rand(4))
+    assert o.shape == q.shape and not o.any()
+    for kw, exc, needle in [(dict(backend=None), pyfa.ArgumentTypeError, "backend"),
+                            (dict(causal_align=None), pyfa.ArgumentTypeError, "causal_align")]:
+        with pytest.raises(exc, match=needle):
+            pt.attention(q, q, q, **kw)
+    qc, kc, vc = torch.randn(2, 1, 4, 8), torch.randn(2, 4, 4, 8), torch.randn(2, 4, 4, 8)
+    with pytest.raises(pyfa.InvalidArgumentError, match="alibi_slopes"):
+        pt.flash_attn_with_kvcache(qc, kc, vc, cache_seqlens=torch.tensor([1, 2]), alibi_slopes=torch.rand(5, 4))
+    with pytest.raises(pyfa.ArgumentTypeError, match="q: expected dtype"):
+        pt.flash_attn_with_kvcache(qc.bfloat16(), kc, vc, k=torch.randn(2, 1, 4, 8), v=torch.randn(2, 1, 4, 8),
+                                   cache_seqlens=0)
+    o = pt.flash_attn_with_kvcache(qc, kc, vc, cache_seqlens=torch.tensor([0, 2], dtype=torch.int32),
+                                   alibi_slopes=torch.rand(4))
+    assert o.shape == qc.shape and not o[0].any()

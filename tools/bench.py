@@ -587,7 +587,7 @@ def placed(x, offset):
     if offset is None:
         return x
     buf = np.empty(x.nbytes + 64, np.uint8)
-    start = -buf.__array_interface__["data"][0] % 64 + offset
+    start = (offset - buf.__array_interface__["data"][0]) % 64
     a = buf[start:start + x.nbytes].view(x.dtype).reshape(x.shape)
     a[...] = x
     return a

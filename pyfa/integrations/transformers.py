@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from .. import torch as pyfa_torch
+from ..errors import InvalidArgumentError
 
 __all__ = ["register", "attention_forward", "NAME"]
 
@@ -63,7 +64,7 @@ def _spans(visible):
 
 
 def _refuse_mask(why):
-    raise ValueError(f"attention_mask: {why}")
+    raise InvalidArgumentError(f"attention_mask: {why}")
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -79,7 +80,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     softcap: pyfa's softcap. Refused, naming the argument: position_bias and sinks."""
     for name in ("position_bias", "s_aux", "sinks"):
         if kwargs.get(name) is not None:
-            raise ValueError(f"{name}: not supported by pyfa's attention backend")
+            raise InvalidArgumentError(f"{name}: not supported by pyfa's attention backend")
     B, _, Nq, _ = query.shape
     Nk = key.shape[2]
     # pyfa reads (B, N, H, d) views in place and writes O as transformers wants it back.

@@ -6,6 +6,7 @@ plans its transfers with these very functions, so the model and the run cannot d
 from typing import List, NamedTuple
 
 from ..checks import mask_bounds
+from ..errors import InvalidArgumentError
 
 
 class _Piece(NamedTuple):
@@ -45,11 +46,11 @@ def ring_schedule(schedule: str, zigzag: bool) -> str:
     """The schedule a ring-mode call runs: "auto" is the wavefront for contiguous shards
     and the ring for zigzag ones (the wavefront takes contiguous shards only)."""
     if schedule not in SCHEDULES:
-        raise ValueError(f"schedule: expected one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}")
+        raise InvalidArgumentError(f"schedule: expected one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}")
     if schedule == "auto":
         return "ring" if zigzag else "wavefront"
     if schedule == "wavefront" and zigzag:
-        raise ValueError("schedule='wavefront' takes contiguous shards: with zigzag=True the dK/dV of a key "
+        raise InvalidArgumentError("schedule='wavefront' takes contiguous shards: with zigzag=True the dK/dV of a key "
                          "piece would visit each rank twice (query pieces r and 2P - 1 - r); use "
                          "schedule='ring' or 'auto'")
     return schedule

@@ -58,8 +58,8 @@ def _run(algo, passes, function, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen
     used = check_seqused("seqused_k", seqused_k, offsets_k)
     lengths = used if used is not None else np.diff(offsets_k).tolist()
     key_rows = [(a, a + n) for a, n in zip(offsets_k, lengths)]
-    max_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, offsets_q, q4.shape[2])
-    max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, (0,) + tuple(np.cumsum(lengths).tolist()), total_k)
+    max_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, offsets_q)
+    max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, (0,) + tuple(np.cumsum(lengths).tolist()))
     for name in names:
         x = tensors[name]
         want = (H, q4.shape[2]) if name in _STATS else None
