@@ -562,7 +562,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     broadcasting. float32 only (under torch.autocast: cast to float32). dropout_p > 0
     applies dropout whenever given, as SDPA does (callers pass 0 outside training), its
     seed drawn from torch's default generator (pyfa.torch.attention, seed=None).
-    attn_mask, broadcastable to (..., H, L, S) as in PyTorch: bool (True: attend) is the
+    attn_mask, broadcastable to (..., H, L, S) as in PyTorch (its key axis too): bool (True: attend) is the
     bias 0 / -inf, float32 is added to the scores (pyfa.torch.attention's bias=, with its
     gradient); a query row that attends to no key gets 0. Not with is_causal (PyTorch
     refuses the pair too)."""
@@ -605,6 +605,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         if hkv == 0 or hq % hkv != 0:
             raise InvalidArgumentError(f"key: its {hkv} heads must divide query's {hq} heads "
                              f"(enable_gqa=True)")
+    if bias is not None and bias.dim() >= 1 and bias.shape[-1] == 1 and key.shape[-2] != 1:
+        # One value for every key (PyTorch broadcasts the key axis too; pyfa's bias has it
+        # whole): expanded, so that a gradient sums back over it.
+        bias = bias.expand(*bias.shape[:-1], key.shape[-2])
     if query.dim() > 4:
         flat = [t.reshape(-1, *t.shape[-3:]) for t in (query, key, value)]
         if bias is not None:

@@ -57,6 +57,24 @@ def test_sdpa_takes_torch_sdpa_ranks(shape):
           F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
+@pytest.mark.parametrize("shape", [(2, 1, 7, 1), (7, 1), (1, 4, 1, 1)])
+def test_sdpa_takes_a_mask_broadcast_over_the_keys_as_torch(shape):
+    # One value per query row (or per head): PyTorch broadcasts the key axis as any other.
+    # Such a mask shifts a row's scores alike, so its exact gradient is 0 (both give ~1e-6).
+    q, k, v = tensors((2, 4, 7, 16), (2, 4, 9, 16), (2, 4, 9, 16))
+    mask = torch.randn(shape, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    got = pyfa.torch.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    close(got, want)
+    g, w = grads(got, (q, k, v, mask)), grads(want, (q, k, v, mask))
+    for a, b in zip(g[:3], w[:3]):
+        close(a, b)
+    assert g[3].shape == mask.shape and g[3].abs().max() < 1e-4
+    keep = torch.ones(7, 1, dtype=torch.bool)
+    close(pyfa.torch.scaled_dot_product_attention(q, k, v, attn_mask=keep),
+          F.scaled_dot_product_attention(q, k, v, attn_mask=keep))
+
+
 def test_sdpa_refuses_what_it_cannot_honour():
     q = torch.zeros(1, 4, 5, 8)
     sdpa = pyfa.torch.scaled_dot_product_attention
