@@ -579,8 +579,12 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
             bias = bias.masked_fill(~attn_mask, -math.inf)
         elif attn_mask.dtype == torch.float32:
             bias = attn_mask
+        elif attn_mask.is_floating_point() and torch.is_autocast_enabled(attn_mask.device.type):
+            # Under autocast a mask comes in the autocast dtype, like the inputs pyfa casts up.
+            bias = attn_mask.float()
         else:
-            raise ArgumentTypeError(f"attn_mask: expected dtype torch.bool or torch.float32, got {attn_mask.dtype}")
+            raise ArgumentTypeError(f"attn_mask: expected dtype torch.bool or torch.float32 (or the autocast "
+                                    f"dtype under torch.autocast), got {attn_mask.dtype}")
     drop = dict(dropout_p=dropout_p)
     _check_bool("is_causal", is_causal)
     _check_bool("enable_gqa", enable_gqa)

@@ -75,6 +75,19 @@ def test_sdpa_takes_a_mask_broadcast_over_the_keys_as_torch(shape):
           F.scaled_dot_product_attention(q, k, v, attn_mask=keep))
 
 
+def test_sdpa_takes_an_autocast_dtype_mask_under_autocast():
+    q, k, v = tensors((1, 4, 5, 16), (1, 4, 6, 16), (1, 4, 6, 16))
+    mask = torch.randn(5, 6).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = pyfa.torch.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), attn_mask=mask)
+    assert got.dtype == torch.float32
+    want = pyfa.torch.scaled_dot_product_attention(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(),
+                                                   attn_mask=mask.float())
+    assert torch.equal(got, want)
+    with pytest.raises(TypeError, match="attn_mask: expected dtype"):  # outside autocast, as torch
+        pyfa.torch.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 def test_sdpa_refuses_what_it_cannot_honour():
     q = torch.zeros(1, 4, 5, 8)
     sdpa = pyfa.torch.scaled_dot_product_attention
