@@ -95,7 +95,7 @@ def common_place(arrays: Dict[str, Any]) -> Place:
         elif p.kind != first.kind or (p.kind == "cuda" and None not in (p.index, first.index)
                                       and p.index != first.index):
             raise InvalidArgumentError(f"{name}: on {p}, but {first_name} is on {first}; "
-                             f"every array of one call must be on one device")
+                                       f"every array of one call must be on one device")
         elif first.index is None:
             first = p
     return first if first is not None else CPU
@@ -221,10 +221,10 @@ def _check_layout(name, shape, strides, dtype_ok, dtype_text):
         return
     if any(s < 0 for s in strides):
         raise InvalidArgumentError(f"{name}: negative strides are not supported (element strides "
-                         f"{tuple(strides)})")
+                                   f"{tuple(strides)})")
     if shape[-1] != 1 and strides[-1] != 1:
         raise InvalidArgumentError(f"{name}: the last axis of a CUDA array must be contiguous (shape "
-                         f"{shape}, element strides {tuple(strides)})")
+                                   f"{shape}, element strides {tuple(strides)})")
 
 
 def device_tensor(name: str, x: Any, stream: int) -> DeviceTensor:
@@ -234,7 +234,7 @@ def device_tensor(name: str, x: Any, stream: int) -> DeviceTensor:
         t, readonly = _from_capsule(name, capsule)
         if t.device.device_type not in (_DL_CUDA, _DL_CUDA_MANAGED):
             raise ArgumentTypeError(f"{name}: __dlpack_device__ said CUDA, but its capsule is on "
-                            f"device type {t.device.device_type}")
+                                    f"device type {t.device.device_type}")
         ndim = int(t.ndim)
         shape = tuple(int(t.shape[i]) for i in range(ndim))
         strides = None if not t.strides else tuple(int(t.strides[i]) for i in range(ndim))
@@ -291,7 +291,7 @@ def stream_handle(stream: Any) -> int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     raise ArgumentTypeError(f"stream: expected a cudaStream_t as an int or a stream object "
-                    f"(PyTorch, CuPy, __cuda_stream__), got {type(stream).__name__}")
+                            f"(PyTorch, CuPy, __cuda_stream__), got {type(stream).__name__}")
 
 
 def library_of(x: Any) -> str:
@@ -415,4 +415,4 @@ def allocator_for(kind: str) -> Tuple[Callable[[Tuple[int, ...], Optional[int], 
         if lib in sys.modules:
             return ALLOCATORS[lib], lib
     raise ArgumentTypeError(f"q: pyfa cannot allocate CUDA outputs for {kind} arrays (it allocates "
-                    f"with PyTorch or CuPy, and neither is imported); pass out=")
+                            f"with PyTorch or CuPy, and neither is imported); pass out=")

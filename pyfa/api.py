@@ -1114,7 +1114,8 @@ def attention_grad(q: ArrayLike, k: ArrayLike, v: ArrayLike, do: ArrayLike, *,
     sees each of the two calls in turn. out: (o, dq, dk, dv), each None to allocate it;
     a CPU out= o is written once the backward has succeeded (a backward that fails or is
     cancelled leaves it as it was; not so in pyfa.prepare's replays, which write it with
-    the forward). A Ctrl-C during the forward is raised before the backward. With bias=: (o, dq, dk, dv, dbias), dbias of the bias's shape (out= then takes five),
+    the forward). A Ctrl-C during the forward is raised before the backward.
+    With bias=: (o, dq, dk, dv, dbias), dbias of the bias's shape (out= then takes five),
     unless bias_grad=False.
     split_size: algo "fa2" only, given to both the split forward (fa2_forward) and the
     split backward (fa2_backward)."""

@@ -543,9 +543,9 @@ def _agree(plan, q, k, v, signature):
     for rank, theirs in enumerate(everyone):
         for name, field, a, b in zip(names, fields, digest, theirs.tolist()):
             if a != b:
-                raise InvalidArgumentError(f"pyfa.torch.context_parallel_attention: rank {rank}'s {name} differs from "
-                                 f"rank {plan.rank}'s ({field!r}); every rank holds an equal shard and passes "
-                                 f"the same arguments")
+                raise InvalidArgumentError(f"pyfa.torch.context_parallel_attention: rank {rank}'s {name} "
+                                           f"differs from rank {plan.rank}'s ({field!r}); every rank holds an "
+                                           f"equal shard and passes the same arguments")
 
 
 def _shard_bias(bias, mode, B, H, L, N):
@@ -557,7 +557,7 @@ def _shard_bias(bias, mode, B, H, L, N):
     pt._check_tensor("bias", bias)
     if mode != "ring":
         raise InvalidArgumentError("bias: only mode='ring' takes a bias (in Ulysses mode each rank would need "
-                         "every row of its heads' bias)")
+                                   "every row of its heads' bias)")
     if bias.dtype != torch.float32:
         raise ArgumentTypeError(f"bias: expected dtype torch.float32, got {bias.dtype}")
     if bias.dim() > 4:
@@ -566,7 +566,7 @@ def _shard_bias(bias, mode, B, H, L, N):
     want = (B, H, L, N)
     if b.shape[3] != N or any(n not in (1, w) for n, w in zip(b.shape[:3], want[:3])):
         raise InvalidArgumentError(f"bias: shape {tuple(bias.shape)} does not broadcast to (B, H, L, N) = {want} "
-                         "(this rank's query rows over the whole sequence's keys)")
+                                   "(this rank's query rows over the whole sequence's keys)")
     if not bias.requires_grad:
         return b
     b = pt._bias_operand(b)
@@ -574,8 +574,8 @@ def _shard_bias(bias, mode, B, H, L, N):
         # Its dBias would be a sum over the rows of every rank, which no rank folds in the
         # one-device order (docs/numerics.md, "The additive bias").
         raise InvalidArgumentError("bias: one row for all of this rank's query rows, and it requires grad: its dbias "
-                         "would sum the rows of every rank, which context_parallel_attention does not fold; "
-                         "pass it with its L rows (bias.expand(...).contiguous()) or bias.detach()")
+                                   "would sum the rows of every rank, which context_parallel_attention does not fold; "
+                                   "pass it with its L rows (bias.expand(...).contiguous()) or bias.detach()")
     return b
 
 
@@ -647,7 +647,7 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, split_size: i
     unit = 2 * split if zigzag else split
     if L % unit:
         raise InvalidArgumentError(f"q: shard length {L} must be a multiple of {'2 * ' if zigzag else ''}split_size "
-                         f"= {unit}")
+                                   f"= {unit}")
     if zigzag and mode != "ring":
         raise InvalidArgumentError("zigzag: only mode='ring' takes the zigzag sharding")
     if mode == "ulysses" and schedule != "auto":
@@ -670,8 +670,9 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, split_size: i
     if wants is not None and q.device.type != wants:
         raise InvalidArgumentError(f"q: on {q.device}, but the group's backend {kind} takes {wants} tensors")
     if mode == "ulysses" and (H % world or Hkv % world):
-        raise InvalidArgumentError(f"mode='ulysses': the heads (H = {H}, Hkv = {Hkv}) must be divisible by the world "
-                         f"size {world}, so that each rank takes whole groups of query heads with their K/V head")
+        raise InvalidArgumentError(f"mode='ulysses': the heads (H = {H}, Hkv = {Hkv}) must be divisible by the "
+                                   f"world size {world}, so that each rank takes whole groups of query heads with "
+                                   f"their K/V head")
     bounds = mask_bounds(causal, window, "top_left", world * L, world * L)
     if alibi_slopes is not None:
         pt._check_tensor("alibi_slopes", alibi_slopes)

@@ -55,7 +55,7 @@ def _on_device_of(t):
 def _check_dtype(name, t):
     if t.dtype != torch.float32:
         raise ArgumentTypeError(f"{name}: expected dtype torch.float32, got {t.dtype} (pyfa computes in "
-                        f"fp32 only; under torch.autocast pyfa's ops cast their inputs to float32)")
+                                f"fp32 only; under torch.autocast pyfa's ops cast their inputs to float32)")
 
 
 def _dims(q, k, v, layout):
@@ -79,7 +79,7 @@ def _dims(q, k, v, layout):
         raise InvalidArgumentError(f"q: head dim must be >= 1, got {d}")
     if Hkv < 1 or H % Hkv != 0:
         raise InvalidArgumentError(f"k: its {Hkv} heads must divide q's {H} heads (grouped-query "
-                         f"attention), got q {tuple(q.shape)}, k {tuple(k.shape)}")
+                                   f"attention), got q {tuple(q.shape)}, k {tuple(k.shape)}")
     return B, H, Nq, Nk, d, Hkv
 
 
@@ -573,7 +573,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         _check_tensor("attn_mask", attn_mask)
         if is_causal:
             raise InvalidArgumentError("attn_mask: given with is_causal=True; PyTorch refuses the pair too "
-                             "(fold the causal mask into attn_mask)")
+                                       "(fold the causal mask into attn_mask)")
         if attn_mask.dtype == torch.bool:
             bias = torch.zeros(attn_mask.shape, dtype=torch.float32, device=attn_mask.device)
             bias = bias.masked_fill(~attn_mask, -math.inf)
@@ -590,25 +590,25 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     _check_bool("enable_gqa", enable_gqa)
     if query.dim() < 2 or key.dim() != query.dim() or value.dim() != query.dim():
         raise InvalidArgumentError(f"query, key, value: expected the same number (>= 2) of dimensions, "
-                         f"got shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+                                   f"got shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
     if value.shape[-1] != key.shape[-1]:
         raise InvalidArgumentError(f"value: head dim {value.shape[-1]} differs from key's {key.shape[-1]}; "
-                         f"pyfa needs them equal")
+                                   f"pyfa needs them equal")
     if value.shape[:-1] != key.shape[:-1]:
         raise InvalidArgumentError(f"value: shape {tuple(value.shape)} differs from key's {tuple(key.shape)} "
-                         f"before the last axis")
+                                   f"before the last axis")
     lead = query.shape[:-3] if query.dim() > 3 else ()
     if key.shape[:len(lead)] != lead:
         raise InvalidArgumentError(f"key: leading dimensions {tuple(key.shape[:len(lead)])} differ from "
-                         f"query's {tuple(lead)}; pyfa does not broadcast them")
+                                   f"query's {tuple(lead)}; pyfa does not broadcast them")
     if query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
         hq, hkv = query.shape[-3], key.shape[-3]
         if not enable_gqa:
             raise InvalidArgumentError(f"key: {hkv} heads differ from query's {hq}; pass enable_gqa=True "
-                             f"for grouped-query attention (as torch's SDPA requires)")
+                                       f"for grouped-query attention (as torch's SDPA requires)")
         if hkv == 0 or hq % hkv != 0:
             raise InvalidArgumentError(f"key: its {hkv} heads must divide query's {hq} heads "
-                             f"(enable_gqa=True)")
+                                       f"(enable_gqa=True)")
     if bias is not None and bias.dim() >= 1 and bias.shape[-1] == 1 and key.shape[-2] != 1:
         # One value for every key (PyTorch broadcasts the key axis too; pyfa's bias has it
         # whole): expanded, so that a gradient sums back over it.
@@ -617,7 +617,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         flat = [t.reshape(-1, *t.shape[-3:]) for t in (query, key, value)]
         if bias is not None:
             if bias.dim() > query.dim():
-                raise InvalidArgumentError(f"attn_mask: shape {tuple(attn_mask.shape)} has more dimensions than query")
+                raise InvalidArgumentError(f"attn_mask: shape {tuple(attn_mask.shape)} has more dimensions than "
+                                           f"query")
             bias = bias.reshape((1,) * (query.dim() - bias.dim()) + tuple(bias.shape))
             tail = tuple(bias.shape[-3:])
             bias = (bias.reshape(1, *tail) if all(n == 1 for n in bias.shape[:-3])
@@ -636,7 +637,7 @@ def _flash_window(window_size):
     for side, x in zip(("left", "right"), window_size):
         if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < -1:
             raise InvalidArgumentError(f"window_size: {side} side must be an int >= 0, or -1 (unbounded), "
-                             f"got {x!r}")
+                                       f"got {x!r}")
         sides.append(None if x == -1 else int(x))
     return None if sides == [None, None] else tuple(sides)
 
@@ -871,7 +872,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
         if t.dim() != 3:
-            raise InvalidArgumentError(f"{name}: expected a packed tensor (total, heads, d), got shape {tuple(t.shape)}")
+            raise InvalidArgumentError(f"{name}: expected a packed tensor (total, heads, d), got shape "
+                                       f"{tuple(t.shape)}")
     _check_offsets("cu_seqlens_q", cu_seqlens_q)
     _check_offsets("cu_seqlens_k", cu_seqlens_k)
     _check_bool("causal", causal)
@@ -954,7 +956,7 @@ def _host_views(named, what):
             raise ArgumentTypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if t.device.type != "cpu":
             raise InvalidArgumentError(f"{name}: {what} is pyfa's on CPU tensors only in this version, got one on "
-                             f"{t.device}")
+                                       f"{t.device}")
         if t.dtype not in (torch.float32, torch.int32, torch.int64, torch.bool):  # NumPy has no bfloat16
             raise ArgumentTypeError(f"{name}: expected dtype torch.float32, got {t.dtype}")
     return {name: (t.detach().numpy() if t is not None else None) for name, t in named.items()}
@@ -978,7 +980,7 @@ def _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
                               block_table=block_table), "flash_attn_varlen_func with a block_table")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise InvalidArgumentError("block_table: paged K/V has no backward in pyfa (nor in flash-attn); call under "
-                         "torch.no_grad() or on tensors that do not require grad")
+                                   "torch.no_grad() or on tensors that do not require grad")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or dropout_p != 0:
         _refuse("dropout_p", dropout_p, "not taken with block_table (paged K/V is the inference path); 0 only")
     extras = _host_mods(mods)
@@ -1045,10 +1047,10 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         lengths = cache_seqlens.tolist()
     else:
         raise InvalidArgumentError(f"cache_seqlens: expected None, an int or an int tensor ({B},), got "
-                         f"{cache_seqlens!r}")
+                                   f"{cache_seqlens!r}")
     if any(not 0 <= n <= ncache for n in lengths):
         raise InvalidArgumentError(f"cache_seqlens: each length must be in [0, {ncache}] (the cache's "
-                         f"length), got {lengths}")
+                                   f"length), got {lengths}")
     kw = dict(causal=causal, window=window, scale=softmax_scale, layout="bnhd", return_lse=True,
               **mods)
     if len(set(lengths)) <= 1:

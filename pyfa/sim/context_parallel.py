@@ -51,8 +51,8 @@ def ring_schedule(schedule: str, zigzag: bool) -> str:
         return "ring" if zigzag else "wavefront"
     if schedule == "wavefront" and zigzag:
         raise InvalidArgumentError("schedule='wavefront' takes contiguous shards: with zigzag=True the dK/dV of a key "
-                         "piece would visit each rank twice (query pieces r and 2P - 1 - r); use "
-                         "schedule='ring' or 'auto'")
+                                   "piece would visit each rank twice (query pieces r and 2P - 1 - r); use "
+                                   "schedule='ring' or 'auto'")
     return schedule
 
 
