@@ -194,6 +194,13 @@ def _config(options):
     return cfg
 
 
+# ScoreMods' fields, read on every call: dataclasses.fields builds its tuple each time.
+_MOD_FIELDS = tuple(f.name for f in dataclasses.fields(ScoreMods))
+# (ScoreMods field, pyfa_problem field) of the scalar modifications the problem carries.
+_PROBLEM_MOD_FIELDS = tuple((f.name, f.metadata.get("problem", f.name)) for f in dataclasses.fields(ScoreMods)
+                            if f.metadata.get("pyfa_problem", True))
+
+
 def _problem(dims, scale, causal, window, causal_align, mods):
     """The pyfa_problem (struct_size: this header's layout, the score modifications'
     fields included; the packed sequences' fields are set by pyfa.varlen.Varlen.apply) of sizes
@@ -214,11 +221,10 @@ def _problem(dims, scale, causal, window, causal_align, mods):
         pr.window_left = -1 if left is None else bounds.left
         pr.window_right = -1 if right is None else bounds.right
     pr.causal_align = CAUSAL_ALIGNS[causal_align]
-    pr.struct_size = ffi.sizeof("pyfa_problem")
-    for field in dataclasses.fields(mods):
-        value = getattr(mods, field.name)
-        if isinstance(value, (int, float, tuple)) and field.metadata.get("pyfa_problem", True):
-            setattr(pr, field.metadata.get("problem", field.name), list(value) if isinstance(value, tuple) else value)
+    for name, field in _PROBLEM_MOD_FIELDS:
+        value = getattr(mods, name)
+        if isinstance(value, (int, float, tuple)):
+            setattr(pr, field, list(value) if isinstance(value, tuple) else value)
     return pr
 
 
@@ -226,9 +232,11 @@ def _set_mod_tensors(tensors, problem, mod_tensors):
     """The score modifications' arrays (_mod_tensors) into the pyfa_tensors fields of their
     names; their element strides go where the ABI keeps them: pyfa_problem's
     <name>_strides where it has one (bias), else the tensor's own (alibi_slopes)."""
+    if not mod_tensors:
+        return
     ffi, _ = _lib.load()
     in_problem = dict(ffi.typeof("pyfa_problem").fields)
-    for name, (address, strides) in (mod_tensors or {}).items():
+    for name, (address, strides) in mod_tensors.items():
         field = getattr(tensors, name)
         field.data = ffi.cast("void *", address)
         st = getattr(problem, name + "_strides") if name + "_strides" in in_problem else field.strides
@@ -237,15 +245,15 @@ def _set_mod_tensors(tensors, problem, mod_tensors):
 
 def _check_mods_place(mods, intake):
     """A modification's array lives where q does: pyfa reads it on the CPU only, for now."""
-    for field in dataclasses.fields(mods):
-        value = getattr(mods, field.name)
+    for name in _MOD_FIELDS:
+        value = getattr(mods, name)
         if not isinstance(value, Bias):
             continue
         if intake.place.kind != "cpu":
-            raise InvalidArgumentError(f"{field.name}: pyfa's Python API takes a bias with CPU arrays "
+            raise InvalidArgumentError(f"{name}: pyfa's Python API takes a bias with CPU arrays "
                                        f"only (q is on {intake.place}); the C ABI takes device pointers")
         if value.view is None:
-            raise InvalidArgumentError(f"{field.name}: on another device than q (the CPU)")
+            raise InvalidArgumentError(f"{name}: on another device than q (the CPU)")
 
 
 def _set_strides(problem, strides):
@@ -339,33 +347,33 @@ def _mod_tensors(mods, intake, grad=False):
     as a backward that writes dbias takes it when `grad` (checks.Bias.for_grad)."""
     ffi, _ = _lib.load()
     found, keep = {}, {}
-    for field in dataclasses.fields(mods):
-        x = getattr(mods, field.name)
+    for name in _MOD_FIELDS:
+        x = getattr(mods, name)
         if x is None or isinstance(x, (bool, int, float, str, tuple)):
             continue
         if isinstance(x, Bias):  # on the CPU (_check_mods_place)
             view = x.for_grad() if grad else x.view
-            keep[field.name] = view
-            found[field.name] = (_address(ffi, view), element_strides(view))
+            keep[name] = view
+            found[name] = (_address(ffi, view), element_strides(view))
             continue
         on_cpu = isinstance(x, np.ndarray)
         if (intake.place.kind == "cpu") != on_cpu:
             raise InvalidArgumentError(
-                f"{field.name}: on {'the CPU' if on_cpu else _arrays.place_of(field.name, x)}, but q is on "
+                f"{name}: on {'the CPU' if on_cpu else _arrays.place_of(name, x)}, but q is on "
                 f"{intake.place}; give it where q is")
         if on_cpu:
-            keep[field.name] = x
+            keep[name] = x
             # An axis of length 1 takes its dense stride: all zeros would read as dense
             # (pyfa.h), and a (B, 1) view broadcast from (1,) has them.
             address, shape = _address(ffi, x), x.shape
             strides = tuple(s // 4 if n > 1 else math.prod(shape[a + 1:])
                             for a, (n, s) in enumerate(zip(shape, x.strides)))
         else:
-            place = _arrays.place_of(field.name, x)
+            place = _arrays.place_of(name, x)
             if place.index is not None and intake.place.index is not None and place != intake.place:
-                raise InvalidArgumentError(f"{field.name}: on {place}, but q is on {intake.place}")
-            t = _arrays.device_tensor(field.name, x, intake.stream)
-            keep[field.name] = t
+                raise InvalidArgumentError(f"{name}: on {place}, but q is on {intake.place}")
+            t = _arrays.device_tensor(name, x, intake.stream)
+            keep[name] = t
             shape = t.shape
             strides = t.strides if t.strides is not None else \
                 tuple(int(np.prod(shape[n + 1:])) for n in range(len(shape)))
@@ -375,9 +383,9 @@ def _mod_tensors(mods, intake, grad=False):
             if shape[-1] == 1:  # one head: any stride, but all zeros would read as dense
                 strides = tuple(strides[:-1]) + (1,)
             if not any(strides):
-                raise InvalidArgumentError(f"{field.name}: broadcast along every axis (strides 0), which "
+                raise InvalidArgumentError(f"{name}: broadcast along every axis (strides 0), which "
                                            "pyfa.h reads as dense; pass a materialised array")
-        found[field.name] = (address, (tuple(strides) + (0, 0))[:3])
+        found[name] = (address, (tuple(strides) + (0, 0))[:3])
     return found, keep
 
 
@@ -831,9 +839,6 @@ def _check_run_options(op, options, split_size, intake, dims, mods):
     with prepared.paused():
         _run(op.name, one, causal=False, window=None, causal_align="bottom_right", scale=None, layout="bhnd",
              options=options.replace(progress=None), out=None, stream=None, mods=mods, split_size=split_size)
-
-
-_MOD_FIELDS = tuple(f.name for f in dataclasses.fields(ScoreMods))
 
 
 def _other_inputs(mods, varlen):

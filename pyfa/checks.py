@@ -511,9 +511,8 @@ class ScoreMods:
         """The modifications of the keyword arguments `mods` of `function` (its name, for
         the error) on a problem of dims = (B, H, Nq, Nk, d, Hkv) under the call's
         causal_align; TypeError for a keyword that names none."""
-        known = {f.name for f in dataclasses.fields(cls)} - {"off"}
         for name in mods:
-            if name not in known:
+            if name not in _SCORE_MOD_KEYWORDS:
                 raise ArgumentTypeError(f"{function}() got an unexpected keyword argument {name!r}")
         mods.update(_check_dropout(mods.get("dropout_p", 0.0), mods.get("seed"), mods.get("offset", 0)))
         if "dropout_origin" in mods:
@@ -537,6 +536,9 @@ class ScoreMods:
         plain = dataclasses.replace(self, off=0, diagonal_offset=0) == type(self)()
         return plain and self.bias is None and self.alibi_slopes is None
 
+
+# The keywords ScoreMods.resolve takes (off is computed, not given).
+_SCORE_MOD_KEYWORDS = frozenset(f.name for f in dataclasses.fields(ScoreMods)) - {"off"}
 
 _UINT64 = (1 << 64) - 1
 
