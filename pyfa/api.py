@@ -23,7 +23,7 @@ import numpy as np
 from . import _arrays, _lib, prepared
 from ._arrays import Array, ArrayLike
 from .checks import (
-    EMPTY_VALUES, MAX_HEAD_DIM, Bias, ScoreMods, caller_shape, check_dropout_mask, check_int, check_layout, check_like,
+    EMPTY_VALUES, MAX_HEAD_DIM, Bias, ScoreMods, c_aligned, caller_shape, check_dropout_mask, check_int, check_layout, check_like,
     check_qkv, check_split_size,
     check_rows, check_sizes, element_strides, is_empty, mask_bounds, refuse_self_overlap, resolve_scale,
 )
@@ -281,13 +281,11 @@ def _strides(x4):
 def _in_place(x):
     """A checked CPU view as the library can address it (x itself when it can, else a
     C-contiguous copy) and its strides (None for a per-row tensor, always dense)."""
-    if not x.flags.aligned:  # a float * the kernels could not use; ascontiguousarray keeps it
-        x = np.array(x, order="C")
     if x.ndim == 3:
-        return np.ascontiguousarray(x), None
+        return c_aligned(x), None
     strides = _strides(x)
     if strides is None:
-        x = np.ascontiguousarray(x)
+        x = c_aligned(x)
         strides = _strides(x)
     return x, strides
 
@@ -793,7 +791,7 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
         mask_bounds(causal, window, causal_align, *intake.dims[2:4])
         resolve_scale(scale, intake.dims[4])
         _check_run_options(op, options, split_size, intake, dims, keywords)
-        results = _run_empty(op, intake, outs, _other_inputs(mods, varlen))
+        results = _run_empty(op, intake, outs, _other_inputs(keywords, varlen))
         if dbias is not None:
             dbias[0][...] = 0
         return results + _dbias_results(dbias, intake)
@@ -815,7 +813,7 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
     with _lib.interrupts_after():
         if intake.place.kind == "cpu":
             results = _run_host(op, intake, outs, problem, config, options.progress, varlen, mod_tensors, dbias,
-                                _other_inputs(mods, varlen))
+                                _other_inputs(keywords, varlen))
             return results + _dbias_results(dbias, intake)
         return _run_device(op, intake, outs, problem, config, options.progress, varlen, mod_tensors)
 
@@ -841,16 +839,11 @@ def _check_run_options(op, options, split_size, intake, dims, mods):
              options=options.replace(progress=None), out=None, stream=None, mods=mods, split_size=split_size)
 
 
-def _other_inputs(mods, varlen):
+def _other_inputs(keywords, varlen):
     """[(label, NumPy array)]: the CPU arrays a call reads besides its tensors (the score
-    modifications', the packed sequences' offsets, counts and block table), which its
-    outputs must not overlap either."""
-    found = []
-    for name in _MOD_FIELDS:
-        x = getattr(mods, name)
-        x = x.given if isinstance(x, Bias) else x
-        if isinstance(x, np.ndarray):
-            found.append((name, x))
+    modifications' keywords, the packed sequences' offsets, counts and block table), which
+    its outputs must not overlap either."""
+    found = _array_keywords(keywords)
     if varlen is not None:
         found += [(name, x) for name, x in zip(varlen.pointers, varlen.keep) if isinstance(x, np.ndarray)]
     return found
@@ -880,7 +873,7 @@ def _array_keywords(mods):
     found = []
     for name, x in mods.items():
         try:
-            a = _arrays.host_array(name, x)
+            a = _arrays.host_array(name, x.given if isinstance(x, Bias) else x)
         except TypeError:  # refused with its own message by the call that takes it
             continue
         if isinstance(a, np.ndarray):

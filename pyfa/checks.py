@@ -400,7 +400,7 @@ def check_bias(function, bias, dims):
     view = None
     if isinstance(x, np.ndarray):
         view = x.reshape(padded)
-        if element_strides(view) is None or not view.flags.aligned:
+        if element_strides(view) is None:  # also None where the pointer is not aligned
             view = c_aligned(view)
     return Bias(x, shape, full, view)
 

@@ -114,11 +114,10 @@ def _check_options(q, kw, k=None):
     of q's head dim on q's device (with k: of q's batch and q's and k's heads, so that
     (H,) or (B, H) ALiBi slopes fit), so that an argument is refused, never ignored,
     whatever the sizes."""
-    if k is not None and q.dim() == 4 and min(q.shape[0], q.shape[2 if kw["layout"] == "bnhd" else 1],
-                                              k.shape[2 if kw["layout"] == "bnhd" else 1]) > 0:
-        axis = 1 if kw["layout"] == "bnhd" else 2
-        one_q = q.new_zeros(q.shape[:axis] + (1,) + q.shape[axis + 1:])
-        one_k = q.new_zeros(k.shape[:axis] + (1,) + k.shape[axis + 1:])
+    rows, heads = (1, 2) if kw["layout"] == "bnhd" else (2, 1)
+    if k is not None and q.dim() == 4 and min(q.shape[0], q.shape[heads], k.shape[heads]) > 0:
+        one_q = q.new_zeros(q.shape[:rows] + (1,) + q.shape[rows + 1:])
+        one_k = q.new_zeros(k.shape[:rows] + (1,) + k.shape[rows + 1:])
     else:
         one_q = one_k = q.new_zeros((1, 1, 1, q.shape[-1]))
         kw = {**kw, "layout": "bhnd"}
@@ -562,10 +561,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     broadcasting. float32 only (under torch.autocast: cast to float32). dropout_p > 0
     applies dropout whenever given, as SDPA does (callers pass 0 outside training), its
     seed drawn from torch's default generator (pyfa.torch.attention, seed=None).
-    attn_mask, broadcastable to (..., H, L, S) as in PyTorch (its key axis too): bool (True: attend) is the
-    bias 0 / -inf, float32 is added to the scores (pyfa.torch.attention's bias=, with its
-    gradient); a query row that attends to no key gets 0. Not with is_causal (PyTorch
-    refuses the pair too)."""
+    attn_mask, broadcastable to (..., H, L, S) as in PyTorch (its key axis too): bool
+    (True: attend) is the bias 0 / -inf, float32 is added to the scores
+    (pyfa.torch.attention's bias=, with its gradient); a query row that attends to no key
+    gets 0. Not with is_causal (PyTorch refuses the pair too)."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         _check_tensor(name, t)
     bias = None

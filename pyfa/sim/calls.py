@@ -96,9 +96,9 @@ def simulated(algo, passes, result_class):
     reports progress, and answers an empty problem (Nq = 0 or Nk = 0) itself."""
     def wrap(kernel):
         name = f"pyfa.sim.{kernel.__name__}"
-        tensor_names = [n for n, p in inspect.signature(kernel).parameters.items()
-                        if p.kind == p.POSITIONAL_OR_KEYWORD]
-        named = {n for n, p in inspect.signature(kernel).parameters.items() if p.kind != p.VAR_KEYWORD}
+        parameters = inspect.signature(kernel).parameters.items()
+        tensor_names = [n for n, p in parameters if p.kind == p.POSITIONAL_OR_KEYWORD]
+        named = {n for n, p in parameters if p.kind != p.VAR_KEYWORD}
 
         @functools.wraps(kernel)
         def run(*args, options=None, **kwargs):

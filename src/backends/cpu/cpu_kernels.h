@@ -29,9 +29,9 @@ struct Ctx {
     bool group;               // the forward runs forward_group (workspace for it)
     int64_t group_heads = 1;  // adjacent K/V heads per forward_group item (group_heads())
     bool prefetch_past = false;  // forward_group: the last K/V tile prefetches the keys after it
+                                 // (a split's next chunk, which the same thread computes next)
     bool first_prefetched = false;  // forward_group: the call before prefetched past its last tile
                                     // (this one's first, unless a mask ended that one early)
-                                 // (a split's next chunk, which the same thread computes next)
 
     TileRange kv_tiles(int64_t b, int64_t i) const {
         const int64_t n = (per_sequence ? b * Tr : 0) + i;
