@@ -37,7 +37,7 @@ if not all(hasattr(torch.library, f) for f in ("custom_op", "register_vmap", "re
 from torch import Tensor
 
 from . import api, varlen
-from .checks import check_int, check_softcap, check_tile, check_window
+from .checks import check_bias, check_int, check_softcap, check_tile, check_window
 from .errors import ArgumentTypeError, InvalidArgumentError
 from .options import Options
 
@@ -77,7 +77,8 @@ def _dims(q, k, v, layout):
         raise InvalidArgumentError(f"k: head dim {dk} differs from q's {d}")
     if d < 1:
         raise InvalidArgumentError(f"q: head dim must be >= 1, got {d}")
-    if Hkv < 1 or H % Hkv != 0:
+    # No heads at all is an empty problem, as a batch of none is (SDPA answers both).
+    if (H % Hkv != 0) if Hkv else H != 0:
         raise InvalidArgumentError(f"k: its {Hkv} heads must divide q's {H} heads (grouped-query "
                                    f"attention), got q {tuple(q.shape)}, k {tuple(k.shape)}")
     return B, H, Nq, Nk, d, Hkv
@@ -304,6 +305,7 @@ def _fa2_forward_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, causal: boo
                    block_c, backend, dropout_p, seed, offset, softcap, alibi_slopes, split_size)
     if q.numel() == 0 or k.numel() == 0:
         _check_options(q, kw, k)
+        check_bias("bias", bias.detach(), (B, H, Nq, Nk))
         return q.new_zeros(q.shape), q.new_full((B, H, Nq), -math.inf)
     with _on_device_of(q):
         return api.fa2_forward(q.detach(), k.detach(), v.detach(), bias=bias.detach(), **kw)
@@ -331,12 +333,13 @@ def _fa2_backward_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, o: Tensor,
     bias_grad=False an empty dbias, not computed."""
     for name, t in (("q", q), ("k", k), ("v", v), ("bias", bias), ("o", o), ("lse", lse), ("do", do)):
         _check_dtype(name, t)
-    _dims(q, k, v, layout)
+    B, H, Nq, Nk, _, _ = _dims(q, k, v, layout)
     kw = _keywords(causal, window_left, window_right, causal_align, scale, layout, block_r,
                    block_c, backend, dropout_p, seed, offset, softcap, alibi_slopes, split_size)
     dbias_shape = bias.shape if bias_grad else (0,)
     if q.numel() == 0 or k.numel() == 0:
         _check_options(q, kw, k)
+        check_bias("bias", bias.detach(), (B, H, Nq, Nk))
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), bias.new_zeros(dbias_shape)
     with _on_device_of(q):
         grads = api.fa2_backward(q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(),
@@ -608,6 +611,15 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         if hkv == 0 or hq % hkv != 0:
             raise InvalidArgumentError(f"key: its {hkv} heads must divide query's {hq} heads "
                                        f"(enable_gqa=True)")
+    if bias is not None:
+        scores = tuple(query.shape[:-1]) + (key.shape[-2],)
+        try:
+            fits = torch.broadcast_shapes(bias.shape, scores) == scores
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise InvalidArgumentError(f"attn_mask: shape {tuple(attn_mask.shape)} does not broadcast to "
+                                       f"the scores' {scores} (query's shape, the keys last)")
     if bias is not None and bias.dim() >= 1 and bias.shape[-1] == 1 and key.shape[-2] != 1:
         # One value for every key (PyTorch broadcasts the key axis too; pyfa's bias has it
         # whole): expanded, so that a gradient sums back over it.

@@ -91,6 +91,9 @@ def test_sdpa_takes_an_autocast_dtype_mask_under_autocast():
 def test_sdpa_refuses_what_it_cannot_honour():
     q = torch.zeros(1, 4, 5, 8)
     sdpa = pyfa.torch.scaled_dot_product_attention
+    for nq in (5, 0):  # torch refuses the first and answers the empty one unchecked
+        with pytest.raises(ValueError, match=r"attn_mask: shape \(3, 5, 7, 9\) does not broadcast"):
+            sdpa(q[:, :, :nq], q, q, attn_mask=torch.zeros(3, 5, 7, 9))
     with pytest.raises(ValueError, match="attn_mask: given with is_causal=True"):
         sdpa(q, q, q, attn_mask=torch.ones(5, 5, dtype=torch.bool), is_causal=True)
     with pytest.raises(ValueError, match=r"dropout_p: must be in \[0, 1\)"):

@@ -200,6 +200,26 @@ def test_empty_sequences_as_sdpa():
     assert q0.grad.shape == (1, 2, 0, 4)
 
 
+def test_no_heads_or_no_batch_is_an_empty_problem_as_in_sdpa():
+    F = torch.nn.functional
+    for shape in ((1, 0, 3, 4), (0, 2, 3, 4)):
+        q = torch.zeros(shape, requires_grad=True)
+        o = pyfa.torch.attention(q, q, q, **KW)
+        assert o.shape == F.scaled_dot_product_attention(q, q, q).shape == shape
+        o.sum().backward()
+        assert q.grad.shape == shape
+    with pytest.raises(ValueError, match="k: its 0 heads must divide q's 2 heads"):
+        pyfa.torch.attention(torch.zeros(1, 2, 3, 4), torch.zeros(1, 0, 3, 4), torch.zeros(1, 0, 3, 4), **KW)
+
+
+def test_empty_problem_checks_the_bias_shape():
+    q, k = torch.zeros(1, 2, 0, 4), torch.zeros(1, 2, 5, 4)
+    for grad in (False, True):
+        with pytest.raises(ValueError, match=r"bias: shape \(3, 5, 7, 9\) does not broadcast"):
+            pyfa.torch.attention(q, k, k, bias=torch.zeros(3, 5, 7, 9, requires_grad=grad), **KW)
+    assert pyfa.torch.attention(q, k, k, bias=torch.zeros(2, 1, 5), **KW).shape == (1, 2, 0, 4)
+
+
 def test_shape_errors_name_the_argument():
     q = torch.zeros(1, 4, 3, 8)
     with pytest.raises(ValueError, match="k: its 3 heads must divide q's 4 heads"):
