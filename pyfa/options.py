@@ -120,6 +120,22 @@ _active = contextvars.ContextVar("pyfa_options", default=())
 FIELDS = tuple(f.name for f in dataclasses.fields(Options))
 
 
+def _init_naming_unknown_options(init):
+    # The dataclass's own __init__ refuses an unknown name with a plain TypeError; pyfa's
+    # errors are pyfa.Error, and this one lists what there is (replace() comes here too).
+    def __init__(self, *args, **given):
+        for name in given:
+            if name not in FIELDS:
+                raise ArgumentTypeError(f"pyfa.Options: unknown option {name!r} (the options: "
+                                        f"{', '.join(FIELDS)})")
+        init(self, *args, **given)
+    __init__.__doc__, __init__.__wrapped__ = init.__doc__, init
+    return __init__
+
+
+Options.__init__ = _init_naming_unknown_options(Options.__init__)
+
+
 def resolve(function, options, legacy, allowed=FIELDS):
     """The Options a call to `function` (its public name, for messages) runs with:
     `options` (an Options, or None for the context's), with the deprecated keyword forms
@@ -132,7 +148,7 @@ def resolve(function, options, legacy, allowed=FIELDS):
         return options
     for name in legacy:
         if name not in allowed:
-            raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
+            raise ArgumentTypeError(f"{function}() got an unexpected keyword argument {name!r}")
     given = ", ".join(f"{name}=..." for name in legacy)
     warnings.warn(f"{function}(..., {given}) is deprecated and will be removed in the next "
                   f"release: pass options=pyfa.Options({given}) or run the call inside "

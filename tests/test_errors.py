@@ -254,6 +254,16 @@ def test_query_functions_name_the_argument(call, exc, needle):
         call()
 
 
+def test_unknown_options_are_pyfa_errors_listing_the_options():
+    for call in (lambda: pyfa.Options(blockr=32), lambda: pyfa.Options().replace(thread=2)):
+        with pytest.raises(pyfa.ArgumentTypeError, match=r"unknown option '(blockr|thread)' \(the options: backend, "):
+            call()
+    q = np.zeros((1, 1, 2, 4), np.float32)
+    with pytest.raises(pyfa.ArgumentTypeError, match="unexpected keyword argument 'bogus'"):
+        pyfa.attention(q, q, q, bogus=1)
+    assert pyfa.Options("cpu", 32).block_r == 32
+
+
 def test_smem_bytes_of_sizes_in_range_is_the_library_s_answer():
     assert pyfa.smem_bytes("fa2_forward", 64, 64, 64) == pyfa.sim.smem_bytes("fa2_forward", 64, 64, 64)
     assert pyfa.smem_bytes("fa2_forward", 0, 64, 64) == 0  # out of the library's range: 0, as pyfa.h says
