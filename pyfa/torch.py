@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 try:
     import torch
@@ -455,6 +455,45 @@ def _dropout_args(dropout_p, seed, offset):
     return float(dropout_p), signed(seed), signed(offset)
 
 
+class _Keywords(NamedTuple):
+    left: Optional[int]
+    right: Optional[int]
+    block_r: Optional[int]
+    block_c: Optional[int]
+    scale: Optional[float]
+    dropout_p: float
+    seed: int
+    offset: int
+    softcap: Optional[float]
+    alibi_slopes: Optional[Tensor]
+    split: int
+
+
+def _checked_keywords(q, causal, return_lse, window, block_r, block_c, backend, causal_align, scale,
+                      dropout_p, seed, offset, softcap, alibi_slopes, split_size):
+    """The keywords attention and attention_varlen share, checked by pyfa's rules before
+    torch's schema sees them (it would refuse with RuntimeErrors of its own), in the
+    operators' form."""
+    _check_bool("causal", causal)
+    _check_bool("return_lse", return_lse)
+    left, right = check_window(window)
+    block_r, block_c = check_tile("block_r", block_r), check_tile("block_c", block_c)
+    _check_str("backend", backend)
+    _check_str("causal_align", causal_align)
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise ArgumentTypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+        scale = float(scale)
+    dropout_p, seed, offset = _dropout_args(dropout_p, seed, offset)
+    softcap = check_softcap(softcap)
+    split = 0 if split_size is None else check_int("split_size", split_size, 1, 1 << 40)
+    if alibi_slopes is not None:
+        _check_tensor("alibi_slopes", alibi_slopes)
+        alibi_slopes = alibi_slopes.detach().to(q.device, torch.float32).contiguous()
+    return _Keywords(left, right, block_r, block_c, scale, dropout_p, seed, offset, softcap, alibi_slopes,
+                     split)
+
+
 def _to_4d(t, rank, layout):
     """The 4-D view of a rank-2 or -3 tensor in `layout` (leading unit axes added)."""
     if rank == 4:
@@ -510,8 +549,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         _check_tensor(name, t)
     if not isinstance(layout, str) or layout not in _LAYOUTS:
         raise InvalidArgumentError(f"layout: expected 'bhnd' or 'bnhd', got {layout!r}")
-    _check_bool("causal", causal)
-    _check_bool("return_lse", return_lse)
     rank = q.dim()
     if rank not in (2, 3, 4):
         words = "(B, H, N, d), (H, N, d)" if layout == "bhnd" else "(B, N, H, d), (N, H, d)"
@@ -519,28 +556,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     for name, t in (("k", k), ("v", v)):
         if t.dim() != rank:
             raise InvalidArgumentError(f"{name}: expected {rank} dimensions like q, got shape {tuple(t.shape)}")
-    left, right = check_window(window)
-    block_r, block_c = check_tile("block_r", block_r), check_tile("block_c", block_c)
-    _check_str("backend", backend)
-    _check_str("causal_align", causal_align)
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            raise ArgumentTypeError(f"scale: expected a float or None, got {type(scale).__name__}")
-        scale = float(scale)
-    dropout_p, seed, offset = _dropout_args(dropout_p, seed, offset)
-    softcap = check_softcap(softcap)
-    split = 0 if split_size is None else check_int("split_size", split_size, 1, 1 << 40)
-    if alibi_slopes is not None:
-        _check_tensor("alibi_slopes", alibi_slopes)
-        alibi_slopes = alibi_slopes.detach().to(q.device, torch.float32).contiguous()
+    a = _checked_keywords(q, causal, return_lse, window, block_r, block_c, backend, causal_align, scale,
+                          dropout_p, seed, offset, softcap, alibi_slopes, split_size)
     tensors = (_to_4d(q, rank, layout), _to_4d(k, rank, layout), _to_4d(v, rank, layout))
-    options = (causal, left, right, causal_align, scale, layout, block_r, block_c, backend)
+    options = (causal, a.left, a.right, causal_align, a.scale, layout, a.block_r, a.block_c, backend)
+    mods = (a.dropout_p, a.seed, a.offset, a.softcap, a.alibi_slopes, a.split)
     if bias is not None:
-        o, lse = torch.ops.pyfa.fa2_forward_bias(*tensors, _bias_operand(bias), *options, dropout_p, seed,
-                                                 offset, softcap, alibi_slopes, split)
+        o, lse = torch.ops.pyfa.fa2_forward_bias(*tensors, _bias_operand(bias), *options, *mods)
     else:
-        o, lse = torch.ops.pyfa.fa2_forward(*tensors, *options, dropout_p, seed, offset, softcap,
-                                            alibi_slopes, split)
+        o, lse = torch.ops.pyfa.fa2_forward(*tensors, *options, *mods)
     if rank < 4:
         o = o.reshape(q.shape)
         lse = lse.reshape(lse.shape[4 - rank:])
@@ -887,28 +911,14 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                                        f"{tuple(t.shape)}")
     _check_offsets("cu_seqlens_q", cu_seqlens_q)
     _check_offsets("cu_seqlens_k", cu_seqlens_k)
-    _check_bool("causal", causal)
-    _check_bool("return_lse", return_lse)
-    left, right = check_window(window)
-    block_r, block_c = check_tile("block_r", block_r), check_tile("block_c", block_c)
-    _check_str("backend", backend)
-    _check_str("causal_align", causal_align)
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            raise ArgumentTypeError(f"scale: expected a float or None, got {type(scale).__name__}")
-        scale = float(scale)
+    a = _checked_keywords(q, causal, return_lse, window, block_r, block_c, backend, causal_align, scale,
+                          dropout_p, seed, offset, softcap, alibi_slopes, split_size)
     max_q = _longest("max_seqlen_q", cu_seqlens_q, max_seqlen_q)
     max_k = _longest("max_seqlen_k", cu_seqlens_k, max_seqlen_k)
-    softcap = check_softcap(softcap)
-    if alibi_slopes is not None:
-        _check_tensor("alibi_slopes", alibi_slopes)
-        alibi_slopes = alibi_slopes.detach().to(q.device, torch.float32).contiguous()
-    split = 0 if split_size is None else check_int("split_size", split_size, 1, 1 << 40)
-    dropout_p, seed, offset = _dropout_args(dropout_p, seed, offset)
     o, lse = torch.ops.pyfa.fa2_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal,
-                                               left, right, causal_align, scale, block_r, block_c, backend,
-                                               softcap, alibi_slopes, split, dropout_p, seed, offset,
-                                               None if bias is None else _bias_operand(bias))
+                                               a.left, a.right, causal_align, a.scale, a.block_r, a.block_c,
+                                               backend, a.softcap, a.alibi_slopes, a.split, a.dropout_p, a.seed,
+                                               a.offset, None if bias is None else _bias_operand(bias))
     return (o, lse) if return_lse else o
 
 
