@@ -30,7 +30,7 @@ from .errors import (
     InternalError, InvalidArgumentError, KernelHazardError, LibraryNotFoundError, OutOfMemoryError,
     PyfaError, TileTooLargeError,
 )
-from .kvcache import attention_with_kvcache, merge_states
+from .kvcache import attention_with_kvcache, merge_sinks, merge_states, sinks_grad
 from .options import Options
 from .prepared import PreparedCall, prepare
 from .varlen import attention_varlen, attention_varlen_grad
@@ -50,5 +50,6 @@ __all__ = [
     "attention", "attention_grad", "attention_varlen", "attention_varlen_grad", "attention_with_kvcache",
     "backends", "default_tiles", "device_profile", "dropout_mask",
     "fa1_backward", "fa1_forward", "fa2_backward", "fa2_forward", "get_include",
-    "get_library", "library_version", "merge_states", "prepare", "sim", "smem_bytes", "unavailable_backends",
+    "get_library", "library_version", "merge_sinks", "merge_states", "prepare", "sim", "sinks_grad", "smem_bytes",
+    "unavailable_backends",
 ]

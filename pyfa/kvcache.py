@@ -32,6 +32,32 @@ def merge_states(o_parts: ArrayOrParts, lse_parts: ArrayOrParts) -> Tuple[np.nda
     return merge(o_parts, lse_parts)
 
 
+def merge_sinks(o: np.ndarray, lse: np.ndarray, sinks: np.ndarray,
+                layout: str = "bhnd") -> Tuple[np.ndarray, np.ndarray]:
+    """Attention sinks (gpt-oss's learned sinks): a logit sinks[h] per query head that
+    joins every row's softmax and carries no value. Returns (o', lse'): the state (o, lse)
+    of pyfa.fa2_forward merged by merge_states, part 0 the attention and part 1 the sink
+    (O = 0, LSE = sinks[h]), the bits of the combine step; a row that sees no key gets
+    O = 0, LSE = sinks[h]. fa2_backward(q, k, v, o', lse', do) is then the gradient of
+    q, k, v (the sink adds no dP), and sinks_grad that of the sinks.
+
+    o: (B, H, Nq, d) float32 NumPy in layout "bhnd", (B, Nq, H, d) in "bnhd"; lse:
+    (B, H, Nq); sinks: (H,) float32, -inf for a head without one (its rows keep their
+    bits). docs/numerics.md, "Attention sinks"."""
+    from .sim.merge import merge_sinks as merge
+    return merge(o, lse, sinks, layout)
+
+
+def sinks_grad(o: np.ndarray, lse: np.ndarray, do: np.ndarray, sinks: np.ndarray,
+               dlse: Optional[np.ndarray] = None, layout: str = "bhnd") -> np.ndarray:
+    """The gradient (H,) of the sinks of merge_sinks' (o', lse') for the incoming gradients
+    do (like o') and dlse (like lse', or None): dsinks[h] = sum over b, then i, from +0 of
+    exp(sinks[h] - lse'[b, h, i]) * (dlse - D), D = pyfa_dot(dO_i, O'_i) as the backward
+    computes it (docs/numerics.md, "Attention sinks")."""
+    from .sim.merge import sinks_grad as grad
+    return grad(o, lse, do, sinks, dlse, layout)
+
+
 # ---- the KV cache (flash-attn's flash_attn_with_kvcache)
 
 def _float32(name, x, ndim):

@@ -26,6 +26,8 @@ import math
 import numbers
 from typing import List, NamedTuple, Optional, Tuple
 
+import numpy as np
+
 try:
     import torch
 except ImportError as e:
@@ -37,6 +39,7 @@ if not all(hasattr(torch.library, f) for f in ("custom_op", "register_vmap", "re
 from torch import Tensor
 
 from . import api, varlen
+from .kvcache import merge_sinks, sinks_grad
 from .checks import check_bias, check_int, check_softcap, check_tile, check_window
 from .errors import ArgumentTypeError, InvalidArgumentError
 from .options import Options
@@ -139,9 +142,11 @@ def _fa2_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, window_left: Opt
                  layout: str, block_r: Optional[int], block_c: Optional[int],
                  backend: str, dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
                  softcap: Optional[float] = None,
-                 alibi_slopes: Optional[Tensor] = None, split_size: int = 0) -> Tuple[Tensor, Tensor]:
+                 alibi_slopes: Optional[Tensor] = None, split_size: int = 0,
+                 sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """q: (B, H, Nq, d) in `layout`; k, v: (B, Hkv, Nk, d) in `layout`, float32. Returns
-    o (like q, C-contiguous) and lse (B, H, Nq)."""
+    o (like q, C-contiguous) and lse (B, H, Nq); with sinks ((H,), CPU), those of
+    attention with sinks (pyfa.merge_sinks)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_dtype(name, t)
     B, H, Nq, Nk, _, _ = _dims(q, k, v, layout)
@@ -150,16 +155,16 @@ def _fa2_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, window_left: Opt
     if q.numel() == 0 or k.numel() == 0:
         # No query rows, or no keys: every row sees nothing (O = 0, LSE = -inf).
         _check_options(q, kw, k)
-        return q.new_zeros(q.shape), q.new_full((B, H, Nq), -math.inf)
+        return _with_sinks(q.new_zeros(q.shape), q.new_full((B, H, Nq), -math.inf), sinks, layout)
     # DLPack refuses tensors that require grad.
     with _on_device_of(q):
-        return api.fa2_forward(q.detach(), k.detach(), v.detach(), **kw)
+        return _with_sinks(*api.fa2_forward(q.detach(), k.detach(), v.detach(), **kw), sinks, layout)
 
 
 @_fa2_forward.register_fake
 def _fa2_forward_fake(q, k, v, causal, window_left, window_right, causal_align, scale, layout,
                       block_r, block_c, backend, dropout_p=0.0, seed=0, offset=0, softcap=None,
-                      alibi_slopes=None, split_size=0):
+                      alibi_slopes=None, split_size=0, sinks=None):
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_dtype(name, t)
     B, H, Nq, _, _, _ = _dims(q, k, v, layout)
@@ -199,10 +204,42 @@ def _fa2_backward_fake(q, k, v, o, lse, do, *options):
 
 def _forward_setup(ctx, inputs, output):
     q, k, v, *options = inputs
-    ctx.save_for_backward(q, k, v, *output)
-    ctx.options = options
+    # The backward of attention with sinks is the plain one on the merged (o, lse): the
+    # backward operators take the options without the sinks.
+    ctx.save_for_backward(q, k, v, *output, options[-1])
+    ctx.options = options[:-1]
     # An unused output's gradient stays None: no work for an LSE nobody differentiates.
     ctx.set_materialize_grads(False)
+
+
+def _with_sinks(o, lse, sinks, layout):
+    """(o, lse), merged with the sinks where there are any (pyfa.merge_sinks, on the CPU)."""
+    if sinks is None:
+        return o, lse
+    _check_dtype("sinks", sinks)
+    o, lse = merge_sinks(o.numpy(), lse.numpy(), sinks.detach().numpy(), layout)
+    return torch.from_numpy(np.ascontiguousarray(o)), torch.from_numpy(lse)
+
+
+def _sinks_gradient(ctx, o, lse, do, dlse, sinks):
+    """The sinks' gradient (pyfa::sinks_grad), or None where they need none."""
+    if sinks is None or not ctx.needs_input_grad[-1]:
+        return None
+    layout = dict(zip(_OPTION_NAMES, ctx.options))["layout"]
+    return torch.ops.pyfa.sinks_grad(o, lse, do, sinks, dlse, layout)
+
+
+@torch.library.custom_op("pyfa::sinks_grad", mutates_args=())
+def _sinks_grad(o: Tensor, lse: Tensor, do: Tensor, sinks: Tensor, dlse: Optional[Tensor],
+                layout: str) -> Tensor:
+    """pyfa.sinks_grad on CPU tensors: the sinks' (H,) gradient from the merged (o, lse)."""
+    return torch.from_numpy(sinks_grad(o.numpy(), lse.numpy(), do.numpy(), sinks.detach().numpy(),
+                                       None if dlse is None else dlse.numpy(), layout))
+
+
+@_sinks_grad.register_fake
+def _sinks_grad_fake(o, lse, do, sinks, dlse, layout):
+    return sinks.new_empty(sinks.shape)
 
 
 def _undropped(names, options):
@@ -229,7 +266,7 @@ def _lse_gradient(q, k, v, lse, dlse, options):
 
 
 def _forward_backward(ctx, do, dlse):
-    q, k, v, o, lse = ctx.saved_tensors
+    q, k, v, o, lse, sinks = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
     dq, dk, dv = torch.ops.pyfa.fa2_backward(q, k, v, o, lse, do, *ctx.options)
@@ -238,7 +275,7 @@ def _forward_backward(ctx, do, dlse):
         dlse = torch.where(torch.isinf(lse), torch.zeros_like(dlse), dlse)
         lq, lk = _lse_gradient(q, k, v, lse, dlse, ctx.options)
         dq, dk = dq + lq, dk + lk
-    return (dq, dk, dv) + (None,) * len(ctx.options)
+    return (dq, dk, dv) + (None,) * len(ctx.options) + (_sinks_gradient(ctx, o, lse, do, dlse, sinks),)
 
 
 def _backward_setup(ctx, inputs, output):
@@ -269,6 +306,8 @@ def _unfold(x, size):
 
 
 def _forward_vmap(info, in_dims, q, k, v, *options):
+    if in_dims[-1] is not None:
+        raise InvalidArgumentError("sinks: pyfa.torch.attention takes one sink per head, not a vmapped batch of them")
     n = info.batch_size
     o, lse = torch.ops.pyfa.fa2_forward(*(_fold(t, d, n) for t, d in zip((q, k, v), in_dims)),
                                         *options)
@@ -296,7 +335,7 @@ def _fa2_forward_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, causal: boo
                       block_c: Optional[int], backend: str,
                       dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
                       softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
-                      split_size: int = 0) -> Tuple[Tensor, Tensor]:
+                      split_size: int = 0, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """pyfa::fa2_forward with an additive float32 bias broadcastable to (B, H, Nq, Nk)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("bias", bias)):
         _check_dtype(name, t)
@@ -306,9 +345,10 @@ def _fa2_forward_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, causal: boo
     if q.numel() == 0 or k.numel() == 0:
         _check_options(q, kw, k)
         check_bias("bias", bias.detach(), (B, H, Nq, Nk))
-        return q.new_zeros(q.shape), q.new_full((B, H, Nq), -math.inf)
+        return _with_sinks(q.new_zeros(q.shape), q.new_full((B, H, Nq), -math.inf), sinks, layout)
     with _on_device_of(q):
-        return api.fa2_forward(q.detach(), k.detach(), v.detach(), bias=bias.detach(), **kw)
+        return _with_sinks(*api.fa2_forward(q.detach(), k.detach(), v.detach(), bias=bias.detach(), **kw),
+                           sinks, layout)
 
 
 @_fa2_forward_bias.register_fake
@@ -359,13 +399,13 @@ def _fa2_backward_bias_fake(q, k, v, bias, o, lse, do, *options, bias_grad=True)
 
 def _forward_bias_setup(ctx, inputs, output):
     q, k, v, bias, *options = inputs
-    ctx.save_for_backward(q, k, v, bias, *output)
-    ctx.options = options
+    ctx.save_for_backward(q, k, v, bias, *output, options[-1])  # the sinks last, as _forward_setup
+    ctx.options = options[:-1]
     ctx.set_materialize_grads(False)
 
 
 def _forward_bias_backward(ctx, do, dlse):
-    q, k, v, bias, o, lse = ctx.saved_tensors
+    q, k, v, bias, o, lse, sinks = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
     # A bias that needs no gradient takes a backward without dbias: no scratch, no writes.
@@ -386,7 +426,8 @@ def _forward_bias_backward(ctx, do, dlse):
         lq, lk, _, lb = torch.ops.pyfa.fa2_backward_bias(q, k, torch.zeros_like(v), bias, o1, lse, do1,
                                                          *options, need)
         dq, dk, dbias = dq + lq, dk + lk, dbias + lb
-    return (dq, dk, dv, dbias if need else None) + (None,) * len(ctx.options)
+    return ((dq, dk, dv, dbias if need else None) + (None,) * len(ctx.options)
+            + (_sinks_gradient(ctx, o, lse, do, dlse, sinks),))
 
 
 def _no_double_backward_bias(ctx, ddq, ddk, ddv, ddbias):
@@ -494,6 +535,20 @@ def _checked_keywords(q, causal, return_lse, window, block_r, block_c, backend, 
                      split)
 
 
+def _check_sinks(sinks, q4, layout):
+    """sinks as the operators take them: None, or a float32 CPU tensor of q's H heads."""
+    if sinks is None:
+        return None
+    _check_tensor("sinks", sinks)  # its dtype is the operator's to check (autocast casts it)
+    heads = q4.shape[2 if layout == "bnhd" else 1]
+    if tuple(sinks.shape) != (heads,):
+        raise InvalidArgumentError(f"sinks: expected shape ({heads},), one per query head, got {tuple(sinks.shape)}")
+    if sinks.device.type != "cpu" or q4.device.type != "cpu":
+        raise InvalidArgumentError(f"sinks: pyfa merges sinks on the CPU only in this version; q on {q4.device}, "
+                                   f"sinks on {sinks.device}")
+    return sinks
+
+
 def _to_4d(t, rank, layout):
     """The 4-D view of a rank-2 or -3 tensor in `layout` (leading unit axes added)."""
     if rank == 4:
@@ -510,7 +565,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
               block_c: Optional[int] = None, backend: str = "auto", dropout_p: float = 0.0,
               seed: Optional[int] = None, offset: int = 0, bias: Optional[Tensor] = None,
               softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
-              split_size: Optional[int] = None):
+              split_size: Optional[int] = None, sinks: Optional[Tensor] = None):
     """O = softmax(scale * Q K^T [mask]) V by FlashAttention-2, differentiable.
 
     q: (B, H, Nq, d), (H, Nq, d) or (Nq, d) float32 in layout "bhnd"; (B, Nq, H, d),
@@ -544,7 +599,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
 
     split_size: None, or keys per chunk (a multiple of the kernels' tiles): the split
     structure (docs/numerics.md, "Split-KV"), forward and backward, whose bits
-    pyfa.torch.context_parallel_attention reproduces on any number of ranks."""
+    pyfa.torch.context_parallel_attention reproduces on any number of ranks.
+
+    sinks: None, or a float32 CPU tensor (H,) (gpt-oss's learned attention sinks): a
+    logit per query head that joins every row's softmax and has no value, so that a row
+    may attend to nothing (pyfa.merge_sinks: the attention merged with the sink's state;
+    -inf is no sink); LSE then counts it. Differentiable: its gradient is
+    pyfa.sinks_grad's."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
     if not isinstance(layout, str) or layout not in _LAYOUTS:
@@ -560,7 +621,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                           dropout_p, seed, offset, softcap, alibi_slopes, split_size)
     tensors = (_to_4d(q, rank, layout), _to_4d(k, rank, layout), _to_4d(v, rank, layout))
     options = (causal, a.left, a.right, causal_align, a.scale, layout, a.block_r, a.block_c, backend)
-    mods = (a.dropout_p, a.seed, a.offset, a.softcap, a.alibi_slopes, a.split)
+    mods = (a.dropout_p, a.seed, a.offset, a.softcap, a.alibi_slopes, a.split,
+            _check_sinks(sinks, tensors[0], layout))
     if bias is not None:
         o, lse = torch.ops.pyfa.fa2_forward_bias(*tensors, _bias_operand(bias), *options, *mods)
     else:

@@ -1,5 +1,6 @@
 """pyfa as a transformers attention backend (pyfa.integrations.transformers): tiny GPT-2,
-Llama (GQA) and Mistral (GQA, sliding window) models against transformers' SDPA backend:
+Llama (GQA) and Mistral (GQA, sliding window) models against transformers' SDPA backend
+(Gemma 2's softcap and gpt-oss's sinks against its eager one):
 logits and every parameter's gradient, unpadded, right- and left-padded; greedy
 generation; a short AdamW run; and the masks and arguments it refuses. Runs when torch and transformers import."""
 
@@ -188,6 +189,34 @@ def test_gemma2_logit_softcap_equals_eager():
     lb.backward()
     for (name, pa), (_, pb) in zip(eager.named_parameters(), ours.named_parameters()):
         torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.skipif(not hasattr(transformers, "GptOssConfig"), reason="this transformers has no gpt-oss")
+def test_gpt_oss_attention_sinks_equal_eager():
+    # gpt-oss passes its learned sinks as s_aux; transformers runs them eagerly only.
+    pyfa_hf.register()
+    config = transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32,
+                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                       head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                                       sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+                                       max_position_embeddings=64)
+    torch.manual_seed(0)
+    eager = transformers.GptOssForCausalLM(config)
+    ours = copy.deepcopy(eager)
+    eager.set_attn_implementation("eager")
+    ours.set_attn_implementation("pyfa")
+    ids, mask = batch("left")
+    (la, a), (lb, b) = (loss_and_logits(m, ids, mask) for m in (eager, ours))
+    valid = mask.bool()
+    torch.testing.assert_close(b[valid], a[valid], rtol=1e-5, atol=1e-5)
+    la.backward()
+    lb.backward()
+    for (name, pa), (_, pb) in zip(eager.named_parameters(), ours.named_parameters()):
+        torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert ours.model.layers[0].self_attn.sinks.grad.abs().max() > 0
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(ours.eval().generate(ids, **kw), eager.eval().generate(ids, **kw))
 
 
 def test_training_dropout_is_pyfas_and_reproducible():

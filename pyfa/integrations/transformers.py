@@ -15,7 +15,8 @@ whose rows share one pattern runs as one call; otherwise each row runs alone on 
 Query rows that see no key (left padding's padded rows) get O = 0. Any other mask (and a
 float mask, which SDPA adds to the scores) becomes pyfa's additive bias: 0 where visible,
 -inf where hidden, in one call with the bias's gradient path. The model's attention
-dropout (in training) and logit softcap (Gemma 2) are pyfa's dropout_p and softcap.
+dropout (in training) and logit softcap (Gemma 2) are pyfa's dropout_p and softcap, and
+gpt-oss's learned attention sinks (s_aux) pyfa.torch.attention's sinks.
 """
 from __future__ import annotations
 
@@ -77,10 +78,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     as in transformers' SDPA backend, causal (top-left) iff Nq > 1 and the module is
     causal), or a float (B or 1, 1, Nq, Nk) mask added to the scores as SDPA adds it.
     dropout: pyfa.torch.attention's dropout_p, its seed drawn from torch's generator;
-    softcap: pyfa's softcap. Refused, naming the argument: position_bias and sinks."""
-    for name in ("position_bias", "s_aux", "sinks"):
-        if kwargs.get(name) is not None:
-            raise InvalidArgumentError(f"{name}: not supported by pyfa's attention backend")
+    softcap: pyfa's softcap. s_aux (gpt-oss's learned sinks, (H,)): pyfa.torch.attention's
+    sinks. Refused, naming the argument: position_bias."""
+    if kwargs.get("position_bias") is not None:
+        raise InvalidArgumentError("position_bias: not supported by pyfa's attention backend")
     B, _, Nq, _ = query.shape
     Nk = key.shape[2]
     # pyfa reads (B, N, H, d) views in place and writes O as transformers wants it back.
@@ -90,6 +91,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         kw["dropout_p"] = float(dropout)
     if softcap:
         kw["softcap"] = float(softcap)
+    if kwargs.get("s_aux") is not None:
+        kw["sinks"] = kwargs["s_aux"]
     if attention_mask is None:
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         out = pyfa_torch.attention(q, k, v, causal=bool(causal and Nq > 1),

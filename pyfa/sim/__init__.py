@@ -22,7 +22,7 @@ from .fa2_backward import Fa2BackwardResult, fa2_backward
 from .fa2_forward import Fa2ForwardResult, fa2_forward
 from .io import IORecord, format_bytes
 from .mask import Mask
-from .merge import merge_states
+from .merge import merge_sinks, merge_states, sinks_grad
 from .standard import count_standard_io, standard_backward, standard_forward
 from .tiles import EMU_PROFILE, DeviceProfile, TileTooLargeError, default_tiles, smem_bytes, smem_terms
 from .varlen import (attention_varlen, attention_with_kvcache, fa1_backward_varlen, fa1_forward_varlen, fa2_backward_varlen,
@@ -34,7 +34,8 @@ __all__ = [
     "context_parallel_bytes", "count_io", "count_io_varlen", "dropout_mask",
     "attention_varlen", "attention_with_kvcache", "fa1_backward_varlen", "fa1_forward_varlen", "fa2_backward_varlen",
     "fa2_forward_varlen",
-    "default_tiles", "fa2_forward", "format_bytes", "merge_states", "smem_bytes", "smem_terms",
+    "default_tiles", "fa2_forward", "format_bytes", "merge_sinks", "merge_states", "sinks_grad", "smem_bytes",
+    "smem_terms",
     "Fa2BackwardResult", "fa2_backward",
     "Fa1BackwardResult", "Fa1ForwardResult", "fa1_backward", "fa1_forward",
 ]

@@ -61,3 +61,73 @@ def merge_states(o_parts, lse_parts):
         acc_o = np.where(take[..., None], o_c, np.where(fold[..., None], o_fold, acc_o)).astype(F32)
         acc_lse = np.where(take, lse_c, np.where(fold, lse_fold, acc_lse)).astype(F32)
     return nx.canonical_nan(acc_o), nx.canonical_nan(acc_lse)
+
+
+# ---- attention sinks (gpt-oss's learned sinks): a logit s_h per query head that joins
+# every row's softmax and carries no value, P_ij = exp(S_ij - LSE'_i) with
+# LSE'_i = log(exp(s_h) + sum_j exp(S_ij)). The sink is the state (O = 0, LSE = s_h) of an
+# empty key set, so attention with a sink is the attention's state merged with it, part 1
+# after part 0 by merge_states; and the kernels' backward, given that merged (O', LSE'),
+# is already the gradient of q, k, v (P' = exp(S - LSE'), D = dO . O'), the sink adding
+# no dP. What is left is the sinks' own gradient, sinks_grad.
+
+def _sink_views(o, lse, sinks, layout):
+    """(o as (B, H, Nq, d), lse (B, H, Nq), sinks (H,)) checked; o in `layout`."""
+    o, lse, sinks = (np.asarray(x) for x in (o, lse, sinks))
+    for name, x in (("o", o), ("lse", lse), ("sinks", sinks)):
+        if x.dtype != np.float32:
+            raise InvalidArgumentError(f"{name}: expected float32, got {x.dtype}")
+    if layout not in ("bhnd", "bnhd"):
+        raise InvalidArgumentError(f"layout: expected 'bhnd' or 'bnhd', got {layout!r}")
+    if o.ndim != 4:
+        raise InvalidArgumentError(f"o: expected 4 dimensions, got shape {o.shape}")
+    o4 = o if layout == "bhnd" else o.transpose(0, 2, 1, 3)
+    if lse.shape != o4.shape[:3]:
+        raise InvalidArgumentError(f"lse: expected shape {o4.shape[:3]} (B, H, Nq), got {lse.shape}")
+    if sinks.shape != (o4.shape[1],):
+        raise InvalidArgumentError(f"sinks: expected shape ({o4.shape[1]},), one per query head, got {sinks.shape}")
+    if np.isnan(sinks).any() or (sinks == np.inf).any():
+        raise InvalidArgumentError("sinks: must be finite or -inf (no sink)")
+    return o4, lse, sinks
+
+
+@nx.ieee_arithmetic
+def merge_sinks(o, lse, sinks, layout="bhnd"):
+    """(o', lse'): the state (o, lse) of attention (pyfa.fa2_forward's) merged with each
+    query head's sink, the state (O = 0, LSE = sinks[h]), by merge_states (part 0 the
+    attention, part 1 the sink): attention whose softmax also counts a logit sinks[h]
+    that has no value (gpt-oss; a row that sees no key gets O = 0, LSE = sinks[h]).
+    o: (B, H, Nq, d) in "bhnd", (B, Nq, H, d) in "bnhd"; lse: (B, H, Nq); sinks: (H,)
+    float32, -inf for a head without one. Returns o' in o's layout and lse'."""
+    o4, lse, sinks = _sink_views(o, lse, sinks, layout)
+    s = np.broadcast_to(sinks[None, :, None], lse.shape)
+    out, lse_out = merge_states([o4, np.zeros_like(o4)], [lse, s])
+    return (out if layout == "bhnd" else out.transpose(0, 2, 1, 3)), lse_out
+
+
+@nx.ieee_arithmetic
+def sinks_grad(o, lse, do, sinks, dlse=None, layout="bhnd"):
+    """The gradient of the sinks (H,) from merge_sinks' (o', lse') and the incoming
+    gradients do (like o') and dlse (like lse', or None): with the sink's probability
+    p = exp(sinks[h] - lse'[b, h, i]) and D = pyfa_dot(dO_i, O'_i) (the backward's D, x in
+    order, one fma a step),
+        dsinks[h] = sum over b, then i, in order from +0 of p * (dlse - D)
+    (dlse = 0 when None), each step one add after one multiply: a sum whose order is
+    written, the same bits wherever o', lse' and do have them."""
+    o4, lse, sinks = _sink_views(o, lse, sinks, layout)
+    do = np.asarray(do)
+    if do.dtype != np.float32 or do.shape != o.shape:
+        raise InvalidArgumentError(f"do: expected float32 of o's shape {np.shape(o)}, got {do.dtype} {do.shape}")
+    do4 = do if layout == "bhnd" else do.transpose(0, 2, 1, 3)
+    g = np.zeros(lse.shape, F32)
+    if dlse is not None:
+        g = np.asarray(dlse)
+        if g.dtype != np.float32 or g.shape != lse.shape:
+            raise InvalidArgumentError(f"dlse: expected float32 of lse's shape {lse.shape}, got {g.dtype} {g.shape}")
+    B, H, Nq = lse.shape
+    D = nx.canonical_nan(nx.dot(do4, o4))
+    p = nx.exp(sinks[None, :, None] - lse)
+    terms = (p * (g - D)).transpose(1, 0, 2).reshape(H, B * Nq)  # per head, b then i
+    # np.add.accumulate adds in order, one element after the other: the written sum.
+    steps = np.concatenate([np.zeros((H, 1), F32), terms], axis=1)
+    return nx.canonical_nan(np.add.accumulate(steps, axis=1)[:, -1].astype(F32))
