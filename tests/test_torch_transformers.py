@@ -167,52 +167,46 @@ def test_what_pyfa_cannot_honour_is_refused():
         pyfa_hf.attention_forward(module, q, q, q, None, position_bias=torch.zeros(1))
 
 
+def equals_eager(model_class, config, padding):
+    """pyfa against transformers' eager attention on the same weights: logits on the valid
+    positions and every parameter's gradient; returns (eager, ours, ids, mask)."""
+    pyfa_hf.register()
+    torch.manual_seed(0)
+    eager = model_class(config)
+    ours = copy.deepcopy(eager)
+    eager.set_attn_implementation("eager")
+    ours.set_attn_implementation("pyfa")
+    ids, mask = batch(padding)
+    (la, a), (lb, b) = (loss_and_logits(m, ids, mask) for m in (eager, ours))
+    valid = mask.bool()
+    torch.testing.assert_close(b[valid], a[valid], rtol=1e-5, atol=1e-5)
+    la.backward()
+    lb.backward()
+    for (name, pa), (_, pb) in zip(eager.named_parameters(), ours.named_parameters()):
+        torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-4, atol=1e-5, msg=name)
+    return eager, ours, ids, mask
+
+
 def test_gemma2_logit_softcap_equals_eager():
     # Gemma 2 passes its attention softcap to the attention function; transformers' eager
     # path applies it explicitly (SDPA's cannot), so eager is the reference.
-    pyfa_hf.register()
     config = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                        num_hidden_layers=2, num_attention_heads=4,
                                        num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
                                        sliding_window=5, attn_logit_softcapping=2.0,
                                        final_logit_softcapping=None)
-    torch.manual_seed(0)
-    eager = transformers.Gemma2ForCausalLM(config)
-    ours = copy.deepcopy(eager)
-    eager.set_attn_implementation("eager")
-    ours.set_attn_implementation("pyfa")
-    ids, mask = batch("right")
-    (la, a), (lb, b) = (loss_and_logits(m, ids, mask) for m in (eager, ours))
-    valid = mask.bool()
-    torch.testing.assert_close(b[valid], a[valid], rtol=1e-5, atol=1e-5)
-    la.backward()
-    lb.backward()
-    for (name, pa), (_, pb) in zip(eager.named_parameters(), ours.named_parameters()):
-        torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-4, atol=1e-5, msg=name)
+    equals_eager(transformers.Gemma2ForCausalLM, config, "right")
 
 
 @pytest.mark.skipif(not hasattr(transformers, "GptOssConfig"), reason="this transformers has no gpt-oss")
 def test_gpt_oss_attention_sinks_equal_eager():
     # gpt-oss passes its learned sinks as s_aux; transformers runs them eagerly only.
-    pyfa_hf.register()
     config = transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32,
                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                        head_dim=8, num_local_experts=4, num_experts_per_tok=2,
                                        sliding_window=5, layer_types=["sliding_attention", "full_attention"],
                                        max_position_embeddings=64)
-    torch.manual_seed(0)
-    eager = transformers.GptOssForCausalLM(config)
-    ours = copy.deepcopy(eager)
-    eager.set_attn_implementation("eager")
-    ours.set_attn_implementation("pyfa")
-    ids, mask = batch("left")
-    (la, a), (lb, b) = (loss_and_logits(m, ids, mask) for m in (eager, ours))
-    valid = mask.bool()
-    torch.testing.assert_close(b[valid], a[valid], rtol=1e-5, atol=1e-5)
-    la.backward()
-    lb.backward()
-    for (name, pa), (_, pb) in zip(eager.named_parameters(), ours.named_parameters()):
-        torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-4, atol=1e-5, msg=name)
+    eager, ours, ids, mask = equals_eager(transformers.GptOssForCausalLM, config, "left")
     assert ours.model.layers[0].self_attn.sinks.grad.abs().max() > 0
     kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     with torch.no_grad():
