@@ -952,6 +952,11 @@ _COMMON_DOC = """
     backend, thread count and, given the forward's outputs, backward tiles; unless
     bias_grad=False (backwards only, True by default): no dbias (nor its scratch and
     writes), and the same dq, dk, dv bits.
+    diagonal_offset (an int, 0 by default): added to the mask's off, so that the call is
+    the block (rows P + i, keys K + j, diagonal_offset = P - K) of a larger problem, with
+    its mask and ALiBi distances; dropout_origin ((B0, H0, P, K), ints >= 0, zeros by
+    default): the call's element (b, h, i, j) draws the dropout decision of (B0 + b,
+    H0 + h, P + i, K + j), that larger problem's (context parallelism; docs/numerics.md §2).
     (An Options field given as a keyword, e.g. block_r=, is the deprecated form of
     options=.)
 
@@ -1181,10 +1186,13 @@ def default_tiles(kernel: str, head_dim: int, backend: str = "auto",
                   variant: str = "reference") -> Tuple[int, int]:
     """(Br, Bc) the library uses for `kernel` (e.g. "fa2_forward") at this head dim when
     no tiles are given: the readable kernel's ("reference", what pyfa.sim mirrors), the
-    fast kernel's ("fast": ValueError naming what it lacks where it has none) or what
-    variant="auto" runs."""
+    fast kernel's ("fast": ValueError naming what it lacks where it has none, and on the
+    cpu backend, whose kernels are its own) or what variant="auto" runs."""
     ffi, lib = _lib.load()
     kernel_id = _choice("kernel", kernel, KERNELS)
+    if backend == "cpu" and variant == "fast":
+        raise InvalidArgumentError("variant: the cpu backend has kernels of its own; 'fast' names the "
+                                   "emulator's and CUDA's register-tiled ones")
     d = check_int("head_dim", head_dim, 1, MAX_HEAD_DIM)
     br, bc = ffi.new("int *"), ffi.new("int *")
     _lib.check(lib.pyfa_variant_default_tiles(kernel_id, _choice("variant", variant, VARIANTS), d,
@@ -1195,7 +1203,8 @@ def default_tiles(kernel: str, head_dim: int, backend: str = "auto",
 def smem_bytes(kernel: str, block_r: int, block_c: int, head_dim: int,
                variant: str = "reference") -> int:
     """Bytes of dynamic shared memory `kernel` (of this variant) needs for these tiles; 0
-    when the library has no size for them (a value out of range, or no such kernel)."""
+    when the library has no size for them (a value out of its range). An unknown kernel or
+    variant name is an InvalidArgumentError naming it."""
     _, lib = _lib.load()
     return lib.pyfa_variant_smem_bytes(_choice("kernel", kernel, KERNELS),
                                        _choice("variant", variant, VARIANTS),

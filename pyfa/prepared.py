@@ -153,7 +153,7 @@ def prepare(function: Callable, *args, **kwargs) -> PreparedCall:
 
     Refused (InvalidArgumentError naming the argument) where a replay could not be the
     fresh call: an array pyfa would copy rather than read in place (a last axis that is
-    not contiguous, a list), an out= array that is not C-contiguous, CUDA arrays, Nq = 0
+    not contiguous), an out= array that is not C-contiguous, CUDA arrays, Nq = 0
     or Nk = 0 (no kernel runs). Errors, cancellation and Ctrl-C behave on every replay as
     in the function itself: a replay that fails leaves the outputs (and the cache) as
     they were."""

@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 ENTRY = ROOT / "tools" / "gpu_bench.py"
 
 # Vendor datasheet peaks for plain (non-tensor-core) fp32, counting an FMA as two FLOPs.
-# pyfa's kernels never fuse (docs/numerics.md): each multiply-add is two instructions, so
-# half that peak (the multiply-then-add peak) is their ceiling; both are shown. Only
+# pyfa's kernels fuse every inner-product step (docs/numerics.md §4), so that peak is their
+# ceiling; half of it, the multiply-then-add peak, is shown beside it for comparison. Only
 # parts named here get a share of peak; any other GPU prints "unknown" rather than a guess.
 FP32_PEAKS = [
     # (test on the upper-cased device name, FMA peak TFLOP/s, source)
