@@ -305,10 +305,33 @@ def _unfold(x, size):
     return x.reshape(size, x.shape[0] // size, *x.shape[1:])
 
 
+def _fold_slopes(options, dims, q, q_dim, n):
+    """The operators' options under vmap, ALiBi slopes made those of the folded batch (row
+    s * B + b of vmapped slice s and batch element b): (B, H) slopes repeat for every
+    slice; mapped ones are each slice's own, (H,) or (B, H) per slice."""
+    i = _OPTION_NAMES.index("alibi_slopes")
+    if i >= len(options):  # torch leaves trailing arguments at their defaults out
+        return options
+    slopes, d = options[i], dims[i]
+    if slopes is None or (d is None and slopes.dim() == 1):
+        return options
+    B = q.shape[0] if q_dim is None else q.movedim(q_dim, 0).shape[1]
+    if d is None:
+        slopes = slopes.repeat(n, 1)
+    else:
+        slopes = slopes.movedim(d, 0)
+        if slopes.dim() == 2:
+            slopes = slopes[:, None].expand(n, B, slopes.shape[-1])
+        slopes = slopes.reshape(n * B, slopes.shape[-1])
+    return (*options[:i], slopes, *options[i + 1:])
+
+
 def _forward_vmap(info, in_dims, q, k, v, *options):
-    if in_dims[-1] is not None:
+    sinks = 3 + len(_OPTION_NAMES)
+    if len(in_dims) > sinks and in_dims[sinks] is not None:
         raise InvalidArgumentError("sinks: pyfa.torch.attention takes one sink per head, not a vmapped batch of them")
     n = info.batch_size
+    options = _fold_slopes(options, in_dims[3:], q, in_dims[0], n)
     o, lse = torch.ops.pyfa.fa2_forward(*(_fold(t, d, n) for t, d in zip((q, k, v), in_dims)),
                                         *options)
     return (_unfold(o, n), _unfold(lse, n)), (0, 0)
@@ -316,6 +339,7 @@ def _forward_vmap(info, in_dims, q, k, v, *options):
 
 def _backward_vmap(info, in_dims, q, k, v, o, lse, do, *options):
     n = info.batch_size
+    options = _fold_slopes(options, in_dims[6:], q, in_dims[0], n)
     grads = torch.ops.pyfa.fa2_backward(
         *(_fold(t, d, n) for t, d in zip((q, k, v, o, lse, do), in_dims)), *options)
     return tuple(_unfold(g, n) for g in grads), (0, 0, 0)

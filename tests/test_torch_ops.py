@@ -130,6 +130,26 @@ def test_vmap_folds_the_mapped_axis_into_the_batch():
             assert np.array_equal(got[i].numpy(), w)
 
 
+@pytest.mark.parametrize("slopes", ["H", "BH", "mapped H", "mapped BH"])
+def test_vmap_takes_alibi_slopes_per_head_per_batch_element_or_mapped(slopes):
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(3, 2, 2, 5, 8, generator=g) for _ in range(3))
+    shape = {"H": (2,), "BH": (2, 2), "mapped H": (3, 2), "mapped BH": (3, 2, 2)}[slopes]
+    s = torch.rand(shape, generator=g)
+    mapped = slopes.startswith("mapped")
+    leaves_ = [t.clone().requires_grad_() for t in (q, k, v)]
+    f = lambda a, b, c, sl: pyfa.torch.attention(a, b, c, causal=True, alibi_slopes=sl, **KW)  # noqa: E731
+    o = torch.vmap(f, in_dims=(0, 0, 0, 0 if mapped else None))(*leaves_, s)
+    o.sum().backward()
+    for i in range(3):
+        alone = [t[i].clone().requires_grad_() for t in (q, k, v)]
+        want = f(*alone, s[i] if mapped else s)
+        want.sum().backward()
+        assert torch.equal(o[i], want)
+        for t, a in zip(leaves_, alone):
+            assert torch.equal(t.grad[i], a.grad)
+
+
 def test_torch_func_transforms_of_the_gradient_are_refused_by_torch():
     # torch's custom-op autograd is not a functorch transform (torch.func.grad, vjp): torch
     # itself refuses; loss.backward() and torch.autograd.grad are the supported ways.
