@@ -141,3 +141,17 @@ def test_sinks_ops_pass_opcheck():
     o, lse = torch.ops.pyfa.fa2_forward(*args)
     torch.library.opcheck(torch.ops.pyfa.sinks_grad.default, (o.detach(), lse.detach(), torch.randn(1, 2, 4, 8),
                                                              s.detach(), None, "bhnd"))
+
+
+def test_a_head_without_a_sink_gets_a_zero_gradient_where_rows_see_no_key():
+    # -inf is no sink: its gradient is 0, also in rows that see no key (LSE' = -inf there,
+    # where exp(-inf - -inf) would be NaN).
+    g = torch.Generator().manual_seed(9)
+    q, k = torch.randn(1, 2, 9, 4, generator=g), torch.randn(1, 2, 4, 4, generator=g)
+    for kk, causal in ((k, True), (k[:, :, :0], False)):
+        s = torch.tensor([-float("inf"), 0.5], requires_grad=True)
+        o, lse = pyfa.torch.attention(q, kk, kk, sinks=s, causal=causal, return_lse=True, backend="cpu")
+        (o.sum() + lse.masked_fill(lse.isinf(), 0).sum()).backward()
+        assert s.grad[0] == 0 and torch.isfinite(s.grad).all()
+    o, lse = np.zeros((1, 1, 2, 4), np.float32), np.full((1, 1, 2), -np.inf, np.float32)
+    assert pyfa.sinks_grad(o, lse, np.ones_like(o), np.array([-np.inf], np.float32))[0] == 0

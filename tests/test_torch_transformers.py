@@ -165,6 +165,8 @@ def test_what_pyfa_cannot_honour_is_refused():
         pyfa_hf.attention_forward(module, q, q, q, holes[:, :, :3])
     with pytest.raises(ValueError, match="position_bias: not supported"):
         pyfa_hf.attention_forward(module, q, q, q, None, position_bias=torch.zeros(1))
+    with pytest.raises(ValueError, match="sinks: not supported"):  # not gpt-oss's s_aux: never ignored
+        pyfa_hf.attention_forward(module, q, q, q, None, sinks=torch.zeros(1, 1, 1, 1))
 
 
 def equals_eager(model_class, config, padding):

@@ -79,9 +79,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     causal), or a float (B or 1, 1, Nq, Nk) mask added to the scores as SDPA adds it.
     dropout: pyfa.torch.attention's dropout_p, its seed drawn from torch's generator;
     softcap: pyfa's softcap. s_aux (gpt-oss's learned sinks, (H,)): pyfa.torch.attention's
-    sinks. Refused, naming the argument: position_bias."""
-    if kwargs.get("position_bias") is not None:
-        raise InvalidArgumentError("position_bias: not supported by pyfa's attention backend")
+    sinks. Refused, naming the argument: position_bias and sinks (another model's keyword)."""
+    # s_aux is gpt-oss's (H,) sinks; a model's own `sinks` keyword (e.g. per-token ones,
+    # (B, H, Nq, 1)) is another thing: refused, never ignored.
+    for name in ("position_bias", "sinks"):
+        if kwargs.get(name) is not None:
+            raise InvalidArgumentError(f"{name}: not supported by pyfa's attention backend")
     B, _, Nq, _ = query.shape
     Nk = key.shape[2]
     # pyfa reads (B, N, H, d) views in place and writes O as transformers wants it back.

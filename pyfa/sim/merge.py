@@ -109,7 +109,7 @@ def merge_sinks(o, lse, sinks, layout="bhnd"):
 def sinks_grad(o, lse, do, sinks, dlse=None, layout="bhnd"):
     """The gradient of the sinks (H,) from merge_sinks' (o', lse') and the incoming
     gradients do (like o') and dlse (like lse', or None): with the sink's probability
-    p = exp(sinks[h] - lse'[b, h, i]) and D = pyfa_dot(dO_i, O'_i) (the backward's D, x in
+    p = exp(sinks[h] - lse'[b, h, i]) (0 where lse' is -inf: no key and no sink) and D = pyfa_dot(dO_i, O'_i) (the backward's D, x in
     order, one fma a step),
         dsinks[h] = sum over b, then i, in order from +0 of p * (dlse - D)
     (dlse = 0 when None), each step one add after one multiply: a sum whose order is
@@ -126,7 +126,9 @@ def sinks_grad(o, lse, do, sinks, dlse=None, layout="bhnd"):
             raise InvalidArgumentError(f"dlse: expected float32 of lse's shape {lse.shape}, got {g.dtype} {g.shape}")
     B, H, Nq = lse.shape
     D = nx.canonical_nan(nx.dot(do4, o4))
-    p = nx.exp(sinks[None, :, None] - lse)
+    # A row whose merged LSE is -inf saw no key and has no sink (sinks[h] = -inf): the
+    # sink's probability there is 0, not exp(-inf - -inf) = NaN.
+    p = np.where(lse == NEG_INF, F32(0), nx.exp(sinks[None, :, None] - lse)).astype(F32)
     terms = (p * (g - D)).transpose(1, 0, 2).reshape(H, B * Nq)  # per head, b then i
     # np.add.accumulate adds in order, one element after the other: the written sum.
     steps = np.concatenate([np.zeros((H, 1), F32), terms], axis=1)
