@@ -217,6 +217,9 @@ def _with_sinks(o, lse, sinks, layout):
     if sinks is None:
         return o, lse
     _check_dtype("sinks", sinks)
+    if o.device.type != "cpu" or sinks.device.type != "cpu":
+        raise InvalidArgumentError(f"sinks: pyfa merges sinks on the CPU only in this version; q on {o.device}, "
+                                   f"sinks on {sinks.device}")
     o, lse = merge_sinks(o.numpy(), lse.numpy(), sinks.detach().numpy(), layout)
     return torch.from_numpy(np.ascontiguousarray(o)), torch.from_numpy(lse)
 
@@ -282,8 +285,8 @@ def _backward_setup(ctx, inputs, output):
     pass
 
 
-def _no_double_backward(ctx, ddq, ddk, ddv):
-    raise RuntimeError("pyfa::fa2_backward: double backward (a gradient of pyfa's gradient, "
+def _no_double_backward(ctx, ddq, ddk, ddv, op="pyfa::fa2_backward"):
+    raise RuntimeError(f"{op}: double backward (a gradient of pyfa's gradient, "
                        "e.g. torch.autograd.grad(..., create_graph=True) then another backward) "
                        "is not supported")
 
@@ -292,6 +295,13 @@ torch.library.register_autograd("pyfa::fa2_forward", _forward_backward,
                                 setup_context=_forward_setup)
 torch.library.register_autograd("pyfa::fa2_backward", _no_double_backward,
                                 setup_context=_backward_setup)
+
+
+def _no_double_backward_sinks(ctx, ddsinks):
+    _no_double_backward(ctx, None, None, None, op="pyfa::sinks_grad")
+
+
+torch.library.register_autograd("pyfa::sinks_grad", _no_double_backward_sinks, setup_context=_backward_setup)
 
 
 def _fold(x, bdim, size):

@@ -155,3 +155,11 @@ def test_a_head_without_a_sink_gets_a_zero_gradient_where_rows_see_no_key():
         assert s.grad[0] == 0 and torch.isfinite(s.grad).all()
     o, lse = np.zeros((1, 1, 2, 4), np.float32), np.full((1, 1, 2), -np.inf, np.float32)
     assert pyfa.sinks_grad(o, lse, np.ones_like(o), np.array([-np.inf], np.float32))[0] == 0
+
+
+def test_double_backward_through_the_sinks_is_refused_by_pyfa():
+    q = torch.randn(1, 2, 4, 8)
+    s = torch.randn(2, requires_grad=True)
+    (g,) = torch.autograd.grad(pyfa.torch.attention(q, q, q, sinks=s, backend="cpu").sum(), s, create_graph=True)
+    with pytest.raises(RuntimeError, match="pyfa::sinks_grad: double backward .* is not supported"):
+        g.sum().backward()

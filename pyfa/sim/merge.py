@@ -109,8 +109,8 @@ def merge_sinks(o, lse, sinks, layout="bhnd"):
 def sinks_grad(o, lse, do, sinks, dlse=None, layout="bhnd"):
     """The gradient of the sinks (H,) from merge_sinks' (o', lse') and the incoming
     gradients do (like o') and dlse (like lse', or None): with the sink's probability
-    p = exp(sinks[h] - lse'[b, h, i]) (0 where lse' is -inf: no key and no sink) and D = pyfa_dot(dO_i, O'_i) (the backward's D, x in
-    order, one fma a step),
+    p = exp(sinks[h] - lse'[b, h, i]) (0 where lse' is -inf: no key and no sink) and
+    D = pyfa_dot(dO_i, O'_i) (the backward's D, x in order, one fma a step),
         dsinks[h] = sum over b, then i, in order from +0 of p * (dlse - D)
     (dlse = 0 when None), each step one add after one multiply: a sum whose order is
     written, the same bits wherever o', lse' and do have them."""
