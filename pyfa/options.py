@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .checks import check_int, check_tile
-from .errors import ArgumentTypeError, InvalidArgumentError
+from .errors import ArgumentTypeError, Error, InvalidArgumentError
 
 # progress(done, total): True cancels the call.
 Progress = Callable[[int, int], Optional[bool]]
@@ -128,7 +128,12 @@ def _init_naming_unknown_options(init):
             if name not in FIELDS:
                 raise ArgumentTypeError(f"pyfa.Options: unknown option {name!r} (the options: "
                                         f"{', '.join(FIELDS)})")
-        init(self, *args, **given)
+        try:
+            init(self, *args, **given)
+        except TypeError as e:  # too many positional arguments, one given twice
+            if isinstance(e, Error):
+                raise
+            raise ArgumentTypeError(f"pyfa.Options: {e}") from None
     __init__.__doc__, __init__.__wrapped__ = init.__doc__, init
     return __init__
 

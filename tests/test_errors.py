@@ -265,6 +265,8 @@ def test_unknown_options_are_pyfa_errors_listing_the_options():
     with pytest.raises(pyfa.ArgumentTypeError, match="unexpected keyword argument 'bogus'"):
         pyfa.attention(q, q, q, bogus=1)
     assert pyfa.Options("cpu", 32).block_r == 32
+    with pytest.raises(pyfa.ArgumentTypeError, match="multiple values for argument 'backend'"):
+        pyfa.Options("cpu", backend="cuda")
 
 
 def test_smem_bytes_of_sizes_in_range_is_the_library_s_answer():
