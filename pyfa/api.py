@@ -23,7 +23,8 @@ import numpy as np
 from . import _arrays, _lib, prepared
 from ._arrays import Array, ArrayLike
 from .checks import (
-    EMPTY_VALUES, MAX_HEAD_DIM, Bias, ScoreMods, c_aligned, caller_shape, check_dropout_mask, check_int, check_layout, check_like,
+    EMPTY_VALUES, MAX_HEAD_DIM, Bias, ScoreMods, as_4d, c_aligned, caller_shape, check_dropout_mask, check_int,
+    check_layout, check_like,
     check_qkv, check_split_size,
     check_rows, check_sizes, element_strides, is_empty, mask_bounds, refuse_self_overlap, resolve_scale,
 )
@@ -1069,6 +1070,46 @@ def fa1_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, m: Arra
                 options=options, out=out, stream=stream, mods=mods)
 
 
+def _sinks_keyword(function, mods, algo, q, layout):
+    """The sinks keyword of attention / attention_grad, popped from mods and checked
+    before anything runs (as NumPy, (H,) float32), or None. The merge runs in NumPy after
+    the library's forward (pyfa.merge_sinks), so only on CPU arrays, FA2's, and not
+    under pyfa.prepare, whose replays are the library's call alone."""
+    sinks = mods.pop("sinks", None)
+    if sinks is None:
+        return None
+    if algo != "fa2":
+        raise InvalidArgumentError(f"sinks: only algo='fa2' takes sinks (the merge reads its LSE), got {algo!r}")
+    if prepared.recording() is not None:
+        raise InvalidArgumentError(f"sinks: {function} under pyfa.prepare replays the library's call alone; "
+                                   f"prepare the call without sinks and merge with pyfa.merge_sinks")
+    if _arrays.common_place({"q": q, "sinks": sinks}).kind != "cpu":
+        raise InvalidArgumentError("sinks: pyfa merges sinks on the CPU only in this version")
+    s = _arrays.host_array("sinks", sinks)
+    if not isinstance(s, np.ndarray) or s.dtype != np.float32:
+        raise ArgumentTypeError(f"sinks: expected a float32 array (H,), got "
+                                f"{getattr(s, 'dtype', type(s).__name__)}")
+    qh = _arrays.host_array("q", q)
+    if isinstance(qh, np.ndarray) and 2 <= qh.ndim <= 4:
+        # The merge's own checks (shape, no NaN or +inf), on a stand-in of one row.
+        from .kvcache import merge_sinks
+        heads = as_4d(qh, check_layout(layout)).shape[1]
+        merge_sinks(np.zeros((1, heads, 1, 1), np.float32), np.zeros((1, heads, 1), np.float32), s)
+    return s
+
+
+def _merge_sinks_in_place(o, lse, sinks, layout):
+    """o and lse (a forward's, at the caller's rank and layout, CPU) replaced by their
+    merge with the sinks (pyfa.merge_sinks)."""
+    from .kvcache import merge_sinks
+    o4 = as_4d(_arrays.host_array("o", o), layout)
+    lse_h = _arrays.host_array("lse", lse)
+    lse3 = lse_h[(None,) * (3 - lse_h.ndim)]
+    merged_o, merged_lse = merge_sinks(o4, lse3, sinks)
+    np.copyto(o4, merged_o)
+    np.copyto(lse3, merged_lse)
+
+
 # algo -> the forward pass; attention() takes its first output, O.
 _FORWARD = {"fa1": fa1_forward, "fa2": fa2_forward}
 
@@ -1091,9 +1132,18 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     runs (backend, tiles, threads, progress, ...) is `options`, a pyfa.Options (None: the
     enclosing `with pyfa.Options(...)` block's, else the defaults: the best backend
     here). out: an array like q to write O into. split_size: FA2's split-KV
-    (pyfa.fa2_forward); FA1 refuses it."""
+    (pyfa.fa2_forward); FA1 refuses it. sinks: None, or float32 (H,) on the CPU
+    (gpt-oss's learned attention sinks): FA2's output merged with them (pyfa.merge_sinks);
+    FA1 and pyfa.prepare refuse them."""
     options, mods = _keywords("pyfa.attention", options, mods)
     fn = _FORWARD[_algo(algo)]
+    sinks = _sinks_keyword("pyfa.attention", mods, algo, q, layout)
+    if sinks is not None:
+        o, lse = fa2_forward(q, k, v, causal=causal, window=window, causal_align=causal_align, scale=scale,
+                             layout=layout, options=options, out=None if out is None else (out, None),
+                             stream=stream, split_size=split_size, **mods)
+        _merge_sinks_in_place(o, lse, sinks, layout)
+        return o
     extra = 2 if algo == "fa1" else 1  # m, l or lse: allocated
     if algo == "fa1":
         if split_size not in (None, 0):
@@ -1121,9 +1171,12 @@ def attention_grad(q: ArrayLike, k: ArrayLike, v: ArrayLike, do: ArrayLike, *,
     With bias=: (o, dq, dk, dv, dbias), dbias of the bias's shape (out= then takes five),
     unless bias_grad=False.
     split_size: algo "fa2" only, given to both the split forward (fa2_forward) and the
-    split backward (fa2_backward)."""
+    split backward (fa2_backward).
+    sinks: as in attention(); the backward then runs on the merged state and dsinks
+    (pyfa.sinks_grad, the sinks' shape, q's kind) comes last."""
     options, mods = _keywords("pyfa.attention_grad", options, mods)
     _algo(algo)
+    sinks = _sinks_keyword("pyfa.attention_grad", mods, algo, q, layout)
     bias_grad = _bias_grad("pyfa.attention_grad", mods, True)
     with_dbias = bias_grad and mods.get("bias") is not None
     outs = _out_dict("attention_grad", ("o", "dq", "dk", "dv") + (("dbias",) if with_dbias else ()), out)
@@ -1144,9 +1197,17 @@ def attention_grad(q: ArrayLike, k: ArrayLike, v: ArrayLike, do: ArrayLike, *,
             grads = fa1_backward(q, k, v, o, m, l, do, out=grads, bias_grad=bias_grad, **kw)
         else:
             o, lse = fa2_forward(q, k, v, out=(o_out, None), split_size=split_size, **kw)
+            if sinks is not None:
+                _merge_sinks_in_place(o, lse, sinks, layout)
             _lib.raise_pending_interrupt()
             grads = fa2_backward(q, k, v, o, lse, do, out=grads, split_size=split_size, bias_grad=bias_grad,
                                  **kw)
+            if sinks is not None:
+                from .kvcache import sinks_grad
+                lse_h = _arrays.host_array("lse", lse)
+                dsinks = sinks_grad(as_4d(_arrays.host_array("o", o), layout), lse_h[(None,) * (3 - lse_h.ndim)],
+                                    as_4d(np.asarray(_arrays.host_array("do", do), np.float32), layout), sinks)
+                grads = (*grads, _arrays.as_kind(_arrays.library_of(q), dsinks))
         return (finish(o), *grads)
 
 

@@ -163,3 +163,40 @@ def test_double_backward_through_the_sinks_is_refused_by_pyfa():
     (g,) = torch.autograd.grad(pyfa.torch.attention(q, q, q, sinks=s, backend="cpu").sum(), s, create_graph=True)
     with pytest.raises(RuntimeError, match="pyfa::sinks_grad: double backward .* is not supported"):
         g.sum().backward()
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_numpy_attention_and_attention_grad_take_sinks(layout):
+    q, k, v, s = problem(seed=11)
+    if layout == "bnhd":
+        q, k, v = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v))
+    do = np.random.default_rng(12).standard_normal(q.shape).astype(np.float32)
+    o0, lse0 = pyfa.fa2_forward(q, k, v, causal=True, layout=layout, **KW)
+    o1, lse1 = pyfa.merge_sinks(o0, lse0, s, layout)
+    assert np.array_equal(pyfa.attention(q, k, v, causal=True, layout=layout, sinks=s, **KW), o1)
+    out = np.empty_like(q)
+    assert pyfa.attention(q, k, v, causal=True, layout=layout, sinks=s, out=out, **KW) is out
+    assert np.array_equal(out, o1)
+    got = pyfa.attention_grad(q, k, v, do, causal=True, layout=layout, sinks=s, **KW)
+    want = pyfa.fa2_backward(q, k, v, o1, lse1, do, causal=True, layout=layout, **KW)
+    assert len(got) == 5 and np.array_equal(got[0], o1)
+    assert all(np.array_equal(a, b) for a, b in zip(got[1:4], want))
+    assert np.array_equal(got[4], pyfa.sinks_grad(o1, lse1, do, s, layout=layout))
+    # torch CPU tensors through the NumPy API: the same bits, as tensors.
+    t = [torch.from_numpy(x) for x in (q, k, v, do, s)]
+    tg = pyfa.attention_grad(*t[:4], causal=True, layout=layout, sinks=t[4], **KW)
+    assert isinstance(tg[4], torch.Tensor) and np.array_equal(tg[4].numpy(), got[4])
+
+
+def test_numpy_sinks_refused_before_anything_is_written():
+    q = np.zeros((1, 2, 3, 4), np.float32)
+    for kw, exc, needle in ((dict(sinks=np.zeros(3, np.float32)), ValueError, r"sinks: expected shape \(2,\)"),
+                            (dict(sinks=np.zeros(2)), TypeError, "sinks: expected a float32 array"),
+                            (dict(sinks=np.array([np.nan, 0], np.float32)), ValueError, "must be finite or -inf"),
+                            (dict(sinks=np.zeros(2, np.float32), algo="fa1"), ValueError, "only algo='fa2'")):
+        out = np.full_like(q, 7)
+        with pytest.raises(exc, match=needle):
+            pyfa.attention(q, q, q, out=out, **kw, **KW)
+        assert (out == 7).all()
+    with pytest.raises(ValueError, match="sinks: pyfa.attention under pyfa.prepare"):
+        pyfa.prepare(pyfa.attention, q, q, q, sinks=np.zeros(2, np.float32), **KW)
