@@ -63,6 +63,23 @@ def test_backward_blocks_equal_the_simulator(backend, mask):
     assert np.array_equal(fa1[0], fa1_sim.o)
 
 
+@pytest.mark.parametrize("offset", [2**31 - 40, 2**32 + 3, -(2**33), 2**40])
+def test_alibi_distance_beyond_int32_equals_the_simulator(offset):
+    # |i + off - j| past 2^31 (diagonal_offset reaches 2^40): the cpu backend's lanes once
+    # summed it in int32 and wrapped. Slopes small enough that the scores stay finite.
+    kw = dict(alibi_slopes=np.array([1e-9, 3e-10], np.float32), diagonal_offset=offset)
+    q, k, v, do = Q[:, :, :20], K[:, :, :24], V[:, :, :24], DO[:, :, :20]
+    for fwd, fields in ((pyfa.fa2_forward, ("o", "lse")), (pyfa.fa1_forward, ("o", "m", "l"))):
+        got = fwd(q, k, v, options=pyfa.Options(backend="cpu", **TILES), **kw)
+        sim = getattr(pyfa.sim, fwd.__name__)(q, k, v, options=pyfa.Options(**TILES), **kw)
+        assert all(np.array_equal(g, getattr(sim, f)) for g, f in zip(got, fields)), fwd.__name__
+    o, lse = pyfa.fa2_forward(q, k, v, options=pyfa.Options(backend="cpu", **TILES), **kw)
+    grads = pyfa.fa2_backward(q, k, v, o, lse, do, options=pyfa.Options(backend="cpu", **TILES), **kw)
+    sim = pyfa.sim.fa2_backward(q, k, v, o, lse, do, options=pyfa.Options(**TILES), **kw)
+    for g, s in zip(grads, (sim.dq, sim.dk, sim.dv)):
+        assert np.array_equal(g, s)
+
+
 def test_refusals_name_the_argument():
     with pytest.raises(pyfa.InvalidArgumentError, match="diagonal_offset"):
         pyfa.fa2_forward(Q, K, V, diagonal_offset=1 << 41)

@@ -291,6 +291,33 @@ def test_split_size_refused_where_it_cannot_apply():
         pyfa.fa2_forward(q, k, v, split_size=65, options=pyfa.Options(backend="cpu"))
     with pytest.raises(pyfa.InvalidArgumentError, match="split_size"):
         pyfa.fa2_forward(q, k, v, split_size=-64)
+    # The C ABI takes any split_size >= 0 (Python bounds it to 2^40): near 2^63 the chunk
+    # count is still counted (it once overflowed, skipping the multiple-of-Bc check) and
+    # one chunk is one chunk.
+    from pyfa import _lib
+    ffi, L = _lib.load()
+
+    def raw(split_size):
+        B, H, Nq, d = q.shape
+        o, lse = np.full_like(q, 7.0), np.full((B, H, Nq), 7.0, np.float32)
+        p = ffi.new("pyfa_problem *")
+        p.struct_size = ffi.sizeof("pyfa_problem")
+        p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim = B, H, Nq, k.shape[2], d
+        p.heads_kv, p.split_size = k.shape[1], split_size
+        c = ffi.new("pyfa_config *")
+        c.struct_size = ffi.sizeof("pyfa_config")
+        c.backend = _lib.enum_values("pyfa_backend", "PYFA_BACKEND_")["cpu"]
+        t = ffi.new("pyfa_tensors *")
+        t.struct_size = ffi.sizeof("pyfa_tensors")
+        for name, a in (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse)):
+            getattr(t, name).data = ffi.cast("void *", ffi.from_buffer(a))
+        status = L.pyfa_run(0, p, c, t, ffi.NULL)
+        return status, ffi.string(L.pyfa_last_error()).decode(), o, lse
+
+    status, message, o, _ = raw(2**63 - 1)
+    assert status != 0 and "split_size: must be a multiple" in message and (o == 7.0).all(), message
+    one, huge = raw(192), raw(2**63 - 64)
+    assert one[0] == 0 and huge[0] == 0 and same_bits(one[2], huge[2]) and same_bits(one[3], huge[3])
     with pytest.raises(pyfa.InvalidArgumentError, match="split_size"):
         pyfa.fa2_forward(q, k, v, split_size="often")
     with pytest.raises(pyfa.InvalidArgumentError, match="split_size"):

@@ -42,19 +42,38 @@ PYFA_HD float alibi_distance(float, I i, J j, int64_t off) {
 }
 #if !defined(__CUDACC__)
 // The cpu backend's vectors: V a GCC vector of floats, VI of int32 lane indices (rows in
-// its forward, keys in its backward), the other index a scalar. Its indices fit int32.
+// its forward, keys in its backward), the other index a scalar. The lanes' indices fit
+// int32 (below 2^30), but off carries diagonal_offset (up to 2^40): where the scalar part
+// (off - j, or i + off) leaves (-2^30, 2^30), the int32 sum could wrap, so the distance is
+// then formed in int64 lane by lane and converted once, the kernels' value exactly.
 template <class V, class VI>
 PYFA_LANES inline V alibi_lanes(VI d) {
     d = d < 0 ? -d : d;
     return __builtin_convertvector(d, V);
 }
+// |sign * lane + base| per lane, in int64.
+template <class V, class VI>
+PYFA_LANES inline V alibi_lanes_wide(VI lanes, int64_t sign, int64_t base) {
+    V out;
+    for (int k = 0; k < static_cast<int>(sizeof(V) / sizeof(float)); ++k) {
+        int64_t d = sign * static_cast<int64_t>(lanes[k]) + base;
+        d = d < 0 ? -d : d;
+        out[k] = static_cast<float>(d);
+    }
+    return out;
+}
+constexpr int64_t kAlibiLanesNarrow = int64_t{1} << 30;
 template <class V, class VI, std::enable_if_t<!std::is_arithmetic<VI>::value, int> = 0>
 PYFA_LANES inline V alibi_distance(V, VI i, int64_t j, int64_t off) {
-    return alibi_lanes<V>(i + static_cast<int32_t>(off - j));
+    const int64_t base = off - j;
+    if (base > -kAlibiLanesNarrow && base < kAlibiLanesNarrow) return alibi_lanes<V>(i + static_cast<int32_t>(base));
+    return alibi_lanes_wide<V>(i, 1, base);
 }
 template <class V, class VI, std::enable_if_t<!std::is_arithmetic<VI>::value, int> = 0>
 PYFA_LANES inline V alibi_distance(V, int64_t i, VI j, int64_t off) {
-    return alibi_lanes<V>(static_cast<int32_t>(i + off) - j);
+    const int64_t base = i + off;
+    if (base > -kAlibiLanesNarrow && base < kAlibiLanesNarrow) return alibi_lanes<V>(static_cast<int32_t>(base) - j);
+    return alibi_lanes_wide<V>(j, -1, base);
 }
 #endif
 

@@ -922,8 +922,15 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
                     static_cast<long long>(alibi_strides.row));
     if (!alibi.data && !all_zero(alibi.strides))
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "tensors->alibi_slopes.strides: given without data");
-    // One past the last slope read, in elements (the strides are below 2^61 each, B, H below 2^31).
-    const int64_t alibi_extent = (pr.batch - 1) * alibi_strides.batch + (pr.heads - 1) * alibi_strides.head + 1;
+    // One past the last slope read, in elements; exact, or -1 past int64_t. Bounded as every
+    // tensor's span is, so that the index each kernel forms (b * batch + h * head) fits.
+    const int64_t alibi_extent = checked_add(
+        checked_add(checked_mul(pr.batch - 1, alibi_strides.batch), checked_mul(pr.heads - 1, alibi_strides.head)),
+        1);
+    if (alibi.data && (alibi_extent < 0 || alibi_extent > kMaxTensorElems))
+        return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                    "tensors->alibi_slopes.strides: the strides (%lld, %lld, 0) span more than 2^61 - 1 elements",
+                    static_cast<long long>(alibi_strides.batch), static_cast<long long>(alibi_strides.head));
     if (pr.split_size < 0)
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->split_size: must be >= 0 (0: no split), got %lld",
                     static_cast<long long>(pr.split_size));
@@ -1066,8 +1073,9 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         }
     }
     // Split-KV: chunks of split_size keys, each a whole number of the kernel's K/V tiles.
+    // (seqlen_k - 1) / split_size + 1, not ceil_div: a + b - 1 overflows for a split_size near 2^63.
     const int64_t split_chunks =
-        pr.split_size > 0 && op.op == PYFA_OP_FA2_FORWARD ? ceil_div(pr.seqlen_k, pr.split_size) : 0;
+        pr.split_size > 0 && op.op == PYFA_OP_FA2_FORWARD ? (pr.seqlen_k - 1) / pr.split_size + 1 : 0;
     if (split_chunks > 0 && pr.split_size % tiles[0][1] != 0)
         return fail(PYFA_ERROR_INVALID_ARGUMENT,
                     "problem->split_size: must be a multiple of %s's Bc = %d, got %lld", kernel_name(ids[0]),
