@@ -1074,8 +1074,9 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     }
     // Split-KV: chunks of split_size keys, each a whole number of the kernel's K/V tiles.
     // (seqlen_k - 1) / split_size + 1, not ceil_div: a + b - 1 overflows for a split_size near 2^63.
-    const int64_t split_chunks =
-        pr.split_size > 0 && op.op == PYFA_OP_FA2_FORWARD ? (pr.seqlen_k - 1) / pr.split_size + 1 : 0;
+    const int64_t split_chunks = pr.split_size > 0 && op.op == PYFA_OP_FA2_FORWARD && pr.seqlen_k > 0
+                                     ? (pr.seqlen_k - 1) / pr.split_size + 1
+                                     : 0;
     if (split_chunks > 0 && pr.split_size % tiles[0][1] != 0)
         return fail(PYFA_ERROR_INVALID_ARGUMENT,
                     "problem->split_size: must be a multiple of %s's Bc = %d, got %lld", kernel_name(ids[0]),

@@ -663,9 +663,12 @@ void strict_cp_wait(int n, const char*, int) {
 // definitions stand in for the ThreadSanitizer runtime, which is never linked; hidden, so
 // that a process running under the real one keeps its own.
 // ---------------------------------------------------------------------------------------
-// Only where strict mode is built (CMakeLists.txt): in an otherwise sanitized build GCC
-// declares these names as built-ins of its own, with which some of them conflict.
-#if PYFA_EMU_STRICT_AVAILABLE
+// Left out of a build sanitized otherwise (CMakeLists.txt sets PYFA_EMU_STRICT_HOOKS=0):
+// there GCC declares these names as built-ins of its own, with which some of them conflict.
+#ifndef PYFA_EMU_STRICT_HOOKS
+#define PYFA_EMU_STRICT_HOOKS 1
+#endif
+#if PYFA_EMU_STRICT_HOOKS
 #define PYFA_STRICT_HOOK extern "C" __attribute__((visibility("hidden"))) void
 #define PYFA_STRICT_ACCESS(N)                                                                      \
     PYFA_STRICT_HOOK __tsan_read##N(void* p) {                                                     \
@@ -697,4 +700,4 @@ PYFA_STRICT_HOOK __tsan_init() {}
 PYFA_STRICT_HOOK __tsan_func_entry(void*) {}
 PYFA_STRICT_HOOK __tsan_func_exit() {}
 #undef PYFA_STRICT_HOOK
-#endif  // PYFA_EMU_STRICT_AVAILABLE
+#endif  // PYFA_EMU_STRICT_HOOKS
