@@ -60,8 +60,9 @@ def test_cuda_backend_unavailable_is_reported():
         pyfa.attention(Q, Q, Q, backend="cuda")
 
 
-def _c_call(problem_fields, null=None):
-    """Calls pyfa_fa2_forward directly; returns (status, message, o_after)."""
+def _c_call(problem_fields, null=None, misaligned=None):
+    """Calls pyfa_fa2_forward directly; returns (status, message, o_after); null: the
+    argument passed as NULL, misaligned: the one passed a byte past its array."""
     ffi, lib = _lib.load()
     pr = ffi.new("pyfa_problem *", dict(batch=1, heads=1, seqlen_q=4, seqlen_k=4, head_dim=8,
                                         scale=0.0, causal=0))
@@ -75,6 +76,8 @@ def _c_call(problem_fields, null=None):
     args = [ptr(x), ptr(x), ptr(x), ptr(o), ptr(lse)]
     if null is not None:
         args[null] = ffi.NULL
+    if misaligned is not None:
+        args[misaligned] = ffi.cast("float *", ffi.cast("char *", args[misaligned]) + 1)
     status = lib.pyfa_fa2_forward(pr, cfg, *args)
     return status, ffi.string(lib.pyfa_last_error()).decode(), o, lse
 
@@ -90,6 +93,13 @@ def _c_call(problem_fields, null=None):
 ])
 def test_c_abi_errors_name_the_argument_and_write_nothing(fields, null, needle):
     status, message, o, lse = _c_call(fields, null)
+    assert status == const("PYFA_ERROR_INVALID_ARGUMENT") and needle in message
+    assert np.all(o == 7.0) and np.all(lse == 7.0)
+
+
+@pytest.mark.parametrize("misaligned,needle", [(0, "q: not aligned to a float"), (3, "o: not aligned to a float")])
+def test_c_abi_refuses_pointers_off_the_float_grid_and_writes_nothing(misaligned, needle):
+    status, message, o, lse = _c_call({}, misaligned=misaligned)
     assert status == const("PYFA_ERROR_INVALID_ARGUMENT") and needle in message
     assert np.all(o == 7.0) and np.all(lse == 7.0)
 

@@ -922,6 +922,9 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
                     static_cast<long long>(alibi_strides.row));
     if (!alibi.data && !all_zero(alibi.strides))
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "tensors->alibi_slopes.strides: given without data");
+    if (reinterpret_cast<uintptr_t>(alibi.data) % alignof(float) != 0)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "tensors->alibi_slopes.data: not aligned to a float (%zu bytes)",
+                    alignof(float));
     // One past the last slope read, in elements; exact, or -1 past int64_t. Bounded as every
     // tensor's span is, so that the index each kernel forms (b * batch + h * head) fits.
     const int64_t alibi_extent = checked_add(
@@ -954,6 +957,14 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
             return fail(PYFA_ERROR_INVALID_ARGUMENT, "tensors->%s.data: null pointer, but %s %s it",
                         strides_field(taken[t]), op.name, t < n_in ? "reads" : "writes");
         if (!data) return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: null pointer", kTensors[taken[t]].name);
+        // A float the kernels load is a float's width apart from the next: a pointer off
+        // that grid is no float array (and misaligned loads are undefined behaviour).
+        if (reinterpret_cast<uintptr_t>(data) % alignof(float) != 0 && via_run)
+            return fail(PYFA_ERROR_INVALID_ARGUMENT, "tensors->%s.data: not aligned to a float (%zu bytes)",
+                        strides_field(taken[t]), alignof(float));
+        if (reinterpret_cast<uintptr_t>(data) % alignof(float) != 0)
+            return fail(PYFA_ERROR_INVALID_ARGUMENT, "%s: not aligned to a float (%zu bytes)",
+                        kTensors[taken[t]].name, alignof(float));
         if (t < n_in)
             inputs[t] = data;
         else

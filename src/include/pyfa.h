@@ -326,8 +326,9 @@ typedef struct pyfa_tensor {
 } pyfa_tensor;
 
 /* The tensors of a pyfa_run call, by name; shapes as at the top of this file. A tensor
-   the op takes must be given (PYFA_ERROR_INVALID_ARGUMENT naming it otherwise), and one
-   it does not take must be left absent. */
+   the op takes must be given, a float tensor's data aligned to a float
+   (PYFA_ERROR_INVALID_ARGUMENT naming it otherwise), and one it does not take must be
+   left absent. */
 typedef struct pyfa_tensors {
     uint32_t struct_size;  /* sizeof(pyfa_tensors) as the caller compiled it; 0 means ABI 5's layout */
     int memory;            /* a pyfa_memory */
