@@ -380,6 +380,11 @@ def test_origin_arguments_and_old_layout():
     pr.struct_size = ffi.offsetof("pyfa_problem", "dropout_origin")
     assert lib.pyfa_fa2_forward(pr, cfg, ptr(q), ptr(k), ptr(v), ptr(o), ptr(lse)) == 0
     assert same_bits(o, pyfa.fa2_forward(q, k, v, options=pyfa.Options(backend="cpu"), **DROP)[0])
+    # Without dropout nothing is addressed: the origin's bounds are dropout's alone.
+    pr.struct_size = ffi.sizeof("pyfa_problem")
+    pr.dropout_p = 0.0
+    assert lib.pyfa_fa2_forward(pr, cfg, ptr(q), ptr(k), ptr(v), ptr(o), ptr(lse)) == 0
+    assert same_bits(o, pyfa.fa2_forward(q, k, v, options=pyfa.Options(backend="cpu"))[0])
 
 
 # ---- arguments ----

@@ -510,8 +510,10 @@ pyfa_status check_dropout(const pyfa_problem& pr) {
     const int64_t most[4] = {int64_t{1} << 32, int64_t{1} << 32, int64_t{1} << 32, int64_t{1} << 34};
     const char* axis[4] = {"B0 + batch <= 2^32", "H0 + heads <= 2^32", "P + seqlen_q <= 2^32",
                            "K + seqlen_k <= 2^34"};
+    // Without dropout nothing is addressed: the bounds, which a problem past 2^34 keys
+    // would fail whatever the origin, are dropout's.
     for (int a = 0; a < 4; ++a)
-        if (pr.dropout_origin[a] < 0 || pr.dropout_origin[a] > most[a] - extent[a])
+        if (pr.dropout_origin[a] < 0 || (pr.dropout_p > 0.0f && pr.dropout_origin[a] > most[a] - extent[a]))
             return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->dropout_origin[%d]: must be >= 0 with %s, got %lld",
                         a, axis[a], static_cast<long long>(pr.dropout_origin[a]));
     return PYFA_OK;

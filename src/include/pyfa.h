@@ -260,8 +260,8 @@ typedef struct pyfa_problem {
        on batch elements B0.., query heads H0.., query rows P.. and keys K.. of it (context
        parallelism: a rank's block of rows and keys; Ulysses: its first head; a batch
        split into calls). Independent of diagonal_offset, which moves the mask only. Each
-       >= 0, with origin + extent within dropout's counters: B0 + B and H0 + H at most
-       2^32, P + Nq at most 2^32, K + Nk at most 2^34. All 0: the call's own (b, h, i, j). */
+       >= 0; with dropout, origin + extent within dropout's counters: B0 + B and H0 + H at
+       most 2^32, P + Nq at most 2^32, K + Nk at most 2^34. All 0: the call's own (b, h, i, j). */
     int64_t dropout_origin[4];
 } pyfa_problem;
 
