@@ -1251,9 +1251,6 @@ def default_tiles(kernel: str, head_dim: int, backend: str = "auto",
     cpu backend, whose kernels are its own) or what variant="auto" runs."""
     ffi, lib = _lib.load()
     kernel_id = _choice("kernel", kernel, KERNELS)
-    if backend == "cpu" and variant == "fast":
-        raise InvalidArgumentError("variant: the cpu backend has kernels of its own; 'fast' names the "
-                                   "emulator's and CUDA's register-tiled ones")
     d = check_int("head_dim", head_dim, 1, MAX_HEAD_DIM)
     br, bc = ffi.new("int *"), ffi.new("int *")
     _lib.check(lib.pyfa_variant_default_tiles(kernel_id, _choice("variant", variant, VARIANTS), d,

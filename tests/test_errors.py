@@ -259,7 +259,7 @@ def test_out_of_range_numbers_name_the_argument_and_never_warn(kwargs, exc, need
     (lambda: pyfa.default_tiles("fa2_forward", 257), ValueError, "head_dim"),
     (lambda: pyfa.default_tiles("fa2_forward", 64, backend="gpu"), ValueError, "backend"),
     (lambda: pyfa.default_tiles("fa2_forward", 64, backend="cpu", variant="fast"), ValueError,
-     "variant: the cpu backend has kernels of its own"),
+     "variant: fast: the cpu backend has kernels of its own"),
     (lambda: pyfa.smem_bytes("nope", 64, 64, 64), ValueError, "kernel: expected one of"),
 ])
 def test_query_functions_name_the_argument(call, exc, needle):

@@ -1467,6 +1467,14 @@ pyfa_status default_tiles_entry(const char* entry, int kernel, int variant, int6
         if (head_dim < 1 || head_dim > kMaxHeadDim)
             return fail(PYFA_ERROR_INVALID_ARGUMENT, "head_dim: must be in [1, 256], got %lld",
                         static_cast<long long>(head_dim));
+        // Named, a backend with kernels of its own has no fast tiles (as a run refuses the
+        // variant there); AUTO answers for the kernel table, whichever backend runs it.
+        const Backend* named = backend == PYFA_BACKEND_AUTO ? nullptr : find_backend(backend);
+        if (variant == PYFA_VARIANT_FAST && named && !named->runs_table_kernels())
+            return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                        "variant: fast: %s has kernels of its own; PYFA_VARIANT_FAST names the emulator's and "
+                        "CUDA's register-tiled ones",
+                        named->label());
         pyfa_device_profile profile;
         const pyfa_status st = device_profile_get(backend, &profile);
         if (st != PYFA_OK) return st;

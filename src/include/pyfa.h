@@ -419,7 +419,8 @@ PYFA_API pyfa_status pyfa_default_tiles(int kernel, int64_t head_dim, int backen
                                         int* block_r, int* block_c);
 /* The same for one variant (a pyfa_variant): PYFA_VARIANT_FAST the register-tiled
    kernel's (PYFA_ERROR_INVALID_ARGUMENT naming what it lacks where it has none for this
-   kernel, head_dim or tiles), PYFA_VARIANT_AUTO what a call with variant AUTO and zero
+   kernel, head_dim or tiles, or where the backend named has kernels of its own: the cpu
+   backend), PYFA_VARIANT_AUTO what a call with variant AUTO and zero
    tiles would run. pyfa_variant_smem_bytes is 0 where the variant has no kernel. */
 PYFA_API int64_t pyfa_variant_smem_bytes(int kernel, int variant, int block_r, int block_c,
                                          int64_t head_dim);
