@@ -80,7 +80,7 @@ def test_merge_refuses_bad_shapes():
     o = np.zeros((2, 3, 4), np.float32)
     with pytest.raises(pyfa.InvalidArgumentError, match="lse_parts"):
         pyfa.merge_states(o, np.zeros((2, 4), np.float32))
-    with pytest.raises(pyfa.InvalidArgumentError, match="o_parts"):
+    with pytest.raises(pyfa.ArgumentTypeError, match="o_parts: expected float32"):
         pyfa.merge_states(o.astype(np.float64), np.zeros((2, 3), np.float32))
     with pytest.raises(pyfa.InvalidArgumentError, match="o_parts"):
         pyfa.merge_states(np.zeros((0, 3, 4), np.float32), np.zeros((0, 3), np.float32))

@@ -11,7 +11,7 @@ w_c = exp(LSE_c - m), w = w_a + w_c, O = (w_a * O_acc + w_c * O_c) / w, LSE = m 
 import numpy as np
 
 from . import numerics as nx
-from ..errors import InvalidArgumentError
+from ..errors import ArgumentTypeError, InvalidArgumentError
 
 F32 = np.float32
 NEG_INF = np.float32(-np.inf)
@@ -23,7 +23,7 @@ def _stack(name, parts):
     except ValueError as e:
         raise InvalidArgumentError(f"{name}: the parts must all have one shape ({e})") from None
     if x.dtype != np.float32:
-        raise InvalidArgumentError(f"{name}: expected float32, got {x.dtype}")
+        raise ArgumentTypeError(f"{name}: expected float32, got {x.dtype}")
     return x
 
 
@@ -76,7 +76,7 @@ def _sink_views(o, lse, sinks, layout):
     o, lse, sinks = (np.asarray(x) for x in (o, lse, sinks))
     for name, x in (("o", o), ("lse", lse), ("sinks", sinks)):
         if x.dtype != np.float32:
-            raise InvalidArgumentError(f"{name}: expected float32, got {x.dtype}")
+            raise ArgumentTypeError(f"{name}: expected float32, got {x.dtype}")
     if layout not in ("bhnd", "bnhd"):
         raise InvalidArgumentError(f"layout: expected 'bhnd' or 'bnhd', got {layout!r}")
     if o.ndim != 4:
@@ -116,14 +116,18 @@ def sinks_grad(o, lse, do, sinks, dlse=None, layout="bhnd"):
     written, the same bits wherever o', lse' and do have them."""
     o4, lse, sinks = _sink_views(o, lse, sinks, layout)
     do = np.asarray(do)
-    if do.dtype != np.float32 or do.shape != o.shape:
-        raise InvalidArgumentError(f"do: expected float32 of o's shape {np.shape(o)}, got {do.dtype} {do.shape}")
+    if do.dtype != np.float32:
+        raise ArgumentTypeError(f"do: expected float32, got {do.dtype}")
+    if do.shape != o.shape:
+        raise InvalidArgumentError(f"do: expected o's shape {np.shape(o)}, got {do.shape}")
     do4 = do if layout == "bhnd" else do.transpose(0, 2, 1, 3)
     g = np.zeros(lse.shape, F32)
     if dlse is not None:
         g = np.asarray(dlse)
-        if g.dtype != np.float32 or g.shape != lse.shape:
-            raise InvalidArgumentError(f"dlse: expected float32 of lse's shape {lse.shape}, got {g.dtype} {g.shape}")
+        if g.dtype != np.float32:
+            raise ArgumentTypeError(f"dlse: expected float32, got {g.dtype}")
+        if g.shape != lse.shape:
+            raise InvalidArgumentError(f"dlse: expected lse's shape {lse.shape}, got {g.shape}")
     B, H, Nq = lse.shape
     D = nx.canonical_nan(nx.dot(do4, o4))
     # A row whose merged LSE is -inf saw no key and has no sink (sinks[h] = -inf): the
