@@ -23,8 +23,8 @@ import numpy as np
 from . import _arrays, _lib, prepared
 from ._arrays import Array, ArrayLike
 from .checks import (
-    EMPTY_VALUES, MAX_HEAD_DIM, Bias, ScoreMods, as_4d, c_aligned, caller_shape, check_dropout_mask, check_int,
-    check_layout, check_like,
+    _SCORE_MOD_KEYWORDS, EMPTY_VALUES, MAX_HEAD_DIM, Bias, ScoreMods, as_4d, c_aligned, caller_shape,
+    check_dropout_mask, check_int, check_layout, check_like,
     check_qkv, check_split_size,
     check_rows, check_sizes, element_strides, is_empty, mask_bounds, refuse_self_overlap, resolve_scale,
 )
@@ -759,6 +759,11 @@ def _keywords(function, options, kwargs):
     the deprecated form of options= (pyfa/options.py), any other keyword a score
     modification, checked later by checks.ScoreMods."""
     legacy = {n: kwargs.pop(n) for n in list(kwargs) if n in OPTION_FIELDS}
+    # Refused here, by the name the caller called (attention passes them on to the forward,
+    # whose own check would name it); bias_grad and sinks are checked by the calls that take them.
+    for name in kwargs:
+        if name not in _SCORE_MOD_KEYWORDS and name not in ("bias_grad", "sinks"):
+            raise ArgumentTypeError(f"{function}() got an unexpected keyword argument {name!r}")
     return resolve_options(function, options, legacy), kwargs
 
 

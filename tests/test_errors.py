@@ -272,8 +272,9 @@ def test_unknown_options_are_pyfa_errors_listing_the_options():
         with pytest.raises(pyfa.ArgumentTypeError, match=r"unknown option '(blockr|thread)' \(the options: backend, "):
             call()
     q = np.zeros((1, 1, 2, 4), np.float32)
-    with pytest.raises(pyfa.ArgumentTypeError, match="unexpected keyword argument 'bogus'"):
-        pyfa.attention(q, q, q, bogus=1)
+    for call, name in ((pyfa.attention, "pyfa.attention"), (pyfa.attention_grad, "pyfa.attention_grad")):
+        with pytest.raises(pyfa.ArgumentTypeError, match=rf"{name}\(\) got an unexpected keyword argument 'bogus'"):
+            call(q, q, q, *((q,) if call is pyfa.attention_grad else ()), bogus=1)
     assert pyfa.Options("cpu", 32).block_r == 32
     with pytest.raises(pyfa.ArgumentTypeError, match="multiple values for argument 'backend'"):
         pyfa.Options("cpu", backend="cuda")
