@@ -23,7 +23,7 @@ import numpy as np
 from . import _arrays, _lib, prepared
 from ._arrays import Array, ArrayLike
 from .checks import (
-    _SCORE_MOD_KEYWORDS, EMPTY_VALUES, MAX_HEAD_DIM, Bias, ScoreMods, as_4d, c_aligned, caller_shape,
+    EMPTY_VALUES, MAX_HEAD_DIM, SCORE_MOD_KEYWORDS, Bias, ScoreMods, as_4d, c_aligned, caller_shape,
     check_dropout_mask, check_int, check_layout, check_like,
     check_qkv, check_split_size,
     check_rows, check_sizes, element_strides, is_empty, mask_bounds, refuse_self_overlap, resolve_scale,
@@ -762,7 +762,7 @@ def _keywords(function, options, kwargs):
     # Refused here, by the name the caller called (attention passes them on to the forward,
     # whose own check would name it); bias_grad and sinks are checked by the calls that take them.
     for name in kwargs:
-        if name not in _SCORE_MOD_KEYWORDS and name not in ("bias_grad", "sinks"):
+        if name not in SCORE_MOD_KEYWORDS and name not in ("bias_grad", "sinks"):
             raise ArgumentTypeError(f"{function}() got an unexpected keyword argument {name!r}")
     return resolve_options(function, options, legacy), kwargs
 
@@ -1096,10 +1096,8 @@ def _sinks_keyword(function, mods, algo, q, layout):
                                 f"{getattr(s, 'dtype', type(s).__name__)}")
     qh = _arrays.host_array("q", q)
     if isinstance(qh, np.ndarray) and 2 <= qh.ndim <= 4:
-        # The merge's own checks (shape, no NaN or +inf), on a stand-in of one row.
-        from .kvcache import merge_sinks
-        heads = as_4d(qh, check_layout(layout)).shape[1]
-        merge_sinks(np.zeros((1, heads, 1, 1), np.float32), np.zeros((1, heads, 1), np.float32), s)
+        from .sim.merge import check_sinks  # the merge's own checks: one per head, no NaN or +inf
+        check_sinks(s, as_4d(qh, check_layout(layout)).shape[1])
     return s
 
 

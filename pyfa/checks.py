@@ -512,7 +512,7 @@ class ScoreMods:
         the error) on a problem of dims = (B, H, Nq, Nk, d, Hkv) under the call's
         causal_align; TypeError for a keyword that names none."""
         for name in mods:
-            if name not in _SCORE_MOD_KEYWORDS:
+            if name not in SCORE_MOD_KEYWORDS:
                 raise ArgumentTypeError(f"{function}() got an unexpected keyword argument {name!r}")
         mods.update(_check_dropout(mods.get("dropout_p", 0.0), mods.get("seed"), mods.get("offset", 0)))
         if "dropout_origin" in mods:
@@ -538,7 +538,7 @@ class ScoreMods:
 
 
 # The keywords ScoreMods.resolve takes (off is computed, not given).
-_SCORE_MOD_KEYWORDS = frozenset(f.name for f in dataclasses.fields(ScoreMods)) - {"off"}
+SCORE_MOD_KEYWORDS = frozenset(f.name for f in dataclasses.fields(ScoreMods)) - {"off"}
 
 _UINT64 = (1 << 64) - 1
 
@@ -590,7 +590,7 @@ def check_dropout_mask(function, batch, heads, seqlen_q, seqlen_k, dropout_p, se
 
 __all__ = [
     "ALIGNMENTS", "Bias", "EMPTY_VALUES", "FLOAT32_MAX", "LAYOUTS", "MAX_HEAD_DIM", "MAX_TILE", "MaskBounds", "QKV",
-    "ScoreMods", "check_bias",
+    "SCORE_MOD_KEYWORDS", "ScoreMods", "check_bias",
     "as_4d", "as_tensor", "caller_shape", "check_causal", "check_causal_align", "check_softcap", "check_alibi_slopes",
     "check_count_args", "check_dropout_mask", "check_int", "check_layout", "check_like", "check_qkv",
     "check_rows", "check_sizes", "check_tile", "check_window", "element_strides", "empty_output", "is_empty",

@@ -569,20 +569,6 @@ def _checked_keywords(q, causal, return_lse, window, block_r, block_c, backend, 
                      split)
 
 
-def _check_sinks(sinks, q4, layout):
-    """sinks as the operators take them: None, or a float32 CPU tensor of q's H heads."""
-    if sinks is None:
-        return None
-    _check_tensor("sinks", sinks)  # its dtype is the operator's to check (autocast casts it)
-    heads = q4.shape[2 if layout == "bnhd" else 1]
-    if tuple(sinks.shape) != (heads,):
-        raise InvalidArgumentError(f"sinks: expected shape ({heads},), one per query head, got {tuple(sinks.shape)}")
-    if sinks.device.type != "cpu" or q4.device.type != "cpu":
-        raise InvalidArgumentError(f"sinks: pyfa merges sinks on the CPU only in this version; q on {q4.device}, "
-                                   f"sinks on {sinks.device}")
-    return sinks
-
-
 def _to_4d(t, rank, layout):
     """The 4-D view of a rank-2 or -3 tensor in `layout` (leading unit axes added)."""
     if rank == 4:
@@ -655,8 +641,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                           dropout_p, seed, offset, softcap, alibi_slopes, split_size)
     tensors = (_to_4d(q, rank, layout), _to_4d(k, rank, layout), _to_4d(v, rank, layout))
     options = (causal, a.left, a.right, causal_align, a.scale, layout, a.block_r, a.block_c, backend)
-    mods = (a.dropout_p, a.seed, a.offset, a.softcap, a.alibi_slopes, a.split,
-            _check_sinks(sinks, tensors[0], layout))
+    if sinks is not None:  # dtype, shape and place: the operator's to check (autocast casts it)
+        _check_tensor("sinks", sinks)
+    mods = (a.dropout_p, a.seed, a.offset, a.softcap, a.alibi_slopes, a.split, sinks)
     if bias is not None:
         o, lse = torch.ops.pyfa.fa2_forward_bias(*tensors, _bias_operand(bias), *options, *mods)
     else:

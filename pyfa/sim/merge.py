@@ -84,11 +84,17 @@ def _sink_views(o, lse, sinks, layout):
     o4 = o if layout == "bhnd" else o.transpose(0, 2, 1, 3)
     if lse.shape != o4.shape[:3]:
         raise InvalidArgumentError(f"lse: expected shape {o4.shape[:3]} (B, H, Nq), got {lse.shape}")
-    if sinks.shape != (o4.shape[1],):
-        raise InvalidArgumentError(f"sinks: expected shape ({o4.shape[1]},), one per query head, got {sinks.shape}")
+    check_sinks(sinks, o4.shape[1])
+    return o4, lse, sinks
+
+
+def check_sinks(sinks, heads):
+    """The values merge_sinks takes for `heads` query heads: shape (heads,), each finite or
+    -inf (no sink); InvalidArgumentError otherwise."""
+    if sinks.shape != (heads,):
+        raise InvalidArgumentError(f"sinks: expected shape ({heads},), one per query head, got {sinks.shape}")
     if np.isnan(sinks).any() or (sinks == np.inf).any():
         raise InvalidArgumentError("sinks: must be finite or -inf (no sink)")
-    return o4, lse, sinks
 
 
 @nx.ieee_arithmetic
