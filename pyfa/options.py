@@ -91,8 +91,9 @@ class Options:
                                     f"got {type(self.progress).__name__}")
 
     def replace(self, **changes) -> "Options":
-        """A copy with some fields changed (an unknown name is a TypeError)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with some fields changed (an unknown name is a TypeError); this Options
+        itself when there are none, as it is frozen (pyfa.torch asks on every call)."""
+        return dataclasses.replace(self, **changes) if changes else self
 
     def __enter__(self) -> "Options":
         _active.set(_active.get() + (self,))

@@ -55,6 +55,21 @@ def _on_device_of(t):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+def _operand(t):
+    """A tensor as pyfa's NumPy API takes it: a CPU tensor as the NumPy view of its memory
+    (what DLPack would give, at a third of the cost per call), anything else detached, for
+    DLPack (which refuses a tensor that requires grad) and its checks."""
+    t = t.detach()
+    return t.numpy() if t.device.type == "cpu" and t.layout == torch.strided and not t.is_neg() else t
+
+
+def _call(fn, *tensors, **kw):
+    """fn (pyfa.fa2_forward or fa2_backward) on the tensors, its outputs as tensors."""
+    with _on_device_of(tensors[0]):
+        results = fn(*map(_operand, tensors), **kw)
+    return tuple(torch.from_numpy(r) if isinstance(r, np.ndarray) else r for r in results)
+
+
 def _check_dtype(name, t):
     if t.dtype != torch.float32:
         raise ArgumentTypeError(f"{name}: expected dtype torch.float32, got {t.dtype} (pyfa computes in "
@@ -156,9 +171,7 @@ def _fa2_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, window_left: Opt
         # No query rows, or no keys: every row sees nothing (O = 0, LSE = -inf).
         _check_options(q, kw, k)
         return _with_sinks(q.new_zeros(q.shape), q.new_full((B, H, Nq), -math.inf), sinks, layout)
-    # DLPack refuses tensors that require grad.
-    with _on_device_of(q):
-        return _with_sinks(*api.fa2_forward(q.detach(), k.detach(), v.detach(), **kw), sinks, layout)
+    return _with_sinks(*_call(api.fa2_forward, q, k, v, **kw), sinks, layout)
 
 
 @_fa2_forward.register_fake
@@ -190,9 +203,7 @@ def _fa2_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: T
         _check_options(q, kw, k)
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     # CUDA tensors must be C-contiguous (a gradient may come expanded or transposed).
-    with _on_device_of(q):
-        return api.fa2_backward(q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(),
-                                do.detach().contiguous(), **kw)
+    return _call(api.fa2_backward, q, k, v, o, lse, do.contiguous(), **kw)
 
 
 @_fa2_backward.register_fake
@@ -380,9 +391,7 @@ def _fa2_forward_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, causal: boo
         _check_options(q, kw, k)
         check_bias("bias", bias.detach(), (B, H, Nq, Nk))
         return _with_sinks(q.new_zeros(q.shape), q.new_full((B, H, Nq), -math.inf), sinks, layout)
-    with _on_device_of(q):
-        return _with_sinks(*api.fa2_forward(q.detach(), k.detach(), v.detach(), bias=bias.detach(), **kw),
-                           sinks, layout)
+    return _with_sinks(*_call(api.fa2_forward, q, k, v, bias=_operand(bias), **kw), sinks, layout)
 
 
 @_fa2_forward_bias.register_fake
@@ -415,9 +424,8 @@ def _fa2_backward_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, o: Tensor,
         _check_options(q, kw, k)
         check_bias("bias", bias.detach(), (B, H, Nq, Nk))
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), bias.new_zeros(dbias_shape)
-    with _on_device_of(q):
-        grads = api.fa2_backward(q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(),
-                                 do.detach().contiguous(), bias=bias.detach(), bias_grad=bias_grad, **kw)
+    grads = _call(api.fa2_backward, q, k, v, o, lse, do.contiguous(), bias=_operand(bias),
+                  bias_grad=bias_grad, **kw)
     return grads if bias_grad else (*grads, bias.new_empty(0))
 
 
@@ -491,6 +499,37 @@ for _op in ("pyfa::fa2_forward", "pyfa::fa2_backward", "pyfa::fa2_forward_bias",
     for _device in ("cpu", "cuda"):
         torch.library.register_autocast(_op, _device, torch.float32)
 del _op, _device
+
+
+def _differentiable(op, setup_context, backward):
+    """An autograd.Function calling `op` with the autograd rule registered for it (the
+    same setup_context and backward), for attention() to call where a gradient may be
+    needed. PyTorch's own autograd layer for a custom operator (2.13) fills in the
+    schema's defaults on every forward through a pybind property, quadratic in its 19
+    arguments: about 90 us of a call that costs about 300; an autograd.Function around
+    the operator skips it (torch.ops.pyfa.* called directly keep their own rule). The
+    operator's autocast rule casts what the forward computes on; the tensors saved for
+    the backward are cast the same way, as the backward runs outside autocast."""
+    class Function(torch.autograd.Function):
+        generate_vmap_rule = True  # the operators' own vmap rules, inside
+
+        @staticmethod
+        def forward(*inputs):
+            return op(*inputs)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            setup_context(ctx, [x.float() if isinstance(x, Tensor) else x for x in inputs], output)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return backward(ctx, *grads)
+    Function.__name__ = Function.__qualname__ = op.__name__
+    return Function
+
+
+_ATTENTION = _differentiable(torch.ops.pyfa.fa2_forward, _forward_setup, _forward_backward)
+_ATTENTION_BIAS = _differentiable(torch.ops.pyfa.fa2_forward_bias, _forward_bias_setup, _forward_bias_backward)
 
 
 def _check_tensor(name, t):
@@ -644,10 +683,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     if sinks is not None:  # dtype, shape and place: the operator's to check (autocast casts it)
         _check_tensor("sinks", sinks)
     mods = (a.dropout_p, a.seed, a.offset, a.softcap, a.alibi_slopes, a.split, sinks)
+    # Only where a gradient is wanted: torch.compile (2.13) fails inside an
+    # autograd.Function none of whose inputs requires one.
+    grad = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad
+                                           for t in (*tensors, bias, a.alibi_slopes, sinks))
     if bias is not None:
-        o, lse = torch.ops.pyfa.fa2_forward_bias(*tensors, _bias_operand(bias), *options, *mods)
+        op = _ATTENTION_BIAS.apply if grad else torch.ops.pyfa.fa2_forward_bias
+        o, lse = op(*tensors, _bias_operand(bias), *options, *mods)
     else:
-        o, lse = torch.ops.pyfa.fa2_forward(*tensors, *options, *mods)
+        o, lse = (_ATTENTION.apply if grad else torch.ops.pyfa.fa2_forward)(*tensors, *options, *mods)
     if rank < 4:
         o = o.reshape(q.shape)
         lse = lse.reshape(lse.shape[4 - rank:])

@@ -89,6 +89,24 @@ def test_autocast_runs_the_op_in_float32():
     assert q.grad.dtype == torch.float32 and torch.isfinite(q.grad).all()
 
 
+
+def test_autocast_gradients_of_a_bias_and_sinks_are_those_of_their_float32_values():
+    # Under autocast the backward (run outside it) gets the saved tensors in float32 too.
+    q, k, v, bias, sinks = leaves((2, 6, 8), (2, 5, 8), (2, 5, 8), (6, 5), (2,), seed=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o = pyfa.torch.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), bias=bias.bfloat16(),
+                                 sinks=sinks.bfloat16(), causal=True, **KW)
+    assert o.dtype == torch.float32
+    got = torch.autograd.grad(o.square().sum(), (q, k, v, bias, sinks))
+    rounded = [t.detach().bfloat16().float().requires_grad_() for t in (q, k, v, bias, sinks)]
+    o32 = pyfa.torch.attention(*rounded[:3], bias=rounded[3], sinks=rounded[4], causal=True, **KW)
+    assert torch.equal(o, o32)
+    want = torch.autograd.grad(o32.square().sum(), rounded)
+    for g, w in zip(got, want):
+        # Each gradient comes back in its input's dtype (float32 here), autograd's cast of
+        # bfloat16's gradient included.
+        assert g.dtype == torch.float32 and torch.equal(g, w.bfloat16().float())
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_non_float32_is_one_clear_type_error(dtype):
     q = torch.zeros(2, 4, 8)

@@ -846,6 +846,71 @@ def varlen(args):
     return out
 
 
+# (B, H, Hkv, Nq, Nk, d): a small model's attention at short lengths, one at a length where
+# the kernels' work begins to weigh, and one decoding step with grouped heads.
+TORCH_CALL_SHAPES = {
+    "smoke": [(1, 2, 2, 16, 16, 32)],
+    "full": [(1, 4, 4, 64, 64, 64), (2, 8, 8, 256, 256, 64), (1, 32, 8, 1, 1024, 128)],
+}
+
+
+def torch_calls(args):
+    """pyfa.torch.attention against torch's SDPA per call, on shapes whose work is small
+    enough that the cost of a call around the kernels shows: the forward under no_grad and
+    the forward + backward (q, k, v require grad), causal where Nq = Nk, one process, the columns of a
+    shape alternating call by call."""
+    torch = import_torch()
+    if torch is None:
+        return "summary: torch-calls: torch is not installed here"
+    import pyfa.torch as pt
+    threads = args.decode_threads or 1
+    torch.set_num_threads(threads)
+    repeats = args.repeats or (3 if args.preset == "smoke" else 200)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    print(f"pyfa bench --torch-calls (CPU): per call, causal where Nq = Nk; {threads} thread(s) for both; "
+          f"median of {repeats} calls alternating with the other column's; load average "
+          f"{os.getloadavg()[0]:.2f} at the start")
+    print(f"{'B':>3} {'H':>3} {'Hkv':>3} {'Nq':>5} {'Nk':>5} {'d':>4}  {'pass':9} {'pyfa us':>9} {'sdpa us':>9} "
+          f"{'x sdpa':>7}")
+    gen = torch.Generator().manual_seed(args.seed)
+    ratios = []
+    with pyfa.Options(threads=threads):
+        for b, h, hkv, nq, nk, d in TORCH_CALL_SHAPES["smoke" if args.preset == "smoke" else "full"]:
+            q = torch.randn(b, h, nq, d, generator=gen)
+            k, v = (torch.randn(b, hkv, nk, d, generator=gen) for _ in range(2))
+            gqa = dict(enable_gqa=True) if hkv != h else {}
+            # Causal where Nq = Nk (SDPA aligns it top-left, pyfa as causal_align says);
+            # the decoding step's one row sees every key.
+            causal = nq == nk
+            for name, grad in (("fwd", False), ("fwd+bwd", True)):
+                qg, kg, vg = (t.clone().requires_grad_(grad) for t in (q, k, v))
+
+                def pass_of(attend):
+                    def call():
+                        with torch.set_grad_enabled(grad):
+                            o = attend(qg, kg, vg)
+                            if grad:
+                                o.sum().backward()
+                        return o.detach()
+                    return call
+                cols = [Column("pyfa", pass_of(lambda q_, k_, v_: pt.attention(q_, k_, v_, causal=causal,
+                                                                                causal_align="top_left"))),
+                        Column("sdpa", pass_of(lambda q_, k_, v_: sdpa(q_, k_, v_, is_causal=causal, **gqa)))]
+                timed = time_group(cols, repeats)
+                (_, pyfa_ms, _, note), (_, torch_ms, _, tnote) = timed
+                if pyfa_ms is None or torch_ms is None:
+                    print(f"{b:3} {h:3} {hkv:3} {nq:5} {nk:5} {d:4}  {name:9} {note or tnote}")
+                    continue
+                err = float((cols[0].result - cols[1].result).abs().max())
+                ratios.append(torch_ms / pyfa_ms)
+                print(f"{b:3} {h:3} {hkv:3} {nq:5} {nk:5} {d:4}  {name:9} {pyfa_ms * 1e3:9.1f} {torch_ms * 1e3:9.1f} "
+                      f"{torch_ms / pyfa_ms:6.2f}x  max|pyfa - sdpa| {err:.1e}")
+    print("x sdpa: SDPA's time over pyfa's (above 1: pyfa faster)")
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
+    return (f"summary: torch-calls: pyfa.torch.attention / SDPA per call, geometric mean {geomean(ratios):.2f}x, "
+            f"lowest {min(ratios):.2f}x over {len(ratios)} passes")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = ap.add_mutually_exclusive_group()
@@ -874,6 +939,8 @@ def main(argv=None):
     dc.add_argument("--decode", action="store_true",
                     help="one decoding step: B=1 H=32 Hkv=8 d=128, contexts 8192 and 32768 (--smoke: tiny)")
     dc.add_argument("--varlen", action="store_true", help="packed sequences beside SDPA on the padded batch")
+    dc.add_argument("--torch-calls", action="store_true",
+                    help="pyfa.torch.attention against SDPA per call, on small shapes (the cost of a call)")
     dc.add_argument("--heads-kv", type=int, help="--decode: K/V heads")
     dc.add_argument("--contexts", type=int, nargs="+", help="--decode: context lengths")
     dc.add_argument("--decode-threads", type=int, help="threads of every column (default: one per core)")
@@ -896,11 +963,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.worker:
         return sweep_worker(json.loads(args.worker))
-    if args.decode or args.varlen:
+    if args.decode or args.varlen or args.torch_calls:
         if args.decode:
             print(decode(args))
         if args.varlen:
             print(varlen(args))
+        if args.torch_calls:
+            print(torch_calls(args))
         return 0
     if args.sweep:
         args.batch, args.heads = args.batch or 1, args.heads or 4
