@@ -1076,10 +1076,11 @@ def fa1_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, m: Arra
 
 
 def _sinks_keyword(function, mods, algo, q, layout):
-    """The sinks keyword of attention / attention_grad, popped from mods and checked
-    before anything runs (as NumPy, (H,) float32), or None. The merge runs in NumPy after
-    the library's forward (pyfa.merge_sinks), so only on CPU arrays, FA2's, and not
-    under pyfa.prepare, whose replays are the library's call alone."""
+    """The sinks keyword of a call that takes them (attention, attention_grad, their
+    varlen twins and attention_with_kvcache, whose q is "bnhd"), popped from mods and
+    checked before anything runs or is written (as NumPy, (H,) float32), or None. The
+    merge runs in NumPy after the library's forward (pyfa.merge_sinks), so only on CPU
+    arrays, FA2's, and not under pyfa.prepare, whose replays are the library's call alone."""
     sinks = mods.pop("sinks", None)
     if sinks is None:
         return None
@@ -1111,6 +1112,16 @@ def _merge_sinks_in_place(o, lse, sinks, layout):
     merged_o, merged_lse = merge_sinks(o4, lse3, sinks)
     np.copyto(o4, merged_o)
     np.copyto(lse3, merged_lse)
+
+
+def _sinks_grad(o, lse, do, sinks, layout, q):
+    """dsinks (pyfa.sinks_grad, as q's kind) from the merged o and lse of
+    _merge_sinks_in_place and the incoming gradient do, at the caller's rank and layout."""
+    from .kvcache import sinks_grad
+    lse_h = _arrays.host_array("lse", lse)
+    dsinks = sinks_grad(as_4d(_arrays.host_array("o", o), layout), lse_h[(None,) * (3 - lse_h.ndim)],
+                        as_4d(np.asarray(_arrays.host_array("do", do), np.float32), layout), sinks)
+    return _arrays.as_kind(_arrays.library_of(q), dsinks)
 
 
 # algo -> the forward pass; attention() takes its first output, O.
@@ -1206,11 +1217,7 @@ def attention_grad(q: ArrayLike, k: ArrayLike, v: ArrayLike, do: ArrayLike, *,
             grads = fa2_backward(q, k, v, o, lse, do, out=grads, split_size=split_size, bias_grad=bias_grad,
                                  **kw)
             if sinks is not None:
-                from .kvcache import sinks_grad
-                lse_h = _arrays.host_array("lse", lse)
-                dsinks = sinks_grad(as_4d(_arrays.host_array("o", o), layout), lse_h[(None,) * (3 - lse_h.ndim)],
-                                    as_4d(np.asarray(_arrays.host_array("do", do), np.float32), layout), sinks)
-                grads = (*grads, _arrays.as_kind(_arrays.library_of(q), dsinks))
+                grads = (*grads, _sinks_grad(o, lse, do, sinks, layout, q))
         return (finish(o), *grads)
 
 

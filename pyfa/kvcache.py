@@ -341,7 +341,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     cache_seqlens[b] + Nnew keys; causal (and window) are aligned bottom-right, so the Nq
     queries are the sequence's last rows. split_size as in pyfa.fa2_forward: with a fixed
     split size, token t decoded step by step through the cache has the bits of row t of
-    one prefill. Returns o (B, Nq, H, d), or (o, lse) with return_lse, lse (B, H, Nq).
+    one prefill. sinks (as in pyfa.attention): float32 (H,), the state merged with them
+    (pyfa.merge_sinks; checked before anything is appended), so that decoding with sinks
+    keeps the bits of one prefill with them. Returns o (B, Nq, H, d), or (o, lse) with
+    return_lse, lse (B, H, Nq).
 
     The call runs as pyfa.attention_varlen, whose rows equal the dense call of each
     sequence alone: a dense cache read in place (its batches as packed sequences of Nmax
@@ -350,12 +353,17 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     from . import api, varlen
 
     options, mods = api._keywords("pyfa.attention_with_kvcache", options, mods)
+    # Checked here, before with_kvcache appends k_new and v_new to the caller's caches.
+    sinks = api._sinks_keyword("pyfa.attention_with_kvcache", mods, "fa2", q, "bnhd")
 
     def run(q_p, k_p, v_p, cu_q, cu_k, used, pages):
-        return varlen.run("fa2_forward", dict(q=q_p, k=k_p, v=v_p), cu_q, cu_k, causal=causal,
-                          window=window, scale=scale, options=options, mods=mods,
-                          function="pyfa.attention_with_kvcache", split_size=split_size, seqused_k=used,
-                          pages=pages)
+        o, lse = varlen.run("fa2_forward", dict(q=q_p, k=k_p, v=v_p), cu_q, cu_k, causal=causal,
+                            window=window, scale=scale, options=options, mods=mods,
+                            function="pyfa.attention_with_kvcache", split_size=split_size, seqused_k=used,
+                            pages=pages)
+        if sinks is not None:
+            api._merge_sinks_in_place(o, lse, sinks, "bnhd")
+        return o, lse
 
     return with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse,
                         mods.get("bias"))

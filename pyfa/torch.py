@@ -235,11 +235,13 @@ def _with_sinks(o, lse, sinks, layout):
     return torch.from_numpy(np.ascontiguousarray(o)), torch.from_numpy(lse)
 
 
-def _sinks_gradient(ctx, o, lse, do, dlse, sinks):
-    """The sinks' gradient (pyfa::sinks_grad), or None where they need none."""
+def _sinks_gradient(ctx, o, lse, do, dlse, sinks, layout=None):
+    """The sinks' gradient (pyfa::sinks_grad), or None where they need none; the sinks
+    are the operator's last input, layout (None) the dense operators' option."""
     if sinks is None or not ctx.needs_input_grad[-1]:
         return None
-    layout = dict(zip(_OPTION_NAMES, ctx.options))["layout"]
+    if layout is None:
+        layout = dict(zip(_OPTION_NAMES, ctx.options))["layout"]
     return torch.ops.pyfa.sinks_grad(o, lse, do, sinks, dlse, layout)
 
 
@@ -882,10 +884,11 @@ def _fa2_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, c
                         backend: str, softcap: Optional[float] = None,
                         alibi_slopes: Optional[Tensor] = None, split_size: int = 0,
                         dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
-                        bias: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                        bias: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Packed sequences (pyfa.attention_varlen): q (total_q, H, d), k, v (total_k, Hkv, d),
     int32 offsets, bias None or broadcastable to (B, H, max_seqlen_q, max_seqlen_k);
-    returns o like q and lse (H, total_q)."""
+    returns o like q and lse (H, total_q); with sinks ((H,), CPU), those of attention
+    with sinks (pyfa.merge_sinks)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_dtype(name, t)
     kw = _varlen_keywords(causal, window_left, window_right, causal_align, scale, block_r, block_c,
@@ -895,9 +898,13 @@ def _fa2_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, c
     with _on_device_of(q):
         if q.is_cuda and (q.numel() == 0 or k.numel() == 0):
             _check_options(q, {**kw, "layout": "bnhd"})
-            return q.new_zeros(q.shape), q.new_full((q.shape[1], q.shape[0]), -math.inf)
-        return _run_varlen("fa2_forward", dict(q=q.detach(), k=k.detach(), v=v.detach()), cu_seqlens_q,
-                           cu_seqlens_k, max_seqlen_q, max_seqlen_k, kw)
+            o, lse = q.new_zeros(q.shape), q.new_full((q.shape[1], q.shape[0]), -math.inf)
+        else:
+            o, lse = _run_varlen("fa2_forward", dict(q=q.detach(), k=k.detach(), v=v.detach()), cu_seqlens_q,
+                                 cu_seqlens_k, max_seqlen_q, max_seqlen_k, kw)
+    # The packed rows are one "bnhd" batch to the merge, as in pyfa.attention_varlen.
+    o, lse = _with_sinks(o[None], lse[None], sinks, "bnhd")
+    return o[0], lse[0]
 
 
 @_fa2_varlen_forward.register_fake
@@ -946,7 +953,8 @@ def _fa2_varlen_backward_fake(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, m
             q.new_empty(0) if bias is None else bias.new_empty(bias.shape))
 
 
-# fa2_varlen_forward's non-tensor arguments after the offsets, in schema order (the bias last).
+# fa2_varlen_forward's arguments after the offsets, in schema order (the bias last; then the
+# sinks, which the backward does not take).
 _VARLEN_OPTION_NAMES = ("max_seqlen_q", "max_seqlen_k", "causal", "window_left", "window_right",
                         "causal_align", "scale", "block_r", "block_c", "backend", "softcap",
                         "alibi_slopes", "split_size", "dropout_p", "seed", "offset", "bias")
@@ -954,13 +962,13 @@ _VARLEN_OPTION_NAMES = ("max_seqlen_q", "max_seqlen_k", "causal", "window_left",
 
 def _varlen_setup(ctx, inputs, output):
     q, k, v, cu_q, cu_k, *options = inputs
-    ctx.save_for_backward(q, k, v, cu_q, cu_k, *output)
-    ctx.options = options
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, *output, options[-1])  # the sinks last, as _forward_setup
+    ctx.options = options[:-1]
     ctx.set_materialize_grads(False)
 
 
 def _varlen_backward(ctx, do, dlse):
-    q, k, v, cu_q, cu_k, o, lse = ctx.saved_tensors
+    q, k, v, cu_q, cu_k, o, lse, sinks = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
     dq, dk, dv, dbias = torch.ops.pyfa.fa2_varlen_backward(q, k, v, o, lse, do, cu_q, cu_k, *ctx.options)
@@ -976,9 +984,12 @@ def _varlen_backward(ctx, do, dlse):
         lq, lk, _, lb = torch.ops.pyfa.fa2_varlen_backward(q, k, torch.zeros_like(v), o_unit, lse, do_lse,
                                                            cu_q, cu_k, *undropped)
         dq, dk, dbias = dq + lq, dk + lk, dbias + lb
-    # The bias is the last option (fa2_varlen_forward's schema).
-    bias_grad = dbias if ctx.options[-1] is not None and ctx.needs_input_grad[-1] else None
-    return (dq, dk, dv) + (None,) * (1 + len(ctx.options)) + (bias_grad,)
+    # The bias is the last option (fa2_varlen_forward's schema), found from the front: the
+    # dispatcher leaves trailing arguments at their defaults (no sinks) out of needs_input_grad.
+    bias_grad = dbias if ctx.options[-1] is not None and ctx.needs_input_grad[4 + len(ctx.options)] else None
+    dsinks = _sinks_gradient(ctx, o[None], lse[None], do[None], None if dlse is None else dlse[None], sinks,
+                             "bnhd")
+    return (dq, dk, dv) + (None,) * (1 + len(ctx.options)) + (bias_grad, dsinks)
 
 
 torch.library.register_autograd("pyfa::fa2_varlen_forward", _varlen_backward, setup_context=_varlen_setup)
@@ -1013,7 +1024,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                      block_c: Optional[int] = None, backend: str = "auto",
                      softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
                      split_size: Optional[int] = None, bias: Optional[Tensor] = None,
-                     dropout_p: float = 0.0, seed: Optional[int] = None, offset: int = 0):
+                     dropout_p: float = 0.0, seed: Optional[int] = None, offset: int = 0,
+                     sinks: Optional[Tensor] = None):
     """Attention over packed sequences by FA2's varlen kernels (pyfa.attention_varlen),
     differentiable: q (total_q, H, d), k, v (total_k, Hkv, d) float32, cu_seqlens_q,
     cu_seqlens_k int32 (B + 1,) offsets on q's device. max_seqlen_q, max_seqlen_k: the
@@ -1030,7 +1042,10 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     corner of its own lengths (pyfa.attention_varlen's bias=); it gets a gradient when it
     requires one (+0 beyond each corner). split_size: as in pyfa.torch.attention, the
     split forward and backward per sequence, so that each row keeps the bits of its
-    sequence's split call alone, the bias's gradient included."""
+    sequence's split call alone, the bias's gradient included. sinks: as in
+    pyfa.torch.attention (float32 (H,), CPU, differentiable), each row merged with its
+    head's sink as in its sequence's call alone; their gradient sums the packed rows in
+    order (pyfa.attention_varlen_grad's dsinks)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
         if t.dim() != 3:
@@ -1040,12 +1055,14 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     _check_offsets("cu_seqlens_k", cu_seqlens_k)
     a = _checked_keywords(q, causal, return_lse, window, block_r, block_c, backend, causal_align, scale,
                           dropout_p, seed, offset, softcap, alibi_slopes, split_size)
+    if sinks is not None:  # dtype, shape and place: the operator's to check, as in attention
+        _check_tensor("sinks", sinks)
     max_q = _longest("max_seqlen_q", cu_seqlens_q, max_seqlen_q)
     max_k = _longest("max_seqlen_k", cu_seqlens_k, max_seqlen_k)
     o, lse = torch.ops.pyfa.fa2_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal,
                                                a.left, a.right, causal_align, a.scale, a.block_r, a.block_c,
                                                backend, a.softcap, a.alibi_slopes, a.split, a.dropout_p, a.seed,
-                                               a.offset, None if bias is None else _bias_operand(bias))
+                                               a.offset, None if bias is None else _bias_operand(bias), sinks)
     return (o, lse) if return_lse else o
 
 
@@ -1055,7 +1072,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
                            softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
                            deterministic: bool = False, return_attn_probs: bool = False,
-                           block_table: Optional[Tensor] = None):
+                           block_table: Optional[Tensor] = None, *, s_aux: Optional[Tensor] = None):
     """flash-attn 2's flash_attn_varlen_func by pyfa's varlen kernels (attention_varlen): q
     (total_q, H, d), k, v (total_k, Hkv, d), sequence b being rows
     cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k
@@ -1070,7 +1087,10 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     (num_pages, page_size, Hkv, d), any page size, sequence b's keys the first
     cu_seqlens_k[b + 1] - cu_seqlens_k[b] logical rows of its table row
     (pyfa.attention_varlen's block_table): CPU tensors, forward only (no gradient, as in
-    flash-attn's paged path; refused where one would be recorded), without dropout."""
+    flash-attn's paged path; refused where one would be recorded), without dropout.
+
+    s_aux (keyword only; vLLM's flash-attn fork's name): gpt-oss's attention sinks,
+    attention_varlen's sinks, float32 (H,) on the CPU (a refusal may call them sinks)."""
     paged = block_table is not None
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
@@ -1086,11 +1106,11 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     if paged:
         return _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
                              dropout_p, softmax_scale, causal, _flash_window(window_size), mods,
-                             return_attn_probs)
+                             return_attn_probs, s_aux)
     o, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                               max_seqlen_k=max_seqlen_k, causal=causal, window=_flash_window(window_size),
                               scale=softmax_scale, return_lse=True, softcap=mods["softcap"],
-                              alibi_slopes=mods["alibi_slopes"], dropout_p=dropout_p)
+                              alibi_slopes=mods["alibi_slopes"], dropout_p=dropout_p, sinks=s_aux)
     return (o, _flash_lse(lse), None) if return_attn_probs else o
 
 
@@ -1117,7 +1137,7 @@ def _host_mods(mods):
 
 
 def _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, dropout_p,
-                  scale, causal, window, mods, return_probs):
+                  scale, causal, window, mods, return_probs, s_aux):
     """flash_attn_varlen_func with a block_table: pyfa.attention_varlen on NumPy views of the
     CPU tensors (the pages read in place)."""
     import numpy as np
@@ -1125,7 +1145,7 @@ def _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     from .varlen import attention_varlen as varlen_numpy
 
     arrays = _host_views(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                              block_table=block_table), "flash_attn_varlen_func with a block_table")
+                              block_table=block_table, s_aux=s_aux), "flash_attn_varlen_func with a block_table")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise InvalidArgumentError("block_table: paged K/V has no backward in pyfa (nor in flash-attn); call under "
                                    "torch.no_grad() or on tensors that do not require grad")
@@ -1134,7 +1154,8 @@ def _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     extras = _host_mods(mods)
     o, lse = varlen_numpy(arrays["q"], arrays["k"], arrays["v"], arrays["cu_seqlens_q"], arrays["cu_seqlens_k"],
                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, window=window,
-                          scale=scale, return_lse=True, block_table=arrays["block_table"], **extras)
+                          scale=scale, return_lse=True, block_table=arrays["block_table"], sinks=arrays["s_aux"],
+                          **extras)
     o, lse = (torch.from_numpy(np.ascontiguousarray(x)) for x in (o, lse))
     return (o, _flash_lse(lse), None) if return_probs else o
 
@@ -1148,7 +1169,8 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
                             softmax_scale: Optional[float] = None, causal: bool = False,
                             window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                             rotary_interleaved: bool = True, alibi_slopes: Optional[Tensor] = None,
-                            num_splits: int = 0, return_softmax_lse: bool = False):
+                            num_splits: int = 0, return_softmax_lse: bool = False, *,
+                            s_aux: Optional[Tensor] = None):
     """flash-attn 2's flash_attn_with_kvcache by pyfa, for a dense cache read as it is:
     q (B, Nq, H, d), k_cache, v_cache (B, Ncache, Hkv, d); batch element b attends to the
     first cache_seqlens[b] keys (cache_seqlens: None = all Ncache, an int, or an int
@@ -1164,7 +1186,9 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, num_splits > 1 (pyfa's split
     is a fixed size, pyfa.attention_with_kvcache's split_size, never a count; 0 and 1 are
     honoured), k, v or block_table on CUDA tensors. rotary_interleaved only matters with
-    rotary."""
+    rotary. s_aux (keyword only; vLLM's flash-attn fork's name): gpt-oss's attention
+    sinks, float32 (H,) on the CPU, as pyfa.torch.attention's sinks (a refusal may call
+    them sinks), checked before k and v are written."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(name, t)
         if t.dim() != 4:
@@ -1184,7 +1208,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     window = _flash_window(window_size)
     if k is not None or v is not None or block_table is not None:
         return _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
-                             causal, window, mods, return_softmax_lse)
+                             causal, window, mods, return_softmax_lse, s_aux)
     B, ncache = q.shape[0], k_cache.shape[1]
     if cache_seqlens is None:
         lengths = [ncache] * B
@@ -1199,7 +1223,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     if any(not 0 <= n <= ncache for n in lengths):
         raise InvalidArgumentError(f"cache_seqlens: each length must be in [0, {ncache}] (the cache's "
                                    f"length), got {lengths}")
-    kw = dict(causal=causal, window=window, scale=softmax_scale, layout="bnhd", return_lse=True,
+    kw = dict(causal=causal, window=window, scale=softmax_scale, layout="bnhd", return_lse=True, sinks=s_aux,
               **mods)
     if len(set(lengths)) <= 1:
         n = lengths[0] if lengths else ncache
@@ -1217,15 +1241,15 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
 
 
 def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal, window, mods,
-                  return_lse):
+                  return_lse, s_aux):
     """flash_attn_with_kvcache's appending or paged call: pyfa.attention_with_kvcache on
     NumPy views of the CPU tensors, so the caches are updated in place."""
     import numpy as np
 
     from .kvcache import attention_with_kvcache
 
-    arrays = _host_views(dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, block_table=block_table),
-                         "appending to the cache or a block_table")
+    arrays = _host_views(dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, block_table=block_table,
+                              s_aux=s_aux), "appending to the cache or a block_table")
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = np.full(q.shape[0], int(cache_seqlens), np.int32)
     elif isinstance(cache_seqlens, torch.Tensor):
@@ -1235,7 +1259,7 @@ def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, 
     mods = _host_mods(mods)
     out = attention_with_kvcache(arrays["q"], arrays["k_cache"], arrays["v_cache"], cache_seqlens,
                                  arrays["k"], arrays["v"], block_table=arrays["block_table"], causal=causal,
-                                 window=window, scale=scale, return_lse=True, **mods)
+                                 window=window, scale=scale, return_lse=True, sinks=arrays["s_aux"], **mods)
     o, lse = (torch.from_numpy(np.ascontiguousarray(x)) for x in out)
     return (o, _flash_lse(lse)) if return_lse else o
 

@@ -192,11 +192,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: Optio
     k and v then (num_pages, page_size, Hkv, d) pages, any page size, shared or in any
     order: sequence b's keys are its cu_seqlens_k[b + 1] - cu_seqlens_k[b] first logical
     rows, logical key n at row n % page_size of page block_table[b, n // page_size]
-    (forward only, without seqused_k). Other arguments as in pyfa.attention; out: an array like
-    q to write O into."""
+    (forward only, without seqused_k). sinks (as in pyfa.attention): float32 (H,) on the
+    CPU, FA2's (o, lse) merged with them row by row (pyfa.merge_sinks), so that row r
+    keeps the bits of its sequence's dense call with sinks. Other arguments as in
+    pyfa.attention; out: an array like q to write O into."""
     options, mods = api._keywords("pyfa.attention_varlen", options, mods)
     api._algo(algo)
     _fa2_splits("pyfa.attention_varlen", algo, split_size)
+    sinks = api._sinks_keyword("pyfa.attention_varlen", mods, algo, q, "bnhd")
     if not isinstance(return_lse, bool):
         raise ArgumentTypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
     if return_lse and algo != "fa2":
@@ -211,6 +214,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: Optio
     extra = 2 if algo == "fa1" else 1
     outs = run(f"{algo}_forward", dict(q=q, k=k, v=v), cu_seqlens_q, cu_seqlens_k,
                out=None if out is None else (out,) + (None,) * extra, **kw)
+    if sinks is not None:
+        api._merge_sinks_in_place(outs[0], outs[1], sinks, "bnhd")
     return (outs[0], outs[1]) if return_lse else outs[0]
 
 
@@ -229,10 +234,13 @@ def attention_varlen_grad(q, k, v, do, cu_seqlens_q, cu_seqlens_k, *,
     split_size (FA2): given to the split forward and the split backward
     (pyfa.fa2_backward's: dQ folded per key chunk, dK and dV per query chunk, each sequence
     chunked from its own first row and key). Deterministic, and row for row the bits of
-    pyfa.attention_grad (with the same split_size) on each sequence alone."""
+    pyfa.attention_grad (with the same split_size) on each sequence alone. sinks (as in
+    attention_varlen): the backward runs on the merged state and dsinks (pyfa.sinks_grad,
+    summed over the packed rows in order) comes last."""
     options, mods = api._keywords("pyfa.attention_varlen_grad", options, mods)
     api._algo(algo)
     _fa2_splits("pyfa.attention_varlen_grad", algo, split_size)
+    sinks = api._sinks_keyword("pyfa.attention_varlen_grad", mods, algo, q, "bnhd")
     with_dbias = mods.get("bias") is not None
     outs = api._out_dict("attention_varlen_grad",
                          ("o", "dq", "dk", "dv") + (("dbias",) if with_dbias else ()), out)
@@ -258,7 +266,11 @@ def attention_varlen_grad(q, k, v, do, cu_seqlens_q, cu_seqlens_k, *,
         else:
             o, lse = run("fa2_forward", dict(q=q, k=k, v=v), cu_seqlens_q, cu_seqlens_k,
                          out=(o_out, None), **kw)
+            if sinks is not None:
+                api._merge_sinks_in_place(o, lse, sinks, "bnhd")
             _lib.raise_pending_interrupt()
             grads = run("fa2_backward", dict(q=q, k=k, v=v, o=o, lse=lse, do=do), cu_seqlens_q,
                         cu_seqlens_k, out=grads, **kw)
+            if sinks is not None:
+                grads = (*grads, api._sinks_grad(o, lse, do, sinks, "bnhd", q))
         return (finish(o), *grads)
