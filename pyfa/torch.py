@@ -504,14 +504,15 @@ del _op, _device
 
 
 def _differentiable(op, setup_context, backward):
-    """An autograd.Function calling `op` with the autograd rule registered for it (the
-    same setup_context and backward), for attention() to call where a gradient may be
-    needed. PyTorch's own autograd layer for a custom operator (2.13) fills in the
-    schema's defaults on every forward through a pybind property, quadratic in its 19
-    arguments: about 90 us of a call that costs about 300; an autograd.Function around
+    """`op` called through an autograd.Function with the autograd rule registered for it
+    (the same setup_context and backward) where a gradient is wanted. PyTorch's own
+    autograd layer for a custom operator (2.13) fills in the schema's defaults on every
+    forward through a pybind property, quadratic in the number of arguments (19 for
+    fa2_forward: about 90 us of a call that costs about 300); an autograd.Function around
     the operator skips it (torch.ops.pyfa.* called directly keep their own rule). The
-    operator's autocast rule casts what the forward computes on; the tensors saved for
-    the backward are cast the same way, as the backward runs outside autocast."""
+    operator's autocast rule casts what the forward computes on; the floating-point
+    tensors saved for the backward are cast the same way, as the backward runs outside
+    autocast."""
     class Function(torch.autograd.Function):
         generate_vmap_rule = True  # the operators' own vmap rules, inside
 
@@ -521,13 +522,20 @@ def _differentiable(op, setup_context, backward):
 
         @staticmethod
         def setup_context(ctx, inputs, output):
-            setup_context(ctx, [x.float() if isinstance(x, Tensor) else x for x in inputs], output)
+            setup_context(ctx, [x.float() if isinstance(x, Tensor) and x.is_floating_point() else x
+                                for x in inputs], output)
 
         @staticmethod
         def backward(ctx, *grads):
             return backward(ctx, *grads)
     Function.__name__ = Function.__qualname__ = op.__name__
-    return Function
+
+    def call(*inputs):
+        # The Function only where a gradient is wanted: torch.compile (2.13) fails inside
+        # an autograd.Function none of whose inputs requires one.
+        wanted = torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in inputs)
+        return (Function.apply if wanted else op)(*inputs)
+    return call
 
 
 _ATTENTION = _differentiable(torch.ops.pyfa.fa2_forward, _forward_setup, _forward_backward)
@@ -685,15 +693,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     if sinks is not None:  # dtype, shape and place: the operator's to check (autocast casts it)
         _check_tensor("sinks", sinks)
     mods = (a.dropout_p, a.seed, a.offset, a.softcap, a.alibi_slopes, a.split, sinks)
-    # Only where a gradient is wanted: torch.compile (2.13) fails inside an
-    # autograd.Function none of whose inputs requires one.
-    grad = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad
-                                           for t in (*tensors, bias, a.alibi_slopes, sinks))
     if bias is not None:
-        op = _ATTENTION_BIAS.apply if grad else torch.ops.pyfa.fa2_forward_bias
-        o, lse = op(*tensors, _bias_operand(bias), *options, *mods)
+        o, lse = _ATTENTION_BIAS(*tensors, _bias_operand(bias), *options, *mods)
     else:
-        o, lse = (_ATTENTION.apply if grad else torch.ops.pyfa.fa2_forward)(*tensors, *options, *mods)
+        o, lse = _ATTENTION(*tensors, *options, *mods)
     if rank < 4:
         o = o.reshape(q.shape)
         lse = lse.reshape(lse.shape[4 - rank:])
@@ -999,6 +1002,7 @@ for _device in ("cpu", "cuda"):
     torch.library.register_autocast("pyfa::fa2_varlen_forward", _device, torch.float32)
     torch.library.register_autocast("pyfa::fa2_varlen_backward", _device, torch.float32)
 del _device
+_ATTENTION_VARLEN = _differentiable(torch.ops.pyfa.fa2_varlen_forward, _varlen_setup, _varlen_backward)
 
 
 def _check_offsets(name, cu):
@@ -1059,7 +1063,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         _check_tensor("sinks", sinks)
     max_q = _longest("max_seqlen_q", cu_seqlens_q, max_seqlen_q)
     max_k = _longest("max_seqlen_k", cu_seqlens_k, max_seqlen_k)
-    o, lse = torch.ops.pyfa.fa2_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal,
+    o, lse = _ATTENTION_VARLEN(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal,
                                                a.left, a.right, causal_align, a.scale, a.block_r, a.block_c,
                                                backend, a.softcap, a.alibi_slopes, a.split, a.dropout_p, a.seed,
                                                a.offset, None if bias is None else _bias_operand(bias), sinks)

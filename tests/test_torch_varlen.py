@@ -131,6 +131,22 @@ def test_attention_varlen_compiles_without_a_graph_break():
     assert torch.equal(torch.compile(f, fullgraph=True)(q, k, v), f(q, k, v))
 
 
+def test_attention_varlen_under_autocast_has_the_gradients_of_its_float32_values():
+    # The offsets stay int32; the floating-point tensors saved for the backward are cast.
+    cq, ck, q, k, v, do, _ = packed(seed=5)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    bias = torch.randn(4, 4, 12, 16).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o = pyfa.torch.attention_varlen(*(t.bfloat16() for t in leaves), cq, ck, causal=True,
+                                        bias=bias.bfloat16(), **KW)
+    assert o.dtype == torch.float32
+    got = torch.autograd.grad(o, leaves + [bias], do)
+    rounded = [t.detach().bfloat16().float().requires_grad_() for t in leaves + [bias]]
+    o32 = pyfa.torch.attention_varlen(*rounded[:3], cq, ck, causal=True, bias=rounded[3], **KW)
+    assert torch.equal(o, o32)
+    for g, w in zip(got, torch.autograd.grad(o32, rounded, do)):
+        assert g.dtype == torch.float32 and torch.equal(g, w.bfloat16().float())
+
 def test_attention_varlen_refuses_int64_offsets():
     cq, ck, q, k, v, _, _ = packed()
     with pytest.raises(TypeError, match="cu_seqlens_k: expected dtype torch.int32"):
