@@ -75,17 +75,24 @@ def test_bench_decode_and_varlen_smoke_print_bandwidth_and_torch_side_by_side():
     assert summaries[1].startswith("summary: varlen 4 sequences") and "ms" in summaries[1], out
 
 
-def test_bench_torch_calls_smoke_prints_both_columns_and_a_ratio():
-    pytest.importorskip("torch")
-    p = run([sys.executable, str(TOOLS / "bench.py"), "--torch-calls", "--smoke"])
-    assert p.returncode == 0, p.stdout + p.stderr
-    rows = [line.split() for line in p.stdout.splitlines() if line.startswith("  1   2   2")]
-    assert [r[6] for r in rows] == ["fwd", "fwd+bwd"], p.stdout
+def test_bench_torch_calls_smoke_prints_both_columns_and_a_ratio(capsys):
+    torch = pytest.importorskip("torch")
+    import bench  # tools/bench.py, in this process: torch is imported once
+
+    threads = torch.get_num_threads()
+    try:
+        summary = bench.main(["--torch-calls", "--smoke"])
+    finally:
+        torch.set_num_threads(threads)  # the bench sets its own
+    out = capsys.readouterr().out
+    assert summary == 0, out
+    rows = [line.split() for line in out.splitlines() if line.startswith("  1   2   2")]
+    assert [r[6] for r in rows] == ["fwd", "fwd+bwd"], out
     for r in rows:  # pyfa us, sdpa us, ratio, and the two outputs within fp32 of each other
-        assert float(r[7]) > 0 and float(r[8]) > 0 and r[9].endswith("x"), p.stdout
-        assert float(r[-1]) < 1e-5, p.stdout
+        assert float(r[7]) > 0 and float(r[8]) > 0 and r[9].endswith("x"), out
+        assert float(r[-1]) < 1e-5, out
     assert re.search(r"^summary: torch-calls: .* geometric mean \d+\.\d\dx, lowest \d+\.\d\dx over 2 passes$",
-                     p.stdout, re.M), p.stdout
+                     out, re.M), out
 
 
 def test_device_check_dry_run_lists_every_step_within_its_budget(tmp_path):
