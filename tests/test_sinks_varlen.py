@@ -10,15 +10,10 @@ import numpy as np
 import pytest
 
 import pyfa
+from reference import same_bits
 
 H, HKV, D = 4, 2, 8
 CPU16 = pyfa.Options(backend="cpu", block_r=16, block_c=16)  # so that split_size=16 splits
-
-
-def same_bits(a, b):
-    a = np.ascontiguousarray(a, np.float32)
-    b = np.ascontiguousarray(b, np.float32)
-    return a.shape == b.shape and bool(np.array_equal(a.view(np.uint32), b.view(np.uint32)))
 
 
 def offsets(lengths):
