@@ -1075,18 +1075,19 @@ def fa1_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, m: Arra
                 options=options, out=out, stream=stream, mods=mods)
 
 
-def _sinks_keyword(function, mods, algo, q, layout):
+def _sinks_keyword(function, mods, algo, q, layout, replayed=False):
     """The sinks keyword of a call that takes them (attention, attention_grad, their
     varlen twins and attention_with_kvcache, whose q is "bnhd"), popped from mods and
     checked before anything runs or is written (as NumPy, (H,) float32), or None. The
     merge runs in NumPy after the library's forward (pyfa.merge_sinks), so only on CPU
-    arrays, FA2's, and not under pyfa.prepare, whose replays are the library's call alone."""
+    arrays, FA2's, and not under pyfa.prepare, whose replays are the library's call alone,
+    unless the function's replay merges them too (replayed: attention_with_kvcache)."""
     sinks = mods.pop("sinks", None)
     if sinks is None:
         return None
     if algo != "fa2":
         raise InvalidArgumentError(f"sinks: only algo='fa2' takes sinks (the merge reads its LSE), got {algo!r}")
-    if prepared.recording() is not None:
+    if prepared.recording() is not None and not replayed:
         raise InvalidArgumentError(f"sinks: {function} under pyfa.prepare replays the library's call alone; "
                                    f"prepare the call without sinks and merge with pyfa.merge_sinks")
     if _arrays.common_place({"q": q, "sinks": sinks}).kind != "cpu":

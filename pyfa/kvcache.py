@@ -265,10 +265,12 @@ def _offsets(name, lengths):
     return cu.astype(np.int32)
 
 
-def with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse, bias=None):
+def with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse, bias=None,
+                 sinks=None):
     """attention_with_kvcache's steps around `run` (packed q, k, v, cu_q, cu_k, seqused_k,
     pages -> (o (total_q, H, d), lse (H, total_q))), the library's or the simulator's: checks,
-    the append (undone if run fails), the packing, and the outputs' shapes."""
+    the append (undone if run fails), the packing, the merge with the sinks (checked (H,)
+    float32, or None), and the outputs' shapes."""
     if not isinstance(return_lse, (bool, np.bool_)):
         raise ArgumentTypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
     if bias is not None:  # its key axis would follow the longest cache_seqlens, not Nmax
@@ -280,24 +282,35 @@ def with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_ta
     try:
         packed = cache.packed()
         if rec is not None:
-            _prepare(rec, cache, packed)
-        o, lse_rows = run(*packed)
+            _prepare(rec, cache, packed, sinks)
+        o_rows, lse_rows = run(*packed)
     except BaseException:
         cache.undo(saved)
         raise
+    if sinks is not None:
+        _merge_rows(o_rows, lse_rows, sinks)
     B, Nq, H, d = q.shape
-    o = np.asarray(o).reshape(B, Nq, H, d)
+    o = np.asarray(o_rows).reshape(B, Nq, H, d)
     lse = np.ascontiguousarray(np.asarray(lse_rows).reshape(H, B, Nq).transpose(1, 0, 2))
     if rec is not None:
         (_, _, (_, problem, *_), _, _), = rec.steps  # the one library call, and its pyfa_problem
-        rec.replay_around(lambda steps: _replay(steps, cache, packed[5], problem, lse_rows, lse))
+        rec.replay_around(lambda steps: _replay(steps, cache, packed[5], problem, o_rows, lse_rows, lse, sinks))
     return (o, lse) if return_lse else o
 
 
-def _prepare(rec, cache, packed):
+def _merge_rows(o_rows, lse_rows, sinks):
+    """The packed rows' o (total_q, H, d) and lse (H, total_q) merged with the sinks in
+    place: one "bnhd" batch, as pyfa.attention_varlen merges them."""
+    from . import api
+    api._merge_sinks_in_place(o_rows, lse_rows, sinks, "bnhd")
+
+
+def _prepare(rec, cache, packed, sinks):
     """pyfa.prepare's checks of a cache call: what a replay re-reads must be the caller's
-    arrays (cache_seqlens, block_table); the packed offsets and counts are pyfa's, rewritten
-    by each replay."""
+    arrays (cache_seqlens, block_table, the sinks); the packed offsets and counts are
+    pyfa's, rewritten by each replay."""
+    if sinks is not None:
+        rec.bound("sinks", sinks)
     rec.bound("cache_seqlens", cache.seqlens)
     if cache.table is not None:
         rec.bound("block_table", cache.table)
@@ -307,11 +320,15 @@ def _prepare(rec, cache, packed):
     rec.ours += [packed[3], packed[4], packed[5]]
 
 
-def _replay(steps, cache, used, problem, lse_rows, lse):
-    """One replay of a prepared attention_with_kvcache: cache_seqlens (and the table) read
-    and checked again, the new rows appended, the attended counts and the grid's longest
-    one rewritten, the library call, the append undone if it fails."""
+def _replay(steps, cache, used, problem, o_rows, lse_rows, lse, sinks):
+    """One replay of a prepared attention_with_kvcache: cache_seqlens (and the table, and
+    the sinks' values) read and checked again, the new rows appended, the attended counts
+    and the grid's longest one rewritten, the library call, the append undone if it fails,
+    the merge with the sinks."""
     cache.refresh()
+    if sinks is not None:
+        from .sim.merge import check_sinks
+        check_sinks(sinks, o_rows.shape[1])
     saved = cache.append() if cache.n_new else []
     try:
         used[...] = cache.lengths
@@ -320,6 +337,8 @@ def _replay(steps, cache, used, problem, lse_rows, lse):
     except BaseException:
         cache.undo(saved)
         raise
+    if sinks is not None:
+        _merge_rows(o_rows, lse_rows, sinks)
     B, H, Nq = lse.shape
     np.copyto(lse, lse_rows.reshape(H, B, Nq).transpose(1, 0, 2))
 
@@ -354,16 +373,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
 
     options, mods = api._keywords("pyfa.attention_with_kvcache", options, mods)
     # Checked here, before with_kvcache appends k_new and v_new to the caller's caches.
-    sinks = api._sinks_keyword("pyfa.attention_with_kvcache", mods, "fa2", q, "bnhd")
+    sinks = api._sinks_keyword("pyfa.attention_with_kvcache", mods, "fa2", q, "bnhd", replayed=True)
 
     def run(q_p, k_p, v_p, cu_q, cu_k, used, pages):
-        o, lse = varlen.run("fa2_forward", dict(q=q_p, k=k_p, v=v_p), cu_q, cu_k, causal=causal,
-                            window=window, scale=scale, options=options, mods=mods,
-                            function="pyfa.attention_with_kvcache", split_size=split_size, seqused_k=used,
-                            pages=pages)
-        if sinks is not None:
-            api._merge_sinks_in_place(o, lse, sinks, "bnhd")
-        return o, lse
+        return varlen.run("fa2_forward", dict(q=q_p, k=k_p, v=v_p), cu_q, cu_k, causal=causal,
+                          window=window, scale=scale, options=options, mods=mods,
+                          function="pyfa.attention_with_kvcache", split_size=split_size, seqused_k=used,
+                          pages=pages)
 
     return with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse,
-                        mods.get("bias"))
+                        mods.get("bias"), sinks)

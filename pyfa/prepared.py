@@ -149,7 +149,9 @@ def prepare(function: Callable, *args, **kwargs) -> PreparedCall:
     checks them as the call does, appends k_new and v_new at cache_seqlens and attends
     to cache_seqlens + Nnew keys; prepare() itself makes the first such step. A decoding
     loop writes the next token's q, k_new, v_new in place and adds Nnew to cache_seqlens
-    between replays; its rows have the bits of one prefill with a fixed split_size.
+    between replays; its rows have the bits of one prefill with a fixed split_size. Its
+    sinks= (the only prepared call that takes them) are read and checked again on each
+    replay before the append, and merged after the library call.
 
     Refused (InvalidArgumentError naming the argument) where a replay could not be the
     fresh call: an array pyfa would copy rather than read in place (a last axis that is

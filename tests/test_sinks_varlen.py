@@ -227,10 +227,48 @@ def test_kvcache_refusals_write_nothing(page_size):
         with pytest.raises(exc, match=needle):
             pyfa.attention_with_kvcache(q, kc, vc, lens, kn, vn, block_table=table, causal=True, **kw)
         assert same_bits(kc, k0) and same_bits(vc, v0), needle
-    s = np.zeros(H, np.float32)
-    with pytest.raises(ValueError, match="sinks: pyfa.attention_with_kvcache under pyfa.prepare"):
-        pyfa.prepare(pyfa.attention_with_kvcache, q, kc, vc, lens, kn, vn, block_table=table, sinks=s)
+    with pytest.raises(ValueError, match="sinks: expected shape"):
+        pyfa.prepare(pyfa.attention_with_kvcache, q, kc, vc, lens, kn, vn, block_table=table,
+                     sinks=np.zeros(H + 1, np.float32))
     assert same_bits(kc, k0) and same_bits(vc, v0) and lens.tolist() == [5, 9]
+
+
+@pytest.mark.parametrize("page_size", [None, 3])
+def test_a_prepared_decoding_step_with_sinks_has_the_bits_of_one_prefill(page_size):
+    # pyfa.prepare's replays merge the sinks too, reading them by reference and checking
+    # them before anything is appended.
+    N, B, split = 19, 2, 16
+    q, k, v, _, s, cq, _ = packed([N] * B, [N] * B, seed=11)
+    o_pre, lse_pre = pyfa.attention_varlen(q, k, v, cq, cq, causal=True, return_lse=True, sinks=s,
+                                           split_size=split, options=CPU16)
+    tok = lambda x: x.reshape(B, N, *x.shape[1:])  # noqa: E731
+    q, k, v, o_pre = tok(q), tok(k), tok(v), tok(o_pre)
+    lse_pre = lse_pre.reshape(H, B, N).transpose(1, 0, 2)
+    if page_size is None:
+        kc, table = np.full((B, N, HKV, D), np.nan, np.float32), None
+    else:
+        per_seq = -(-N // page_size)
+        kc = np.full((B * per_seq, page_size, HKV, D), np.nan, np.float32)
+        table = np.random.default_rng(12).permutation(len(kc)).reshape(B, per_seq).astype(np.int32)
+    vc = kc.copy()
+    kw = dict(block_table=table, causal=True, split_size=split, return_lse=True, options=CPU16)
+    pyfa.attention_with_kvcache(q[:, :5], kc, vc, np.zeros(B, np.int32), k[:, :5], v[:, :5], sinks=s, **kw)
+    qt, kt, vt, lens, sinks = q[:, 5:6].copy(), k[:, 5:6].copy(), v[:, 5:6].copy(), np.full(B, 5, np.int32), s.copy()
+    step = pyfa.prepare(pyfa.attention_with_kvcache, qt, kc, vc, lens, kt, vt, sinks=sinks, **kw)
+    o, lse = step.result
+    for t in range(5, N):
+        if t > 5:
+            lens += 1
+            qt[...], kt[...], vt[...] = q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1]
+            if t == 9:  # a sink that became NaN: refused, nothing appended or written
+                sinks[1] = np.nan
+                before = [x.copy() for x in (kc, vc, o, lse)]
+                with pytest.raises(ValueError, match="sinks: must be finite or -inf"):
+                    step()
+                assert all(same_bits(x, y) for x, y in zip((kc, vc, o, lse), before))
+                sinks[1] = s[1]
+            step()
+        assert same_bits(o, o_pre[:, t:t + 1]) and same_bits(lse, lse_pre[:, :, t:t + 1]), t
 
 
 # ---- pyfa.torch
