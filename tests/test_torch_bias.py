@@ -168,3 +168,13 @@ def test_compile_traces_the_bias_ops():
     out.sum().backward()
     assert torch.equal(out, pyfa.torch.attention(q, k, v, bias=bias.detach()))
     assert bias.grad.shape == (NQ, NK)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+def test_vmap_over_a_bias_runs_each_slice_as_its_own_call():
+    # No vmap rule of their own: PyTorch's fallback runs the bias operators slice by slice.
+    q, k, v, bias = (t.float() for t in inputs((NQ, NK)))
+    qs = torch.stack([q, q.flip(-1), 2 * q])
+    got = torch.vmap(lambda x: pyfa.torch.attention(x, k, v, bias=bias, causal=True))(qs)
+    for i in range(3):
+        assert torch.equal(got[i], pyfa.torch.attention(qs[i], k, v, bias=bias, causal=True))
