@@ -55,8 +55,7 @@ def merge_states(o_parts, lse_parts):
         take = ~skip & (acc_lse == NEG_INF)
         fold = ~skip & ~take
         m = nx.maximum(acc_lse, lse_c)
-        w_a = nx.exp(acc_lse - m)
-        w_c = nx.exp(lse_c - m)
+        w_a, w_c = nx.exp(np.stack([acc_lse - m, lse_c - m]))  # one call: elementwise, the same bits
         w = w_a + w_c
         o_fold = (w_a[..., None] * acc_o + w_c[..., None] * o_c) / w[..., None]
         lse_fold = m + nx.log(w)
