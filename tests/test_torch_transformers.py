@@ -246,3 +246,25 @@ def test_the_mask_reaches_pyfa():
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     assert ALL_ATTENTION_FUNCTIONS["pyfa"] is pyfa_hf.attention_forward
     assert "pyfa" in ALL_MASK_ATTENTION_FUNCTIONS
+
+
+def test_a_masks_spans_are_found_again_after_it_changes_in_place():
+    # The spans of the mask every layer gets are remembered per tensor and its _version.
+    keep = torch.ones(2, 1, 4, 6, dtype=torch.bool).tril(2)
+    keep[1, :, :, :2] = False  # left padding on batch row 1
+
+    def fresh(m):
+        return pyfa_hf._spans(m[:, 0].expand(2, 4, 6))
+    first = pyfa_hf._spans_of(keep, 2, 4, 6)
+    assert first == fresh(keep) and first[0] != first[1]
+    assert pyfa_hf._spans_of(keep, 2, 4, 6) is first
+    keep[0, :, :, :1] = False  # in place: a new _version
+    again = pyfa_hf._spans_of(keep, 2, 4, 6)
+    assert again == fresh(keep) and again != first
+    other = keep.clone()
+    other[1] = True
+    assert pyfa_hf._spans_of(other, 2, 4, 6) == fresh(other) != again
+    assert pyfa_hf._spans_of(keep, 2, 4, 6) is again
+    with torch.inference_mode():  # no version counter: found afresh each time
+        frozen = keep.clone()
+    assert pyfa_hf._spans_of(frozen, 2, 4, 6) == again

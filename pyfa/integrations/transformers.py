@@ -20,6 +20,7 @@ gpt-oss's learned attention sinks (s_aux) pyfa.torch.attention's sinks.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -62,6 +63,32 @@ def _spans(visible):
     if not bool(exact.all()):
         return None
     return [tuple(x) for x in torch.stack((qs, qe, s, e, left, right), 1).tolist()]
+
+
+# transformers hands every layer of a forward the same mask tensor (two, alternating, in
+# models with sliding and full layers): the spans of the last few are remembered, and found
+# again only for another tensor or after it changed in place (its _version).
+_RECENT_SPANS = []  # [(weakref to the mask, (its _version, B), its spans)], newest last
+_REMEMBERED = 4
+
+
+def _spans_of(mask, B, Nq, Nk):
+    """_spans of a boolean (B or 1, 1, Nq, Nk) mask, remembered for that tensor (not while
+    torch.compile traces, nor for an inference-mode tensor, which has no version counter)."""
+    try:
+        key = None if torch.compiler.is_compiling() else (mask._version, B)
+    except RuntimeError:
+        key = None
+    if key is None:
+        return _spans(mask[:, 0].expand(B, Nq, Nk))
+    for ref, k, spans in _RECENT_SPANS:
+        if ref() is mask and k == key:
+            return spans
+    spans = _spans(mask[:, 0].expand(B, Nq, Nk))
+    live = [e for e in _RECENT_SPANS if e[0]() is not None and e[0]() is not mask]
+    _RECENT_SPANS[:] = live[len(live) + 1 - _REMEMBERED:]
+    _RECENT_SPANS.append((weakref.ref(mask), key, spans))
+    return spans
 
 
 def _refuse_mask(why):
@@ -110,7 +137,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         _refuse_mask(f"expected shape ({B}, 1, {Nq}, {Nk}), got {tuple(attention_mask.shape)}")
     spans = None
     if attention_mask.dtype == torch.bool:
-        spans = _spans(attention_mask[:, 0].expand(B, Nq, Nk))
+        spans = _spans_of(attention_mask, B, Nq, Nk)
     if spans is None:
         return _with_bias(q, k, v, attention_mask, kw), None
     if len(set(spans)) == 1:
