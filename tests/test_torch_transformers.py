@@ -268,3 +268,10 @@ def test_a_masks_spans_are_found_again_after_it_changes_in_place():
     with torch.inference_mode():  # no version counter: found afresh each time
         frozen = keep.clone()
     assert pyfa_hf._spans_of(frozen, 2, 4, 6) == again
+
+
+def test_the_last_few_masks_spans_are_remembered_together():
+    # Models with sliding and full layers alternate two masks within one forward.
+    masks = [torch.ones(1, 1, 3, 3 + n, dtype=torch.bool) for n in range(4)]
+    first = [pyfa_hf._spans_of(m, 1, 3, m.shape[-1]) for m in masks]
+    assert all(pyfa_hf._spans_of(m, 1, 3, m.shape[-1]) is f for m, f in zip(masks, first))

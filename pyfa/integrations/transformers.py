@@ -86,7 +86,7 @@ def _spans_of(mask, B, Nq, Nk):
             return spans
     spans = _spans(mask[:, 0].expand(B, Nq, Nk))
     live = [e for e in _RECENT_SPANS if e[0]() is not None and e[0]() is not mask]
-    _RECENT_SPANS[:] = live[len(live) + 1 - _REMEMBERED:]
+    _RECENT_SPANS[:] = live[max(0, len(live) + 1 - _REMEMBERED):]
     _RECENT_SPANS.append((weakref.ref(mask), key, spans))
     return spans
 
