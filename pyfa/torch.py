@@ -1064,9 +1064,9 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     max_q = _longest("max_seqlen_q", cu_seqlens_q, max_seqlen_q)
     max_k = _longest("max_seqlen_k", cu_seqlens_k, max_seqlen_k)
     o, lse = _ATTENTION_VARLEN(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal,
-                                               a.left, a.right, causal_align, a.scale, a.block_r, a.block_c,
-                                               backend, a.softcap, a.alibi_slopes, a.split, a.dropout_p, a.seed,
-                                               a.offset, None if bias is None else _bias_operand(bias), sinks)
+                               a.left, a.right, causal_align, a.scale, a.block_r, a.block_c,
+                               backend, a.softcap, a.alibi_slopes, a.split, a.dropout_p, a.seed,
+                               a.offset, None if bias is None else _bias_operand(bias), sinks)
     return (o, lse) if return_lse else o
 
 
@@ -1144,8 +1144,6 @@ def _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
                   scale, causal, window, mods, return_probs, s_aux):
     """flash_attn_varlen_func with a block_table: pyfa.attention_varlen on NumPy views of the
     CPU tensors (the pages read in place)."""
-    import numpy as np
-
     from .varlen import attention_varlen as varlen_numpy
 
     arrays = _host_views(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -1248,8 +1246,6 @@ def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, 
                   return_lse, s_aux):
     """flash_attn_with_kvcache's appending or paged call: pyfa.attention_with_kvcache on
     NumPy views of the CPU tensors, so the caches are updated in place."""
-    import numpy as np
-
     from .kvcache import attention_with_kvcache
 
     arrays = _host_views(dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, block_table=block_table,

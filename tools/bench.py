@@ -857,8 +857,8 @@ TORCH_CALL_SHAPES = {
 def torch_calls(args):
     """pyfa.torch.attention against torch's SDPA per call, on shapes whose work is small
     enough that the cost of a call around the kernels shows: the forward under no_grad and
-    the forward + backward (q, k, v require grad), causal where Nq = Nk, one process, the columns of a
-    shape alternating call by call."""
+    the forward + backward (q, k, v require grad), causal where Nq = Nk, in one process, the
+    columns of a shape alternating call by call."""
     torch = import_torch()
     if torch is None:
         return "summary: torch-calls: torch is not installed here"
@@ -907,6 +907,8 @@ def torch_calls(args):
                       f"{torch_ms / pyfa_ms:6.2f}x  max|pyfa - sdpa| {err:.1e}")
     print("x sdpa: SDPA's time over pyfa's (above 1: pyfa faster)")
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
+    if not ratios:
+        return "summary: torch-calls: no pass ran (see the notes above)"
     return (f"summary: torch-calls: pyfa.torch.attention / SDPA per call, geometric mean {geomean(ratios):.2f}x, "
             f"lowest {min(ratios):.2f}x over {len(ratios)} passes")
 
