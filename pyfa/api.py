@@ -768,7 +768,7 @@ def _keywords(function, options, kwargs):
 
 
 def _run(op_name, args, *, causal, window, causal_align, scale, layout, options, out,
-         stream, mods, varlen=None, function=None, split_size=None):
+         stream, mods, varlen=None, function=None, split_size=None, sinks=None):
     """Runs OPS[op_name] on the caller's arrays `args` ({name: array}, op.inputs order)
     with the resolved Options `options`; returns its outputs in op.outputs order, at the
     caller's rank and in its layout, of q's kind (or the out= arrays given). CPU arrays
@@ -776,7 +776,7 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
     pyfa.varlen.Varlen), the tensors then one (total, heads, d) batch in layout "bnhd";
     function: the public name errors use (default pyfa.<op_name>); split_size: the FA2
     forward's keys per chunk, the FA2 backward's rows and keys per chunk
-    (checks.check_split_size)."""
+    (checks.check_split_size); sinks: the FA2 forward's (_sinks_keyword's), or None."""
     op = OPS[op_name]
     # A backward given a bias also returns dbias, last (docs/numerics.md §2).
     bias_grad = _bias_grad(function or f"pyfa.{op_name}", mods, op.pass_ == "backward")
@@ -797,9 +797,11 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
         mask_bounds(causal, window, causal_align, *intake.dims[2:4])
         resolve_scale(scale, intake.dims[4])
         _check_run_options(op, options, split_size, intake, dims, keywords)
-        results = _run_empty(op, intake, outs, _other_inputs(keywords, varlen))
+        results = _run_empty(op, intake, outs, _other_inputs(keywords, varlen, sinks))
         if dbias is not None:
             dbias[0][...] = 0
+        if sinks is not None and intake.place.kind == "cpu":  # rows with no key: O = 0, LSE = the sink
+            _merge_sinks_in_place(results[0], results[1], sinks, layout)
         return results + _dbias_results(dbias, intake)
     problem = _problem(intake.dims, scale, causal, window, causal_align, mods)
     if varlen is not None:
@@ -810,6 +812,8 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
         problem.split_size = split_size
     config = _config(options)
     mod_tensors, mod_arrays = _mod_tensors(mods, intake, grad=dbias is not None)
+    if sinks is not None:
+        mod_tensors["sinks"], mod_arrays["sinks"] = _sinks_tensor(sinks, intake)
     rec = prepared.recording()
     if rec is not None:
         if intake.place.kind != "cpu":
@@ -819,7 +823,7 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
     with _lib.interrupts_after():
         if intake.place.kind == "cpu":
             results = _run_host(op, intake, outs, problem, config, options.progress, varlen, mod_tensors, dbias,
-                                _other_inputs(keywords, varlen))
+                                _other_inputs(keywords, varlen, sinks))
             return results + _dbias_results(dbias, intake)
         return _run_device(op, intake, outs, problem, config, options.progress, varlen, mod_tensors)
 
@@ -845,11 +849,11 @@ def _check_run_options(op, options, split_size, intake, dims, mods):
              options=options.replace(progress=None), out=None, stream=None, mods=mods, split_size=split_size)
 
 
-def _other_inputs(keywords, varlen):
+def _other_inputs(keywords, varlen, sinks=None):
     """[(label, NumPy array)]: the CPU arrays a call reads besides its tensors (the score
-    modifications' keywords, the packed sequences' offsets, counts and block table), which
-    its outputs must not overlap either."""
-    found = _array_keywords(keywords)
+    modifications' keywords, the packed sequences' offsets, counts and block table, the
+    sinks), which its outputs must not overlap either."""
+    found = _array_keywords(keywords) + ([("sinks", sinks)] if isinstance(sinks, np.ndarray) else [])
     if varlen is not None:
         found += [(name, x) for name, x in zip(varlen.pointers, varlen.keep) if isinstance(x, np.ndarray)]
     return found
@@ -1012,11 +1016,19 @@ def fa2_forward(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = Fals
     None or 0, one chunk; an int, keys per chunk, a multiple of the kernel's Bc, each
     chunk's partial (O, LSE) folded in ascending chunk order (pyfa.merge_states); or
     "decode", pyfa.checks.decode_split_size(d). With a fixed split size a row's bits
-    depend on its q row and its visible keys alone (prefill equals decode)."""
+    depend on its q row and its visible keys alone (prefill equals decode).
+
+    sinks: None, or float32 (H,) on q's device (gpt-oss's learned attention sinks, -inf
+    for a head without one): a logit per query head that joins every row's softmax and
+    carries no value. Each row's (o, lse) is the attention's merged with the state
+    (0, sinks[h]) by merge_states' rule (pyfa.merge_sinks: the same bits), after the
+    split chunks; a row that sees no key gets o = 0, lse = sinks[h]. fa2_backward on
+    that (o, lse) is then the gradient of q, k, v, and pyfa.sinks_grad that of the sinks."""
     options, mods = _keywords("pyfa.fa2_forward", options, mods)
+    sinks = _sinks_keyword("pyfa.fa2_forward", mods, "fa2", q, layout)
     return _run("fa2_forward", dict(q=q, k=k, v=v), causal=causal, window=window,
                 causal_align=causal_align, scale=scale, layout=layout, options=options,
-                out=out, stream=stream, mods=mods, split_size=split_size)
+                out=out, stream=stream, mods=mods, split_size=split_size, sinks=sinks)
 
 
 def fa2_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, lse: ArrayLike,
@@ -1075,23 +1087,28 @@ def fa1_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, o: ArrayLike, m: Arra
                 options=options, out=out, stream=stream, mods=mods)
 
 
-def _sinks_keyword(function, mods, algo, q, layout, replayed=False):
-    """The sinks keyword of a call that takes them (attention, attention_grad, their
-    varlen twins and attention_with_kvcache, whose q is "bnhd"), popped from mods and
-    checked before anything runs or is written (as NumPy, (H,) float32), or None. The
-    merge runs in NumPy after the library's forward (pyfa.merge_sinks), so only on CPU
-    arrays, FA2's, and not under pyfa.prepare, whose replays are the library's call alone,
-    unless the function's replay merges them too (replayed: attention_with_kvcache)."""
+def _sinks_keyword(function, mods, algo, q, layout, grad=False):
+    """The sinks keyword of a call that takes them (fa2_forward, attention, attention_grad,
+    their varlen twins and attention_with_kvcache, whose q is "bnhd"), popped from mods and
+    checked before anything runs or is written, or None: a NumPy float32 (H,) array with
+    no NaN or +inf, or a CUDA array (checked by _sinks_tensor; its values are the
+    caller's to give, as CUDA ALiBi slopes are). The library's FA2 forward merges them
+    into each row's final state. A call that also returns dsinks (grad: pyfa.sinks_grad,
+    NumPy, after the backward) takes CPU arrays only and is not one pyfa.prepare replays."""
     sinks = mods.pop("sinks", None)
     if sinks is None:
         return None
     if algo != "fa2":
-        raise InvalidArgumentError(f"sinks: only algo='fa2' takes sinks (the merge reads its LSE), got {algo!r}")
-    if prepared.recording() is not None and not replayed:
-        raise InvalidArgumentError(f"sinks: {function} under pyfa.prepare replays the library's call alone; "
-                                   f"prepare the call without sinks and merge with pyfa.merge_sinks")
+        raise InvalidArgumentError(f"sinks: only algo='fa2' takes sinks (they join its LSE), got {algo!r}")
     if _arrays.common_place({"q": q, "sinks": sinks}).kind != "cpu":
-        raise InvalidArgumentError("sinks: pyfa merges sinks on the CPU only in this version")
+        if grad:
+            raise InvalidArgumentError(f"sinks: {function} computes dsinks on the CPU only in this version "
+                                       "(the forward takes CUDA sinks)")
+        return sinks
+    if grad and prepared.recording() is not None:
+        raise InvalidArgumentError(f"sinks: {function} under pyfa.prepare replays the library's calls alone, "
+                                   "and dsinks is computed after them; prepare the forward with sinks and the "
+                                   "backward without, and call pyfa.sinks_grad")
     s = _arrays.host_array("sinks", sinks)
     if not isinstance(s, np.ndarray) or s.dtype != np.float32:
         raise ArgumentTypeError(f"sinks: expected a float32 array (H,), got "
@@ -1103,9 +1120,31 @@ def _sinks_keyword(function, mods, algo, q, layout, replayed=False):
     return s
 
 
+def _sinks_tensor(sinks, intake):
+    """((address, strides (0, 0, 0)), what keeps it alive): the pyfa_tensors.sinks of a
+    library call, the checked NumPy array (a copy where it is not contiguous and aligned)
+    or a contiguous CUDA float32 array (H,) on q's device."""
+    ffi, _ = _lib.load()
+    H = intake.dims[1]
+    if isinstance(sinks, np.ndarray):
+        s = c_aligned(sinks)
+        return (_address(ffi, s), (0, 0, 0)), s
+    if intake.place.kind == "cpu":
+        raise InvalidArgumentError(f"sinks: on {_arrays.place_of('sinks', sinks)}, but q is on the CPU")
+    place = _arrays.place_of("sinks", sinks)
+    if place.index is not None and intake.place.index is not None and place != intake.place:
+        raise InvalidArgumentError(f"sinks: on {place}, but q is on {intake.place}")
+    t = _arrays.device_tensor("sinks", sinks, intake.stream)
+    if t.shape != (H,):
+        raise InvalidArgumentError(f"sinks: expected shape ({H},), one per query head, got {t.shape}")
+    if t.strides not in (None, (1,)):
+        raise InvalidArgumentError(f"sinks: must be contiguous, got element strides {t.strides}")
+    return (t.ptr, (0, 0, 0)), t
+
+
 def _merge_sinks_in_place(o, lse, sinks, layout):
-    """o and lse (a forward's, at the caller's rank and layout, CPU) replaced by their
-    merge with the sinks (pyfa.merge_sinks)."""
+    """o and lse (a forward's with no key, at the caller's rank and layout, CPU) replaced
+    by their merge with the sinks (pyfa.merge_sinks), as the library merges a row's."""
     from .kvcache import merge_sinks
     o4 = as_4d(_arrays.host_array("o", o), layout)
     lse_h = _arrays.host_array("lse", lse)
@@ -1147,18 +1186,13 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     runs (backend, tiles, threads, progress, ...) is `options`, a pyfa.Options (None: the
     enclosing `with pyfa.Options(...)` block's, else the defaults: the best backend
     here). out: an array like q to write O into. split_size: FA2's split-KV
-    (pyfa.fa2_forward); FA1 refuses it. sinks: None, or float32 (H,) on the CPU
-    (gpt-oss's learned attention sinks): FA2's output merged with them (pyfa.merge_sinks);
-    FA1 and pyfa.prepare refuse them."""
+    (pyfa.fa2_forward); FA1 refuses it. sinks: None, or float32 (H,) on q's device
+    (gpt-oss's learned attention sinks): as in pyfa.fa2_forward; FA1 refuses them."""
     options, mods = _keywords("pyfa.attention", options, mods)
     fn = _FORWARD[_algo(algo)]
     sinks = _sinks_keyword("pyfa.attention", mods, algo, q, layout)
     if sinks is not None:
-        o, lse = fa2_forward(q, k, v, causal=causal, window=window, causal_align=causal_align, scale=scale,
-                             layout=layout, options=options, out=None if out is None else (out, None),
-                             stream=stream, split_size=split_size, **mods)
-        _merge_sinks_in_place(o, lse, sinks, layout)
-        return o
+        mods = dict(mods, sinks=sinks)
     extra = 2 if algo == "fa1" else 1  # m, l or lse: allocated
     if algo == "fa1":
         if split_size not in (None, 0):
@@ -1187,11 +1221,11 @@ def attention_grad(q: ArrayLike, k: ArrayLike, v: ArrayLike, do: ArrayLike, *,
     unless bias_grad=False.
     split_size: algo "fa2" only, given to both the split forward (fa2_forward) and the
     split backward (fa2_backward).
-    sinks: as in attention(); the backward then runs on the merged state and dsinks
-    (pyfa.sinks_grad, the sinks' shape, q's kind) comes last."""
+    sinks: as in attention(), CPU arrays only; the backward then runs on the merged state
+    and dsinks (pyfa.sinks_grad, the sinks' shape, q's kind) comes last."""
     options, mods = _keywords("pyfa.attention_grad", options, mods)
     _algo(algo)
-    sinks = _sinks_keyword("pyfa.attention_grad", mods, algo, q, layout)
+    sinks = _sinks_keyword("pyfa.attention_grad", mods, algo, q, layout, grad=True)
     bias_grad = _bias_grad("pyfa.attention_grad", mods, True)
     with_dbias = bias_grad and mods.get("bias") is not None
     outs = _out_dict("attention_grad", ("o", "dq", "dk", "dv") + (("dbias",) if with_dbias else ()), out)
@@ -1211,9 +1245,8 @@ def attention_grad(q: ArrayLike, k: ArrayLike, v: ArrayLike, do: ArrayLike, *,
             _lib.raise_pending_interrupt()
             grads = fa1_backward(q, k, v, o, m, l, do, out=grads, bias_grad=bias_grad, **kw)
         else:
-            o, lse = fa2_forward(q, k, v, out=(o_out, None), split_size=split_size, **kw)
-            if sinks is not None:
-                _merge_sinks_in_place(o, lse, sinks, layout)
+            o, lse = fa2_forward(q, k, v, out=(o_out, None), split_size=split_size,
+                                 **(kw if sinks is None else dict(kw, sinks=sinks)))
             _lib.raise_pending_interrupt()
             grads = fa2_backward(q, k, v, o, lse, do, out=grads, split_size=split_size, bias_grad=bias_grad,
                                  **kw)

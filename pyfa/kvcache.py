@@ -269,8 +269,8 @@ def with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_ta
                  sinks=None):
     """attention_with_kvcache's steps around `run` (packed q, k, v, cu_q, cu_k, seqused_k,
     pages -> (o (total_q, H, d), lse (H, total_q))), the library's or the simulator's: checks,
-    the append (undone if run fails), the packing, the merge with the sinks (checked (H,)
-    float32, or None), and the outputs' shapes."""
+    the append (undone if run fails), the packing, and the outputs' shapes. sinks (checked
+    (H,) float32, or None): run's to merge; a prepared call's replays check them again."""
     if not isinstance(return_lse, (bool, np.bool_)):
         raise ArgumentTypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
     if bias is not None:  # its key axis would follow the longest cache_seqlens, not Nmax
@@ -282,13 +282,11 @@ def with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_ta
     try:
         packed = cache.packed()
         if rec is not None:
-            _prepare(rec, cache, packed, sinks)
+            _prepare(rec, cache, packed)
         o_rows, lse_rows = run(*packed)
     except BaseException:
         cache.undo(saved)
         raise
-    if sinks is not None:
-        _merge_rows(o_rows, lse_rows, sinks)
     B, Nq, H, d = q.shape
     o = np.asarray(o_rows).reshape(B, Nq, H, d)
     lse = np.ascontiguousarray(np.asarray(lse_rows).reshape(H, B, Nq).transpose(1, 0, 2))
@@ -298,19 +296,10 @@ def with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_ta
     return (o, lse) if return_lse else o
 
 
-def _merge_rows(o_rows, lse_rows, sinks):
-    """The packed rows' o (total_q, H, d) and lse (H, total_q) merged with the sinks in
-    place: one "bnhd" batch, as pyfa.attention_varlen merges them."""
-    from . import api
-    api._merge_sinks_in_place(o_rows, lse_rows, sinks, "bnhd")
-
-
-def _prepare(rec, cache, packed, sinks):
+def _prepare(rec, cache, packed):
     """pyfa.prepare's checks of a cache call: what a replay re-reads must be the caller's
-    arrays (cache_seqlens, block_table, the sinks); the packed offsets and counts are
-    pyfa's, rewritten by each replay."""
-    if sinks is not None:
-        rec.bound("sinks", sinks)
+    arrays (cache_seqlens, block_table; the library's call has bound the sinks); the
+    packed offsets and counts are pyfa's, rewritten by each replay."""
     rec.bound("cache_seqlens", cache.seqlens)
     if cache.table is not None:
         rec.bound("block_table", cache.table)
@@ -323,8 +312,7 @@ def _prepare(rec, cache, packed, sinks):
 def _replay(steps, cache, used, problem, o_rows, lse_rows, lse, sinks):
     """One replay of a prepared attention_with_kvcache: cache_seqlens (and the table, and
     the sinks' values) read and checked again, the new rows appended, the attended counts
-    and the grid's longest one rewritten, the library call, the append undone if it fails,
-    the merge with the sinks."""
+    and the grid's longest one rewritten, the library call, the append undone if it fails."""
     cache.refresh()
     if sinks is not None:
         from .sim.merge import check_sinks
@@ -337,8 +325,6 @@ def _replay(steps, cache, used, problem, o_rows, lse_rows, lse, sinks):
     except BaseException:
         cache.undo(saved)
         raise
-    if sinks is not None:
-        _merge_rows(o_rows, lse_rows, sinks)
     B, H, Nq = lse.shape
     np.copyto(lse, lse_rows.reshape(H, B, Nq).transpose(1, 0, 2))
 
@@ -360,9 +346,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     cache_seqlens[b] + Nnew keys; causal (and window) are aligned bottom-right, so the Nq
     queries are the sequence's last rows. split_size as in pyfa.fa2_forward: with a fixed
     split size, token t decoded step by step through the cache has the bits of row t of
-    one prefill. sinks (as in pyfa.attention): float32 (H,), the state merged with them
-    (pyfa.merge_sinks; checked before anything is appended), so that decoding with sinks
-    keeps the bits of one prefill with them. Returns o (B, Nq, H, d), or (o, lse) with
+    one prefill. sinks (as in pyfa.attention): float32 (H,), merged into each row's final
+    state by the FA2 forward (checked before anything is appended), so that decoding with
+    sinks keeps the bits of one prefill with them. Returns o (B, Nq, H, d), or (o, lse) with
     return_lse, lse (B, H, Nq).
 
     The call runs as pyfa.attention_varlen, whose rows equal the dense call of each
@@ -373,13 +359,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
 
     options, mods = api._keywords("pyfa.attention_with_kvcache", options, mods)
     # Checked here, before with_kvcache appends k_new and v_new to the caller's caches.
-    sinks = api._sinks_keyword("pyfa.attention_with_kvcache", mods, "fa2", q, "bnhd", replayed=True)
+    sinks = api._sinks_keyword("pyfa.attention_with_kvcache", mods, "fa2", q, "bnhd")
 
     def run(q_p, k_p, v_p, cu_q, cu_k, used, pages):
         return varlen.run("fa2_forward", dict(q=q_p, k=k_p, v=v_p), cu_q, cu_k, causal=causal,
                           window=window, scale=scale, options=options, mods=mods,
                           function="pyfa.attention_with_kvcache", split_size=split_size, seqused_k=used,
-                          pages=pages)
+                          pages=pages, sinks=sinks)
 
     return with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse,
                         mods.get("bias"), sinks)

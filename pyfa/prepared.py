@@ -150,8 +150,10 @@ def prepare(function: Callable, *args, **kwargs) -> PreparedCall:
     to cache_seqlens + Nnew keys; prepare() itself makes the first such step. A decoding
     loop writes the next token's q, k_new, v_new in place and adds Nnew to cache_seqlens
     between replays; its rows have the bits of one prefill with a fixed split_size. Its
-    sinks= (the only prepared call that takes them) are read and checked again on each
-    replay before the append, and merged after the library call.
+    sinks= are read and checked again on each replay before the append. Elsewhere sinks=
+    are bound as the other arrays are (the library reads them; a replay does not check
+    their values again); attention_grad with sinks (whose dsinks is NumPy's, after the
+    library's calls) is refused.
 
     Refused (InvalidArgumentError naming the argument) where a replay could not be the
     fresh call: an array pyfa would copy rather than read in place (a last axis that is

@@ -160,8 +160,8 @@ def _fa2_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, window_left: Opt
                  alibi_slopes: Optional[Tensor] = None, split_size: int = 0,
                  sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """q: (B, H, Nq, d) in `layout`; k, v: (B, Hkv, Nk, d) in `layout`, float32. Returns
-    o (like q, C-contiguous) and lse (B, H, Nq); with sinks ((H,), CPU), those of
-    attention with sinks (pyfa.merge_sinks)."""
+    o (like q, C-contiguous) and lse (B, H, Nq); with sinks ((H,), on q's device), those
+    of attention with sinks (pyfa.fa2_forward's)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_dtype(name, t)
     B, H, Nq, Nk, _, _ = _dims(q, k, v, layout)
@@ -171,7 +171,7 @@ def _fa2_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, window_left: Opt
         # No query rows, or no keys: every row sees nothing (O = 0, LSE = -inf).
         _check_options(q, kw, k)
         return _with_sinks(q.new_zeros(q.shape), q.new_full((B, H, Nq), -math.inf), sinks, layout)
-    return _with_sinks(*_call(api.fa2_forward, q, k, v, **kw), sinks, layout)
+    return _call(api.fa2_forward, q, k, v, **kw, **_sinks_keyword(sinks))
 
 
 @_fa2_forward.register_fake
@@ -223,8 +223,18 @@ def _forward_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+def _sinks_keyword(sinks):
+    """pyfa.fa2_forward's sinks= for the operators' sinks tensor (the library merges them
+    into each row's final state), or none."""
+    if sinks is None:
+        return {}
+    _check_dtype("sinks", sinks)
+    return {"sinks": _operand(sinks)}
+
+
 def _with_sinks(o, lse, sinks, layout):
-    """(o, lse), merged with the sinks where there are any (pyfa.merge_sinks, on the CPU)."""
+    """(o, lse) of an empty problem, merged with the sinks where there are any
+    (pyfa.merge_sinks, on the CPU)."""
     if sinks is None:
         return o, lse
     _check_dtype("sinks", sinks)
@@ -249,6 +259,9 @@ def _sinks_gradient(ctx, o, lse, do, dlse, sinks, layout=None):
 def _sinks_grad(o: Tensor, lse: Tensor, do: Tensor, sinks: Tensor, dlse: Optional[Tensor],
                 layout: str) -> Tensor:
     """pyfa.sinks_grad on CPU tensors: the sinks' (H,) gradient from the merged (o, lse)."""
+    if o.device.type != "cpu" or sinks.device.type != "cpu":
+        raise InvalidArgumentError(f"sinks: pyfa computes the sinks' gradient on the CPU only in this version; "
+                                   f"o on {o.device}, sinks on {sinks.device}")
     return torch.from_numpy(sinks_grad(o.numpy(), lse.numpy(), do.numpy(), sinks.detach().numpy(),
                                        None if dlse is None else dlse.numpy(), layout))
 
@@ -393,7 +406,7 @@ def _fa2_forward_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, causal: boo
         _check_options(q, kw, k)
         check_bias("bias", bias.detach(), (B, H, Nq, Nk))
         return _with_sinks(q.new_zeros(q.shape), q.new_full((B, H, Nq), -math.inf), sinks, layout)
-    return _with_sinks(*_call(api.fa2_forward, q, k, v, bias=_operand(bias), **kw), sinks, layout)
+    return _call(api.fa2_forward, q, k, v, bias=_operand(bias), **kw, **_sinks_keyword(sinks))
 
 
 @_fa2_forward_bias.register_fake
@@ -670,11 +683,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     structure (docs/numerics.md, "Split-KV"), forward and backward, whose bits
     pyfa.torch.context_parallel_attention reproduces on any number of ranks.
 
-    sinks: None, or a float32 CPU tensor (H,) (gpt-oss's learned attention sinks): a
-    logit per query head that joins every row's softmax and has no value, so that a row
-    may attend to nothing (pyfa.merge_sinks: the attention merged with the sink's state;
-    -inf is no sink); LSE then counts it. Differentiable: its gradient is
-    pyfa.sinks_grad's."""
+    sinks: None, or a float32 tensor (H,) on q's device (gpt-oss's learned attention
+    sinks): a logit per query head that joins every row's softmax and has no value, so
+    that a row may attend to nothing (the FA2 forward merges the attention with the
+    sink's state, as pyfa.merge_sinks does; -inf is no sink); LSE then counts it.
+    Differentiable on the CPU: its gradient is pyfa.sinks_grad's."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
     if not isinstance(layout, str) or layout not in _LAYOUTS:
@@ -890,8 +903,8 @@ def _fa2_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, c
                         bias: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Packed sequences (pyfa.attention_varlen): q (total_q, H, d), k, v (total_k, Hkv, d),
     int32 offsets, bias None or broadcastable to (B, H, max_seqlen_q, max_seqlen_k);
-    returns o like q and lse (H, total_q); with sinks ((H,), CPU), those of attention
-    with sinks (pyfa.merge_sinks)."""
+    returns o like q and lse (H, total_q); with sinks ((H,), on q's device), those of
+    attention with sinks (pyfa.attention_varlen's)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_dtype(name, t)
     kw = _varlen_keywords(causal, window_left, window_right, causal_align, scale, block_r, block_c,
@@ -902,12 +915,15 @@ def _fa2_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, c
         if q.is_cuda and (q.numel() == 0 or k.numel() == 0):
             _check_options(q, {**kw, "layout": "bnhd"})
             o, lse = q.new_zeros(q.shape), q.new_full((q.shape[1], q.shape[0]), -math.inf)
-        else:
-            o, lse = _run_varlen("fa2_forward", dict(q=q.detach(), k=k.detach(), v=v.detach()), cu_seqlens_q,
-                                 cu_seqlens_k, max_seqlen_q, max_seqlen_k, kw)
-    # The packed rows are one "bnhd" batch to the merge, as in pyfa.attention_varlen.
-    o, lse = _with_sinks(o[None], lse[None], sinks, "bnhd")
-    return o[0], lse[0]
+            # The packed rows are one "bnhd" batch to the merge, as in pyfa.attention_varlen.
+            o, lse = _with_sinks(o[None], lse[None], sinks, "bnhd")
+            return o[0], lse[0]
+        if sinks is not None:
+            _check_dtype("sinks", sinks)
+            kw["sinks"] = api._sinks_keyword("pyfa.torch.attention_varlen", {"sinks": _operand(sinks)}, "fa2",
+                                             _operand(q), "bnhd")
+        return _run_varlen("fa2_forward", dict(q=q.detach(), k=k.detach(), v=v.detach()), cu_seqlens_q,
+                           cu_seqlens_k, max_seqlen_q, max_seqlen_k, kw)
 
 
 @_fa2_varlen_forward.register_fake

@@ -141,7 +141,7 @@ def resolve_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
 
 def run(op_name, args, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
         causal=False, window=None, causal_align="bottom_right", scale=None, options=None, out=None,
-        stream=None, mods=None, function=None, split_size=None, seqused_k=None, pages=None):
+        stream=None, mods=None, function=None, split_size=None, seqused_k=None, pages=None, sinks=None):
     """Runs op `op_name` ("fa2_forward", ...) on packed tensors args ({name: array}: q, k,
     v (total, heads, d), o and do like q, lse, m, l (H, total_q)); returns its outputs,
     gradients shaped like their inputs, statistics (H, total_q)."""
@@ -152,7 +152,7 @@ def run(op_name, args, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seq
                             seqused_k, pages)
     return api._run(op_name, args, causal=causal, window=window, causal_align=causal_align, scale=scale,
                     layout="bnhd", options=options, out=out, stream=stream, mods=mods or {},
-                    varlen=varlen, function=function, split_size=split_size)
+                    varlen=varlen, function=function, split_size=split_size, sinks=sinks)
 
 
 def _fa2_splits(function, algo, split_size):
@@ -192,9 +192,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: Optio
     k and v then (num_pages, page_size, Hkv, d) pages, any page size, shared or in any
     order: sequence b's keys are its cu_seqlens_k[b + 1] - cu_seqlens_k[b] first logical
     rows, logical key n at row n % page_size of page block_table[b, n // page_size]
-    (forward only, without seqused_k). sinks (as in pyfa.attention): float32 (H,) on the
-    CPU, FA2's (o, lse) merged with them row by row (pyfa.merge_sinks), so that row r
-    keeps the bits of its sequence's dense call with sinks. Other arguments as in
+    (forward only, without seqused_k). sinks (as in pyfa.attention): float32 (H,) on q's
+    device, merged into each row's final state by the FA2 forward, so that row r keeps
+    the bits of its sequence's dense call with sinks. Other arguments as in
     pyfa.attention; out: an array like q to write O into."""
     options, mods = api._keywords("pyfa.attention_varlen", options, mods)
     api._algo(algo)
@@ -213,9 +213,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: Optio
               function="pyfa.attention_varlen", split_size=split_size, seqused_k=seqused_k, pages=pages)
     extra = 2 if algo == "fa1" else 1
     outs = run(f"{algo}_forward", dict(q=q, k=k, v=v), cu_seqlens_q, cu_seqlens_k,
-               out=None if out is None else (out,) + (None,) * extra, **kw)
-    if sinks is not None:
-        api._merge_sinks_in_place(outs[0], outs[1], sinks, "bnhd")
+               out=None if out is None else (out,) + (None,) * extra, sinks=sinks, **kw)
     return (outs[0], outs[1]) if return_lse else outs[0]
 
 
@@ -240,7 +238,7 @@ def attention_varlen_grad(q, k, v, do, cu_seqlens_q, cu_seqlens_k, *,
     options, mods = api._keywords("pyfa.attention_varlen_grad", options, mods)
     api._algo(algo)
     _fa2_splits("pyfa.attention_varlen_grad", algo, split_size)
-    sinks = api._sinks_keyword("pyfa.attention_varlen_grad", mods, algo, q, "bnhd")
+    sinks = api._sinks_keyword("pyfa.attention_varlen_grad", mods, algo, q, "bnhd", grad=True)
     with_dbias = mods.get("bias") is not None
     outs = api._out_dict("attention_varlen_grad",
                          ("o", "dq", "dk", "dv") + (("dbias",) if with_dbias else ()), out)
@@ -265,9 +263,7 @@ def attention_varlen_grad(q, k, v, do, cu_seqlens_q, cu_seqlens_k, *,
                         cu_seqlens_k, out=grads, **kw)
         else:
             o, lse = run("fa2_forward", dict(q=q, k=k, v=v), cu_seqlens_q, cu_seqlens_k,
-                         out=(o_out, None), **kw)
-            if sinks is not None:
-                api._merge_sinks_in_place(o, lse, sinks, "bnhd")
+                         out=(o_out, None), sinks=sinks, **kw)
             _lib.raise_pending_interrupt()
             grads = run("fa2_backward", dict(q=q, k=k, v=v, o=o, lse=lse, do=do), cu_seqlens_q,
                         cu_seqlens_k, out=grads, **kw)

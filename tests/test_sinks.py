@@ -198,5 +198,5 @@ def test_numpy_sinks_refused_before_anything_is_written():
         with pytest.raises(exc, match=needle):
             pyfa.attention(q, q, q, out=out, **kw, **KW)
         assert (out == 7).all()
-    with pytest.raises(ValueError, match="sinks: pyfa.attention under pyfa.prepare"):
-        pyfa.prepare(pyfa.attention, q, q, q, sinks=np.zeros(2, np.float32), **KW)
+    with pytest.raises(ValueError, match="sinks: pyfa.attention_grad under pyfa.prepare"):
+        pyfa.prepare(pyfa.attention_grad, q, q, q, q, sinks=np.zeros(2, np.float32), **KW)

@@ -207,11 +207,14 @@ def test_varlen_refusals_write_nothing(kw, exc, needle):
     assert all((x == 7).all() for x in outs)
 
 
-def test_cuda_sinks_are_refused_by_name():
-    # Sinks with CUDA arrays: refused before the kernels run (the merge is NumPy's).
+def test_cuda_sinks_of_a_gradient_are_refused_by_name():
+    # The forward takes CUDA sinks; a call that returns dsinks (NumPy's) refuses them
+    # before the kernels run.
     cq = FakeCuda()
-    with pytest.raises(ValueError, match="sinks: pyfa merges sinks on the CPU only"):
-        pyfa.attention_varlen(FakeCuda(), FakeCuda(), FakeCuda(), cq, cq, sinks=FakeCuda())
+    with pytest.raises(ValueError, match="sinks: pyfa.attention_varlen_grad computes dsinks on the CPU only"):
+        pyfa.attention_varlen_grad(FakeCuda(), FakeCuda(), FakeCuda(), FakeCuda(), cq, cq, sinks=FakeCuda())
+    with pytest.raises(ValueError, match="sinks: pyfa.attention_grad computes dsinks on the CPU only"):
+        pyfa.attention_grad(FakeCuda(), FakeCuda(), FakeCuda(), FakeCuda(), sinks=FakeCuda())
 
 
 @pytest.mark.parametrize("page_size", [None, 4])

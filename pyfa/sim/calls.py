@@ -20,6 +20,7 @@ from ..errors import CancelledError
 from ..options import cancels, resolve
 from . import io
 from .count import count_io
+from .merge import checked_sinks
 
 TILES = ("block_r", "block_c")
 
@@ -86,6 +87,9 @@ def _empty(name, result_class, tensors, kwargs, named):
         shape = (q4.shape[:3][4 - rank:] if f.name in ROWS else
                  caller_shape((k4 if f.name in ("dk", "dv") else q4).shape, rank, layout))
         fields[f.name] = np.full(shape, EMPTY_VALUES[f.name], np.float32)
+    sinks = checked_sinks(kwargs.get("sinks"), q4.shape[1]) if "sinks" in named else None
+    if sinks is not None:  # rows that see no key: the sink's state (O = 0, LSE = sinks[h])
+        fields["lse"] = np.broadcast_to(sinks[None, :, None], q4.shape[:3]).reshape(fields["lse"].shape).copy()
     return result_class(**fields)
 
 

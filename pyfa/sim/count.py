@@ -48,6 +48,7 @@ class Walk:
     bias_rows: object = None  # an additive bias (issue 27): its rows, Nq or 1; None: none
     split: int = 0  # FA2's split_size (split-KV, the split backward); 0: one chunk
     pack: bool = False  # the FA2 forward's blocks pack the group's rows (tiles.fa2_launch)
+    sinks: bool = False  # the FA2 forward merges attention sinks into the rows' final state
 
     def bias_io(self, io, scores, backward=False, tiles=0):
         """A bias's traffic (pyfa/sim/score.py bias_io, dbias_io): `scores` scores of visited
@@ -151,6 +152,10 @@ def fa2_forward_io(w):
         io.read("LSE partials", chunks * rows * STAT_BYTES)
     io.write("O", rows * w.d * w.e)
     io.write("LSE", rows * STAT_BYTES)
+    if w.sinks:
+        # One float per row tile and head where the final state is written: the epilogue's
+        # tiles of the block row, or, split, the combine's, one head per block, never packed.
+        io.read("sinks", qg * (ceil_div(w.Nq, w.Br) if w.split else ceil_div(rows, w.Br)) * STAT_BYTES)
     w.bias_io(io, scores)
     return io.scaled(w.G // qg)
 
@@ -293,7 +298,7 @@ def check_heads_kv(heads_kv, heads):
 def count_kernels(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, head_dim,
                   heads_kv=None, block_r=None, block_c=None, causal=False, window=None,
                   causal_align="bottom_right", dtype_bytes=4, profile=EMU_PROFILE, bias=None,
-                  split_size=None):
+                  split_size=None, sinks=False):
     """count_io's record, and the tiles each kernel was counted with:
     [{"pass", "kernel", "block_r", "block_c"}] in launch order (empty for the unfused
     standard model)."""
@@ -308,6 +313,10 @@ def count_kernels(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, h
     bias_rows = _bias_rows(bias, algo, batch, heads, seqlen_q, seqlen_k)
     wanted = ["forward", "backward"] if passes == "both" else [passes]
     _check_split_algo(split_size, algo)
+    if not isinstance(sinks, bool):
+        raise ArgumentTypeError(f"sinks: expected a bool, got {type(sinks).__name__}")
+    if sinks and (algo != "fa2" or passes == "backward"):
+        raise InvalidArgumentError("sinks: only the FA2 forward reads them")
     record, tiles = IORecord(), []
     for p in wanted:
         if (algo, p) not in WALKERS:
@@ -322,7 +331,7 @@ def count_kernels(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, h
             if kernel is not None:
                 tiles.append({"pass": p, "kernel": kernel, "block_r": Br, "block_c": Bc})
             w = Walk(seqlen_q, seqlen_k, head_dim, heads // Hkv, Br, Bc, mask, dtype_bytes, bias_rows,
-                     split, pack)
+                     split, pack, sinks and kernel == "fa2_forward")
             record = record + walker(w)
     out = record.scaled(batch * Hkv)
     out.label = f"{algo} {passes}"
@@ -360,7 +369,7 @@ def _kernel_split(split_size, head_dim, kernel, Br, Bc):
 def count_io(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, head_dim,
              heads_kv=None, block_r=None, block_c=None, causal=False, window=None,
              causal_align="bottom_right", dtype_bytes=4, profile=EMU_PROFILE, bias=None,
-             split_size=None):
+             split_size=None, sinks=False):
     """The IO record of `algo` ("fa1", "fa2", "standard") for `passes` ("forward",
     "backward", "both"), counted without arithmetic. heads_kv: K/V heads (None: heads);
     window, causal, causal_align: the mask, as the kernels take it (pyfa/sim/mask.py). None
@@ -370,12 +379,14 @@ def count_io(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, head_d
     split_size: FA2's split (pyfa.fa2_forward's and fa2_backward's; "decode" its
     constant): in the forward each chunk's partial O and LSE written and read back by the
     combine step; in the backward dQ, dK and dV written at each chunk a block folds and read
-    back at each but its first (split_fold: the output is the accumulator)."""
+    back at each but its first (split_fold: the output is the accumulator). sinks: whether
+    the FA2 forward merges attention sinks (one float read per row tile and head where a
+    row's final state is written)."""
     return count_kernels(algo, passes=passes, batch=batch, heads=heads, seqlen_q=seqlen_q,
                          seqlen_k=seqlen_k, head_dim=head_dim, heads_kv=heads_kv,
                          block_r=block_r, block_c=block_c, causal=causal, window=window,
                          causal_align=causal_align, dtype_bytes=dtype_bytes, profile=profile,
-                         bias=bias, split_size=split_size)[0]
+                         bias=bias, split_size=split_size, sinks=sinks)[0]
 
 
 def _bias_rows(bias, algo, B, H, Nq, Nk):

@@ -22,7 +22,7 @@ from .calls import simulated
 from ..checks import ScoreMods, check_qkv, check_split_size, resolve_scale, restore_rank, restore_rows
 from .io import IORecord
 from .mask import Mask
-from .merge import merge_states
+from .merge import checked_sinks, merge_sinks, merge_states
 from .tiles import grid_launch, launch_tiles
 from .tiling import ceil_div, kv_heads
 
@@ -40,7 +40,7 @@ class Fa2ForwardResult:
 @simulated("fa2", "forward", Fa2ForwardResult)
 @nx.ieee_arithmetic
 def fa2_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_right", scale=None,
-                block_r=None, block_c=None, layout="bhnd", split_size=None, **mods):
+                block_r=None, block_c=None, layout="bhnd", split_size=None, sinks=None, **mods):
     q4, k4, v4, rank, Hkv = check_qkv(q, k, v, layout)
     B, H, Nq, d = q4.shape
     Nk = k4.shape[2]
@@ -49,6 +49,7 @@ def fa2_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_righ
     split_size = check_split_size(split_size, d, Bc)
     mods = ScoreMods.resolve("pyfa.sim.fa2_forward", (B, H, Nq, Nk, d, Hkv), causal_align, **mods)
     mask = Mask.resolve(causal, window, causal_align, Nq, Nk, mods.diagonal_offset)
+    sinks = checked_sinks(sinks, H)
 
     # Blocks: NB per Q row block, each of NR rows (qg query heads' Nq, query by query).
     qg, Br = grid_launch(B, H, Hkv, Nq, Nk, Br, split_size, block_r)
@@ -142,6 +143,12 @@ def fa2_forward(q, k, v, *, causal=False, window=None, causal_align="bottom_righ
         io.read("LSE partials", len(parts_o) * NB * NR * 4)
     O = nx.canonical_nan(_unpack(O.reshape(NB, Tr * Br, d)[:, :NR], B, H, qg))
     LSE = nx.canonical_nan(_unpack(LSE.reshape(NB, Tr * Br, 1)[:, :NR], B, H, qg)[..., 0])
+    if sinks is not None:
+        # Each row's final state merged with its head's sink where it is written: by the
+        # epilogue (each Q tile reads its rows' heads' sinks) or, split, by the combine (its
+        # row tiles one head each, never packed).
+        O, LSE = merge_sinks(O, LSE, sinks)
+        io.read("sinks", (B * H * ceil_div(Nq, Br) if split_size else NB * Tr * qg) * 4)
     io.write("O", NB * nbytes(NR))
     io.write("LSE", NB * NR * 4)
     return Fa2ForwardResult(restore_rank(O, rank, layout), restore_rows(LSE, rank), io)

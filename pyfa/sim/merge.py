@@ -89,6 +89,18 @@ def _sink_views(o, lse, sinks, layout):
     return o4, lse, sinks
 
 
+def checked_sinks(sinks, heads):
+    """The sinks keyword of a simulated FA2 forward: None, or as a float32 NumPy (heads,)
+    array checked by check_sinks."""
+    if sinks is None:
+        return None
+    s = np.asarray(sinks)
+    if s.dtype != np.float32:
+        raise ArgumentTypeError(f"sinks: expected a float32 array (H,), got {s.dtype}")
+    check_sinks(s, heads)
+    return s
+
+
 def check_sinks(sinks, heads):
     """The values merge_sinks takes for `heads` query heads: shape (heads,), each finite or
     -inf (no sink); InvalidArgumentError otherwise."""

@@ -39,6 +39,10 @@ enum FastTakes : unsigned {
     kTakesDbias = 1u << 4,  // writes dS into dBias (only the kernels that visit each (i, j) once may)
     kTakesSplit = 1u << 5,  // split-KV's chunked launch (problem->split_size)
     kTakesPages = 1u << 6,  // paged K/V (problem->page_size): no fast kernel reads rows through a page table
+    // Attention sinks (tensors->sinks): no fast kernel merges them. The fast FA2 forward's
+    // epilogue keeps O in registers across its 128-bit stores; reading it back to merge
+    // made it spill at d = 128, Br = 128 and store O a float at a time (tools/ptxas_report.py).
+    kTakesSinks = 1u << 7,
 };
 
 // The fast kernel of `kernel` (a pyfa_kernel) at head dim d: what it takes.
@@ -61,7 +65,8 @@ inline const char* fast_takes_name(unsigned missing) {
     if (missing & kTakesBias) return "bias";
     if (missing & kTakesDbias) return "dbias output";
     if (missing & kTakesSplit) return "split_size";
-    return "paged K/V";
+    if (missing & kTakesPages) return "paged K/V";
+    return "sinks";
 }
 
 // Whether the fast kernel of `kernel` at head dim d draws dropout (a compile-time

@@ -5,6 +5,7 @@
 // Indices into them are int64_t.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "common/dropout.h"
@@ -170,6 +171,15 @@ struct AttentionParams {
     TensorStrides bias_strides;  // of bias; 0 along an axis it broadcasts over (never "dense")
     float* dbias;                // (B, H, Nq or 1, Nk) dense, dS of each (b, h): rows 1 (the sum over
                                  // i = 0 .. Nq-1 in order) when bias_strides.row == 0; nullptr: not asked
+    // ---- attention sinks (pyfa.h's tensors->sinks; FA2 forward): query head h's logit s_h
+    // joins its rows' softmax with no value. Each row's final (O, LSE) is merged with the
+    // state (0, s_h) (common/merge.h merge_sink) where it is written: by the forward's
+    // epilogue unsplit, by the combine after the chunks split (never into a partial).
+    const float* sinks;          // (H) s_h, -inf: head h has none; nullptr: no sinks
+
+    PYFA_HD float sink(int64_t h) const { return sinks ? sinks[h] : -INFINITY; }
+    // Whether this launch writes the rows' final state: not a split forward's partial.
+    PYFA_HD bool final_state() const { return split_size <= 0 || split_count > 0; }
 };
 
 // The fold of dBias over a bias's broadcast B and H (issue 27; common/score.h

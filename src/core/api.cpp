@@ -331,7 +331,8 @@ struct Layouts<pyfa_tensors> {
     static constexpr size_t sizes[] = {offsetof(pyfa_tensors, cu_seqlens_q),  // ABI 5
                                        offsetof(pyfa_tensors, seqused_k),     // ABI 6 to 8: cu_seqlens_q, _k, ...
                                        offsetof(pyfa_tensors, block_table),   // ABI 9: seqused_k
-                                       sizeof(pyfa_tensors)};                 // ABI 10: block_table
+                                       offsetof(pyfa_tensors, sinks),         // ABI 10 and 11: block_table
+                                       sizeof(pyfa_tensors)};                 // ABI 12: sinks
     static constexpr int first_abi = 5;
 };
 static_assert(offsetof(pyfa_tensors, cu_seqlens_q) == offsetof(pyfa_tensors, dv) + sizeof(pyfa_tensor),
@@ -340,6 +341,8 @@ static_assert(offsetof(pyfa_tensors, seqused_k) == offsetof(pyfa_tensors, alibi_
               "pyfa_tensors.seqused_k must start where ABI 8's pyfa_tensors ended");
 static_assert(offsetof(pyfa_tensors, block_table) == offsetof(pyfa_tensors, seqused_k) + sizeof(pyfa_tensor),
               "pyfa_tensors.block_table must start where ABI 9's pyfa_tensors ended");
+static_assert(offsetof(pyfa_tensors, sinks) == offsetof(pyfa_tensors, block_table) + sizeof(pyfa_tensor),
+              "pyfa_tensors.sinks must start where ABI 11's pyfa_tensors ended");
 // ABI 3's pyfa_config ended after variant, padded to the struct's alignment (unchanged by
 // flags: emu_seed is a uint64_t too).
 static_assert(offsetof(pyfa_config, flags) == (offsetof(pyfa_config, variant) + sizeof(int) + alignof(pyfa_config) - 1) /
@@ -936,6 +939,18 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         return fail(PYFA_ERROR_INVALID_ARGUMENT,
                     "tensors->alibi_slopes.strides: the strides (%lld, %lld, 0) span more than 2^61 - 1 elements",
                     static_cast<long long>(alibi_strides.batch), static_cast<long long>(alibi_strides.head));
+    // Attention sinks: (H) floats, read by the FA2 forward's last step only.
+    const pyfa_tensor& sinks = named.sinks;
+    if (!all_zero(sinks.strides))
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "tensors->sinks.strides: must be 0 (the sinks are dense (heads,))");
+    if (sinks.data && op.op != PYFA_OP_FA2_FORWARD)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT,
+                    "tensors->sinks: only pyfa_fa2_forward takes them; %s does not (a backward takes the forward's "
+                    "merged o and lse and needs none)",
+                    op.name);
+    if (reinterpret_cast<uintptr_t>(sinks.data) % alignof(float) != 0)
+        return fail(PYFA_ERROR_INVALID_ARGUMENT, "tensors->sinks.data: not aligned to a float (%zu bytes)",
+                    alignof(float));
     if (pr.split_size < 0)
         return fail(PYFA_ERROR_INVALID_ARGUMENT, "problem->split_size: must be >= 0 (0: no split), got %lld",
                     static_cast<long long>(pr.split_size));
@@ -987,8 +1002,8 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     // and launches below all follow it) and put back when the call returns.
     DeviceScope device_scope;
     if (device_pointers) {
-        const char* names[kMaxInputs + kMaxOutputs + 3];
-        const void* pointers[kMaxInputs + kMaxOutputs + 3];
+        const char* names[kMaxInputs + kMaxOutputs + 4];
+        const void* pointers[kMaxInputs + kMaxOutputs + 4];
         int n = 0;
         for (int t = 0; t < n_in + n_out; ++t, ++n) {
             names[t] = kTensors[taken[t]].name;
@@ -997,6 +1012,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         if (bt.bias) names[n] = "bias", pointers[n++] = bt.bias;
         if (bt.dbias) names[n] = "dbias", pointers[n++] = bt.dbias;
         if (alibi.data) names[n] = "alibi_slopes", pointers[n++] = alibi.data;
+        if (sinks.data) names[n] = "sinks", pointers[n++] = sinks.data;
         if ((st = backend.enter_device(names, pointers, n, stream, &device_scope)) != PYFA_OK) return st;
     }
     pyfa_device_profile profile;
@@ -1031,6 +1047,7 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
     base.softcap = pr.softcap;
     base.alibi_slopes = static_cast<const float*>(alibi.data);
     base.alibi_strides = TensorStrides{alibi_strides.batch, alibi_strides.head, 0};
+    base.sinks = static_cast<const float*>(sinks.data);
     for (int t = 0; t < n_in + n_out; ++t)
         if (TensorStrides* slot = strides_slot(base, taken[t])) *slot = resolved_strides(taken[t], pr);
     base.dropout = Dropout::make(pr.dropout_p, pr.dropout_seed, pr.dropout_offset, pr.dropout_origin);
@@ -1242,6 +1259,13 @@ pyfa_status run_op_unguarded(const Op& op, const pyfa_problem* problem, const py
         if ((st = owned.alloc(bytes, &slopes)) != PYFA_OK) return st;
         if ((st = backend.copy_to_device(slopes, bound.alibi_slopes, bytes, stream)) != PYFA_OK) return st;
         bound.alibi_slopes = slopes;
+    }
+    if (bound.sinks && stage_inputs) {
+        float* sinks_copy = nullptr;
+        const size_t bytes = sizeof(float) * static_cast<size_t>(pr.heads);
+        if ((st = owned.alloc(bytes, &sinks_copy)) != PYFA_OK) return st;
+        if ((st = backend.copy_to_device(sinks_copy, bound.sinks, bytes, stream)) != PYFA_OK) return st;
+        bound.sinks = sinks_copy;
     }
     // Split-KV's launches: the forward kernel over the chunks, their partial (O, LSE) in
     // scratch laid out as the library's own copies, then its combine launch (params.h).

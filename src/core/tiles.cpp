@@ -269,7 +269,7 @@ unsigned fast_needs(int kernel, const AttentionParams& p) {
     return (p.softcap != 0.0f ? kTakesSoftcap : 0u) | (p.alibi_slopes ? kTakesAlibi : 0u) |
            (p.dropout.on() ? kTakesDropout : 0u) | (p.bias ? kTakesBias : 0u) |
            (p.dbias && writes_dbias ? kTakesDbias : 0u) | (p.split_size > 0 ? kTakesSplit : 0u) |
-           (p.block_table ? kTakesPages : 0u);
+           (p.block_table ? kTakesPages : 0u) | (p.sinks ? kTakesSinks : 0u);
 }
 
 pyfa_status auto_wanted_tiles(int kernel, int64_t d, const pyfa_device_profile& profile, int* want_br,

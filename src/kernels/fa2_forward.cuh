@@ -13,7 +13,8 @@
 //     P~_ij   = exp(S_ij - m_new)
 //     l_i     = exp(m_old - m_new) * l_i + rowsum(P~_ij)     (one fma)
 //     O_i     = exp(m_old - m_new) * O_i + P~_ij V_j         (one fma)
-// and only at the end divides: O_i / l_i, LSE_i = m_i + log(l_i).
+// and only at the end divides: O_i / l_i, LSE_i = m_i + log(l_i); attention sinks are
+// then merged into that final state (common/merge.h).
 #pragma once
 
 #include <cmath>
@@ -160,6 +161,13 @@ __global__ void fa2_forward_kernel(const AttentionParams p) {
     for (int64_t r = tid; r < br; r += nthreads) {
         const float l = li[r];
         *LSE_row(r) = pyfa_canonical_nan(l == 0.0f ? -INFINITY : mi[r] + pyfa_log(l));
+    }
+    // Attention sinks join the final state (split: the combine's), read back from where it
+    // was just written: a row's elements are other threads' writes.
+    if (p.sinks && p.final_state()) {
+        __syncthreads();
+        merge_sinks_tile(
+            p, br, O_row, LSE_row, [&](int64_t r) { return qr(r).h; }, tid, nthreads, [] { __syncthreads(); });
     }
 }
 

@@ -210,11 +210,11 @@ void q_bands(const AttentionParams& p, std::vector<int64_t>* begin, std::vector<
 }
 
 // split_combine_tile (common/merge.h) with each row's fold computed once for all its d
-// elements: the fold's weights depend only on the parts' LSE, so merge_state_element
-// computes the same w_a, w_c, w (two exps and a log per part) for every x of a row. Here
-// they are computed once per row and part, then applied to the row's elements in the same
-// order with the same operations: the same bits, without d times the exps (at d = 128 the
-// exps of the per-element fold cost more than the chunks themselves).
+// elements: a step's weights depend only on the parts' LSE (MergeStep), so
+// merge_state_element computes the same w_a, w_c, w (two exps and a log per part) for
+// every x of a row. Here each step is computed once per row and applied to the row's
+// elements: the same bits, without d times the exps (at d = 128 the exps of the
+// per-element fold cost more than the chunks themselves). The sink is the last part.
 void combine_tile(const AttentionParams& p, int64_t i, int64_t h, int64_t b) {
     const Sequence seq = p.sequence(b);
     const int64_t d = p.head_dim, row0 = i * p.block_r;
@@ -227,26 +227,16 @@ void combine_tile(const AttentionParams& p, int64_t i, int64_t h, int64_t b) {
         float acc_lse = -INFINITY;
         for (int64_t x = 0; x < d; ++x) acc[static_cast<size_t>(x)] = 0.0f;
         for (int64_t c = 0; c < p.split_count; ++c) {
-            const float lse_c = LSE_part[c * p.lse_part_step];
+            const MergeStep step = merge_step(acc_lse, LSE_part[c * p.lse_part_step]);
             const float* o_c = O_part + c * p.o_part_step;  // (d)
-            if (lse_c == -INFINITY) continue;
-            if (acc_lse == -INFINITY) {
-                for (int64_t x = 0; x < d; ++x) acc[static_cast<size_t>(x)] = o_c[x];
-                acc_lse = lse_c;
-                continue;
-            }
-            const float m = pyfa_max(acc_lse, lse_c);
-            const float w_a = pyfa_exp(acc_lse - m), w_c = pyfa_exp(lse_c - m);
-            const float w = w_a + w_c;
-            for (int64_t x = 0; x < d; ++x) {
-                const float wo_a = w_a * acc[static_cast<size_t>(x)], wo_c = w_c * o_c[x];
-                acc[static_cast<size_t>(x)] = (wo_a + wo_c) / w;
-            }
-            acc_lse = m + pyfa_log(w);
+            if (step.kind != MergeStep::kSkip)
+                for (int64_t x = 0; x < d; ++x) acc[static_cast<size_t>(x)] = step.apply(acc[static_cast<size_t>(x)], o_c[x]);
+            acc_lse = step.lse;
         }
+        const MergeStep sink = merge_step(acc_lse, p.sink(h));
         float* O = p.o + p.o_strides.at(seq.batch, h, seq.q0 + row0 + r);  // (d)
-        for (int64_t x = 0; x < d; ++x) O[x] = pyfa_canonical_nan(acc[static_cast<size_t>(x)]);
-        p.lse[p.stat_at(seq, h) + row0 + r] = pyfa_canonical_nan(acc_lse);
+        for (int64_t x = 0; x < d; ++x) O[x] = pyfa_canonical_nan(sink.apply(acc[static_cast<size_t>(x)], 0.0f));
+        p.lse[p.stat_at(seq, h) + row0 + r] = pyfa_canonical_nan(sink.lse);
     }
 }
 

@@ -913,6 +913,8 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
         for (int64_t e = 0; e < d * Rp; e += W) st(f.OT + e, vcanon(ld(f.OT + e)));
     }
     transpose_tile(f.OT, d, br, Rp, O, d);  // O[r * d + x] = OT[x * Rp + r], canonical above
+    if (!ctx.fa1 && p.sinks && p.final_state())  // attention sinks join the final state (common/merge.h)
+        for (int64_t r = 0; r < br; ++r) merge_sink_row(O + r * d, d, p.lse + qh.stat + row0 + r, p.sink(qh.h));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1200,6 +1202,7 @@ void forward_group(const Ctx& ctx, int64_t u, int64_t i, float* ws) {
             const float* On = g.O + n * Dp;
             for (int64_t x = 0; x < d; ++x) O[x] = canon(ln == 0.0f ? 0.0f : On[x] / ln);
             p.lse[qh.stat + row0 + r] = canon(g.alpha[n]);
+            if (p.sinks && p.final_state()) merge_sink_row(O, d, p.lse + qh.stat + row0 + r, p.sink(qh.h));
         }
     }
 }
