@@ -230,7 +230,10 @@ void combine_tile(const AttentionParams& p, int64_t i, int64_t h, int64_t b) {
             const MergeStep step = merge_step(acc_lse, LSE_part[c * p.lse_part_step]);
             const float* o_c = O_part + c * p.o_part_step;  // (d)
             if (step.kind != MergeStep::kSkip)
-                for (int64_t x = 0; x < d; ++x) acc[static_cast<size_t>(x)] = step.apply(acc[static_cast<size_t>(x)], o_c[x]);
+                for (int64_t x = 0; x < d; ++x) {
+                    float& a = acc[static_cast<size_t>(x)];
+                    a = step.apply(a, o_c[x]);
+                }
             acc_lse = step.lse;
         }
         const MergeStep sink = merge_step(acc_lse, p.sink(h));
