@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import warnings
 from dataclasses import dataclass
 from collections.abc import Mapping
@@ -600,7 +601,9 @@ def _host_outputs(op, intake, outs, others=()):
 
 
 def _run_host(op, intake, outs, problem, config, progress, varlen=None, mod_tensors=None, dbias=None,
-              others=()):
+              others=(), plan_key=None):
+    """The host entry point's call; plan_key (_plan_key's, or None): the key under which
+    the call's set-up is kept for the calls that differ from it only in their arrays."""
     ffi, lib = _lib.load()
     targets = _host_outputs(op, intake, outs, others)
     if dbias is not None:
@@ -642,6 +645,8 @@ def _run_host(op, intake, outs, problem, config, progress, varlen=None, mod_tens
         # or is cancelled must leave them as they were, so replays stage them.
         config.flags &= ~lib.PYFA_FLAG_IN_PLACE
         rec.step(lib.pyfa_run, config, args, progress, quick)
+    if plan_key is not None:
+        _Plan.keep(plan_key, op, intake, targets, problem, config, tensors, quick)
     results = []
     for given, view, written in targets.values():
         if given is None:
@@ -651,6 +656,109 @@ def _run_host(op, intake, outs, problem, config, progress, varlen=None, mod_tens
             np.copyto(view, written)
         results.append(given)
     return tuple(results)
+
+
+# ---- Plans: a host call's checked set-up (its pyfa_problem, pyfa_config and pyfa_tensors)
+# kept per thread and reused by a later call that differs from it only in the contents and
+# addresses of its arrays: the same op, keywords and options, and arrays of the same type,
+# shapes, strides and dtypes, which every check would pass as they passed. A model's layers
+# and pyfa.torch make the same call on fresh arrays thousands of times, and for a small
+# problem the checks cost as much as the kernels (docs/torch.md). Only calls that read the
+# caller's arrays in place and write outputs pyfa allocates: no out=, no array keywords
+# (their values are checked on every call), no packed sequences, progress, or recording.
+_PLAN_LIMIT = 64
+_thread_plans = threading.local()
+
+
+def _plans_of_thread():
+    plans = getattr(_thread_plans, "plans", None)
+    if plans is None:
+        plans = _thread_plans.plans = {}
+    return plans
+
+
+def _plan_key(op_name, args, keywords, mods):
+    """The key of a call whose set-up may be kept (see above), or None: its op, its
+    arguments' array types, shapes, strides and dtypes, and its keywords with their types
+    (True and 1 are checked differently)."""
+    *rest, options, out, stream, varlen, function, split_size, sinks = keywords
+    if out is not None and not (type(out) in (tuple, list) and all(x is None for x in out)):
+        return None  # out= arrays are checked against the inputs on every call
+    if stream is not None or varlen is not None or sinks is not None or options.progress is not None or \
+            prepared.recording() is not None:
+        return None
+    arrays = []
+    for x in args.values():
+        if type(x) is not np.ndarray:
+            return None
+        arrays.append((x.shape, x.strides, x.dtype.str))
+    scalars = (*rest, function, split_size, *sorted(mods.items()))
+    if not _plain(scalars):
+        return None
+    try:
+        hash(options)
+    except Exception:  # noqa: BLE001 (an Options field that does not hash: not kept)
+        return None
+    # out= of Nones keyed by its type and length, which _out_dict checks.
+    return op_name, options, tuple(arrays), _typed(scalars), None if out is None else (type(out), len(out))
+
+
+def _plain(v):
+    """Whether v is None, a bool, int, float or str, or a tuple of such: a keyword that
+    compares by value (an array-like one is checked on every call)."""
+    return v is None or type(v) in (bool, int, float, str) or (type(v) is tuple and all(_plain(x) for x in v))
+
+
+def _typed(v):
+    """A _plain value with the type of every element beside it."""
+    return tuple(_typed(x) for x in v) if type(v) is tuple else (type(v), v)
+
+
+class _Plan:
+    """One kept set-up: the library's structs, rebound to each call's arrays."""
+
+    def __init__(self, op, inputs, outputs, problem, config, tensors, quick):
+        self.op, self.inputs, self.outputs = op, inputs, outputs
+        self.problem, self.config, self.tensors, self.quick = problem, config, tensors, quick
+
+    @classmethod
+    def keep(cls, key, op, intake, targets, problem, config, tensors, quick):
+        """Keeps the call's set-up under `key` where it read the caller's arrays in place
+        (no copy: each array the library read starts where the caller's does) and wrote
+        only outputs it allocated."""
+        ffi, _ = _lib.load()
+        for n in op.inputs:
+            if intake.memory[n] is not intake.tensors[n] and \
+                    _address(ffi, intake.memory[n]) != _address(ffi, intake.tensors[n]):
+                return
+        if any(given is not None for given, _, _ in targets.values()):
+            return
+        plans = _plans_of_thread()
+        if len(plans) >= _PLAN_LIMIT:
+            plans.pop(next(iter(plans)))
+        outputs = [(getattr(tensors, C_FIELDS[n]), written.shape) for n, (_, _, written) in targets.items()]
+        plans[key] = cls(op, [(n, getattr(tensors, C_FIELDS[n])) for n in op.inputs], outputs, problem, config,
+                         tensors, quick)
+
+    def run(self, args):
+        """The call on `args` (arrays of the kept call's kinds, shapes, strides and dtypes),
+        or None where one is not aligned to a float as the kept call's were (the full path
+        then copies it)."""
+        ffi, lib = _lib.load()
+        for name, field in self.inputs:
+            address = args[name].__array_interface__["data"][0]
+            if address % 4:
+                return None
+            field.data = ffi.cast("void *", address)
+        results = []
+        for field, shape in self.outputs:
+            a = np.empty(shape, np.float32)
+            field.data = ffi.cast("void *", a.__array_interface__["data"][0])
+            results.append(a)
+        with _lib.interrupts_after():
+            _lib.call(lib.pyfa_run, self.config, self.op.c_op, self.problem, self.config, self.tensors, ffi.NULL,
+                      quick=self.quick)
+        return tuple(results)
 
 
 def _work(op, dims):
@@ -777,6 +885,13 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
     function: the public name errors use (default pyfa.<op_name>); split_size: the FA2
     forward's keys per chunk, the FA2 backward's rows and keys per chunk
     (checks.check_split_size); sinks: the FA2 forward's (_sinks_keyword's), or None."""
+    key = _plan_key(op_name, args, (causal, window, causal_align, scale, layout, options, out, stream,
+                                    varlen, function, split_size, sinks), mods)
+    plan = _plans_of_thread().get(key) if key is not None else None
+    if plan is not None:
+        results = plan.run(args)
+        if results is not None:
+            return results
     op = OPS[op_name]
     # A backward given a bias also returns dbias, last (docs/numerics.md §2).
     bias_grad = _bias_grad(function or f"pyfa.{op_name}", mods, op.pass_ == "backward")
@@ -823,7 +938,7 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
     with _lib.interrupts_after():
         if intake.place.kind == "cpu":
             results = _run_host(op, intake, outs, problem, config, options.progress, varlen, mod_tensors, dbias,
-                                _other_inputs(keywords, varlen, sinks))
+                                _other_inputs(keywords, varlen, sinks), key if dbias is None and rec is None else None)
             return results + _dbias_results(dbias, intake)
         return _run_device(op, intake, outs, problem, config, options.progress, varlen, mod_tensors)
 
