@@ -5,9 +5,24 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
-import pyfa
+def _share_the_cores_between_workers():
+    """One OpenMP (torch) and OpenBLAS (numpy) thread per core a pytest-xdist worker has of
+    its own, unless the environment says otherwise. Each pool otherwise starts one thread
+    per core in every worker, and its threads spin while they wait for each other: with
+    every worker running, the cores are oversubscribed and the torch tests took about twice
+    their CPU time. pyfa's own threads are the tests' to choose and are left alone. Before
+    numpy and torch are imported: their pools read this once, at start-up."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and hasattr(os, "sched_getaffinity"):
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // workers)))
+
+
+_share_the_cores_between_workers()
+
+import pytest  # noqa: E402
+
+import pyfa  # noqa: E402
 
 try:
     import fcntl

@@ -102,9 +102,10 @@ def run_case(name, rank, P, group, device="cpu"):
                 held=stats.get("peak_held_bytes", 0), dbias=None if bias is None else bias.grad)
 
 
-def misuse(rank, P, group, spare):
+def misuse(rank, P, group, spare, done):
     """The messages of calls the ranks of `group` (P ranks) disagree on; `spare`, a group
-    of the same ranks, takes the case that leaves its transfers unfinished."""
+    of the same ranks, takes the case that leaves its transfers unfinished. `done`: a file
+    rank 0 creates once it has timed out, which the other ranks wait for."""
     import pyfa.torch as pt
     out = {}
     q = torch.randn(1, 2, 16 if rank == 0 else 32, D)
@@ -164,8 +165,14 @@ def misuse(rank, P, group, spare):
             pt.context_parallel_attention(q, q, q, split_size=S, timeout=1.0, group=group, **TILES)
         except TimeoutError as e:
             out["timeout"] = (str(e), time.monotonic() - t0)
+        open(done, "w").close()
     else:
-        time.sleep(5)  # alive but silent past rank 0's timeouts
+        # Alive but silent past rank 0's timeouts, however long a loaded machine makes
+        # them (a fixed sleep was either too short there or idle time elsewhere), up to the
+        # groups' own timeout.
+        deadline = time.monotonic() + 60
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.05)
     return out
 
 
@@ -211,7 +218,7 @@ def worker(rank, world, port, out):
     # Last: the misuse cases leave their groups' collectives unfinished.
     for P in (2, 3):
         if rank < P <= world:
-            results[P]["misuse"] = misuse(rank, P, groups[P], spares[P])
+            results[P]["misuse"] = misuse(rank, P, groups[P], spares[P], os.path.join(out, f"misuse_P{P}.done"))
     for P, res in results.items():
         torch.save(res, os.path.join(out, f"P{P}_r{rank}.pt"))
 

@@ -9,6 +9,7 @@ C compiler, off x86, or for the portable build, which has no vector FMA of its o
 decode_loop(isa): tools/decode_loop.c compiled alike, for bench.py --decode-c.
 """
 import ctypes
+import functools
 import os
 import platform
 import shutil
@@ -75,9 +76,11 @@ def identity():
     return info
 
 
+@functools.lru_cache(maxsize=None)
 def _compile(isa, name="fma_peak"):
     """(tools/<name>.c built as a shared library with the ISA's flags, loaded with ctypes;
-    or None and why)."""
+    or None and why). Once per process: the sweep measures the peak of each thread count
+    before and after its runs, from the same loop."""
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         return None, "no C compiler (CC, cc, gcc, clang)"

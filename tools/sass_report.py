@@ -113,7 +113,9 @@ def parse_sass(text):
     """{mangled function: [(address, predicate, opcode, operands)]} from cuobjdump -sass."""
     funcs, cur = {}, None
     for line in text.splitlines():
-        m = re.search(r"Function : (\S+)", line)
+        # The substring test first: a regular expression per line of a cubin's million
+        # lines of SASS took seconds.
+        m = "Function : " in line and re.search(r"Function : (\S+)", line)
         if m:
             cur = funcs.setdefault(m.group(1), [])
             continue
@@ -225,7 +227,7 @@ def line_chains(nvdisasm_text):
     then each line it is inlined at, out to the kernel's own)."""
     funcs, cur, block, chain = {}, None, False, ()
     for line in nvdisasm_text.splitlines():
-        m = re.match(r"^\.text\.(\S+):\s*$", line)
+        m = line.startswith(".text.") and re.match(r"^\.text\.(\S+):\s*$", line)
         if m:
             cur, chain = funcs.setdefault(m.group(1), []), ()
             continue
@@ -322,7 +324,7 @@ def max_threads_attrs(cuobjdump, cubin):
     out = subprocess.run([cuobjdump, "-elf", cubin], capture_output=True, text=True).stdout
     res, cur = {}, None
     for line in out.splitlines():
-        m = re.search(r"\.nv\.info\.(\S+)", line)
+        m = ".nv.info." in line and re.search(r"\.nv\.info\.(\S+)", line)
         if m:
             cur = m.group(1)
             continue
