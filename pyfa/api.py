@@ -720,6 +720,7 @@ class _Plan:
     def __init__(self, op, inputs, outputs, problem, config, tensors, quick):
         self.op, self.inputs, self.outputs = op, inputs, outputs
         self.problem, self.config, self.tensors, self.quick = problem, config, tensors, quick
+        self.lib = _lib.load()[1]  # the structs are this library's
 
     @classmethod
     def keep(cls, key, op, intake, targets, problem, config, tensors, quick):
@@ -743,8 +744,10 @@ class _Plan:
     def run(self, args):
         """The call on `args` (arrays of the kept call's kinds, shapes, strides and dtypes),
         or None where one is not aligned to a float as the kept call's were (the full path
-        then copies it)."""
+        then copies it), or where another library has been loaded since."""
         ffi, lib = _lib.load()
+        if lib is not self.lib:
+            return None
         for name, field in self.inputs:
             address = args[name].__array_interface__["data"][0]
             if address % 4:
