@@ -23,11 +23,11 @@ SHAPES = {  # (B, H, Hkv, Nq, Nk, d)
     "prefill": (2, 4, 2, 70, 75, 64),
     "decode": (2, 8, 2, 1, 200, 64),  # one row per head: the FA2 forward packs the GQA group
 }
-# (backend, variant, threads, shape, split_size); the fast kernels take no sinks
-# (select_kernel: variant auto runs the readable ones, test below).
+# (backend, variant, threads, shape, split_size); the fast FA2 forward neither splits nor
+# packs GQA groups (select_kernel), so it runs the unsplit prefill (and below).
 RUNS = [(backend, "reference" if backend == "emu" else "auto", threads, shape, split)
         for backend, threads in (("emu", 0), ("cpu", 1), ("cpu", 3))
-        for shape in sorted(SHAPES) for split in (None, 64)] + [("emu", "auto", 0, "prefill", None)]
+        for shape in sorted(SHAPES) for split in (None, 64)] + [("emu", "fast", 0, "prefill", None)]
 
 
 @pytest.mark.parametrize("backend,variant,threads,shape,split_size", RUNS)
@@ -38,7 +38,7 @@ def test_kernel_sinks_are_the_merge_and_the_simulator(backend, variant, threads,
     # LSE, so its barriers are checked too.
     opts = pyfa.Options(backend=backend, variant=variant, threads=threads,
                         emu_check="strict" if backend == "emu" else "off",
-                        **({"block_r": 64, "block_c": 64} if variant == "auto" and backend == "emu" else {}))
+                        **({"block_r": 64, "block_c": 64} if variant == "fast" else {}))
     kw = dict(causal=causal, split_size=split_size, options=opts)
     o, lse = pyfa.fa2_forward(q, k, v, **kw)
     want = pyfa.merge_sinks(o, lse, s)
@@ -78,17 +78,17 @@ def test_packed_rows_with_no_key_get_the_sink(backend):
         assert np.array_equal(ob[0], o[rows]) and np.array_equal(lb[0], lse[:, rows])
 
 
-def test_the_fast_kernels_take_no_sinks():
-    # Where the fast FA2 forward would run (its tiles, d = 64), variant "fast" is refused
-    # naming the sinks and "auto" gives the readable kernel's bits.
-    q, k, v, s = arrays(*SHAPES["prefill"])
-    tiles = dict(backend="emu", block_r=64, block_c=64)
-    pyfa.fa2_forward(q, k, v, options=pyfa.Options(variant="fast", **tiles))
-    with pytest.raises(ValueError, match="config->variant: fast: the fast fa2_forward at head_dim 64 takes no sinks"):
-        pyfa.fa2_forward(q, k, v, sinks=s, options=pyfa.Options(variant="fast", **tiles))
-    auto = pyfa.fa2_forward(q, k, v, sinks=s, options=pyfa.Options(variant="auto", **tiles))
-    ref = pyfa.fa2_forward(q, k, v, sinks=s, options=pyfa.Options(variant="reference", **tiles))
-    assert np.array_equal(auto[0], ref[0]) and np.array_equal(auto[1], ref[1])
+@pytest.mark.parametrize("d,block_r", [(64, 64), (64, 128), (128, 64), (128, 128)])
+def test_the_fast_fa2_forward_merges_the_sinks_as_the_readable_one(d, block_r):
+    # Every instantiation of the fast kernel (d, Br), rows past the last tile's end
+    # included (Nq = 150), in strict mode; without sinks its bits are unchanged.
+    q, k, v, s = arrays(2, 4, 2, 150, 170, d)
+    tiles = dict(backend="emu", block_r=block_r, block_c=64)
+    for sinks in (s, None):
+        fast = pyfa.fa2_forward(q, k, v, causal=True, sinks=sinks,
+                                options=pyfa.Options(variant="fast", emu_check="strict", **tiles))
+        ref = pyfa.fa2_forward(q, k, v, causal=True, sinks=sinks, options=pyfa.Options(variant="reference", **tiles))
+        assert np.array_equal(fast[0], ref[0]) and np.array_equal(fast[1], ref[1])
 
 
 def test_prepared_attention_reads_the_sinks_on_each_replay():

@@ -39,17 +39,15 @@ enum FastTakes : unsigned {
     kTakesDbias = 1u << 4,  // writes dS into dBias (only the kernels that visit each (i, j) once may)
     kTakesSplit = 1u << 5,  // split-KV's chunked launch (problem->split_size)
     kTakesPages = 1u << 6,  // paged K/V (problem->page_size): no fast kernel reads rows through a page table
-    // Attention sinks (tensors->sinks): no fast kernel merges them. The fast FA2 forward's
-    // epilogue keeps O in registers across its 128-bit stores; reading it back to merge
-    // made it spill at d = 128, Br = 128 and store O a float at a time (tools/ptxas_report.py).
-    kTakesSinks = 1u << 7,
+    kTakesSinks = 1u << 7,  // attention sinks (tensors->sinks), merged into each row's final state
 };
 
 // The fast kernel of `kernel` (a pyfa_kernel) at head dim d: what it takes.
 PYFA_HD constexpr unsigned fast_takes(int kernel, int64_t d) {
     switch (kernel) {
         case PYFA_KERNEL_FA1_FORWARD: return d == 64 ? kTakesSoftcap | kTakesDropout | kTakesBias : 0u;
-        case PYFA_KERNEL_FA2_FORWARD: return kTakesSoftcap | kTakesAlibi | (d == 64 ? kTakesDropout : 0u) | kTakesBias;
+        case PYFA_KERNEL_FA2_FORWARD:
+            return kTakesSoftcap | kTakesAlibi | (d == 64 ? kTakesDropout : 0u) | kTakesBias | kTakesSinks;
         case PYFA_KERNEL_FA2_BACKWARD_DKDV: return d == 128 ? kTakesDropout : 0u;
         case PYFA_KERNEL_FA2_BACKWARD_DQ: return (d == 64 ? kTakesSoftcap | kTakesAlibi : 0u) | kTakesDropout | kTakesBias;
         case PYFA_KERNEL_FA1_BACKWARD: return (d == 64 ? kTakesAlibi : 0u) | kTakesDropout | kTakesBias;

@@ -19,6 +19,7 @@
 #include "common/device.h"
 #include "common/fault.h"
 #include "common/mask.h"
+#include "common/merge.h"
 #include "common/numerics.h"
 #include "common/params.h"
 #include "common/smem.h"
@@ -231,27 +232,36 @@ PYFA_UNROLL
     }
 
     // O = O / l, LSE = m + log(l); a row that saw no key gets O = 0, LSE = -inf. The
-    // warp's reads of alpha come before l takes its place.
+    // warp's reads of alpha (and m) come before l (and LSE) take their place. Attention
+    // sinks then merge each row's final state with the head's sink (common/merge.h), one
+    // MergeStep per row: without sinks (sink -inf) it skips and leaves both as they are.
+    // Its part 0 is (O, LSE): LSE is -inf exactly where l is 0, where O is 0 as the rule's
+    // skipped part 0 leaves it.
+    const float lse_row = pyfa_canonical_nan(l_row == 0.0f ? -INFINITY : m_row + pyfa_log(l_row));
+    const float sink = p.sink(blockIdx.y);
     pyfa_syncwarp();
-    if (lane < 16) alpha_s[my_row] = l_row;
+    if (lane < 16) {
+        alpha_s[my_row] = l_row;
+        mi[my_row] = lse_row;
+    }
     pyfa_syncwarp();
 PYFA_UNROLL
     for (int ii = 0; ii < 8; ++ii) {
         const int r = wrow + rg + 2 * ii;
         if (r >= br) continue;
         const float l = alpha_s[r];
+        const MergeStep step = merge_step(mi[r], sink);
 PYFA_UNROLL
         for (int h = 0; h < XC; ++h) {
             pyfa_f4 out;
-            out.x = pyfa_canonical_nan(l == 0.0f ? 0.0f : o[ii][4 * h + 0] / l);
-            out.y = pyfa_canonical_nan(l == 0.0f ? 0.0f : o[ii][4 * h + 1] / l);
-            out.z = pyfa_canonical_nan(l == 0.0f ? 0.0f : o[ii][4 * h + 2] / l);
-            out.w = pyfa_canonical_nan(l == 0.0f ? 0.0f : o[ii][4 * h + 3] / l);
+            out.x = pyfa_canonical_nan(step.apply(l == 0.0f ? 0.0f : o[ii][4 * h + 0] / l, 0.0f));
+            out.y = pyfa_canonical_nan(step.apply(l == 0.0f ? 0.0f : o[ii][4 * h + 1] / l, 0.0f));
+            out.z = pyfa_canonical_nan(step.apply(l == 0.0f ? 0.0f : o[ii][4 * h + 2] / l, 0.0f));
+            out.w = pyfa_canonical_nan(step.apply(l == 0.0f ? 0.0f : o[ii][4 * h + 3] / l, 0.0f));
             stg4(g.o + (row0 + r) * g.ldo + cg * 4 + 64 * h, out);
         }
     }
-    if (lane < 16 && my_row < br)
-        g.lse[row0 + my_row] = pyfa_canonical_nan(l_row == 0.0f ? -INFINITY : m_row + pyfa_log(l_row));
+    if (lane < 16 && my_row < br) g.lse[row0 + my_row] = pyfa_canonical_nan(merge_step(lse_row, sink).lse);
 }
 
 }  // namespace PYFA_KERNELS
