@@ -148,3 +148,20 @@ def test_cuda_kernels_merge_the_sinks_as_the_emulator(variant, split_size):
         want = pyfa.fa2_forward(q, k, v, causal=True, split_size=split_size, sinks=s,
                                 options=pyfa.Options(backend="emu", **tiles))
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), shape
+
+
+def test_the_packed_io_model_counts_the_sinks_reads():
+    # Sequences with no keys still merge their rows with the sinks; one with no queries
+    # reads none.
+    H, Hkv, d = 4, 2, 32
+    cq, ck = np.array([0, 5, 8, 8, 14], np.int32), np.array([0, 7, 7, 11, 20], np.int32)
+    q = rng.standard_normal((cq[-1], H, d), dtype=np.float32)
+    k = rng.standard_normal((ck[-1], Hkv, d), dtype=np.float32)
+    s = np.array([0.5, -np.inf, 3.0, -2.0], np.float32)
+    sim = pyfa.sim.attention_varlen(q, k, k, cq, ck, causal=True, sinks=s)
+    kw = dict(cu_seqlens_q=cq, cu_seqlens_k=ck, heads=H, heads_kv=Hkv, head_dim=d, causal=True)
+    counted = pyfa.sim.count_io_varlen("fa2", sinks=True, **kw)
+    assert sim.io.reads == counted.reads and sim.io.writes == counted.writes
+    assert counted.reads["sinks"] > 0 and "sinks" not in pyfa.sim.count_io_varlen("fa2", **kw).reads
+    with pytest.raises(pyfa.InvalidArgumentError, match="sinks: only the FA2 forward reads them"):
+        pyfa.sim.count_io_varlen("fa2", passes="backward", sinks=True, **kw)

@@ -313,10 +313,7 @@ def count_kernels(algo, *, passes="forward", batch, heads, seqlen_q, seqlen_k, h
     bias_rows = _bias_rows(bias, algo, batch, heads, seqlen_q, seqlen_k)
     wanted = ["forward", "backward"] if passes == "both" else [passes]
     _check_split_algo(split_size, algo)
-    if not isinstance(sinks, bool):
-        raise ArgumentTypeError(f"sinks: expected a bool, got {type(sinks).__name__}")
-    if sinks and (algo != "fa2" or passes == "backward"):
-        raise InvalidArgumentError("sinks: only the FA2 forward reads them")
+    _check_sinks(sinks, algo, passes)
     record, tiles = IORecord(), []
     for p in wanted:
         if (algo, p) not in WALKERS:
@@ -345,6 +342,13 @@ def _fa2_forward_launch(kernel, B, H, Hkv, Nq, Nk, Br, split, block_r, profile):
         return False, Br
     qg, Br = fa2_launch(B, H, Hkv, Nq, Nk, Br, split, block_r, profile)
     return qg > 1, Br
+
+
+def _check_sinks(sinks, algo, passes):
+    if not isinstance(sinks, bool):
+        raise ArgumentTypeError(f"sinks: expected a bool, got {type(sinks).__name__}")
+    if sinks and (algo != "fa2" or passes == "backward"):
+        raise InvalidArgumentError("sinks: only the FA2 forward reads them")
 
 
 def _check_split_algo(split_size, algo):
@@ -416,7 +420,7 @@ WALKERS[("standard", "backward")] = [(None, standard_backward_io)]
 def count_io_varlen(algo, *, passes="forward", cu_seqlens_q, cu_seqlens_k, heads, head_dim,
                     heads_kv=None, block_r=None, block_c=None, causal=False, window=None,
                     causal_align="bottom_right", dtype_bytes=4, profile=EMU_PROFILE, split_size=None,
-                    bias=None):
+                    bias=None, sinks=False):
     """count_io of packed sequences (pyfa.attention_varlen): the sum over the sequences of
     each one's walk, as the varlen kernels read them. A block past its sequence's rows
     (keys) returns at once and moves nothing, so a sequence costs what its own dense call
@@ -425,7 +429,8 @@ def count_io_varlen(algo, *, passes="forward", cu_seqlens_q, cu_seqlens_k, heads
     "fa2"; the offsets are int32 arrays (or sequences of ints) of B + 1 entries; split_size
     as count_io's, each sequence split alone. bias: the shape of a packed bias (broadcastable
     to (B, H, max_seqlen_q, max_seqlen_k)); in a backward dBias also starts at +0 whole,
-    and with rows each sequence clears the rows beyond its own of its keys."""
+    and with rows each sequence clears the rows beyond its own of its keys. sinks: as
+    count_io's, each sequence's rows reading their heads' sinks."""
     if algo not in ("fa1", "fa2"):
         raise InvalidArgumentError(f"algo: expected 'fa1' or 'fa2' for packed sequences, got {algo!r}")
     offsets = []
@@ -443,6 +448,7 @@ def count_io_varlen(algo, *, passes="forward", cu_seqlens_q, cu_seqlens_k, heads
         raise ArgumentTypeError(f"profile: expected a sim.DeviceProfile, got {type(profile).__name__}")
     wanted = ["forward", "backward"] if passes == "both" else [passes]
     _check_split_algo(split_size, algo)
+    _check_sinks(sinks, algo, passes)
     lengths = [(qz - qa, kz - ka) for (qa, qz), (ka, kz) in zip(zip(offsets[0], offsets[0][1:]),
                                                                  zip(offsets[1], offsets[1][1:]))]
     B = len(lengths)
@@ -465,8 +471,8 @@ def count_io_varlen(algo, *, passes="forward", cu_seqlens_q, cu_seqlens_k, heads
                                            profile)
             for nq, nk in lengths:
                 mask = Mask.resolve(causal, window, causal_align, nq, nk)
-                record = record + walker(Walk(nq, nk, head_dim, heads // Hkv, Br, Bc, mask,
-                                              dtype_bytes, rows, split, pack))
+                record = record + walker(Walk(nq, nk, head_dim, heads // Hkv, Br, Bc, mask, dtype_bytes,
+                                              rows, split, pack, sinks and kernel == "fa2_forward"))
     out = record.scaled(Hkv)
     if bias is not None and "backward" in wanted:
         out.write("dBias", B * heads * rows * max_k * dtype_bytes)

@@ -102,7 +102,7 @@ def _run(algo, passes, function, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen
         if qz == qa or kz == ka:  # answered without a kernel: count what the varlen kernels move
             r.io = count_io_varlen(algo, passes=passes, cu_seqlens_q=[0, qz - qa], cu_seqlens_k=[0, kz - ka],
                                    heads=H, head_dim=d, heads_kv=heads_kv, block_r=options.block_r,
-                                   block_c=options.block_c,
+                                   block_c=options.block_c, sinks=kwargs.get("sinks") is not None,
                                    **{n: kwargs[n] for n in ("causal", "window", "causal_align", "split_size")
                                       if n in kwargs})
         parts.append(r)
