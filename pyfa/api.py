@@ -1313,9 +1313,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     (gpt-oss's learned attention sinks): as in pyfa.fa2_forward; FA1 refuses them."""
     options, mods = _keywords("pyfa.attention", options, mods)
     fn = _FORWARD[_algo(algo)]
-    sinks = _sinks_keyword("pyfa.attention", mods, algo, q, layout)
-    if sinks is not None:
-        mods = dict(mods, sinks=sinks)
+    if algo == "fa1":  # refuses sinks by name; FA2's are fa2_forward's to check
+        _sinks_keyword("pyfa.attention", mods, algo, q, layout)
     extra = 2 if algo == "fa1" else 1  # m, l or lse: allocated
     if algo == "fa1":
         if split_size not in (None, 0):

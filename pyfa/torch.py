@@ -171,7 +171,7 @@ def _fa2_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, window_left: Opt
         # No query rows, or no keys: every row sees nothing (O = 0, LSE = -inf).
         _check_options(q, kw, k)
         return _with_sinks(q.new_zeros(q.shape), q.new_full((B, H, Nq), -math.inf), sinks, layout)
-    return _call(api.fa2_forward, q, k, v, **kw, **_sinks_keyword(sinks))
+    return _call(api.fa2_forward, q, k, v, **kw, **_fa2_forward_sinks(sinks))
 
 
 @_fa2_forward.register_fake
@@ -223,7 +223,7 @@ def _forward_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _sinks_keyword(sinks):
+def _fa2_forward_sinks(sinks):
     """pyfa.fa2_forward's sinks= for the operators' sinks tensor (the library merges them
     into each row's final state), or none."""
     if sinks is None:
@@ -406,7 +406,7 @@ def _fa2_forward_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, causal: boo
         _check_options(q, kw, k)
         check_bias("bias", bias.detach(), (B, H, Nq, Nk))
         return _with_sinks(q.new_zeros(q.shape), q.new_full((B, H, Nq), -math.inf), sinks, layout)
-    return _call(api.fa2_forward, q, k, v, bias=_operand(bias), **kw, **_sinks_keyword(sinks))
+    return _call(api.fa2_forward, q, k, v, bias=_operand(bias), **kw, **_fa2_forward_sinks(sinks))
 
 
 @_fa2_forward_bias.register_fake

@@ -45,11 +45,9 @@ def merge_states(o_parts, lse_parts):
                                    f"got {L.shape}")
     if O.shape[0] == 0:
         raise InvalidArgumentError("o_parts: no parts to merge")
-    # Part 0 meets the empty accumulator: every row takes it or skips it (O = 0 either
-    # way, and -inf stays -inf), so no fold is computed for it.
-    acc_o = np.where((L[0] == NEG_INF)[..., None], F32(0), O[0]).astype(F32)
-    acc_lse = L[0].astype(F32)
-    for c in range(1, O.shape[0]):
+    acc_o = np.zeros(O.shape[1:], F32)
+    acc_lse = np.full(L.shape[1:], NEG_INF, F32)
+    for c in range(O.shape[0]):
         o_c, lse_c = O[c], L[c]
         skip = lse_c == NEG_INF
         take = ~skip & (acc_lse == NEG_INF)
