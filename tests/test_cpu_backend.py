@@ -434,7 +434,7 @@ def test_bench_sweep_smoke_prints_ratios_on_its_last_line():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(pyfa.__file__).resolve().parent.parent),
                                                     env.get("PYTHONPATH")) if p)
-    p = subprocess.run([sys.executable, str(root / "tools" / "bench.py"), "--sweep", "--sizes", "64",
+    p = subprocess.run([sys.executable, str(root / "tools" / "bench.py"), "--sweep", "--smoke", "--sizes", "64",
                         "--head-dims", "16", "--threads", "1", "2", "--rounds", "1", "--repeats", "1",
                         "--gap", "0", "--contenders", "cpu,numpy"],
                        cwd=root, capture_output=True, text=True, timeout=300, env=env)

@@ -59,7 +59,7 @@ def test_bench_smoke_prints_ratios_on_its_last_line():
 
 def test_bench_decode_and_varlen_smoke_print_bandwidth_and_torch_side_by_side():
     p = run([sys.executable, str(TOOLS / "bench.py"), "--decode", "--varlen", "--smoke", "--decode-threads", "2",
-             "--decode-kvcache", "--decode-c", "--decode-warm", "20"])
+             "--decode-kvcache", "--decode-c", "--decode-warm", "20", "--decode-gap", "0"])
     assert p.returncode == 0, p.stdout + p.stderr
     out = p.stdout
     assert "BITS DIFFER" not in out and "cpu == emu bit for bit" in out, out

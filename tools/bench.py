@@ -343,8 +343,10 @@ def peak_rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-# Each sweep process warms each pass up for at least this long (and 2 calls) before timing.
+# Each sweep process warms each pass up for at least this long (and 2 calls) before timing;
+# --sweep --smoke only makes the 2 calls, and measures the FMA peak in one short run.
 WARMUP_S = 0.3
+SMOKE_PEAK = dict(seconds=0.02, tries=1)
 
 
 def sweep_worker(spec):
@@ -402,7 +404,7 @@ def sweep_worker(spec):
     for label, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
         # Warm-up: torch's first few calls run slower than its later ones (8.5 ms, then
         # 6.6 ms at N=1024 d=64 on two threads), so one call is not enough to be fair to it.
-        warm_until, warm_calls = time.perf_counter() + WARMUP_S, 0
+        warm_until, warm_calls = time.perf_counter() + spec["warmup_s"], 0
         while warm_calls < 2 or time.perf_counter() < warm_until:
             fn()
             warm_calls += 1
@@ -446,19 +448,21 @@ def sweep(args):
     configs = [(n, d, causal, t) for n in args.sizes for d in args.head_dims for causal in (False, True)
                for t in args.threads]
     torch = import_torch() if "torch" in contenders else None
+    warmup_s = 0 if args.preset == "smoke" else WARMUP_S
     print(f"pyfa bench --sweep: FA2 on the cpu backend vs {', '.join(c for c in contenders if c != 'cpu')}; "
           f"B={args.batch} H={args.heads}; each contender in its own process, {args.rounds} round(s) of "
-          f"{args.repeats} timed calls after a warm-up of {WARMUP_S} s, {args.gap:.1f} s idle between processes")
+          f"{args.repeats} timed calls after a warm-up of {warmup_s} s, {args.gap:.1f} s idle between processes")
     print(f"{os.cpu_count()} cores ({platform.machine()}), load average {os.getloadavg()[0]:.2f} at the start; "
           f"numpy {np.__version__} (BLAS {blas_name()}); torch {torch.__version__ if torch else 'not used'}; "
           f"PYFA_CPU_ISA={os.environ.get('PYFA_CPU_ISA', 'auto')}")
     ident = cpu_probe.identity()
-    peaks = {t: cpu_probe.fma_peak(ident["isa"], t) for t in sorted(set(args.threads))}
+    probe = SMOKE_PEAK if args.preset == "smoke" else dict(seconds=0.15, tries=5)
+    peaks = {t: cpu_probe.fma_peak(ident["isa"], t, **probe) for t in sorted(set(args.threads))}
     print(f"CPU: {ident['model_name']} ({ident['vendor']} family {ident['family']} model {ident['model']}: "
           f"{ident['microarchitecture']}); the cpu backend runs its {ident['isa']} build")
-    print("FMA peak measured now (tools/fma_peak.c, the best of 5 runs of 0.15 s): " + ", ".join(
-        f"{t} thread(s) {pk:.1f} GFLOP/s" if pk else f"{t} thread(s) not measured ({why})"
-        for t, (pk, why) in peaks.items()))
+    print(f"FMA peak measured now (tools/fma_peak.c, the best of {probe['tries']} run(s) of {probe['seconds']} s): "
+          + ", ".join(f"{t} thread(s) {pk:.1f} GFLOP/s" if pk else f"{t} thread(s) not measured ({why})"
+                      for t, (pk, why) in peaks.items()))
     print("GFLOP/s: forward 4*B*H*N^2*d (halved if causal), forward+backward 3.5x that; %pk: that over the "
           "FMA peak of as many threads; "
           "ms: median over all timed calls (min beside it); RSS: the process's peak, and above its inputs "
@@ -480,7 +484,7 @@ def sweep(args):
             order = contenders if r % 2 == 0 else contenders[::-1]
             for c in order:
                 spec = dict(name=c, batch=args.batch, heads=args.heads, seqlen=n, head_dim=d, causal=causal,
-                            threads=threads, repeats=args.repeats, seed=args.seed)
+                            threads=threads, repeats=args.repeats, seed=args.seed, warmup_s=warmup_s)
                 res = run_worker(spec, args.gap)
                 if "error" in res:
                     info[c]["error"] = res["error"]
@@ -521,7 +525,7 @@ def sweep(args):
                                                   cpu_medians[c][n_pass] / cpu_medians["cpu"][n_pass]))
     print(f"load average {os.getloadavg()[0]:.2f} at the end; FMA peak again: " + ", ".join(
         f"{t} thread(s) {pk:.1f} GFLOP/s" for t, (pk, _) in
-        ((t, cpu_probe.fma_peak(ident["isa"], t)) for t in peaks) if pk))
+        ((t, cpu_probe.fma_peak(ident["isa"], t, **probe)) for t in peaks) if pk))
     parts = []
     for c, rs in ratios.items():
         if not rs:
@@ -919,7 +923,8 @@ def main(argv=None):
     size.add_argument("--quick", dest="preset", action="store_const", const="quick",
                       help="B=1 H=4 N=256 d=64, 5 rounds")
     size.add_argument("--smoke", dest="preset", action="store_const", const="smoke",
-                      help="B=1 H=2 N=64 d=32, 3 rounds (for the tests)")
+                      help="B=1 H=2 N=64 d=32, 3 rounds (for the tests); with --sweep: no warm-up beyond "
+                           "2 calls, the FMA peak from one run of 0.02 s")
     ap.set_defaults(preset="full")
     ap.add_argument("--batch", type=int)
     ap.add_argument("--heads", type=int)
