@@ -665,7 +665,8 @@ def _run_host(op, intake, outs, problem, config, progress, varlen=None, mod_tens
 # and pyfa.torch make the same call on fresh arrays thousands of times, and for a small
 # problem the checks cost as much as the kernels (docs/torch.md). Only calls that read the
 # caller's arrays in place and write outputs pyfa allocates: no out=, no array keywords
-# (their values are checked on every call), no packed sequences, progress, or recording.
+# (their values are checked on every call), no progress or recording; packed sequences
+# only through attention_with_kvcache's own plans (pyfa/kvcache.py).
 _PLAN_LIMIT = 64
 _thread_plans = threading.local()
 
@@ -678,29 +679,49 @@ def _plans_of_thread():
 
 
 def _plan_key(op_name, args, keywords, mods):
-    """The key of a call whose set-up may be kept (see above), or None: its op, its
-    arguments' array types, shapes, strides and dtypes, and its keywords with their types
-    (True and 1 are checked differently)."""
+    """The key of a call whose set-up may be kept (see above), or None."""
     *rest, options, out, stream, varlen, function, split_size, sinks = keywords
     if out is not None and not (type(out) in (tuple, list) and all(x is None for x in out)):
         return None  # out= arrays are checked against the inputs on every call
-    if stream is not None or varlen is not None or sinks is not None or options.progress is not None or \
-            prepared.recording() is not None:
+    if stream is not None or varlen is not None or sinks is not None:
         return None
-    arrays = []
-    for x in args.values():
+    key = plan_key(op_name, args.values(), (*rest, function, split_size, *sorted(mods.items())), options)
+    # out= of Nones keyed by its type and length, which _out_dict checks.
+    return None if key is None else key + (None if out is None else (type(out), len(out)),)
+
+
+def plan_key(name, arrays, scalars, options):
+    """The key of a call of `name` on `arrays` (NumPy arrays or None) with the keywords
+    `scalars` and the resolved `options`, under which its set-up may be kept: the arrays'
+    types, shapes, strides, dtypes and writeability, the keywords with their types (True
+    and 1 are checked differently), the options; or None where the call's set-up is not
+    kept (an array that is not NumPy's, a keyword that is an array, a progress callback,
+    a pyfa.prepare recording)."""
+    if options.progress is not None or prepared.recording() is not None:
+        return None
+    kinds = []
+    for x in arrays:
+        if x is None:
+            kinds.append(None)
+            continue
         if type(x) is not np.ndarray:
             return None
-        arrays.append((x.shape, x.strides, x.dtype.str))
-    scalars = (*rest, function, split_size, *sorted(mods.items()))
+        kinds.append((x.shape, x.strides, x.dtype.str, x.flags.writeable))
     if not _plain(scalars):
         return None
     try:
         hash(options)
     except Exception:  # noqa: BLE001 (an Options field that does not hash: not kept)
         return None
-    # out= of Nones keyed by its type and length, which _out_dict checks.
-    return op_name, options, tuple(arrays), _typed(scalars), None if out is None else (type(out), len(out))
+    return name, options, tuple(kinds), _typed(scalars)
+
+
+def keep_plan(key, plan):
+    """Keeps `plan` under `key` for this thread (the oldest goes beyond _PLAN_LIMIT)."""
+    plans = _plans_of_thread()
+    if len(plans) >= _PLAN_LIMIT:
+        plans.pop(next(iter(plans)))
+    plans[key] = plan
 
 
 def _plain(v):
@@ -734,12 +755,9 @@ class _Plan:
                 return
         if any(given is not None for given, _, _ in targets.values()):
             return
-        plans = _plans_of_thread()
-        if len(plans) >= _PLAN_LIMIT:
-            plans.pop(next(iter(plans)))
         outputs = [(getattr(tensors, C_FIELDS[n]), written.shape) for n, (_, _, written) in targets.items()]
-        plans[key] = cls(op, [(n, getattr(tensors, C_FIELDS[n])) for n in op.inputs], outputs, problem, config,
-                         tensors, quick)
+        keep_plan(key, cls(op, [(n, getattr(tensors, C_FIELDS[n])) for n in op.inputs], outputs, problem, config,
+                           tensors, quick))
 
     def run(self, args):
         """The call on `args` (arrays of the kept call's kinds, shapes, strides and dtypes),

@@ -10,7 +10,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import _arrays, prepared
+from . import _arrays, _lib, prepared
 from .checks import Pages, c_aligned, check_offsets, check_offsets_shape, refuse_self_overlap
 from .errors import ArgumentTypeError, InvalidArgumentError
 
@@ -79,18 +79,35 @@ def _int32(name, x, ndim):
     return x
 
 
+def _check_new_rows(q, k_cache, v_cache, k_new, v_new):
+    """The new rows, written into the caches, alias no other input."""
+    for name, x in dict(q=q, k_cache=k_cache, v_cache=v_cache, v_new=v_new).items():
+        if np.shares_memory(k_new, x):
+            raise InvalidArgumentError(f"k_new and {name}: share memory; the new keys are written "
+                                       "into the cache, so they must not alias another input")
+    for name, x in dict(q=q, k_cache=k_cache, v_cache=v_cache).items():
+        if np.shares_memory(v_new, x):
+            raise InvalidArgumentError(f"v_new and {name}: share memory; the new values are written "
+                                       "into the cache, so they must not alias another input")
+    if np.shares_memory(k_cache, v_cache):
+        raise InvalidArgumentError("k_cache and v_cache: share memory, and the new rows are written "
+                                   "into both")
+
+
 class _Cache:
     """The checked arguments of one attention_with_kvcache call: where logical key n of
     sequence b lives (rows(b, n): the (page or batch index, row) of the cache), and the
-    new rows to append."""
+    new rows to append. __init__ checks what depends on the arrays' kinds, shapes and
+    strides; bind() what depends on their addresses and contents, and so can take the
+    arrays of a later call of the same kinds (a plan, below)."""
 
     def __init__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table):
-        self.q = _float32("q", q, 4)
+        _float32("q", q, 4)
         B, Nq, H, d = q.shape
         if B < 1:
             raise InvalidArgumentError(f"q: batch must be >= 1, got shape {q.shape}")
-        self.k_cache = _float32("k_cache", k_cache, 4)
-        self.v_cache = _float32("v_cache", v_cache, 4)
+        _float32("k_cache", k_cache, 4)
+        _float32("v_cache", v_cache, 4)
         if v_cache.shape != k_cache.shape:
             raise InvalidArgumentError(f"v_cache: shape {v_cache.shape} differs from k_cache's {k_cache.shape}")
         _, rows, Hkv, dk = k_cache.shape
@@ -98,9 +115,9 @@ class _Cache:
             raise InvalidArgumentError(f"k_cache: head dim {dk} differs from q's {d}")
         if Hkv < 1 or H % Hkv:
             raise InvalidArgumentError(f"k_cache: its {Hkv} heads must divide q's {H} heads")
-        self.seqlens = _int32("cache_seqlens", cache_seqlens, 1)
-        if self.seqlens.shape != (B,):
-            raise InvalidArgumentError(f"cache_seqlens: expected shape ({B},), got {self.seqlens.shape}")
+        seqlens = _int32("cache_seqlens", cache_seqlens, 1)
+        if seqlens.shape != (B,):
+            raise InvalidArgumentError(f"cache_seqlens: expected shape ({B},), got {seqlens.shape}")
         if (k_new is None) != (v_new is None):
             raise InvalidArgumentError("k_new, v_new: give both or neither")
         self.n_new = 0
@@ -111,39 +128,44 @@ class _Cache:
                 raise InvalidArgumentError(f"k_new: expected shape ({B}, Nnew, {Hkv}, {d}), got {k_new.shape}")
             if v_new.shape != k_new.shape:
                 raise InvalidArgumentError(f"v_new: shape {v_new.shape} differs from k_new's {k_new.shape}")
-            named = dict(q=q, k_cache=k_cache, v_cache=v_cache, v_new=v_new)
-            for name, x in named.items():
-                if np.shares_memory(k_new, x):
-                    raise InvalidArgumentError(f"k_new and {name}: share memory; the new keys are written "
-                                               "into the cache, so they must not alias another input")
-            for name, x in dict(q=q, k_cache=k_cache, v_cache=v_cache).items():
-                if np.shares_memory(v_new, x):
-                    raise InvalidArgumentError(f"v_new and {name}: share memory; the new values are written "
-                                               "into the cache, so they must not alias another input")
-            if np.shares_memory(k_cache, v_cache):
-                raise InvalidArgumentError("k_cache and v_cache: share memory, and the new rows are written "
-                                           "into both")
+            _check_new_rows(q, k_cache, v_cache, k_new, v_new)
             for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
                 if not x.flags.writeable:
                     raise InvalidArgumentError(f"{name}: read-only, but k_new's rows are written into it")
                 # An expanded cache (stride 0) would take one sequence's new row over another's.
                 refuse_self_overlap(name, x.shape, x.strides, x.itemsize)
             self.n_new = k_new.shape[1]
-        self.k_new, self.v_new = k_new, v_new
-        self.table = None
+        table = None
         if block_table is None:
             self.capacity = rows
             if k_cache.shape[0] != B:
                 raise InvalidArgumentError(f"k_cache: batch {k_cache.shape[0]} differs from q's {B} "
                                            "(a paged cache takes block_table)")
         else:
-            self.table = _int32("block_table", block_table, 2)
-            if self.table.shape[0] != B or self.table.shape[1] < 1:
+            table = _int32("block_table", block_table, 2)
+            if table.shape[0] != B or table.shape[1] < 1:
                 raise InvalidArgumentError(f"block_table: expected {B} rows (q's batch) of at least one page, "
-                                           f"got shape {self.table.shape}")
+                                           f"got shape {table.shape}")
             self.page_size = rows
-            self.capacity = self.table.shape[1] * rows
+            self.capacity = table.shape[1] * rows
+        self._bind(q, k_cache, v_cache, seqlens, k_new, v_new, table)
+
+    def bind(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table):
+        """Takes the arrays of a later call, of the kinds, shapes and strides this one was
+        made for (NumPy arrays: a plan's key), and checks their addresses and contents as
+        __init__ does."""
+        if k_new is not None:
+            _check_new_rows(q, k_cache, v_cache, k_new, v_new)
+        self._bind(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+
+    def _bind(self, q, k_cache, v_cache, seqlens, k_new, v_new, table):
+        self.q, self.k_cache, self.v_cache, self.seqlens = q, k_cache, v_cache, seqlens
+        self.k_new, self.v_new, self.table = k_new, v_new, table
         self.refresh()
+
+    def release(self):
+        """Lets go of the call's arrays (a kept plan must not hold the caller's memory)."""
+        self.q = self.k_cache = self.v_cache = self.seqlens = self.k_new = self.v_new = self.table = None
 
     def refresh(self):
         """Reads cache_seqlens (and the block table) as they are now and checks them: each
@@ -266,11 +288,13 @@ def _offsets(name, lengths):
 
 
 def with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse, bias=None,
-                 sinks=None):
+                 sinks=None, plan_key=None):
     """attention_with_kvcache's steps around `run` (packed q, k, v, cu_q, cu_k, seqused_k,
     pages -> (o (total_q, H, d), lse (H, total_q))), the library's or the simulator's: checks,
     the append (undone if run fails), the packing, and the outputs' shapes. sinks (checked
-    (H,) float32, or None): run's to merge; a prepared call's replays check them again."""
+    (H,) float32, or None): run's to merge; a prepared call's replays check them again.
+    plan_key: where the call runs under prepared.capturing(), the key its plan is kept
+    under (_Plan)."""
     if not isinstance(return_lse, (bool, np.bool_)):
         raise ArgumentTypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
     if bias is not None:  # its key axis would follow the longest cache_seqlens, not Nmax
@@ -287,13 +311,21 @@ def with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_ta
     except BaseException:
         cache.undo(saved)
         raise
-    B, Nq, H, d = q.shape
-    o = np.asarray(o_rows).reshape(B, Nq, H, d)
-    lse = np.ascontiguousarray(np.asarray(lse_rows).reshape(H, B, Nq).transpose(1, 0, 2))
-    if rec is not None:
+    o, lse = _results(q.shape, o_rows, lse_rows)
+    if rec is not None and len(rec.steps) == 1:  # none where Nq = 0: prepare() refuses that
         (_, _, (_, problem, *_), _, _), = rec.steps  # the one library call, and its pyfa_problem
         rec.replay_around(lambda steps: _replay(steps, cache, packed[5], problem, o_rows, lse_rows, lse, sinks))
+        if plan_key is not None and not rec.refused:
+            _Plan.keep(plan_key, cache, packed, rec.steps[0], sinks)
     return (o, lse) if return_lse else o
+
+
+def _results(shape, o_rows, lse_rows):
+    """(o (B, Nq, H, d), lse (B, H, Nq)) from the packed call's o (B * Nq, H, d) and lse
+    (H, B * Nq), for q of `shape`."""
+    B, Nq, H, d = shape
+    o = np.asarray(o_rows).reshape(B, Nq, H, d)
+    return o, np.ascontiguousarray(np.asarray(lse_rows).reshape(H, B, Nq).transpose(1, 0, 2))
 
 
 def _prepare(rec, cache, packed):
@@ -309,24 +341,96 @@ def _prepare(rec, cache, packed):
     rec.ours += [packed[3], packed[4], packed[5]]
 
 
-def _replay(steps, cache, used, problem, o_rows, lse_rows, lse, sinks):
-    """One replay of a prepared attention_with_kvcache: cache_seqlens (and the table, and
-    the sinks' values) read and checked again, the new rows appended, the attended counts
-    and the grid's longest one rewritten, the library call, the append undone if it fails."""
-    cache.refresh()
-    if sinks is not None:
-        from .sim.merge import check_sinks
-        check_sinks(sinks, o_rows.shape[1])
+def _attend(cache, used, problem, call):
+    """A replayed or planned step after its checks: the new rows appended, the attended
+    counts and the grid's longest one rewritten, call() (the library call), the append
+    undone if it fails."""
     saved = cache.append() if cache.n_new else []
     try:
         used[...] = cache.lengths
         problem.seqlen_k = max(1, int(cache.lengths.max()))
-        steps()
+        call()
     except BaseException:
         cache.undo(saved)
         raise
+
+
+def _replay(steps, cache, used, problem, o_rows, lse_rows, lse, sinks):
+    """One replay of a prepared attention_with_kvcache: cache_seqlens (and the table, and
+    the sinks' values) read and checked again, then _attend."""
+    cache.refresh()
+    if sinks is not None:
+        from .sim.merge import check_sinks
+        check_sinks(sinks, o_rows.shape[1])
+    _attend(cache, used, problem, steps)
     B, H, Nq = lse.shape
     np.copyto(lse, lse_rows.reshape(H, B, Nq).transpose(1, 0, 2))
+
+
+class _Plan:
+    """attention_with_kvcache's plan: a call's set-up kept per thread (pyfa/api.py's plans)
+    and rebound to a later call on arrays of the same kinds, shapes and strides, as a
+    decoding loop without pyfa.prepare makes (pyfa.torch's flash_attn_with_kvcache, a
+    model's layers, each step on fresh arrays). The first call runs under
+    prepared.capturing(); where it read every array in place, its library structs, its
+    packed offsets and counts (pyfa's) and its _Cache are kept, holding none of the
+    caller's arrays between calls. A later call: the checks of its arrays' addresses and
+    contents (_Cache.bind; the sinks' values were checked by the call), fresh outputs,
+    the structs pointed at its arrays, _attend: the bits of the full call, about a third
+    of its Python."""
+
+    def __init__(self, cache, packed, step, fields):
+        _, self.config, (self.c_op, self.problem, _, self.tensors, _), _, self.quick = step
+        self.cache, self.used, self.fields = cache, packed[5], fields
+        self.keep = step, packed[3:6]  # the structs and the offsets and counts they point to
+        self.lib = _lib.load()[1]
+
+    @classmethod
+    def keep(cls, key, cache, packed, step, sinks):
+        """Keeps the captured call's set-up where the library read the caller's arrays
+        themselves (no copy) through the fields a later call rebinds."""
+        from . import api
+        ffi, lib = _lib.load()
+        tensors = step[2][3]
+        fields = ["q", "k", "v"] + (["block_table"] if cache.table is not None else []) + \
+            (["sinks"] if sinks is not None else [])
+        arrays = [cache.q, cache.k_cache, cache.v_cache, cache.table, sinks]
+        for field, x in zip(fields, [a for a in arrays if a is not None]):
+            if int(ffi.cast("intptr_t", getattr(tensors, field).data)) != x.__array_interface__["data"][0]:
+                return
+        step[1].flags |= lib.PYFA_FLAG_IN_PLACE  # the outputs are fresh arrays of each call's
+        cache.release()
+        api.keep_plan(key, cls(cache, packed, step, fields))
+
+    def run(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, sinks, return_lse):
+        """The call on these arrays, or None where one is not aligned to its item size (the
+        full call then copies it) or another library has been loaded since."""
+        ffi, lib = _lib.load()
+        if lib is not self.lib:
+            return None
+        arrays = [x for x in (q, k_cache, v_cache, block_table, sinks) if x is not None]
+        addresses = [x.__array_interface__["data"][0] for x in arrays]
+        if any(a % x.itemsize for a, x in zip(addresses, arrays)):
+            return None
+        B, Nq, H, d = q.shape
+        o_rows, lse_rows = np.empty((B * Nq, H, d), np.float32), np.empty((H, B * Nq), np.float32)
+        pointers = list(zip(self.fields, addresses)) + [("o", o_rows.__array_interface__["data"][0]),
+                                                        ("lse", lse_rows.__array_interface__["data"][0])]
+        for field, address in pointers:
+            getattr(self.tensors, field).data = ffi.cast("void *", address)
+
+        def call():
+            with _lib.interrupts_after():
+                _lib.call(lib.pyfa_run, self.config, self.c_op, self.problem, self.config, self.tensors, ffi.NULL,
+                          quick=self.quick)
+
+        try:
+            self.cache.bind(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+            _attend(self.cache, self.used, self.problem, call)
+        finally:
+            self.cache.release()
+        o, lse = _results(q.shape, o_rows, lse_rows)
+        return (o, lse) if return_lse else o
 
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *,
@@ -354,12 +458,27 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     The call runs as pyfa.attention_varlen, whose rows equal the dense call of each
     sequence alone: a dense cache read in place (its batches as packed sequences of Nmax
     rows, seqused_k the lengths), a paged one as its pages, the kernels finding each
-    key's row through the block table (pyfa.h's paged K/V): neither is copied."""
+    key's row through the block table (pyfa.h's paged K/V): neither is copied.
+
+    A call that repeats an earlier one on the same thread with NumPy arrays of the same
+    shapes, strides, dtypes and writeability (the same keywords and options; no array
+    keywords but sinks, no progress) reuses that call's set-up, checking again what
+    depends on the arrays' addresses and contents (cache_seqlens, block_table, the sinks,
+    aliasing of k_new and v_new): the same bits, about a third of the Python per step
+    (pyfa/kvcache.py, _Plan). pyfa.prepare, binding the arrays once, saves the rest."""
     from . import api, varlen
 
     options, mods = api._keywords("pyfa.attention_with_kvcache", options, mods)
     # Checked here, before with_kvcache appends k_new and v_new to the caller's caches.
     sinks = api._sinks_keyword("pyfa.attention_with_kvcache", mods, "fa2", q, "bnhd")
+    arrays = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, sinks)
+    key = api.plan_key("pyfa.attention_with_kvcache", arrays,
+                       (causal, window, scale, split_size, return_lse, *sorted(mods.items())), options)
+    plan = api._plans_of_thread().get(key) if key is not None else None
+    if plan is not None:
+        result = plan.run(*arrays, return_lse)
+        if result is not None:
+            return result
 
     def run(q_p, k_p, v_p, cu_q, cu_k, used, pages):
         return varlen.run("fa2_forward", dict(q=q_p, k=k_p, v=v_p), cu_q, cu_k, causal=causal,
@@ -367,5 +486,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
                           function="pyfa.attention_with_kvcache", split_size=split_size, seqused_k=used,
                           pages=pages, sinks=sinks)
 
-    return with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse,
-                        mods.get("bias"), sinks)
+    if key is None:
+        return with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse,
+                            mods.get("bias"), sinks)
+    with prepared.capturing("pyfa.attention_with_kvcache", [x for x in arrays if x is not None]):
+        return with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse,
+                            mods.get("bias"), sinks, key)

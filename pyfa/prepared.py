@@ -45,19 +45,24 @@ def paused():
 
 
 class _Recording:
-    def __init__(self, function, roots):
+    def __init__(self, function, roots, quiet=False):
         self.function = function
         self.roots = roots  # the caller's NumPy arrays: what a replay may read and write
         self.ours = []      # arrays pyfa allocated (outputs) that the replays write again
         self.steps = []     # (entry point, config, args, progress, quick)
         self.keep = []      # what keeps the steps' structs and addresses alive
         self.around = None  # the function's own work around its steps on each replay
+        self.quiet = quiet  # capturing(): a copy marks the recording refused instead of raising
+        self.refused = False
 
     def bound(self, label, x):
         """Refuses the recording unless the library's array x is (a view of) one of the
         caller's arrays or an output pyfa allocated for this call."""
         if any(np.may_share_memory(x, r) for r in self.roots + self.ours):
             self.keep.append(x)
+            return
+        if self.quiet:
+            self.refused = True
             return
         raise InvalidArgumentError(
             f"{label}: {self.function} reads a copy pyfa made of it (strides the library cannot "
@@ -70,6 +75,9 @@ class _Recording:
             self.ours.append(written)
             self.keep.append(written)
         elif view is not written:
+            if self.quiet:
+                self.refused = True
+                return
             raise InvalidArgumentError(
                 f"{label}: not C-contiguous, so pyfa writes it through a staging copy after each "
                 "call; pass a C-contiguous array to prepare()")
@@ -84,6 +92,22 @@ class _Recording:
         """around(steps): what a replay runs instead of steps() alone (the function's checks
         of the values it reads on the host, writes before and after its library calls)."""
         self.around = around
+
+
+@contextlib.contextmanager
+def capturing(function, roots):
+    """A block whose library calls are recorded as prepare() records them, for a plan (a
+    call's set-up kept for later calls on other arrays of the same kinds, which rebind
+    it): where prepare() would refuse (an array pyfa copies), the recording is marked
+    refused instead, and the call goes on as a plain one. Yields the _Recording."""
+    if recording() is not None:
+        raise InvalidArgumentError(f"{function}: capturing() while a recording runs on this thread")
+    rec = _Recording(function, roots, quiet=True)
+    _state.recording = rec
+    try:
+        yield rec
+    finally:
+        _state.recording = None
 
 
 def _leaves(value):

@@ -94,3 +94,130 @@ def test_the_cache_keeps_a_bounded_number_of_plans():
     for n in range(1, api._PLAN_LIMIT + 6):
         pyfa.fa2_forward(q[:, :, :n], k, v, options=OPTS)
     assert len(api._plans_of_thread()) == api._PLAN_LIMIT
+
+
+# attention_with_kvcache's own plans (pyfa/kvcache.py, _Plan): a decoding loop on fresh
+# arrays of the same kinds rebinds the first call's set-up.
+def _cache_case(paged, B=2, H=4, Hkv=2, d=32, page=5, pages=14, rows=24):
+    shape = (pages, page, Hkv, d) if paged else (B, rows, Hkv, d)
+    k_cache, v_cache = (rng.standard_normal(shape, dtype=np.float32) for _ in range(2))
+    table = rng.permutation(pages).astype(np.int32).reshape(B, -1) if paged else None
+    return k_cache, v_cache, table
+
+
+def _steps(n, B=2, H=4, Hkv=2, d=32):
+    """n decoding steps' fresh (q, k_new, v_new)."""
+    return [tuple(rng.standard_normal((B, 1, heads, d), dtype=np.float32) for heads in (H, Hkv, Hkv))
+            for _ in range(n)]
+
+
+def _kvplans():
+    from pyfa import kvcache
+    return [p for p in api._plans_of_thread().values() if isinstance(p, kvcache._Plan)]
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("extra", [{}, {"split_size": 64, "causal": True, "sinks": "yes", "softcap": 3.0}])
+def test_a_decoding_loop_on_fresh_arrays_reuses_its_plan_with_the_bits_of_fresh_calls(paged, extra):
+    kw = dict(extra, return_lse=True, options=OPTS)
+    if kw.get("sinks") == "yes":
+        kw["sinks"] = rng.standard_normal(4).astype(np.float32)
+    k_cache, v_cache, table = _cache_case(paged)
+    kc, vc = k_cache.copy(), v_cache.copy()
+    steps = _steps(6)
+    planned, fresh = [], []
+    for n, (q, k_new, v_new) in enumerate(steps):
+        lens = np.array([3 + n, 9 + n], np.int32)  # a fresh cache_seqlens each step, as a loop makes
+        planned.append(pyfa.attention_with_kvcache(q.copy(), k_cache, v_cache, lens, k_new.copy(), v_new.copy(),
+                                                   block_table=table, **kw))
+        assert len(_kvplans()) == 1
+    runs = []
+    plan, = _kvplans()
+    run = plan.run
+    plan.run = lambda *a: runs.append(1) or run(*a)
+    q, k_new, v_new = _steps(1)[0]
+    planned.append(pyfa.attention_with_kvcache(q, k_cache, v_cache, np.array([9, 15], np.int32), k_new, v_new,
+                                               block_table=table, **kw))
+    assert runs == [1]
+    for n, (q, k_new, v_new) in enumerate(steps + [(q, k_new, v_new)]):
+        api._plans_of_thread().clear()
+        lens = np.array([3 + n, 9 + n], np.int32)
+        fresh.append(pyfa.attention_with_kvcache(q, kc, vc, lens, k_new, v_new, block_table=table, **kw))
+    assert np.array_equal(k_cache, kc) and np.array_equal(v_cache, vc)
+    for a, b in zip(planned, fresh):
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not np.shares_memory(planned[-1][0], planned[-2][0])  # each call's outputs are its own
+
+
+def test_a_kept_plan_holds_none_of_the_callers_arrays():
+    import gc
+    import weakref
+    k_cache, v_cache, table = _cache_case(True)
+    q, k_new, v_new = _steps(1)[0]
+    lens = np.array([3, 9], np.int32)
+    refs = [weakref.ref(x) for x in (q, k_cache, v_cache, table, k_new, v_new, lens)]
+    pyfa.attention_with_kvcache(q, k_cache, v_cache, lens, k_new, v_new, block_table=table, options=OPTS)
+    assert len(_kvplans()) == 1
+    del q, k_cache, v_cache, table, k_new, v_new, lens
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_a_planned_call_checks_what_it_reads_and_writes_nothing_on_failure(monkeypatch):
+    k_cache, v_cache, table = _cache_case(True)
+    q, k_new, v_new = _steps(1)[0]
+    # New rows as views of (B, 1, H, d) arrays: strides that a view of q can have too.
+    k_new, v_new = (np.concatenate([x, x], axis=2)[:, :, :2] for x in (k_new, v_new))
+    sinks = np.zeros(4, np.float32)
+    call = dict(block_table=table, sinks=sinks, options=OPTS)
+    pyfa.attention_with_kvcache(q, k_cache, v_cache, np.array([3, 9], np.int32), k_new, v_new, **call)
+    assert len(_kvplans()) == 1
+    before = k_cache.copy(), v_cache.copy()
+
+    def unchanged():
+        return np.array_equal(k_cache, before[0]) and np.array_equal(v_cache, before[1])
+
+    with pytest.raises(pyfa.InvalidArgumentError, match="cache_seqlens: sequence 1 holds 35 keys"):
+        pyfa.attention_with_kvcache(q, k_cache, v_cache, np.array([3, 35], np.int32), k_new, v_new, **call)
+    bad = table.copy()
+    bad[0, 0] = 99
+    with pytest.raises(pyfa.InvalidArgumentError, match="block_table: sequence 0 names pages"):
+        pyfa.attention_with_kvcache(q, k_cache, v_cache, np.array([3, 9], np.int32), k_new, v_new,
+                                    **dict(call, block_table=bad))
+    with pytest.raises(pyfa.InvalidArgumentError, match="sinks: must be finite"):
+        pyfa.attention_with_kvcache(q, k_cache, v_cache, np.array([3, 9], np.int32), k_new, v_new,
+                                    **dict(call, sinks=np.full(4, np.nan, np.float32)))
+    with pytest.raises(pyfa.InvalidArgumentError, match="k_new and q: share memory"):
+        pyfa.attention_with_kvcache(q, k_cache, v_cache, np.array([3, 9], np.int32), q[:, :, 2:], v_new, **call)
+    assert unchanged() and len(_kvplans()) == 1
+
+    def failing(*args, **kwargs):
+        raise pyfa.CancelledError("cancelled (stand-in)")
+    monkeypatch.setattr(pyfa._lib, "call", failing)
+    with pytest.raises(pyfa.CancelledError):
+        pyfa.attention_with_kvcache(q, k_cache, v_cache, np.array([3, 9], np.int32), k_new, v_new, **call)
+    assert unchanged()  # the append is undone
+
+
+def test_kvcache_calls_that_copy_are_not_kept_and_a_misaligned_one_takes_the_full_path():
+    k_cache, v_cache, _ = _cache_case(False)
+    q, k_new, v_new = _steps(1)[0]
+    lens = np.array([3, 9], np.int32)
+    kc, vc = k_cache.copy(), v_cache.copy()
+    pyfa.attention_with_kvcache(np.asfortranarray(q), k_cache, v_cache, lens, options=OPTS)  # q copied
+    pyfa.attention_with_kvcache(q, k_cache, v_cache, lens, options=pyfa.Options(backend="cpu", progress=lambda d, t: False))
+    assert _kvplans() == []
+    want = pyfa.attention_with_kvcache(q, k_cache, v_cache, lens, k_new, v_new, options=OPTS)
+    assert len(_kvplans()) == 1
+    buf = np.zeros(q.nbytes + 2, np.uint8)
+    q_off = np.frombuffer(buf.data, np.float32, q.size, offset=2).reshape(q.shape)
+    q_off[...] = q
+    got = pyfa.attention_with_kvcache(q_off, kc, vc, lens, k_new, v_new, options=OPTS)
+    assert np.array_equal(got, want) and np.array_equal(kc, k_cache)
+
+
+def test_prepare_of_a_kvcache_call_with_no_query_is_refused_by_name():
+    k_cache, v_cache, _ = _cache_case(False)
+    q = np.zeros((2, 0, 4, 32), np.float32)
+    with pytest.raises(pyfa.InvalidArgumentError, match="Nq = 0 or Nk = 0, so no kernel runs"):
+        pyfa.prepare(pyfa.attention_with_kvcache, q, k_cache, v_cache, np.array([3, 9], np.int32), options=OPTS)
