@@ -665,8 +665,10 @@ def _run_host(op, intake, outs, problem, config, progress, varlen=None, mod_tens
 # and pyfa.torch make the same call on fresh arrays thousands of times, and for a small
 # problem the checks cost as much as the kernels (docs/torch.md). Only calls that read the
 # caller's arrays in place and write outputs pyfa allocates: no out=, no array keywords
-# (their values are checked on every call), no progress or recording; packed sequences
-# only through attention_with_kvcache's own plans (pyfa/kvcache.py).
+# (their values are checked on every call), no progress or recording. Packed sequences are
+# kept by their kind (the number of sequences, which counts and pages they have); each
+# call's own offsets, checked, are rebound. attention_with_kvcache keeps plans of its own
+# (pyfa/kvcache.py).
 _PLAN_LIMIT = 64
 _thread_plans = threading.local()
 
@@ -683,9 +685,17 @@ def _plan_key(op_name, args, keywords, mods):
     *rest, options, out, stream, varlen, function, split_size, sinks = keywords
     if out is not None and not (type(out) in (tuple, list) and all(x is None for x in out)):
         return None  # out= arrays are checked against the inputs on every call
-    if stream is not None or varlen is not None or sinks is not None:
+    if stream is not None or sinks is not None:
         return None
-    key = plan_key(op_name, args.values(), (*rest, function, split_size, *sorted(mods.items())), options)
+    if varlen is not None:
+        # Packed sequences: kept by their kind, each call's offsets checked (resolve_varlen)
+        # and rebound; dropout_origin's check reads the longest lengths, so it is not kept.
+        if varlen.offsets_q is None or "dropout_origin" in mods:
+            return None
+        pages = varlen.pages
+        varlen = (varlen.batch, tuple(varlen.pointers),
+                  None if pages is None else (pages.page_size, pages.num_pages, pages.logical_rows))
+    key = plan_key(op_name, args.values(), (*rest, function, split_size, varlen, *sorted(mods.items())), options)
     # out= of Nones keyed by its type and length, which _out_dict checks.
     return None if key is None else key + (None if out is None else (type(out), len(out)),)
 
@@ -738,9 +748,10 @@ def _typed(v):
 class _Plan:
     """One kept set-up: the library's structs, rebound to each call's arrays."""
 
-    def __init__(self, op, inputs, outputs, problem, config, tensors, quick):
+    def __init__(self, op, inputs, outputs, problem, config, tensors, quick, totals):
         self.op, self.inputs, self.outputs = op, inputs, outputs
         self.problem, self.config, self.tensors, self.quick = problem, config, tensors, quick
+        self.totals = totals  # (Nq, Nk) of the tensors: packed sequences' total rows
         self.lib = _lib.load()[1]  # the structs are this library's
 
     @classmethod
@@ -757,12 +768,13 @@ class _Plan:
             return
         outputs = [(getattr(tensors, C_FIELDS[n]), written.shape) for n, (_, _, written) in targets.items()]
         keep_plan(key, cls(op, [(n, getattr(tensors, C_FIELDS[n])) for n in op.inputs], outputs, problem, config,
-                           tensors, quick))
+                           tensors, quick, intake.dims[2:4]))
 
-    def run(self, args):
-        """The call on `args` (arrays of the kept call's kinds, shapes, strides and dtypes),
-        or None where one is not aligned to a float as the kept call's were (the full path
-        then copies it), or where another library has been loaded since."""
+    def run(self, args, varlen=None):
+        """The call on `args` (arrays of the kept call's kinds, shapes, strides and dtypes)
+        and packed sequences `varlen` (the call's checked offsets, of the kept call's kind),
+        or None where an array is not aligned to a float as the kept call's were (the full
+        path then copies it), or where another library has been loaded since."""
         ffi, lib = _lib.load()
         if lib is not self.lib:
             return None
@@ -771,6 +783,10 @@ class _Plan:
             if address % 4:
                 return None
             field.data = ffi.cast("void *", address)
+        if varlen is not None:
+            varlen.apply(self.problem, *self.totals)
+            for field, address in varlen.pointers.items():
+                getattr(self.tensors, field).data = ffi.cast("void *", address)
         results = []
         for field, shape in self.outputs:
             a = np.empty(shape, np.float32)
@@ -910,7 +926,7 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
                                     varlen, function, split_size, sinks), mods)
     plan = _plans_of_thread().get(key) if key is not None else None
     if plan is not None:
-        results = plan.run(args)
+        results = plan.run(args, varlen)
         if results is not None:
             return results
     op = OPS[op_name]

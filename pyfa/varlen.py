@@ -195,7 +195,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: Optio
     (forward only, without seqused_k). sinks (as in pyfa.attention): float32 (H,) on q's
     device, merged into each row's final state by the FA2 forward, so that row r keeps
     the bits of its sequence's dense call with sinks. Other arguments as in
-    pyfa.attention; out: an array like q to write O into."""
+    pyfa.attention; out: an array like q to write O into. A repeated call on CPU arrays
+    reuses its set-up as the dense calls do (pyfa.attention), keyed by the arrays' shapes
+    and strides and the number of sequences, with each call's offsets checked afresh:
+    new lengths in the same buffers keep it."""
     options, mods = api._keywords("pyfa.attention_varlen", options, mods)
     api._algo(algo)
     _fa2_splits("pyfa.attention_varlen", algo, split_size)

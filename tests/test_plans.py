@@ -32,7 +32,7 @@ def test_a_repeated_call_reuses_its_plan_with_the_bits_of_a_fresh_one():
     (plan,) = plans.values()
     calls = []
     run = plan.run
-    plan.run = lambda args: calls.append(1) or run(args)
+    plan.run = lambda *a: calls.append(1) or run(*a)
     q2, k2, v2 = qkv()
     again = pyfa.fa2_forward(q2, k2, v2, causal=True, options=OPTS)
     assert calls == [1] and len(plans) == 1
@@ -77,6 +77,44 @@ def test_a_misaligned_array_takes_the_full_path():
     got = pyfa.fa2_forward(q_off, k, v, options=OPTS)
     want = pyfa.fa2_forward(q, k, v, options=OPTS)
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+def _offsets(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+@pytest.mark.parametrize("function", ["forward", "grad"])
+def test_packed_sequences_of_new_lengths_reuse_the_plan_of_their_kind(function):
+    H, d, T = 4, 32, 60
+    q, k, v, do = (rng.standard_normal((T, H, d), dtype=np.float32) for _ in range(4))
+    kw = dict(causal=True, options=OPTS, split_size=64)
+
+    def call(cu_q, cu_k, **extra):
+        if function == "forward":
+            return pyfa.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **kw, **extra)
+        return pyfa.attention_varlen_grad(q, k, v, do, cu_q, cu_k, **kw, **extra)
+
+    call(_offsets([20, 30, 10]), _offsets([25, 5, 30]))
+    plans = dict(api._plans_of_thread())
+    assert len(plans) == (1 if function == "forward" else 2)  # attention_varlen_grad: forward, backward
+    runs = []
+    for plan in plans.values():
+        run = plan.run
+        plan.run = lambda *a, run=run: runs.append(1) or run(*a)
+    cases = [(_offsets([0, 60, 0]), _offsets([10, 40, 10])),   # empty sequences, other longest ones
+             (_offsets([1, 1, 58]), _offsets([58, 1, 1]))]
+    got = [call(*c) for c in cases]
+    assert len(runs) == len(got) * len(plans) and len(api._plans_of_thread()) == len(plans)
+    extra = [dict(seqused_k=np.array([3, 0, 7], np.int32))] if function == "forward" else []
+    for e in extra:  # counts (attention_varlen's): another kind, its own plan
+        got.append(call(*cases[0], **e))
+        assert len(api._plans_of_thread()) == 2 * len(plans)
+    api._plans_of_thread().clear()
+    want = [call(*c) for c in cases] + [call(*cases[0], **e) for e in extra]
+    for a, b in zip(got, want):
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    with pytest.raises(pyfa.InvalidArgumentError, match="cu_seqlens_q"):
+        call(_offsets([30, 40, -10]), cases[0][1])  # checked on every call
 
 
 def test_plans_are_per_thread():
