@@ -665,10 +665,10 @@ def _run_host(op, intake, outs, problem, config, progress, varlen=None, mod_tens
 # and pyfa.torch make the same call on fresh arrays thousands of times, and for a small
 # problem the checks cost as much as the kernels (docs/torch.md). Only calls that read the
 # caller's arrays in place and write outputs pyfa allocates: no out=, no array keywords
-# (their values are checked on every call), no progress or recording. Packed sequences are
-# kept by their kind (the number of sequences, which counts and pages they have); each
-# call's own offsets, checked, are rebound. attention_with_kvcache keeps plans of its own
-# (pyfa/kvcache.py).
+# but sinks (whose values the calling function checks on every call), no progress or
+# recording. Packed sequences are kept by their kind (the number of sequences, which
+# counts and pages they have); each call's own offsets, checked, are rebound.
+# attention_with_kvcache keeps plans of its own (pyfa/kvcache.py).
 _PLAN_LIMIT = 64
 _thread_plans = threading.local()
 
@@ -685,7 +685,7 @@ def _plan_key(op_name, args, keywords, mods):
     *rest, options, out, stream, varlen, function, split_size, sinks = keywords
     if out is not None and not (type(out) in (tuple, list) and all(x is None for x in out)):
         return None  # out= arrays are checked against the inputs on every call
-    if stream is not None or sinks is not None:
+    if stream is not None:
         return None
     if varlen is not None:
         # Packed sequences: kept by their kind, each call's offsets checked (resolve_varlen)
@@ -695,7 +695,9 @@ def _plan_key(op_name, args, keywords, mods):
         pages = varlen.pages
         varlen = (varlen.batch, tuple(varlen.pointers),
                   None if pages is None else (pages.page_size, pages.num_pages, pages.logical_rows))
-    key = plan_key(op_name, args.values(), (*rest, function, split_size, varlen, *sorted(mods.items())), options)
+    # The sinks (checked by the calling function on every call, as the arrays are) by their kind.
+    key = plan_key(op_name, [*args.values(), sinks], (*rest, function, split_size, varlen, *sorted(mods.items())),
+                   options)
     # out= of Nones keyed by its type and length, which _out_dict checks.
     return None if key is None else key + (None if out is None else (type(out), len(out)),)
 
@@ -770,11 +772,12 @@ class _Plan:
         keep_plan(key, cls(op, [(n, getattr(tensors, C_FIELDS[n])) for n in op.inputs], outputs, problem, config,
                            tensors, quick, intake.dims[2:4]))
 
-    def run(self, args, varlen=None):
-        """The call on `args` (arrays of the kept call's kinds, shapes, strides and dtypes)
-        and packed sequences `varlen` (the call's checked offsets, of the kept call's kind),
-        or None where an array is not aligned to a float as the kept call's were (the full
-        path then copies it), or where another library has been loaded since."""
+    def run(self, args, varlen=None, sinks=None):
+        """The call on `args` (arrays of the kept call's kinds, shapes, strides and dtypes),
+        packed sequences `varlen` (the call's checked offsets, of the kept call's kind) and
+        sinks (checked), or None where an array is not aligned to a float as the kept
+        call's were (the full path then copies it), or where another library has been
+        loaded since."""
         ffi, lib = _lib.load()
         if lib is not self.lib:
             return None
@@ -787,6 +790,9 @@ class _Plan:
             varlen.apply(self.problem, *self.totals)
             for field, address in varlen.pointers.items():
                 getattr(self.tensors, field).data = ffi.cast("void *", address)
+        if sinks is not None:
+            sinks = c_aligned(sinks)  # as _sinks_tensor reads them, alive for the call
+            self.tensors.sinks.data = ffi.cast("void *", _address(ffi, sinks))
         results = []
         for field, shape in self.outputs:
             a = np.empty(shape, np.float32)
@@ -926,7 +932,7 @@ def _run(op_name, args, *, causal, window, causal_align, scale, layout, options,
                                     varlen, function, split_size, sinks), mods)
     plan = _plans_of_thread().get(key) if key is not None else None
     if plan is not None:
-        results = plan.run(args, varlen)
+        results = plan.run(args, varlen, sinks)
         if results is not None:
             return results
     op = OPS[op_name]

@@ -61,10 +61,23 @@ def test_calls_with_arrays_pyfa_checks_or_copies_are_not_kept():
     o = np.empty_like(q)
     pyfa.fa2_forward(q, k, v, options=OPTS, out=(o, None))                 # an out= array
     pyfa.fa2_forward(q, k, v, options=OPTS, softcap=2.0, alibi_slopes=np.ones(4, np.float32))
-    pyfa.fa2_forward(q, k, v, options=OPTS, sinks=np.zeros(4, np.float32))
     pyfa.fa2_forward(np.asfortranarray(q), k, v, options=OPTS)            # copied: not in place
     pyfa.fa2_forward(q, k, v, options=pyfa.Options(backend="cpu", progress=lambda d, t: False))
     assert len(api._plans_of_thread()) == 0
+
+
+def test_sinks_are_rebound_and_checked_on_every_call():
+    q, k, v = qkv()
+    sinks = [rng.standard_normal(4).astype(np.float32) for _ in range(3)]
+    got = [pyfa.attention(q, k, v, causal=True, sinks=s, options=OPTS) for s in sinks]
+    got.append(pyfa.attention(q, k, v, causal=True, sinks=np.repeat(sinks[0], 2)[::2], options=OPTS))  # strided
+    assert len(api._plans_of_thread()) == 2
+    with pytest.raises(pyfa.InvalidArgumentError, match="sinks: must be finite"):
+        pyfa.attention(q, k, v, causal=True, sinks=np.full(4, np.nan, np.float32), options=OPTS)
+    api._plans_of_thread().clear()
+    want = [pyfa.attention(q, k, v, causal=True, sinks=s, options=OPTS) for s in sinks + [sinks[0]]]
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    assert not np.array_equal(got[0], got[1])
 
 
 def test_a_misaligned_array_takes_the_full_path():
