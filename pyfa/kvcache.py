@@ -287,22 +287,100 @@ def _offsets(name, lengths):
     return cu.astype(np.int32)
 
 
+class Rotary:
+    """flash-attn's rotary embedding in flash_attn_with_kvcache (rotary_cos, rotary_sin,
+    rotary_interleaved), applied by attention_with_kvcache to q and k_new before the
+    append, so that the cache holds the rotated keys (docs/numerics.md, "Rotary
+    embedding"): new key i of sequence b at position cache_seqlens[b] + i, query i at
+    cache_seqlens[b] + i where the mask is causal or a window (the queries are the new
+    rows), else every query at cache_seqlens[b]. The first rotary_dim = 2 * cos.shape[1]
+    dims of each head turn, in pairs (dims 2j and 2j + 1 when interleaved, GPT-J's; j and
+    j + rotary_dim / 2 otherwise, GPT-NeoX's), by the angle whose cosine and sine are row
+    p, column j of cos and sin; the other dims are kept."""
+
+    def __init__(self, cos, sin, interleaved, q, queries_follow):
+        for name, x in (("rotary_cos", cos), ("rotary_sin", sin)):
+            if not isinstance(x, np.ndarray):
+                raise ArgumentTypeError(f"{name}: expected a NumPy float32 array (S_ro, rotary_dim / 2), "
+                                        f"got {type(x).__name__}")
+            if x.dtype != np.float32:
+                raise ArgumentTypeError(f"{name}: expected dtype float32, got {x.dtype}")
+            if x.ndim != 2 or x.shape[1] < 1:
+                raise InvalidArgumentError(f"{name}: expected shape (S_ro, rotary_dim / 2), got {x.shape}")
+        if sin.shape != cos.shape:
+            raise InvalidArgumentError(f"rotary_sin: shape {sin.shape} differs from rotary_cos's {cos.shape}")
+        if not isinstance(interleaved, (bool, np.bool_)):
+            raise ArgumentTypeError(f"rotary_interleaved: expected a bool, got {type(interleaved).__name__}")
+        d = q.shape[-1] if isinstance(q, np.ndarray) and q.ndim == 4 else None
+        if d is not None and 2 * cos.shape[1] > d:
+            raise InvalidArgumentError(f"rotary_cos: rotary_dim = 2 * {cos.shape[1]} exceeds the head dim {d}")
+        self.cos, self.sin, self.interleaved, self.queries_follow = cos, sin, bool(interleaved), queries_follow
+
+    @classmethod
+    def resolve(cls, cos, sin, interleaved, q, k_new, queries_follow):
+        """The checked rotary arguments of a call, or None where it has none."""
+        if cos is None and sin is None:
+            return None
+        if cos is None or sin is None:
+            raise InvalidArgumentError("rotary_cos, rotary_sin: give both or neither")
+        if k_new is None:
+            raise InvalidArgumentError("rotary_cos: the rotary embedding turns the new keys k_new (and q) "
+                                       "before they are appended; give k_new and v_new")
+        return cls(cos, sin, interleaved, q, queries_follow)
+
+    def rotate(self, x, positions):
+        """A rotated copy of x (B, N, heads, d), row (b, n) at position positions[b, n]:
+        each pair (x1, x2) becomes (x1 c - x2 s, x2 c + x1 s), every product and the sum
+        rounded to float32 (no fused multiply-add), as flash-attn's reference
+        x * cos + rotate_half(x) * sin rounds them."""
+        half = self.cos.shape[1]
+        c = self.cos[positions][:, :, None, :]
+        s = self.sin[positions][:, :, None, :]
+        out = np.array(x, dtype=np.float32, order="C")
+        first, second = (slice(0, 2 * half, 2), slice(1, 2 * half, 2)) if self.interleaved else \
+            (slice(0, half), slice(half, 2 * half))
+        x1, x2 = x[..., first], x[..., second]
+        out[..., first] = x1 * c - x2 * s
+        out[..., second] = x2 * c + x1 * s
+        return out
+
+    def apply(self, cache):
+        """cache.q and cache.k_new replaced by rotated copies at their positions (checked
+        against cos's rows first: nothing is written on failure)."""
+        B, Nq = cache.q.shape[:2]
+        start = cache.seqlens.astype(np.int64)[:, None]
+        keys = start + np.arange(cache.n_new)
+        queries = start + np.arange(Nq) if self.queries_follow else np.broadcast_to(start, (B, Nq))
+        last = max(int(keys.max(initial=0)), int(queries.max(initial=0)))
+        if last >= self.cos.shape[0]:
+            raise InvalidArgumentError(f"rotary_cos: {self.cos.shape[0]} rows (positions 0 to "
+                                       f"{self.cos.shape[0] - 1}), but position {last} is needed")
+        cache.k_new = self.rotate(cache.k_new, keys)
+        cache.q = self.rotate(cache.q, queries)
+
+
 def with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse, bias=None,
-                 sinks=None, plan_key=None):
+                 sinks=None, plan_key=None, rotary=None):
     """attention_with_kvcache's steps around `run` (packed q, k, v, cu_q, cu_k, seqused_k,
     pages -> (o (total_q, H, d), lse (H, total_q))), the library's or the simulator's: checks,
     the append (undone if run fails), the packing, and the outputs' shapes. sinks (checked
     (H,) float32, or None): run's to merge; a prepared call's replays check them again.
     plan_key: where the call runs under prepared.capturing(), the key its plan is kept
-    under (_Plan)."""
+    under (_Plan). rotary: a Rotary, or None."""
     if not isinstance(return_lse, (bool, np.bool_)):
         raise ArgumentTypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
     if bias is not None:  # its key axis would follow the longest cache_seqlens, not Nmax
         raise InvalidArgumentError("bias: pyfa.attention_with_kvcache takes no bias in this version "
                                    "(pyfa.attention_varlen takes one)")
     cache = _Cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
-    saved = cache.append() if cache.n_new else []
     rec = prepared.recording()
+    if rotary is not None:
+        if rec is not None:
+            raise InvalidArgumentError(f"rotary_cos: {rec.function} replays the library's call alone, and the "
+                                       "rotation is pyfa's copies of q and k_new made before it; rotate q and "
+                                       "k_new yourself, or call the function directly")
+        rotary.apply(cache)
+    saved = cache.append() if cache.n_new else []
     try:
         packed = cache.packed()
         if rec is not None:
@@ -436,6 +514,7 @@ class _Plan:
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *,
                            block_table=None, causal: bool = False, window=None,
                            scale: Optional[float] = None, split_size=None, return_lse: bool = False,
+                           rotary_cos=None, rotary_sin=None, rotary_interleaved: bool = True,
                            options=None, **mods):
     """Attention against a KV cache (flash-attn's flash_attn_with_kvcache), FA2.
 
@@ -452,8 +531,15 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     split size, token t decoded step by step through the cache has the bits of row t of
     one prefill. sinks (as in pyfa.attention): float32 (H,), merged into each row's final
     state by the FA2 forward (checked before anything is appended), so that decoding with
-    sinks keeps the bits of one prefill with them. Returns o (B, Nq, H, d), or (o, lse) with
-    return_lse, lse (B, H, Nq).
+    sinks keeps the bits of one prefill with them. rotary_cos, rotary_sin: float32
+    (S_ro, rotary_dim / 2), flash-attn's rotary embedding, applied to q and k_new (which
+    it needs) before the append, so the cache holds rotated keys: new key i of sequence
+    b at position cache_seqlens[b] + i, and so query i where causal or window is set,
+    else every query at cache_seqlens[b]; the first rotary_dim dims of each head turn in
+    pairs, (2j, 2j + 1) with rotary_interleaved (the default, flash-attn's here), else
+    (j, j + rotary_dim / 2); each product and sum rounded to float32 (docs/numerics.md,
+    "Rotary embedding"); not under pyfa.prepare. Returns o (B, Nq, H, d), or (o, lse)
+    with return_lse, lse (B, H, Nq).
 
     The call runs as pyfa.attention_varlen, whose rows equal the dense call of each
     sequence alone: a dense cache read in place (its batches as packed sequences of Nmax
@@ -471,9 +557,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     options, mods = api._keywords("pyfa.attention_with_kvcache", options, mods)
     # Checked here, before with_kvcache appends k_new and v_new to the caller's caches.
     sinks = api._sinks_keyword("pyfa.attention_with_kvcache", mods, "fa2", q, "bnhd")
+    rotary = Rotary.resolve(rotary_cos, rotary_sin, rotary_interleaved, q, k_new,
+                            bool(causal) or window is not None)
     arrays = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, sinks)
-    key = api.plan_key("pyfa.attention_with_kvcache", arrays,
-                       (causal, window, scale, split_size, return_lse, *sorted(mods.items())), options)
+    # A rotary call is not kept: the library reads pyfa's rotated copy of q.
+    key = None if rotary is not None else api.plan_key(
+        "pyfa.attention_with_kvcache", arrays, (causal, window, scale, split_size, return_lse,
+                                                *sorted(mods.items())), options)
     plan = api._plans_of_thread().get(key) if key is not None else None
     if plan is not None:
         result = plan.run(*arrays, return_lse)
@@ -488,7 +578,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
 
     if key is None:
         return with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse,
-                            mods.get("bias"), sinks)
+                            mods.get("bias"), sinks, rotary=rotary)
     with prepared.capturing("pyfa.attention_with_kvcache", [x for x in arrays if x is not None]):
         return with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse,
                             mods.get("bias"), sinks, key)

@@ -1199,20 +1199,21 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     k, v (B, Nnew, Hkv, d) new keys and values, and block_table (int32 (B, max_pages), the
     caches then (num_pages, page_size, Hkv, d), any page size): pyfa.attention_with_kvcache
     on CPU tensors, k and v written into the caller's caches at cache_seqlens in place
-    before attending (cache_seqlens then an int32 tensor (B,) or an int); no gradient, as
-    in flash-attn. Refused, naming the argument (pyfa has no kernel for them yet):
-    rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, num_splits > 1 (pyfa's split
-    is a fixed size, pyfa.attention_with_kvcache's split_size, never a count; 0 and 1 are
-    honoured), k, v or block_table on CUDA tensors. rotary_interleaved only matters with
-    rotary. s_aux (keyword only; vLLM's flash-attn fork's name): gpt-oss's attention
-    sinks, float32 (H,) on the CPU, as pyfa.torch.attention's sinks (a refusal may call
-    them sinks), checked before k and v are written."""
+    before attending (cache_seqlens then an int32 tensor (B,) or an int); no gradient, as in
+    flash-attn. rotary_cos, rotary_sin (float32 (S_ro, rotary_dim / 2), CPU, with k and v):
+    flash-attn's rotary embedding of q and k before the append (rotary_interleaved as
+    there), pyfa.attention_with_kvcache's. Refused, naming the argument (pyfa has no kernel
+    for them yet): cache_batch_idx, cache_leftpad, num_splits > 1 (pyfa's split is a fixed
+    size, pyfa.attention_with_kvcache's split_size, never a count; 0 and 1 are honoured), k,
+    v, block_table or the rotary tables on CUDA tensors. s_aux (keyword only; vLLM's
+    flash-attn fork's name): gpt-oss's attention sinks, float32 (H,) on the CPU, as
+    pyfa.torch.attention's sinks (a refusal may call them sinks), checked before k and v are
+    written."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(name, t)
         if t.dim() != 4:
             raise InvalidArgumentError(f"{name}: expected shape (B, N, H, d), got {tuple(t.shape)}")
-    for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-                    ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+    for name, x in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
         if x is not None:
             raise InvalidArgumentError(f"{name}: not supported by pyfa yet; only None is honoured")
     mods = _check_flash_extras(softcap, alibi_slopes, False)
@@ -1224,9 +1225,11 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         _refuse("num_splits", num_splits, "pyfa splits the keys by a fixed size, never by a count "
                 "(pyfa.attention_with_kvcache(split_size=...)); 0 or 1 only")
     window = _flash_window(window_size)
-    if k is not None or v is not None or block_table is not None:
+    if k is not None or v is not None or block_table is not None or rotary_cos is not None or \
+            rotary_sin is not None:
         return _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
-                             causal, window, mods, return_softmax_lse, s_aux)
+                             causal, window, mods, return_softmax_lse, s_aux,
+                             (rotary_cos, rotary_sin, rotary_interleaved))
     B, ncache = q.shape[0], k_cache.shape[1]
     if cache_seqlens is None:
         lengths = [ncache] * B
@@ -1259,13 +1262,16 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
 
 
 def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal, window, mods,
-                  return_lse, s_aux):
-    """flash_attn_with_kvcache's appending or paged call: pyfa.attention_with_kvcache on
-    NumPy views of the CPU tensors, so the caches are updated in place."""
+                  return_lse, s_aux, rotary):
+    """flash_attn_with_kvcache's appending, paged or rotary call: pyfa.attention_with_kvcache
+    on NumPy views of the CPU tensors, so the caches are updated in place; rotary: (cos,
+    sin, interleaved)."""
     from .kvcache import attention_with_kvcache
 
+    cos, sin, interleaved = rotary
     arrays = _host_views(dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, block_table=block_table,
-                              s_aux=s_aux), "appending to the cache or a block_table")
+                              s_aux=s_aux, rotary_cos=cos, rotary_sin=sin),
+                         "appending to the cache, a block_table or the rotary embedding")
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = np.full(q.shape[0], int(cache_seqlens), np.int32)
     elif isinstance(cache_seqlens, torch.Tensor):
@@ -1275,7 +1281,9 @@ def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, 
     mods = _host_mods(mods)
     out = attention_with_kvcache(arrays["q"], arrays["k_cache"], arrays["v_cache"], cache_seqlens,
                                  arrays["k"], arrays["v"], block_table=arrays["block_table"], causal=causal,
-                                 window=window, scale=scale, return_lse=True, sinks=arrays["s_aux"], **mods)
+                                 window=window, scale=scale, return_lse=True, sinks=arrays["s_aux"],
+                                 rotary_cos=arrays["rotary_cos"], rotary_sin=arrays["rotary_sin"],
+                                 rotary_interleaved=interleaved, **mods)
     o, lse = (torch.from_numpy(np.ascontiguousarray(x)) for x in out)
     return (o, _flash_lse(lse)) if return_lse else o
 

@@ -256,7 +256,8 @@ def test_kvcache_calls_that_copy_are_not_kept_and_a_misaligned_one_takes_the_ful
     lens = np.array([3, 9], np.int32)
     kc, vc = k_cache.copy(), v_cache.copy()
     pyfa.attention_with_kvcache(np.asfortranarray(q), k_cache, v_cache, lens, options=OPTS)  # q copied
-    pyfa.attention_with_kvcache(q, k_cache, v_cache, lens, options=pyfa.Options(backend="cpu", progress=lambda d, t: False))
+    pyfa.attention_with_kvcache(q, k_cache, v_cache, lens,
+                                options=pyfa.Options(backend="cpu", progress=lambda d, t: False))
     assert _kvplans() == []
     want = pyfa.attention_with_kvcache(q, k_cache, v_cache, lens, k_new, v_new, options=OPTS)
     assert len(_kvplans()) == 1

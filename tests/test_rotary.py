@@ -1,0 +1,143 @@
+"""flash-attn's rotary embedding in attention_with_kvcache (pyfa/kvcache.py, Rotary):
+q and k_new turned at their positions before the append, with the bits of turning them
+by hand (flash-attn's reference formula, written here apart) and calling without it;
+decoding with it through a paged cache equals one prefill of the turned rows; the
+simulator twin the same bits; every refusal before anything is written."""
+import numpy as np
+import pytest
+
+import pyfa
+import pyfa.sim
+from reference import same_bits as _same_bits
+
+
+def same_bits(a, b):
+    """same_bits over tuples (o, lse) too."""
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(_same_bits(x, y) for x, y in zip(a, b))
+    return _same_bits(a, b)
+
+CPU = pyfa.Options(backend="cpu")
+rng = np.random.default_rng(21)
+
+
+def tables(rows, half):
+    """cos, sin (rows, half) of RoPE's angles p * theta_j."""
+    theta = (10000.0 ** (-np.arange(half) / half)).astype(np.float32)
+    angles = np.arange(rows, dtype=np.float32)[:, None] * theta[None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def by_hand(x, cos, sin, positions, interleaved):
+    """flash-attn's reference, apply_rotary_emb_torch's formula on NumPy float32:
+    x * cos + rotate_half(x) * sin on the first rotary_dim dims, cos and sin repeated to
+    full width (each product and the sum rounded)."""
+    half = cos.shape[1]
+    ro = 2 * half
+    c, s = cos[positions][:, :, None, :], sin[positions][:, :, None, :]
+    if interleaved:
+        c, s = np.repeat(c, 2, axis=-1), np.repeat(s, 2, axis=-1)
+        x1, x2 = x[..., 0:ro:2], x[..., 1:ro:2]
+        turned = np.stack([-x2, x1], axis=-1).reshape(x[..., :ro].shape)
+    else:
+        c, s = np.concatenate([c, c], axis=-1), np.concatenate([s, s], axis=-1)
+        turned = np.concatenate([-x[..., half:ro], x[..., :half]], axis=-1)
+    return np.concatenate([x[..., :ro] * c + turned * s, x[..., ro:]], axis=-1).astype(np.float32)
+
+
+def case(B=2, Nq=3, H=4, Hkv=2, d=32, rows=40):
+    q = rng.standard_normal((B, Nq, H, d), dtype=np.float32)
+    k_cache, v_cache = (rng.standard_normal((B, rows, Hkv, d), dtype=np.float32) for _ in range(2))
+    k_new, v_new = (rng.standard_normal((B, Nq, Hkv, d), dtype=np.float32) for _ in range(2))
+    return q, k_cache, v_cache, k_new, v_new
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("half", [16, 6])  # rotary_dim = d, and 12 of 32 dims
+@pytest.mark.parametrize("mask", [dict(causal=True), dict(window=(4, 0)), {}])
+def test_the_rotation_is_flash_attns_formula_bit_for_bit(interleaved, half, mask):
+    q, k_cache, v_cache, k_new, v_new = case()
+    cos, sin = tables(40, half)
+    lens = np.array([5, 20], np.int32)
+    kc, vc = k_cache.copy(), v_cache.copy()
+    got = pyfa.attention_with_kvcache(q, k_cache, v_cache, lens, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                      rotary_interleaved=interleaved, return_lse=True, options=CPU, **mask)
+    follow = bool(mask)  # causal or a window: the queries are the new rows
+    keys = lens[:, None].astype(np.int64) + np.arange(3)
+    queries = keys if follow else np.broadcast_to(lens[:, None].astype(np.int64), (2, 3))
+    want = pyfa.attention_with_kvcache(by_hand(q, cos, sin, queries, interleaved), kc, vc, lens,
+                                       by_hand(k_new, cos, sin, keys, interleaved), v_new, return_lse=True,
+                                       options=CPU, **mask)
+    assert same_bits(got, want)
+    assert np.array_equal(k_cache, kc) and np.array_equal(v_cache, vc)  # the cache holds the turned keys
+    rows = np.arange(2)[:, None], keys
+    assert not np.array_equal(k_cache[rows], k_new) and np.array_equal(v_cache[rows], v_new)
+    kc2, vc2 = kc.copy(), vc.copy()
+    kc2[rows], vc2[rows] = k_cache[rows], v_cache[rows]
+    k_cache[rows], v_cache[rows] = 0, 0  # the simulator twin appends the same rows anew
+    sim = pyfa.sim.attention_with_kvcache(q, k_cache, v_cache, lens, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                          rotary_interleaved=interleaved, return_lse=True, **mask)
+    assert same_bits(sim, got)
+
+
+def test_decoding_with_rotary_through_a_paged_cache_equals_one_prefill():
+    B, H, Hkv, d, n, page = 1, 4, 2, 32, 12, 3
+    cos, sin = tables(n, d // 2)
+    q, k, v = (rng.standard_normal((B, n, heads, d), dtype=np.float32) for heads in (H, Hkv, Hkv))
+    table = rng.permutation(n // page).astype(np.int32)[None]
+    k_pages, v_pages = (np.zeros((n // page, page, Hkv, d), np.float32) for _ in range(2))
+    kw = dict(causal=True, split_size=64, rotary_cos=cos, rotary_sin=sin, options=CPU)
+    steps = [pyfa.attention_with_kvcache(q[:, t:t + 1], k_pages, v_pages, np.array([t], np.int32), k[:, t:t + 1],
+                                         v[:, t:t + 1], block_table=table, **kw) for t in range(n)]
+    k_dense, v_dense = (np.zeros((B, n, Hkv, d), np.float32) for _ in range(2))
+    prefill = pyfa.attention_with_kvcache(q, k_dense, v_dense, np.array([0], np.int32), k, v, **kw)
+    assert same_bits(np.concatenate(steps, axis=1), prefill)
+    assert np.array_equal(k_pages[table[0]].reshape(k_dense.shape), k_dense)
+
+
+def test_every_refusal_names_its_argument_and_writes_nothing():
+    q, k_cache, v_cache, k_new, v_new = case()
+    cos, sin = tables(40, 16)
+    lens = np.array([5, 20], np.int32)
+    before = k_cache.copy(), v_cache.copy()
+
+    def call(**kw):
+        args = dict(k_new=k_new, v_new=v_new, rotary_cos=cos, rotary_sin=sin, options=CPU, causal=True)
+        args.update(kw)
+        return pyfa.attention_with_kvcache(q, k_cache, v_cache, lens, **args)
+
+    for kw, error, match in [
+            (dict(rotary_sin=None), pyfa.InvalidArgumentError, "rotary_cos, rotary_sin: give both"),
+            (dict(k_new=None, v_new=None), pyfa.InvalidArgumentError, "rotary_cos: .*give k_new and v_new"),
+            (dict(rotary_sin=sin[:, :8]), pyfa.InvalidArgumentError, "rotary_sin: shape"),
+            (dict(rotary_cos=tables(40, 17)[0], rotary_sin=tables(40, 17)[1]), pyfa.InvalidArgumentError,
+             "rotary_dim = 2 \\* 17 exceeds the head dim 32"),
+            (dict(rotary_cos=cos.astype(np.float64)), pyfa.ArgumentTypeError, "rotary_cos: expected dtype float32"),
+            (dict(rotary_cos=cos[0]), pyfa.InvalidArgumentError, "rotary_cos: expected shape"),
+            (dict(rotary_interleaved=1), pyfa.ArgumentTypeError, "rotary_interleaved: expected a bool"),
+            (dict(rotary_cos=cos[:22], rotary_sin=sin[:22]), pyfa.InvalidArgumentError,
+             "rotary_cos: 22 rows .* position 22 is needed")]:
+        with pytest.raises(error, match=match):
+            call(**kw)
+    with pytest.raises(pyfa.InvalidArgumentError, match="rotary_cos: .*replays the library's call alone"):
+        pyfa.prepare(pyfa.attention_with_kvcache, q, k_cache, v_cache, lens, k_new, v_new, rotary_cos=cos,
+                     rotary_sin=sin, options=CPU)
+    assert np.array_equal(k_cache, before[0]) and np.array_equal(v_cache, before[1])
+
+
+def test_flash_attn_with_kvcache_takes_the_rotary_tables():
+    torch = pytest.importorskip("torch")
+    import pyfa.torch as pt
+    q, k_cache, v_cache, k_new, v_new = case()
+    cos, sin = tables(40, 8)
+    lens = np.array([5, 20], np.int32)
+    kc, vc = k_cache.copy(), v_cache.copy()
+    t = torch.from_numpy
+    got = pt.flash_attn_with_kvcache(t(q), t(k_cache), t(v_cache), t(k_new), t(v_new), t(cos), t(sin),
+                                     cache_seqlens=t(lens), causal=True, rotary_interleaved=False)
+    want = pyfa.attention_with_kvcache(q, kc, vc, lens, k_new, v_new, rotary_cos=cos, rotary_sin=sin, causal=True,
+                                       rotary_interleaved=False)
+    assert same_bits(got.numpy(), want) and np.array_equal(k_cache, kc)
+    with pytest.raises(pyfa.InvalidArgumentError, match="rotary_cos: .*give k_new and v_new"):
+        pt.flash_attn_with_kvcache(t(q), t(k_cache), t(v_cache), rotary_cos=t(cos), rotary_sin=t(sin),
+                                   cache_seqlens=t(lens))
