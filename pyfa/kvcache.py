@@ -223,6 +223,26 @@ class _Cache:
         return q, k, v, cu_q, cu_k, used, pages
 
 
+def _batch_index_table(index, block_table, q, k_cache, k_new):
+    """flash-attn's cache_batch_idx as a block table of one page per sequence, the dense
+    cache's batch elements its pages of Nmax rows: (B, 1) int32, a view of `index`."""
+    if block_table is not None:
+        raise InvalidArgumentError("cache_batch_idx: not taken with block_table (a paged cache's table already "
+                                   "says where each sequence's keys are)")
+    index = _int32("cache_batch_idx", index, 1)
+    B = q.shape[0] if isinstance(q, np.ndarray) and q.ndim == 4 else None
+    if B is not None and index.shape != (B,):
+        raise InvalidArgumentError(f"cache_batch_idx: expected shape ({B},), got {index.shape}")
+    batches = k_cache.shape[0] if isinstance(k_cache, np.ndarray) and k_cache.ndim == 4 else None
+    if batches is not None and np.any((index < 0) | (index >= batches)):
+        raise InvalidArgumentError(f"cache_batch_idx: {index.tolist()} names batch elements outside "
+                                   f"[0, {batches}) of k_cache")
+    if k_new is not None and len(np.unique(index)) != len(index):
+        raise InvalidArgumentError(f"cache_batch_idx: {index.tolist()} names a batch element twice, and k_new's "
+                                   "rows of both sequences would be written into it")
+    return index.reshape(-1, 1)
+
+
 def _check_table(table, lengths, page_size, num_pages):
     """block_table (B, max_pages): the pages sequence b's lengths[b] keys use, each in
     [0, num_pages)."""
@@ -515,7 +535,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
                            block_table=None, causal: bool = False, window=None,
                            scale: Optional[float] = None, split_size=None, return_lse: bool = False,
                            rotary_cos=None, rotary_sin=None, rotary_interleaved: bool = True,
-                           options=None, **mods):
+                           cache_batch_idx=None, options=None, **mods):
     """Attention against a KV cache (flash-attn's flash_attn_with_kvcache), FA2.
 
     q: (B, Nq, H, d) float32 NumPy (flash-attn's layout); k_cache, v_cache: (B, Nmax, Hkv,
@@ -538,8 +558,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     else every query at cache_seqlens[b]; the first rotary_dim dims of each head turn in
     pairs, (2j, 2j + 1) with rotary_interleaved (the default, flash-attn's here), else
     (j, j + rotary_dim / 2); each product and sum rounded to float32 (docs/numerics.md,
-    "Rotary embedding"); not under pyfa.prepare. Returns o (B, Nq, H, d), or (o, lse)
-    with return_lse, lse (B, H, Nq).
+    "Rotary embedding"); not under pyfa.prepare. cache_batch_idx (flash-attn's): int32
+    (B,), sequence b's cache is batch element cache_batch_idx[b] of a dense k_cache
+    (batch_size_cache, Nmax, Hkv, d) of any batch (read, and appended to, as a block
+    table of one page of Nmax rows per sequence); with k_new its entries must differ.
+    Returns o (B, Nq, H, d), or (o, lse) with return_lse, lse (B, H, Nq).
 
     The call runs as pyfa.attention_varlen, whose rows equal the dense call of each
     sequence alone: a dense cache read in place (its batches as packed sequences of Nmax
@@ -559,6 +582,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     sinks = api._sinks_keyword("pyfa.attention_with_kvcache", mods, "fa2", q, "bnhd")
     rotary = Rotary.resolve(rotary_cos, rotary_sin, rotary_interleaved, q, k_new,
                             bool(causal) or window is not None)
+    if cache_batch_idx is not None:
+        block_table = _batch_index_table(cache_batch_idx, block_table, q, k_cache, k_new)
     arrays = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, sinks)
     # A rotary call is not kept: the library reads pyfa's rotated copy of q.
     key = None if rotary is not None else api.plan_key(

@@ -1,8 +1,10 @@
-"""flash-attn's rotary embedding in attention_with_kvcache (pyfa/kvcache.py, Rotary):
-q and k_new turned at their positions before the append, with the bits of turning them
-by hand (flash-attn's reference formula, written here apart) and calling without it;
-decoding with it through a paged cache equals one prefill of the turned rows; the
-simulator twin the same bits; every refusal before anything is written."""
+"""flash-attn's rotary embedding and cache_batch_idx in attention_with_kvcache
+(pyfa/kvcache.py) and pyfa.torch.flash_attn_with_kvcache. Rotary: q and k_new turned at
+their positions before the append, with the bits of turning them by hand (flash-attn's
+reference formula, written here apart) and calling without it; decoding with it through
+a paged cache equals one prefill of the turned rows. cache_batch_idx: the bits of the
+gathered caches, the appends in the named slots only. The simulator twin the same bits;
+every refusal before anything is written."""
 import numpy as np
 import pytest
 
@@ -141,3 +143,62 @@ def test_flash_attn_with_kvcache_takes_the_rotary_tables():
     with pytest.raises(pyfa.InvalidArgumentError, match="rotary_cos: .*give k_new and v_new"):
         pt.flash_attn_with_kvcache(t(q), t(k_cache), t(v_cache), rotary_cos=t(cos), rotary_sin=t(sin),
                                    cache_seqlens=t(lens))
+
+
+# flash-attn's cache_batch_idx: sequence b's cache is batch element cache_batch_idx[b].
+def test_cache_batch_idx_reads_and_appends_to_the_named_batch_elements():
+    B, H, Hkv, d, rows, slots = 3, 4, 2, 32, 24, 5
+    k_cache, v_cache = (rng.standard_normal((slots, rows, Hkv, d), dtype=np.float32) for _ in range(2))
+    q = rng.standard_normal((B, 2, H, d), dtype=np.float32)
+    k_new, v_new = (rng.standard_normal((B, 2, Hkv, d), dtype=np.float32) for _ in range(2))
+    index = np.array([4, 0, 2], np.int32)
+    lens = np.array([7, 0, 19], np.int32)
+    gathered = [x[index].copy() for x in (k_cache, v_cache)]
+    start = k_cache.copy()
+    kw = dict(causal=True, split_size=64, return_lse=True, options=CPU)
+    got = pyfa.attention_with_kvcache(q, k_cache, v_cache, lens, k_new, v_new, cache_batch_idx=index, **kw)
+    want = pyfa.attention_with_kvcache(q, *gathered, lens, k_new, v_new, **kw)  # the same caches, gathered
+    assert same_bits(got, want)
+    assert np.array_equal(k_cache[index], gathered[0]) and np.array_equal(v_cache[index], gathered[1])
+    assert np.array_equal(k_cache[[1, 3]], start[[1, 3]])  # the other slots are not written
+    sim = pyfa.sim.attention_with_kvcache(q, *[x.copy() for x in gathered], lens, k_new, v_new, causal=True,
+                                          split_size=64, return_lse=True)
+    assert same_bits(sim, got)
+    shared = np.array([1, 1, 3], np.int32)  # read-only, a slot may serve two sequences
+    before = k_cache.copy()
+    one = pyfa.attention_with_kvcache(q, k_cache, v_cache, lens, cache_batch_idx=shared, **kw)
+    two = pyfa.attention_with_kvcache(q, k_cache[shared], v_cache[shared], lens, **kw)
+    assert same_bits(one, two) and np.array_equal(k_cache, before)
+
+
+def test_cache_batch_idx_refusals_name_it_and_write_nothing():
+    k_cache, v_cache = (rng.standard_normal((4, 8, 2, 32), dtype=np.float32) for _ in range(2))
+    q = rng.standard_normal((2, 1, 4, 32), dtype=np.float32)
+    k_new, v_new = (rng.standard_normal((2, 1, 2, 32), dtype=np.float32) for _ in range(2))
+    lens = np.array([3, 3], np.int32)
+    before = k_cache.copy()
+    for index, match in [(np.array([1, 1], np.int32), "names a batch element twice"),
+                         (np.array([1, 4], np.int32), r"outside \[0, 4\)"),
+                         (np.array([1], np.int32), r"expected shape \(2,\)"),
+                         (np.array([1, 2], np.int64), "expected dtype int32")]:
+        with pytest.raises((pyfa.InvalidArgumentError, pyfa.ArgumentTypeError),
+                           match=f"cache_batch_idx: .*{match}"):
+            pyfa.attention_with_kvcache(q, k_cache, v_cache, lens, k_new, v_new, cache_batch_idx=index,
+                                        options=CPU)
+    with pytest.raises(pyfa.InvalidArgumentError, match="cache_batch_idx: not taken with block_table"):
+        pyfa.attention_with_kvcache(q, k_cache, v_cache, lens, k_new, v_new,
+                                    cache_batch_idx=np.array([0, 1], np.int32),
+                                    block_table=np.array([[0], [1]], np.int32), options=CPU)
+    assert np.array_equal(k_cache, before)
+
+
+def test_flash_attn_with_kvcache_takes_cache_batch_idx():
+    torch = pytest.importorskip("torch")
+    import pyfa.torch as pt
+    k_cache, v_cache = (rng.standard_normal((4, 8, 2, 32), dtype=np.float32) for _ in range(2))
+    q = rng.standard_normal((2, 1, 4, 32), dtype=np.float32)
+    index = np.array([3, 0], np.int32)
+    t = torch.from_numpy
+    got = pt.flash_attn_with_kvcache(t(q), t(k_cache), t(v_cache), cache_batch_idx=t(index), causal=True)
+    want = pt.flash_attn_with_kvcache(t(q), t(k_cache[index]), t(v_cache[index]), causal=True)
+    assert same_bits(got.numpy(), want.numpy())
