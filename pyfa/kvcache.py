@@ -395,11 +395,13 @@ def with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_ta
     cache = _Cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
     rec = prepared.recording()
     if rotary is not None:
-        if rec is not None:
+        if rec is not None and not rec.quiet:
             raise InvalidArgumentError(f"rotary_cos: {rec.function} replays the library's call alone, and the "
                                        "rotation is pyfa's copies of q and k_new made before it; rotate q and "
                                        "k_new yourself, or call the function directly")
         rotary.apply(cache)
+        if rec is not None:  # a plan's capture: the rotated q and k_new are pyfa's, made on each call
+            rec.ours += [cache.q, cache.k_new]
     saved = cache.append() if cache.n_new else []
     try:
         packed = cache.packed()
@@ -500,30 +502,34 @@ class _Plan:
         cache.release()
         api.keep_plan(key, cls(cache, packed, step, fields))
 
-    def run(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, sinks, return_lse):
-        """The call on these arrays, or None where one is not aligned to its item size (the
-        full call then copies it) or another library has been loaded since."""
+    def run(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, sinks, return_lse, rotary=None):
+        """The call on these arrays (and rotary, a Rotary of tables of the kept call's
+        kinds, or None), or None where one the library reads is not aligned to its item
+        size (the full call then copies it) or another library has been loaded since."""
         ffi, lib = _lib.load()
         if lib is not self.lib:
             return None
-        arrays = [x for x in (q, k_cache, v_cache, block_table, sinks) if x is not None]
-        addresses = [x.__array_interface__["data"][0] for x in arrays]
-        if any(a % x.itemsize for a, x in zip(addresses, arrays)):
+        read = [x for x in (q if rotary is None else None, k_cache, v_cache, block_table, sinks) if x is not None]
+        if any(x.__array_interface__["data"][0] % x.itemsize for x in read):
             return None
         B, Nq, H, d = q.shape
         o_rows, lse_rows = np.empty((B * Nq, H, d), np.float32), np.empty((H, B * Nq), np.float32)
-        pointers = list(zip(self.fields, addresses)) + [("o", o_rows.__array_interface__["data"][0]),
-                                                        ("lse", lse_rows.__array_interface__["data"][0])]
-        for field, address in pointers:
-            getattr(self.tensors, field).data = ffi.cast("void *", address)
 
         def call():
+            cache = self.cache  # q as the library reads it: the caller's, or pyfa's rotated copy
+            arrays = [x for x in (cache.q, cache.k_cache, cache.v_cache, cache.table, sinks) if x is not None]
+            pointers = [(field, x.__array_interface__["data"][0]) for field, x in zip(self.fields, arrays)]
+            for field, address in pointers + [("o", o_rows.__array_interface__["data"][0]),
+                                              ("lse", lse_rows.__array_interface__["data"][0])]:
+                getattr(self.tensors, field).data = ffi.cast("void *", address)
             with _lib.interrupts_after():
                 _lib.call(lib.pyfa_run, self.config, self.c_op, self.problem, self.config, self.tensors, ffi.NULL,
                           quick=self.quick)
 
         try:
             self.cache.bind(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+            if rotary is not None:
+                rotary.apply(self.cache)
             _attend(self.cache, self.used, self.problem, call)
         finally:
             self.cache.release()
@@ -572,9 +578,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     A call that repeats an earlier one on the same thread with NumPy arrays of the same
     shapes, strides, dtypes and writeability (the same keywords and options; no array
     keywords but sinks, no progress) reuses that call's set-up, checking again what
-    depends on the arrays' addresses and contents (cache_seqlens, block_table, the sinks,
-    aliasing of k_new and v_new): the same bits, about a quarter of the Python per step
-    (pyfa/kvcache.py, _Plan). pyfa.prepare, binding the arrays once, saves the rest."""
+    depends on the arrays' addresses and contents (cache_seqlens, block_table or
+    cache_batch_idx, the sinks, the positions the rotary tables cover, aliasing of k_new
+    and v_new), the rotation made afresh: the same bits, about a quarter of the Python
+    per step (pyfa/kvcache.py, _Plan). pyfa.prepare, binding the arrays once, saves the
+    rest."""
     from . import api, varlen
 
     options, mods = api._keywords("pyfa.attention_with_kvcache", options, mods)
@@ -585,13 +593,12 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     if cache_batch_idx is not None:
         block_table = _batch_index_table(cache_batch_idx, block_table, q, k_cache, k_new)
     arrays = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, sinks)
-    # A rotary call is not kept: the library reads pyfa's rotated copy of q.
-    key = None if rotary is not None else api.plan_key(
-        "pyfa.attention_with_kvcache", arrays, (causal, window, scale, split_size, return_lse,
-                                                *sorted(mods.items())), options)
+    key = api.plan_key("pyfa.attention_with_kvcache", arrays + (rotary_cos, rotary_sin),
+                       (causal, window, scale, split_size, return_lse, rotary_interleaved,
+                        *sorted(mods.items())), options)
     plan = api._plans_of_thread().get(key) if key is not None else None
     if plan is not None:
-        result = plan.run(*arrays, return_lse)
+        result = plan.run(*arrays, return_lse, rotary)
         if result is not None:
             return result
 
@@ -606,4 +613,4 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
                             mods.get("bias"), sinks, rotary=rotary)
     with prepared.capturing("pyfa.attention_with_kvcache", [x for x in arrays if x is not None]):
         return with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse,
-                            mods.get("bias"), sinks, key)
+                            mods.get("bias"), sinks, key, rotary)

@@ -202,3 +202,36 @@ def test_flash_attn_with_kvcache_takes_cache_batch_idx():
     got = pt.flash_attn_with_kvcache(t(q), t(k_cache), t(v_cache), cache_batch_idx=t(index), causal=True)
     want = pt.flash_attn_with_kvcache(t(q), t(k_cache[index]), t(v_cache[index]), causal=True)
     assert same_bits(got.numpy(), want.numpy())
+
+
+def test_a_rotary_decoding_loop_on_fresh_arrays_keeps_its_plan_with_the_bits_of_fresh_calls():
+    from pyfa import api, kvcache
+    api._plans_of_thread().clear()
+    B, H, Hkv, d, n = 2, 4, 2, 32, 6
+    cos, sin = tables(16, 12)
+    caches = [np.zeros((B, 24, Hkv, d), np.float32) for _ in range(4)]
+    steps = [[rng.standard_normal((B, 1, heads, d), dtype=np.float32) for heads in (H, Hkv, Hkv)] for _ in range(n)]
+    kw = dict(causal=True, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=False, return_lse=True, options=CPU)
+    planned, runs = [], []
+    for t, (q, k_new, v_new) in enumerate(steps):
+        lens = np.full(B, t, np.int32)
+        planned.append(pyfa.attention_with_kvcache(q.copy(), caches[0], caches[1], lens, k_new.copy(),
+                                                   v_new.copy(), **dict(kw, rotary_cos=cos.copy())))
+        plans = [p for p in api._plans_of_thread().values() if isinstance(p, kvcache._Plan)]
+        assert len(plans) == 1
+        if t == 0:
+            run = plans[0].run
+            plans[0].run = lambda *a: runs.append(1) or run(*a)
+    assert len(runs) == n - 1
+    fresh = []
+    for t, (q, k_new, v_new) in enumerate(steps):
+        api._plans_of_thread().clear()
+        fresh.append(pyfa.attention_with_kvcache(q, caches[2], caches[3], np.full(B, t, np.int32), k_new, v_new,
+                                                 **kw))
+    assert all(same_bits(a, b) for a, b in zip(planned, fresh))
+    assert np.array_equal(caches[0], caches[2]) and np.array_equal(caches[1], caches[3])
+    pyfa.attention_with_kvcache(q, caches[2], caches[3], np.full(B, n, np.int32), k_new, v_new, **kw)
+    before = caches[2].copy()
+    with pytest.raises(pyfa.InvalidArgumentError, match="rotary_cos: 16 rows .* position 16"):  # a planned call's
+        pyfa.attention_with_kvcache(q, caches[2], caches[3], np.full(B, 16, np.int32), k_new, v_new, **kw)
+    assert np.array_equal(caches[2], before)
