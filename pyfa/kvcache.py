@@ -101,7 +101,7 @@ class _Cache:
     strides; bind() what depends on their addresses and contents, and so can take the
     arrays of a later call of the same kinds (a plan, below)."""
 
-    def __init__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table):
+    def __init__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, leftpad=None):
         _float32("q", q, 4)
         B, Nq, H, d = q.shape
         if B < 1:
@@ -148,24 +148,32 @@ class _Cache:
                                            f"got shape {table.shape}")
             self.page_size = rows
             self.capacity = table.shape[1] * rows
-        self._bind(q, k_cache, v_cache, seqlens, k_new, v_new, table)
+        if leftpad is not None:
+            leftpad = _int32("cache_leftpad", leftpad, 1)
+            if leftpad.shape != (B,):
+                raise InvalidArgumentError(f"cache_leftpad: expected shape ({B},), got {leftpad.shape}")
+            if table is not None:
+                raise InvalidArgumentError("cache_leftpad: taken with a dense cache only, not with block_table or "
+                                           "cache_batch_idx (as in flash-attn's paged cache)")
+        self._bind(q, k_cache, v_cache, seqlens, k_new, v_new, table, leftpad)
 
-    def bind(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table):
+    def bind(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, leftpad=None):
         """Takes the arrays of a later call, of the kinds, shapes and strides this one was
         made for (NumPy arrays: a plan's key), and checks their addresses and contents as
         __init__ does."""
         if k_new is not None:
             _check_new_rows(q, k_cache, v_cache, k_new, v_new)
-        self._bind(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+        self._bind(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, leftpad)
 
-    def _bind(self, q, k_cache, v_cache, seqlens, k_new, v_new, table):
+    def _bind(self, q, k_cache, v_cache, seqlens, k_new, v_new, table, leftpad):
         self.q, self.k_cache, self.v_cache, self.seqlens = q, k_cache, v_cache, seqlens
-        self.k_new, self.v_new, self.table = k_new, v_new, table
+        self.k_new, self.v_new, self.table, self.leftpad = k_new, v_new, table, leftpad
         self.refresh()
 
     def release(self):
         """Lets go of the call's arrays (a kept plan must not hold the caller's memory)."""
         self.q = self.k_cache = self.v_cache = self.seqlens = self.k_new = self.v_new = self.table = None
+        self.leftpad = None
 
     def refresh(self):
         """Reads cache_seqlens (and the block table) as they are now and checks them: each
@@ -180,6 +188,9 @@ class _Cache:
                                        f"{self.capacity}")
         if self.table is not None:
             _check_table(self.table, self.lengths, self.page_size, self.k_cache.shape[0])
+        if self.leftpad is not None and np.any((self.leftpad < 0) | (self.leftpad > self.seqlens)):
+            raise InvalidArgumentError(f"cache_leftpad: each must be in [0, cache_seqlens[b]], got "
+                                       f"{self.leftpad.tolist()} for cache_seqlens {self.seqlens.tolist()}")
 
     def rows(self, b, n):
         """(index along the cache's axis 0, row) of logical keys n (an int array) of sequence b."""
@@ -217,10 +228,19 @@ class _Cache:
         k = self.k_cache.reshape(-1, Hkv, d)
         v = self.v_cache.reshape(-1, Hkv, d)
         used = self.lengths.astype(np.int32)
-        if self.table is None:
-            return q, k, v, cu_q, _offsets("k_cache", np.full(B, rows)), used, None
-        cu_k, pages = _paged_rows(self.table, rows, self.k_cache.shape[0])
-        return q, k, v, cu_q, cu_k, used, pages
+        if self.table is not None:
+            cu_k, pages = _paged_rows(self.table, rows, self.k_cache.shape[0])
+            return q, k, v, cu_q, cu_k, used, pages
+        cu_k = _offsets("k_cache", np.full(B, rows))
+        if self.leftpad is not None:
+            # Sequence b's keys start leftpad[b] rows into its Nmax; the packed rows start
+            # where sequence 0's do, since the first offset is 0.
+            first = int(self.leftpad[0])
+            k, v = k[first:], v[first:]
+            cu_k[:-1] += self.leftpad
+            cu_k -= first
+            used -= self.leftpad
+        return q, k, v, cu_q, cu_k, used, None
 
 
 def _batch_index_table(index, block_table, q, k_cache, k_new):
@@ -380,20 +400,24 @@ class Rotary:
 
 
 def with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse, bias=None,
-                 sinks=None, plan_key=None, rotary=None):
+                 sinks=None, plan_key=None, rotary=None, leftpad=None):
     """attention_with_kvcache's steps around `run` (packed q, k, v, cu_q, cu_k, seqused_k,
     pages -> (o (total_q, H, d), lse (H, total_q))), the library's or the simulator's: checks,
     the append (undone if run fails), the packing, and the outputs' shapes. sinks (checked
     (H,) float32, or None): run's to merge; a prepared call's replays check them again.
     plan_key: where the call runs under prepared.capturing(), the key its plan is kept
-    under (_Plan). rotary: a Rotary, or None."""
+    under (_Plan). rotary: a Rotary, or None; leftpad: cache_leftpad, or None."""
     if not isinstance(return_lse, (bool, np.bool_)):
         raise ArgumentTypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
     if bias is not None:  # its key axis would follow the longest cache_seqlens, not Nmax
         raise InvalidArgumentError("bias: pyfa.attention_with_kvcache takes no bias in this version "
                                    "(pyfa.attention_varlen takes one)")
-    cache = _Cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+    cache = _Cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, leftpad)
     rec = prepared.recording()
+    if leftpad is not None and rec is not None:
+        raise InvalidArgumentError(f"cache_leftpad: {rec.function} replays the library's call on the packed rows "
+                                   "as they start now, and left padding moves their start; call the function "
+                                   "directly")
     if rotary is not None:
         if rec is not None and not rec.quiet:
             raise InvalidArgumentError(f"rotary_cos: {rec.function} replays the library's call alone, and the "
@@ -541,7 +565,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
                            block_table=None, causal: bool = False, window=None,
                            scale: Optional[float] = None, split_size=None, return_lse: bool = False,
                            rotary_cos=None, rotary_sin=None, rotary_interleaved: bool = True,
-                           cache_batch_idx=None, options=None, **mods):
+                           cache_batch_idx=None, cache_leftpad=None, options=None, **mods):
     """Attention against a KV cache (flash-attn's flash_attn_with_kvcache), FA2.
 
     q: (B, Nq, H, d) float32 NumPy (flash-attn's layout); k_cache, v_cache: (B, Nmax, Hkv,
@@ -568,6 +592,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     (B,), sequence b's cache is batch element cache_batch_idx[b] of a dense k_cache
     (batch_size_cache, Nmax, Hkv, d) of any batch (read, and appended to, as a block
     table of one page of Nmax rows per sequence); with k_new its entries must differ.
+    cache_leftpad (flash-attn's): int32 (B,), each in [0, cache_seqlens[b]]: sequence b's
+    cache starts at row cache_leftpad[b] (left padding), so it attends to rows
+    cache_leftpad[b] to cache_seqlens[b] + Nnew - 1, the mask aligned to that count (the
+    rotary positions stay the rows' own); a dense cache only, not under pyfa.prepare.
     Returns o (B, Nq, H, d), or (o, lse) with return_lse, lse (B, H, Nq).
 
     The call runs as pyfa.attention_varlen, whose rows equal the dense call of each
@@ -593,9 +621,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     if cache_batch_idx is not None:
         block_table = _batch_index_table(cache_batch_idx, block_table, q, k_cache, k_new)
     arrays = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, sinks)
-    key = api.plan_key("pyfa.attention_with_kvcache", arrays + (rotary_cos, rotary_sin),
-                       (causal, window, scale, split_size, return_lse, rotary_interleaved,
-                        *sorted(mods.items())), options)
+    # Left padding moves where the packed keys start, which plans do not rebind.
+    key = None if cache_leftpad is not None else api.plan_key(
+        "pyfa.attention_with_kvcache", arrays + (rotary_cos, rotary_sin),
+        (causal, window, scale, split_size, return_lse, rotary_interleaved, *sorted(mods.items())), options)
     plan = api._plans_of_thread().get(key) if key is not None else None
     if plan is not None:
         result = plan.run(*arrays, return_lse, rotary)
@@ -610,7 +639,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
 
     if key is None:
         return with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse,
-                            mods.get("bias"), sinks, rotary=rotary)
+                            mods.get("bias"), sinks, rotary=rotary, leftpad=cache_leftpad)
     with prepared.capturing("pyfa.attention_with_kvcache", [x for x in arrays if x is not None]):
         return with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse,
-                            mods.get("bias"), sinks, key, rotary)
+                            mods.get("bias"), sinks, key, rotary, cache_leftpad)

@@ -1204,8 +1204,9 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     flash-attn's rotary embedding of q and k before the append (rotary_interleaved as
     there), pyfa.attention_with_kvcache's; cache_batch_idx (int32 (B,), CPU, a dense
     cache): sequence b reads (and appends to) the cache's batch element
-    cache_batch_idx[b], distinct where k and v are given. Refused, naming the argument
-    (pyfa has no kernel for them yet): cache_leftpad, num_splits > 1 (pyfa's split is a fixed
+    cache_batch_idx[b], distinct where k and v are given; cache_leftpad (int32 (B,), CPU):
+    sequence b's cache starts at that row. Refused, naming the argument (pyfa has no
+    kernel for them yet): num_splits > 1 (pyfa's split is a fixed
     size, pyfa.attention_with_kvcache's split_size, never a count; 0 and 1 are honoured), k,
     v, block_table or the rotary tables on CUDA tensors. s_aux (keyword only; vLLM's
     flash-attn fork's name): gpt-oss's attention sinks, float32 (H,) on the CPU, as
@@ -1215,8 +1216,6 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         _check_tensor(name, t)
         if t.dim() != 4:
             raise InvalidArgumentError(f"{name}: expected shape (B, N, H, d), got {tuple(t.shape)}")
-    if cache_leftpad is not None:
-        raise InvalidArgumentError("cache_leftpad: not supported by pyfa yet; only None is honoured")
     mods = _check_flash_extras(softcap, alibi_slopes, False)
     _check_bool("rotary_interleaved", rotary_interleaved)
     _check_bool("return_softmax_lse", return_softmax_lse)
@@ -1227,10 +1226,10 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
                 "(pyfa.attention_with_kvcache(split_size=...)); 0 or 1 only")
     window = _flash_window(window_size)
     if k is not None or v is not None or block_table is not None or rotary_cos is not None or \
-            rotary_sin is not None or cache_batch_idx is not None:
+            rotary_sin is not None or cache_batch_idx is not None or cache_leftpad is not None:
         return _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
                              causal, window, mods, return_softmax_lse, s_aux,
-                             (rotary_cos, rotary_sin, rotary_interleaved), cache_batch_idx)
+                             (rotary_cos, rotary_sin, rotary_interleaved), cache_batch_idx, cache_leftpad)
     B, ncache = q.shape[0], k_cache.shape[1]
     if cache_seqlens is None:
         lengths = [ncache] * B
@@ -1263,16 +1262,18 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
 
 
 def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal, window, mods,
-                  return_lse, s_aux, rotary, cache_batch_idx):
-    """flash_attn_with_kvcache's appending, paged, rotary or batch-indexed call:
+                  return_lse, s_aux, rotary, cache_batch_idx, cache_leftpad):
+    """flash_attn_with_kvcache's appending, paged, rotary, batch-indexed or left-padded call:
     pyfa.attention_with_kvcache on NumPy views of the CPU tensors, so the caches are
     updated in place; rotary: (cos, sin, interleaved)."""
     from .kvcache import attention_with_kvcache
 
     cos, sin, interleaved = rotary
     arrays = _host_views(dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, block_table=block_table,
-                              s_aux=s_aux, rotary_cos=cos, rotary_sin=sin, cache_batch_idx=cache_batch_idx),
-                         "appending to the cache, a block_table, cache_batch_idx or the rotary embedding")
+                              s_aux=s_aux, rotary_cos=cos, rotary_sin=sin, cache_batch_idx=cache_batch_idx,
+                              cache_leftpad=cache_leftpad),
+                         "appending to the cache, a block_table, cache_batch_idx, cache_leftpad or the rotary "
+                         "embedding")
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = np.full(q.shape[0], int(cache_seqlens), np.int32)
     elif isinstance(cache_seqlens, torch.Tensor):
@@ -1287,7 +1288,7 @@ def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, 
                                  window=window, scale=scale, return_lse=True, sinks=arrays["s_aux"],
                                  rotary_cos=arrays["rotary_cos"], rotary_sin=arrays["rotary_sin"],
                                  rotary_interleaved=interleaved, cache_batch_idx=arrays["cache_batch_idx"],
-                                 **mods)
+                                 cache_leftpad=arrays["cache_leftpad"], **mods)
     o, lse = (torch.from_numpy(np.ascontiguousarray(x)) for x in out)
     return (o, _flash_lse(lse)) if return_lse else o
 

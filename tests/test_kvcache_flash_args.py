@@ -235,3 +235,69 @@ def test_a_rotary_decoding_loop_on_fresh_arrays_keeps_its_plan_with_the_bits_of_
     with pytest.raises(pyfa.InvalidArgumentError, match="rotary_cos: 16 rows .* position 16"):  # a planned call's
         pyfa.attention_with_kvcache(q, caches[2], caches[3], np.full(B, 16, np.int32), k_new, v_new, **kw)
     assert np.array_equal(caches[2], before)
+
+
+# flash-attn's cache_leftpad: sequence b's cache starts at row cache_leftpad[b].
+@pytest.mark.parametrize("extra", [{}, dict(rotary=True), dict(causal=False, window=(3, 0))])
+def test_a_left_padded_sequence_has_the_bits_of_its_cache_without_the_padding(extra):
+    B, H, Hkv, d, rows = 3, 4, 2, 32, 24
+    k_cache, v_cache = (rng.standard_normal((B, rows, Hkv, d), dtype=np.float32) for _ in range(2))
+    q = rng.standard_normal((B, 2, H, d), dtype=np.float32)
+    k_new, v_new = (rng.standard_normal((B, 2, Hkv, d), dtype=np.float32) for _ in range(2))
+    lens, pad = np.array([9, 4, 20], np.int32), np.array([3, 4, 0], np.int32)
+    kw = dict(causal=True, split_size=64, return_lse=True, options=CPU)
+    kw.update({n: x for n, x in extra.items() if n != "rotary"})
+    cos, sin = tables(24, 8)
+    rot = dict(rotary_cos=cos, rotary_sin=sin) if extra.get("rotary") else {}
+    kc, vc = k_cache.copy(), v_cache.copy()
+    o, lse = pyfa.attention_with_kvcache(q, k_cache, v_cache, lens, k_new, v_new, cache_leftpad=pad, **kw, **rot)
+    for b in range(B):  # sequence b alone, its padding cut off (rotary tables shifted: positions are rows)
+        p = int(pad[b])
+        shifted = dict(rotary_cos=cos[p:], rotary_sin=sin[p:]) if rot else {}
+        ob, lseb = pyfa.attention_with_kvcache(q[b:b + 1], kc[b:b + 1, p:], vc[b:b + 1, p:], lens[b:b + 1] - p,
+                                               k_new[b:b + 1], v_new[b:b + 1], **kw, **shifted)
+        assert same_bits(o[b:b + 1], ob) and same_bits(lse[b:b + 1], lseb)
+        assert np.array_equal(k_cache[b, p:], kc[b, p:]) and np.array_equal(v_cache[b, p:], vc[b, p:])
+    kc2, vc2 = (x.copy() for x in (kc, vc))  # the simulator twin against the library, on fresh caches
+    kc3, vc3 = (x.copy() for x in (kc, vc))
+    lib = pyfa.attention_with_kvcache(q, kc2, vc2, lens, k_new, v_new, cache_leftpad=pad, **kw, **rot)
+    sim = pyfa.sim.attention_with_kvcache(q, kc3, vc3, lens, k_new, v_new, cache_leftpad=pad,
+                                          **{n: x for n, x in kw.items() if n != "options"}, **rot)
+    assert same_bits(lib, sim)
+
+
+def test_left_padding_is_refused_where_it_cannot_be_honoured_and_writes_nothing():
+    B, H, Hkv, d, rows = 2, 4, 2, 32, 16
+    k_cache, v_cache = (rng.standard_normal((B, rows, Hkv, d), dtype=np.float32) for _ in range(2))
+    q = rng.standard_normal((B, 1, H, d), dtype=np.float32)
+    k_new, v_new = (rng.standard_normal((B, 1, Hkv, d), dtype=np.float32) for _ in range(2))
+    lens = np.array([10, 12], np.int32)
+    o, lse = pyfa.attention_with_kvcache(q, k_cache, v_cache, lens, cache_leftpad=lens.copy(), return_lse=True,
+                                         options=CPU)
+    assert np.all(np.isneginf(lse)) and not o.any()  # padded to the end: no key left
+    before = k_cache.copy()
+    for kw, match in [(dict(cache_leftpad=np.array([11, 0], np.int32)), r"each must be in \[0, cache_seqlens\[b\]\]"),
+                      (dict(cache_leftpad=np.array([-1, 0], np.int32)), r"each must be in \[0, cache_seqlens\[b\]\]"),
+                      (dict(cache_leftpad=np.array([1], np.int32)), r"expected shape \(2,\)"),
+                      (dict(cache_leftpad=np.array([1, 1], np.int64)), "expected dtype int32"),
+                      (dict(cache_leftpad=np.array([1, 1], np.int32), cache_batch_idx=np.array([1, 0], np.int32)),
+                       "taken with a dense cache only")]:
+        with pytest.raises((pyfa.InvalidArgumentError, pyfa.ArgumentTypeError), match=f"cache_leftpad: {match}"):
+            pyfa.attention_with_kvcache(q, k_cache, v_cache, lens, k_new, v_new, options=CPU, **kw)
+    with pytest.raises(pyfa.InvalidArgumentError, match="cache_leftpad: .*left padding moves their start"):
+        pyfa.prepare(pyfa.attention_with_kvcache, q, k_cache, v_cache, lens, k_new, v_new,
+                     cache_leftpad=np.array([1, 1], np.int32), options=CPU)
+    assert np.array_equal(k_cache, before)
+
+
+def test_flash_attn_with_kvcache_takes_cache_leftpad():
+    torch = pytest.importorskip("torch")
+    import pyfa.torch as pt
+    k_cache, v_cache = (rng.standard_normal((2, 8, 2, 32), dtype=np.float32) for _ in range(2))
+    q = rng.standard_normal((2, 1, 4, 32), dtype=np.float32)
+    t = torch.from_numpy
+    got = pt.flash_attn_with_kvcache(t(q), t(k_cache), t(v_cache), cache_seqlens=t(np.array([8, 6], np.int32)),
+                                     cache_leftpad=t(np.array([3, 0], np.int32)), causal=True)
+    one = pt.flash_attn_with_kvcache(t(q[:1]), t(k_cache[:1, 3:]), t(v_cache[:1, 3:]), causal=True)
+    two = pt.flash_attn_with_kvcache(t(q[1:]), t(k_cache[1:, :6]), t(v_cache[1:, :6]), causal=True)
+    assert same_bits(got.numpy(), np.concatenate([one.numpy(), two.numpy()]))

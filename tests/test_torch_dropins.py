@@ -277,15 +277,13 @@ def test_flash_attn_with_kvcache_appends_in_place_and_reads_pages():
 def test_flash_attn_with_kvcache_refuses_what_it_cannot_honour():
     q, kc = torch.zeros(1, 1, 2, 8), torch.zeros(1, 4, 2, 8)
     kv = pyfa.torch.flash_attn_with_kvcache
-    with pytest.raises(ValueError, match="cache_leftpad: not supported by pyfa yet"):
-        kv(q, kc, kc, cache_leftpad=torch.zeros(1, dtype=torch.int32))
     with pytest.raises(ValueError, match="num_splits: pyfa splits the keys by a fixed size"):
         kv(q, kc, kc, num_splits=2)
     with pytest.raises(ValueError, match="rotary_cos: .*is pyfa's on CPU tensors only"):
         kv(q, kc.clone(), kc.clone(), k=torch.zeros(1, 1, 2, 8), v=torch.zeros(1, 1, 2, 8), cache_seqlens=1,
            rotary_cos=torch.zeros(4, 4, device="meta"), rotary_sin=torch.zeros(4, 4))
-    with pytest.raises(ValueError, match="k: appending to the cache, a block_table, cache_batch_idx or the "
-                                         "rotary embedding is pyfa's on CPU"):
+    with pytest.raises(ValueError, match="k: appending to the cache, a block_table, cache_batch_idx, "
+                                         "cache_leftpad or the rotary embedding is pyfa's on CPU"):
         kv(q, kc.clone(), kc.clone(), k=torch.zeros(1, 1, 2, 8, device="meta"),
            v=torch.zeros(1, 1, 2, 8), cache_seqlens=1)
     with pytest.raises(ValueError, match="cache_seqlens: required with k, v or block_table"):

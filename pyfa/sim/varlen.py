@@ -196,14 +196,17 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, algo="fa2", block_t
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *,
                            block_table=None, split_size=None, return_lse=False, rotary_cos=None, rotary_sin=None,
-                           rotary_interleaved=True, options=None, **kwargs):
+                           rotary_interleaved=True, cache_batch_idx=None, cache_leftpad=None, options=None,
+                           **kwargs):
     """pyfa.attention_with_kvcache, simulated: the same checks, rotary embedding, append
     (in place) and packing (pyfa/kvcache.py), then fa2_forward_varlen, a paged cache
     through its pages. Returns o, or (o, lse)."""
-    from ..kvcache import Rotary, with_kvcache
+    from ..kvcache import Rotary, _batch_index_table, with_kvcache
 
     rotary = Rotary.resolve(rotary_cos, rotary_sin, rotary_interleaved, q, k_new,
                             bool(kwargs.get("causal")) or kwargs.get("window") is not None)
+    if cache_batch_idx is not None:
+        block_table = _batch_index_table(cache_batch_idx, block_table, q, k_cache, k_new)
 
     def run(q_p, k_p, v_p, cu_q, cu_k, used, pages):
         r = fa2_forward_varlen(q_p, k_p, v_p, cu_q, cu_k, options=options, split_size=split_size,
@@ -211,4 +214,4 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
         return r.o, r.lse
 
     return with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse,
-                        kwargs.get("bias"), rotary=rotary)
+                        kwargs.get("bias"), rotary=rotary, leftpad=cache_leftpad)
