@@ -1249,6 +1249,14 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     if len(set(lengths)) <= 1:
         n = lengths[0] if lengths else ncache
         o, lse = attention(q, k_cache[:, :n], v_cache[:, :n], **kw)
+    elif all(t.device.type == "cpu" and t.dtype == torch.float32 and not t.requires_grad
+             for t in (q, k_cache, v_cache)) and not any(
+                 isinstance(x, torch.Tensor) and x.requires_grad for x in (*mods.values(), s_aux)):
+        # One packed call for the batch, the caches read in place (each row's bits those of
+        # its own sequence's call: docs/numerics.md, "Packed sequences").
+        return _with_kvcache(q, k_cache, v_cache, None, None, torch.tensor(lengths, dtype=torch.int32), None,
+                             softmax_scale, causal, window, mods, return_softmax_lse, s_aux, (None, None, True),
+                             None, None)
     else:
         slopes = mods.get("alibi_slopes")
         if isinstance(slopes, torch.Tensor) and slopes.dim() == 2 and slopes.shape[0] != q.shape[0]:

@@ -241,6 +241,17 @@ def test_flash_attn_with_kvcache_honours_cache_seqlens():
         assert torch.equal(out[b:b + 1], want[0]) and torch.equal(lse[b:b + 1], want[1])
     same = pyfa.torch.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=6)
     assert torch.equal(same, pyfa.torch.flash_attn_func(q, kc[:, :6], vc[:, :6]))
+    # Lengths that differ: CPU tensors run one packed call, with each batch element's bits;
+    # a grad-requiring q still runs the per-element calls, differentiable.
+    slopes = torch.rand(3, 4) * 0.3
+    sinks = torch.randn(4)
+    kw = dict(causal=True, softcap=5.0, alibi_slopes=slopes, window_size=(3, 0), s_aux=sinks)
+    packed = pyfa.torch.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, **kw)
+    qg = q.clone().requires_grad_()
+    per = pyfa.torch.flash_attn_with_kvcache(qg, kc, vc, cache_seqlens=lengths, **kw)
+    assert torch.equal(packed, per.detach())
+    per.sum().backward()
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()
 
 
 
