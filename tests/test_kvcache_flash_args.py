@@ -1,10 +1,11 @@
-"""flash-attn's rotary embedding and cache_batch_idx in attention_with_kvcache
-(pyfa/kvcache.py) and pyfa.torch.flash_attn_with_kvcache. Rotary: q and k_new turned at
-their positions before the append, with the bits of turning them by hand (flash-attn's
-reference formula, written here apart) and calling without it; decoding with it through
-a paged cache equals one prefill of the turned rows. cache_batch_idx: the bits of the
-gathered caches, the appends in the named slots only. The simulator twin the same bits;
-every refusal before anything is written."""
+"""flash-attn's rotary embedding, cache_batch_idx and cache_leftpad in
+attention_with_kvcache (pyfa/kvcache.py) and pyfa.torch.flash_attn_with_kvcache. Rotary:
+q and k_new turned at their positions before the append, with the bits of turning them by
+hand (flash-attn's reference formula, written here apart) and calling without it;
+decoding with it through a paged cache, or through a kept plan on fresh arrays, equals
+fresh calls and one prefill. cache_batch_idx: the bits of the gathered caches, the
+appends in the named slots only. cache_leftpad: the bits of the cache with its padding
+cut off. The simulator twin the same bits; every refusal before anything is written."""
 import numpy as np
 import pytest
 
@@ -18,6 +19,7 @@ def same_bits(a, b):
     if isinstance(a, tuple):
         return len(a) == len(b) and all(_same_bits(x, y) for x, y in zip(a, b))
     return _same_bits(a, b)
+
 
 CPU = pyfa.Options(backend="cpu")
 rng = np.random.default_rng(21)
@@ -74,12 +76,10 @@ def test_the_rotation_is_flash_attns_formula_bit_for_bit(interleaved, half, mask
     assert np.array_equal(k_cache, kc) and np.array_equal(v_cache, vc)  # the cache holds the turned keys
     rows = np.arange(2)[:, None], keys
     assert not np.array_equal(k_cache[rows], k_new) and np.array_equal(v_cache[rows], v_new)
-    kc2, vc2 = kc.copy(), vc.copy()
-    kc2[rows], vc2[rows] = k_cache[rows], v_cache[rows]
     k_cache[rows], v_cache[rows] = 0, 0  # the simulator twin appends the same rows anew
     sim = pyfa.sim.attention_with_kvcache(q, k_cache, v_cache, lens, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
                                           rotary_interleaved=interleaved, return_lse=True, **mask)
-    assert same_bits(sim, got)
+    assert same_bits(sim, got) and np.array_equal(k_cache, kc) and np.array_equal(v_cache, vc)
 
 
 def test_decoding_with_rotary_through_a_paged_cache_equals_one_prefill():
