@@ -1202,16 +1202,15 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     before attending (cache_seqlens then an int32 tensor (B,) or an int); no gradient, as in
     flash-attn. rotary_cos, rotary_sin (float32 (S_ro, rotary_dim / 2), CPU, with k and v):
     flash-attn's rotary embedding of q and k before the append (rotary_interleaved as
-    there), pyfa.attention_with_kvcache's; cache_batch_idx (int32 (B,), CPU, a dense
-    cache): sequence b reads (and appends to) the cache's batch element
-    cache_batch_idx[b], distinct where k and v are given; cache_leftpad (int32 (B,), CPU):
-    sequence b's cache starts at that row. Refused, naming the argument (pyfa has no
-    kernel for them yet): num_splits > 1 (pyfa's split is a fixed
-    size, pyfa.attention_with_kvcache's split_size, never a count; 0 and 1 are honoured), k,
-    v, block_table or the rotary tables on CUDA tensors. s_aux (keyword only; vLLM's
-    flash-attn fork's name): gpt-oss's attention sinks, float32 (H,) on the CPU, as
-    pyfa.torch.attention's sinks (a refusal may call them sinks), checked before k and v are
-    written."""
+    there), pyfa.attention_with_kvcache's; cache_batch_idx (int32 (B,), CPU, a dense cache):
+    sequence b reads (and appends to) the cache's batch element cache_batch_idx[b], distinct
+    where k and v are given; cache_leftpad (int32 (B,), CPU): sequence b's cache starts at
+    that row. Refused, naming the argument (pyfa has no kernel for them yet): num_splits > 1
+    (pyfa's split is a fixed size, pyfa.attention_with_kvcache's split_size, never a count;
+    0 and 1 are honoured), and k, v, block_table, the rotary tables, cache_batch_idx or
+    cache_leftpad on CUDA tensors. s_aux (keyword only; vLLM's flash-attn fork's name):
+    gpt-oss's attention sinks, float32 (H,) on the CPU, as pyfa.torch.attention's sinks (a
+    refusal may call them sinks), checked before k and v are written."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(name, t)
         if t.dim() != 4:
