@@ -1142,8 +1142,8 @@ _COMMON_DOC = """
 
     A call on CPU arrays that repeats an earlier one on the same thread with arrays of the
     same shapes, strides and dtypes (the same keywords and options; no out= arrays, array
-    keywords or progress) reuses that call's checked set-up, rebound to its arrays: the
-    same bits, about 60 us less per call (pyfa/api.py, "Plans").
+    keywords but sinks, or progress) reuses that call's checked set-up, rebound to its
+    arrays: the same bits, about 60 us less per call (pyfa/api.py, "Plans").
 
     Ctrl-C (or options.progress returning True) cancels a running call: the library
     stops and KeyboardInterrupt (CancelledError) is raised, with nothing of the

@@ -357,8 +357,9 @@ class Rotary:
         self.cos, self.sin, self.interleaved, self.queries_follow = cos, sin, bool(interleaved), queries_follow
 
     @classmethod
-    def resolve(cls, cos, sin, interleaved, q, k_new, queries_follow):
-        """The checked rotary arguments of a call, or None where it has none."""
+    def resolve(cls, cos, sin, interleaved, q, k_new, causal, window):
+        """The checked rotary arguments of a call, or None where it has none; its queries
+        are the new rows (they follow cache_seqlens) under causal or a window."""
         if cos is None and sin is None:
             return None
         if cos is None or sin is None:
@@ -366,7 +367,7 @@ class Rotary:
         if k_new is None:
             raise InvalidArgumentError("rotary_cos: the rotary embedding turns the new keys k_new (and q) "
                                        "before they are appended; give k_new and v_new")
-        return cls(cos, sin, interleaved, q, queries_follow)
+        return cls(cos, sin, interleaved, q, bool(causal) or window is not None)
 
     def rotate(self, x, positions):
         """A rotated copy of x (B, N, heads, d), row (b, n) at position positions[b, n]:
@@ -616,8 +617,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     options, mods = api._keywords("pyfa.attention_with_kvcache", options, mods)
     # Checked here, before with_kvcache appends k_new and v_new to the caller's caches.
     sinks = api._sinks_keyword("pyfa.attention_with_kvcache", mods, "fa2", q, "bnhd")
-    rotary = Rotary.resolve(rotary_cos, rotary_sin, rotary_interleaved, q, k_new,
-                            bool(causal) or window is not None)
+    rotary = Rotary.resolve(rotary_cos, rotary_sin, rotary_interleaved, q, k_new, causal, window)
     if cache_batch_idx is not None:
         block_table = _batch_index_table(cache_batch_idx, block_table, q, k_cache, k_new)
     arrays = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, sinks)

@@ -1254,8 +1254,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         # One packed call for the batch, the caches read in place (each row's bits those of
         # its own sequence's call: docs/numerics.md, "Packed sequences").
         return _with_kvcache(q, k_cache, v_cache, None, None, torch.tensor(lengths, dtype=torch.int32), None,
-                             softmax_scale, causal, window, mods, return_softmax_lse, s_aux, (None, None, True),
-                             None, None)
+                             softmax_scale, causal, window, mods, return_softmax_lse, s_aux)
     else:
         slopes = mods.get("alibi_slopes")
         if isinstance(slopes, torch.Tensor) and slopes.dim() == 2 and slopes.shape[0] != q.shape[0]:
@@ -1269,7 +1268,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
 
 
 def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal, window, mods,
-                  return_lse, s_aux, rotary, cache_batch_idx, cache_leftpad):
+                  return_lse, s_aux, rotary=(None, None, True), cache_batch_idx=None, cache_leftpad=None):
     """flash_attn_with_kvcache's appending, paged, rotary, batch-indexed or left-padded call:
     pyfa.attention_with_kvcache on NumPy views of the CPU tensors, so the caches are
     updated in place; rotary: (cos, sin, interleaved)."""

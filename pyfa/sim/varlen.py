@@ -203,8 +203,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     through its pages. Returns o, or (o, lse)."""
     from ..kvcache import Rotary, _batch_index_table, with_kvcache
 
-    rotary = Rotary.resolve(rotary_cos, rotary_sin, rotary_interleaved, q, k_new,
-                            bool(kwargs.get("causal")) or kwargs.get("window") is not None)
+    rotary = Rotary.resolve(rotary_cos, rotary_sin, rotary_interleaved, q, k_new, kwargs.get("causal"),
+                            kwargs.get("window"))
     if cache_batch_idx is not None:
         block_table = _batch_index_table(cache_batch_idx, block_table, q, k_cache, k_new)
 
