@@ -532,8 +532,9 @@ def test_decode_varlen_equals_the_simulator():
 
 
 def in_line_at(a, offset):
-    """A copy of `a` starting `offset` floats past a 64-byte line."""
-    raw = np.empty(a.size + 32, np.float32)
+    """A copy of `a` starting `offset` floats past a 64-byte line, NaN around it (what
+    the loads of whole lines read beside the array must never reach a result)."""
+    raw = np.full(a.size + 32, np.nan, np.float32)
     start = (-raw.ctypes.data // 4) % 16 + offset
     out = raw[start:start + a.size].reshape(a.shape)
     out[...] = a
@@ -541,11 +542,13 @@ def in_line_at(a, offset):
 
 
 @pytest.mark.parametrize("d", [16, 80, 128])
-def test_decode_v_anywhere_in_a_line_every_build(d, isa):
-    """V rows that start anywhere in a 64-byte line (NumPy's large arrays start 16 bytes
-    past one), read by P~ V in place (loads that straddle two lines) or gathered (pages
-    of 3), in tiles the mask cuts (causal, 3 rows) or not, and rows a stride apart that
-    is no whole line: the simulator's bits at every offset, on every build."""
+def test_decode_k_and_v_anywhere_in_a_line_every_build(d, isa):
+    """K and V rows that start anywhere in a 64-byte line (NumPy's large arrays start 16
+    bytes past one): S = Q K^T in blocks from the line boundary before x = 0 (their lanes
+    outside the row, NaN here, take no step), P~ V reading V in place (loads that
+    straddle two lines) or gathered (pages of 3), in tiles the mask cuts (causal, 3 rows)
+    or not, and rows a stride apart that is no whole line: the simulator's bits at every
+    offset, on every build."""
     rng = np.random.default_rng(d + 1)
     B, N, H, Hkv, page = 1, 100, 8, 2, 3
     tiles = dict(block_r=8, block_c=32)
@@ -563,19 +566,22 @@ def test_decode_v_anywhere_in_a_line_every_build(d, isa):
         padded = np.zeros((1, per * page, Hkv, d), np.float32)
         padded[:, :N] = x
         pages[table] = padded.reshape(1, per, page, Hkv, d)
-    wide = np.zeros((B, N, Hkv, d + 4), np.float32)  # rows (Hkv (d + 4)) floats apart
+    wide = np.full((B, N, Hkv, d + 4), np.nan, np.float32)  # rows (Hkv (d + 4)) floats apart
     for offset in (0, 1, 4, 7, 12, 15):
-        vd, vk, vpg = in_line_at(v, offset), in_line_at(vc, offset), in_line_at(vp, offset)
-        ws = in_line_at(wide, offset)
-        ws[..., :d] = vc
+        placed = {}
+        for name, x in dict(k=k, v=v, kc=kc, vc=vc, kp=kp, vp=vp, kw=wide, vw=wide).items():
+            placed[name] = in_line_at(x, offset)
+        placed["kw"][..., :d] = kc
+        placed["vw"][..., :d] = vc
         for threads in (1, 2):
             cpu = pyfa.Options(backend="cpu", threads=threads, **tiles)
-            where = f"{isa}, V at +{offset} floats, {threads} threads"
-            got = pyfa.fa2_forward(q, k, vd, causal=True, options=cpu)
+            where = f"{isa}, K and V at +{offset} floats, {threads} threads"
+            got = pyfa.fa2_forward(q, placed["k"], placed["v"], causal=True, options=cpu)
             assert same_bits(got[0], dense.o) and same_bits(got[1], dense.lse), where + ", dense causal"
-            for kk, vv, tb in ((kc, vk, None), (kp, vpg, table), (kc, ws[..., :d], None)):
-                got = pyfa.attention_with_kvcache(qc, kk, vv, lens, block_table=tb, return_lse=True, options=cpu)
-                assert same_bits(got[0], cache[0]) and same_bits(got[1], cache[1]), f"{where}, {vv.strides}"
+            for kk, vv, tb in (("kc", "vc", None), ("kp", "vp", table), ("kw", "vw", None)):
+                got = pyfa.attention_with_kvcache(qc, placed[kk][..., :d], placed[vv][..., :d], lens, block_table=tb,
+                                                  return_lse=True, options=cpu)
+                assert same_bits(got[0], cache[0]) and same_bits(got[1], cache[1]), f"{where}, {kk}"
 
 
 @pytest.mark.parametrize("d", [40, 128])
