@@ -151,7 +151,21 @@ _OPTION_NAMES = ("causal", "window_left", "window_right", "causal_align", "scale
                  "alibi_slopes", "split_size")
 
 
-@torch.library.custom_op("pyfa::fa2_forward", mutates_args=())
+# Each differentiable operator's Python body, by name: _differentiable calls it directly
+# where nothing but the caller would see the operator.
+_BODIES = {}
+
+
+def _custom_op(name):
+    """torch.library.custom_op(name) (functional: no argument mutated), keeping the
+    function itself in _BODIES."""
+    def register(fn):
+        _BODIES[name] = fn
+        return torch.library.custom_op(name, mutates_args=())(fn)
+    return register
+
+
+@_custom_op("pyfa::fa2_forward")
 def _fa2_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, window_left: Optional[int],
                  window_right: Optional[int], causal_align: str, scale: Optional[float],
                  layout: str, block_r: Optional[int], block_c: Optional[int],
@@ -388,7 +402,7 @@ torch.library.register_vmap("pyfa::fa2_backward", _backward_vmap)
 # ---- additive bias (issue 27): a pair of operators of its own, the unbiased ones' schema
 # with the bias after v (pyfa::fa2_backward_bias also returns dbias, the bias's shape).
 
-@torch.library.custom_op("pyfa::fa2_forward_bias", mutates_args=())
+@_custom_op("pyfa::fa2_forward_bias")
 def _fa2_forward_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, causal: bool,
                       window_left: Optional[int], window_right: Optional[int], causal_align: str,
                       scale: Optional[float], layout: str, block_r: Optional[int],
@@ -516,16 +530,42 @@ for _op in ("pyfa::fa2_forward", "pyfa::fa2_backward", "pyfa::fa2_forward_bias",
 del _op, _device
 
 
-def _differentiable(op, setup_context, backward):
-    """`op` called through an autograd.Function with the autograd rule registered for it
-    (the same setup_context and backward) where a gradient is wanted. PyTorch's own
-    autograd layer for a custom operator (2.13) fills in the schema's defaults on every
-    forward through a pybind property, quadratic in the number of arguments (19 for
-    fa2_forward: about 90 us of a call that costs about 300); an autograd.Function around
-    the operator skips it (torch.ops.pyfa.* called directly keep their own rule). The
-    operator's autocast rule casts what the forward computes on; the floating-point
-    tensors saved for the backward are cast the same way, as the backward runs outside
-    autocast."""
+def _plain_eager(inputs):
+    """Whether a call with no gradient wanted may run its operator's Python body directly:
+    every tensor a plain CPU one (no subclass, fake or functorch-wrapped tensor) and
+    nothing that has to see the operator itself (torch.compile, tracing, a dispatch or
+    function mode, autocast, the profiler). Where one of these cannot be asked, no."""
+    if torch.compiler.is_compiling():  # first: what follows would break torch.compile's graph
+        return False
+    try:
+        for x in inputs:
+            if isinstance(x, Tensor) and (type(x) is not Tensor or x.device.type != "cpu"
+                                          or torch._C._functorch.is_functorch_wrapped_tensor(x)):
+                return False
+        from torch.utils import _python_dispatch
+        return not (torch.jit.is_tracing()
+                    or _python_dispatch.is_in_torch_dispatch_mode() or torch._C._len_torch_dispatch_stack()
+                    or torch._C._is_torch_function_mode_enabled() or torch._C._is_any_autocast_enabled()
+                    or torch.autograd.profiler._is_profiler_enabled)
+    except AttributeError:  # a PyTorch without one of these
+        return False
+
+
+def _differentiable(name, setup_context, backward):
+    """The operator `name` called through an autograd.Function with the autograd rule
+    registered for it (the same setup_context and backward) where a gradient is wanted.
+    PyTorch's own autograd layer for a custom operator (2.13) fills in the schema's
+    defaults on every forward through a pybind property, quadratic in the number of
+    arguments (19 for fa2_forward: about 90 us of a call that costs about 300); an
+    autograd.Function around the operator skips it (torch.ops.pyfa.* called directly keep
+    their own rule). Where no gradient is wanted and the call is plain eager CPU work
+    (_plain_eager), the operator's body runs directly: PyTorch's dispatcher cost 35 of
+    the 90 us of a small call here (the body is the operator's implementation; there is
+    nothing else for the dispatcher to run). The operator's autocast rule casts what the
+    forward computes on; the floating-point tensors saved for the backward are cast the
+    same way, as the backward runs outside autocast."""
+    op, body = getattr(torch.ops.pyfa, name.split("::")[1]), _BODIES[name]
+
     class Function(torch.autograd.Function):
         generate_vmap_rule = True  # the operators' own vmap rules, inside
 
@@ -546,13 +586,14 @@ def _differentiable(op, setup_context, backward):
     def call(*inputs):
         # The Function only where a gradient is wanted: torch.compile (2.13) fails inside
         # an autograd.Function none of whose inputs requires one.
-        wanted = torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in inputs)
-        return (Function.apply if wanted else op)(*inputs)
+        if torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in inputs):
+            return Function.apply(*inputs)
+        return body(*inputs) if _plain_eager(inputs) else op(*inputs)
     return call
 
 
-_ATTENTION = _differentiable(torch.ops.pyfa.fa2_forward, _forward_setup, _forward_backward)
-_ATTENTION_BIAS = _differentiable(torch.ops.pyfa.fa2_forward_bias, _forward_bias_setup, _forward_bias_backward)
+_ATTENTION = _differentiable("pyfa::fa2_forward", _forward_setup, _forward_backward)
+_ATTENTION_BIAS = _differentiable("pyfa::fa2_forward_bias", _forward_bias_setup, _forward_bias_backward)
 
 
 def _check_tensor(name, t):
@@ -892,7 +933,7 @@ def _run_varlen(op_name, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                       max_seqlen_k=max_seqlen_k, function="pyfa.torch.attention_varlen", mods=mods, **kw)
 
 
-@torch.library.custom_op("pyfa::fa2_varlen_forward", mutates_args=())
+@_custom_op("pyfa::fa2_varlen_forward")
 def _fa2_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                         max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                         window_left: Optional[int], window_right: Optional[int], causal_align: str,
@@ -1018,7 +1059,7 @@ for _device in ("cpu", "cuda"):
     torch.library.register_autocast("pyfa::fa2_varlen_forward", _device, torch.float32)
     torch.library.register_autocast("pyfa::fa2_varlen_backward", _device, torch.float32)
 del _device
-_ATTENTION_VARLEN = _differentiable(torch.ops.pyfa.fa2_varlen_forward, _varlen_setup, _varlen_backward)
+_ATTENTION_VARLEN = _differentiable("pyfa::fa2_varlen_forward", _varlen_setup, _varlen_backward)
 
 
 def _check_offsets(name, cu):

@@ -1,6 +1,7 @@
 """pyfa.torch's custom operators: torch.compile without a graph break and the same bits
 as eager, opcheck, the autocast rule, dtypes, vmap, double backward, layout=,
-return_lse= and empty sequences. Runs when torch imports."""
+return_lse=, empty sequences, and the eager calls that skip the dispatcher. Runs when
+torch imports."""
 
 import math
 
@@ -274,3 +275,77 @@ def test_empty_sequences_still_check_every_argument():
         pyfa.torch.attention(q, k, k, causal_align="middle", **KW)
     with pytest.raises(ValueError, match="backend"):
         pyfa.torch.attention(q, k, k, backend="tpu")
+
+
+def _seen_ops(fn):
+    """The operators a TorchDispatchMode sees while fn() runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+    with Seen() as seen:
+        fn()
+    return seen.names
+
+
+@pytest.fixture
+def decided(monkeypatch):
+    """Each answer of pyfa.torch._plain_eager (True: the operator's body ran directly), in
+    call order."""
+    answers = []
+    plain = pyfa.torch._plain_eager
+    monkeypatch.setattr(pyfa.torch, "_plain_eager", lambda inputs: answers.append(plain(inputs)) or answers[-1])
+    return answers
+
+
+@pytest.mark.parametrize("call", ["attention", "bias", "varlen"])
+def test_no_grad_eager_calls_skip_the_dispatcher_and_keep_the_operators_bits(call, decided):
+    """Without a gradient wanted, plain CPU calls run the operator's body directly
+    (_plain_eager) with the operator's bits, while a dispatch mode, which has to see the
+    operator, still does."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(s, generator=g) for s in ((2, 4, 9, 16), (2, 2, 11, 16), (2, 2, 11, 16)))
+    if call == "varlen":
+        cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+        cuk = torch.tensor([0, 5, 11], dtype=torch.int32)
+        packed = [t[0].transpose(0, 1).contiguous() for t in (q, k, v)]
+        run = lambda: pyfa.torch.attention_varlen(*packed, cu, cuk, causal=True, backend="cpu")
+        op = "pyfa.fa2_varlen_forward"
+    elif call == "bias":
+        bias = torch.randn((2, 1, 9, 11), generator=g)
+        run = lambda: pyfa.torch.attention(q, k, v, bias=bias, causal=True, **KW)
+        op = "pyfa.fa2_forward_bias"
+    else:
+        run = lambda: pyfa.torch.attention(q, k, v, causal=True, softcap=5.0, **KW)
+        op = "pyfa.fa2_forward"
+    fast = run()
+    assert decided == [True]
+    slow = None
+
+    def through_the_dispatcher():
+        nonlocal slow
+        slow = run()
+    names = _seen_ops(through_the_dispatcher)
+    assert decided == [True, False] and any(n.startswith(op + ".") for n in names), (decided, names)
+    assert torch.equal(fast, slow) and fast.dtype == torch.float32
+    with torch.no_grad():
+        assert torch.equal(run(), fast)
+
+
+def test_no_grad_under_autocast_vmap_and_the_profiler_still_runs_the_operator(decided):
+    q, k, v = (torch.randn(1, 2, 8, 8) for _ in range(3))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        o = pyfa.torch.attention(*(t.bfloat16() for t in (q, k, v)), **KW)  # the body alone refuses bfloat16
+    assert o.dtype == torch.float32 and decided == [False]
+    assert torch.equal(o, pyfa.torch.attention(*(t.bfloat16().float() for t in (q, k, v)), **KW))
+    mapped = torch.vmap(lambda x: pyfa.torch.attention(x, k[0], v[0], **KW))(q)
+    assert decided == [False, True, False] and torch.equal(mapped[0], pyfa.torch.attention(q[0], k[0], v[0], **KW))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        pyfa.torch.attention(q, k, v, **KW)
+    assert any(e.name == "pyfa::fa2_forward" for e in prof.events()), sorted({e.name for e in prof.events()})
