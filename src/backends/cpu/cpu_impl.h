@@ -858,8 +858,8 @@ void forward(const Ctx& ctx, int64_t bh, int64_t i, float* ws) {
         // V_j as the caller laid it out from d = IN_PLACE_D: at d = 256 its 32-row tiles
         // give P~ V two vector steps per element of V_j, so a copy (a load and a store
         // each) costs more than the padding saves (9% of a forward on Sapphire Rapids,
-        // where reading in place also wins from d = 64; the padded copy was measured
-        // faster at d = 128 on AMD).
+        // where reading in place also wins from d = 64, and on Zen 4 from d = 32: 2-3.5%
+        // in 2026-12; an earlier kernel there had the copy faster at d = 128).
         int64_t ldv = f.Ep;
         const float* Vj = f.Vj;
         if (!p.block_table && d >= IN_PLACE_D) {
