@@ -199,7 +199,7 @@ def _fa2_forward_fake(q, k, v, causal, window_left, window_right, causal_align, 
     return q.new_empty(q.shape), q.new_empty((B, H, Nq))
 
 
-@torch.library.custom_op("pyfa::fa2_backward", mutates_args=())
+@_custom_op("pyfa::fa2_backward")
 def _fa2_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
                   causal: bool, window_left: Optional[int], window_right: Optional[int],
                   causal_align: str, scale: Optional[float], layout: str,
@@ -267,10 +267,10 @@ def _sinks_gradient(ctx, o, lse, do, dlse, sinks, layout=None):
         return None
     if layout is None:
         layout = dict(zip(_OPTION_NAMES, ctx.options))["layout"]
-    return torch.ops.pyfa.sinks_grad(o, lse, do, sinks, dlse, layout)
+    return _call_op("pyfa::sinks_grad", o, lse, do, sinks, dlse, layout)
 
 
-@torch.library.custom_op("pyfa::sinks_grad", mutates_args=())
+@_custom_op("pyfa::sinks_grad")
 def _sinks_grad(o: Tensor, lse: Tensor, do: Tensor, sinks: Tensor, dlse: Optional[Tensor],
                 layout: str) -> Tensor:
     """pyfa.sinks_grad on CPU tensors: the sinks' (H,) gradient from the merged (o, lse)."""
@@ -304,8 +304,7 @@ def _lse_gradient(q, k, v, lse, dlse, options):
     o_unit, do_lse = torch.zeros_like(q), torch.zeros_like(q)
     o_unit[..., 0] = 1
     do_lse[..., 0] = -g
-    dq, dk, _ = torch.ops.pyfa.fa2_backward(q, k, torch.zeros_like(v), o_unit, lse, do_lse,
-                                            *options)
+    dq, dk, _ = _call_op("pyfa::fa2_backward", q, k, torch.zeros_like(v), o_unit, lse, do_lse, *options)
     return dq, dk
 
 
@@ -313,7 +312,7 @@ def _forward_backward(ctx, do, dlse):
     q, k, v, o, lse, sinks = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv = torch.ops.pyfa.fa2_backward(q, k, v, o, lse, do, *ctx.options)
+    dq, dk, dv = _call_op("pyfa::fa2_backward", q, k, v, o, lse, do, *ctx.options)
     if dlse is not None:
         # Rows that see no key have LSE = -inf for any q, k: their gradient is zero.
         dlse = torch.where(torch.isinf(lse), torch.zeros_like(dlse), dlse)
@@ -432,7 +431,7 @@ def _fa2_forward_bias_fake(q, k, v, bias, *options):
     return q.new_empty(q.shape), q.new_empty((B, H, Nq))
 
 
-@torch.library.custom_op("pyfa::fa2_backward_bias", mutates_args=())
+@_custom_op("pyfa::fa2_backward_bias")
 def _fa2_backward_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, o: Tensor, lse: Tensor,
                        do: Tensor, causal: bool, window_left: Optional[int],
                        window_right: Optional[int], causal_align: str, scale: Optional[float],
@@ -482,7 +481,7 @@ def _forward_bias_backward(ctx, do, dlse):
         do = torch.zeros_like(o)
     # A bias that needs no gradient takes a backward without dbias: no scratch, no writes.
     need = ctx.needs_input_grad[3]
-    dq, dk, dv, dbias = torch.ops.pyfa.fa2_backward_bias(q, k, v, bias, o, lse, do, *ctx.options, need)
+    dq, dk, dv, dbias = _call_op("pyfa::fa2_backward_bias", q, k, v, bias, o, lse, do, *ctx.options, need)
     if dlse is not None:
         # dLSE_i / dS_ij = P_ij: the backward's dS = P (dP - D) is P * dlse when V = 0
         # (dP = 0) and O, dO are -1 and dlse in one column (D = -dlse); its dq, dk, dbias
@@ -495,8 +494,8 @@ def _forward_bias_backward(ctx, do, dlse):
         o1, do1 = torch.zeros_like(q), torch.zeros_like(q)
         o1[..., 0] = -1.0
         do1[..., 0] = g
-        lq, lk, _, lb = torch.ops.pyfa.fa2_backward_bias(q, k, torch.zeros_like(v), bias, o1, lse, do1,
-                                                         *options, need)
+        lq, lk, _, lb = _call_op("pyfa::fa2_backward_bias", q, k, torch.zeros_like(v), bias, o1, lse, do1,
+                                 *options, need)
         dq, dk, dbias = dq + lq, dk + lk, dbias + lb
     return ((dq, dk, dv, dbias if need else None) + (None,) * len(ctx.options)
             + (_sinks_gradient(ctx, o, lse, do, dlse, sinks),))
@@ -551,6 +550,17 @@ def _plain_eager(inputs):
         return False
 
 
+def _call_op(name, *inputs):
+    """The operator `name` on inputs, as its Python body where no gradient is wanted and
+    the call is plain eager CPU work (_plain_eager): the backwards' operators (a double
+    backward, with create_graph, goes through the operators, whose rules refuse it), and
+    the forward inside an autograd.Function. Through the dispatcher a small backward
+    cost about 50 us more here (124 against 75 us)."""
+    if not torch.is_grad_enabled() and _plain_eager(inputs):
+        return _BODIES[name](*inputs)
+    return getattr(torch.ops.pyfa, name.split("::")[1])(*inputs)
+
+
 def _differentiable(name, setup_context, backward):
     """The operator `name` called through an autograd.Function with the autograd rule
     registered for it (the same setup_context and backward) where a gradient is wanted.
@@ -560,9 +570,10 @@ def _differentiable(name, setup_context, backward):
     autograd.Function around the operator skips it (torch.ops.pyfa.* called directly keep
     their own rule). Where no gradient is wanted and the call is plain eager CPU work
     (_plain_eager), the operator's body runs directly, as the dispatcher would have run
-    it after about 35 us of its own (a tiny call here: 89 -> 62 us). The operator's autocast rule casts what the forward computes on; the
-    floating-point tensors saved for the backward are cast the same way, as the backward
-    runs outside autocast."""
+    it after about 35 us of its own (a tiny call here: 89 -> 62 us); so does the forward
+    inside the Function and the backward's operators (_call_op). The operator's autocast
+    rule casts what the forward computes on; the floating-point tensors saved for the
+    backward are cast the same way, as the backward runs outside autocast."""
     op, body = getattr(torch.ops.pyfa, name.split("::")[1]), _BODIES[name]
 
     class Function(torch.autograd.Function):
@@ -570,7 +581,7 @@ def _differentiable(name, setup_context, backward):
 
         @staticmethod
         def forward(*inputs):
-            return op(*inputs)
+            return _call_op(name, *inputs)
 
         @staticmethod
         def setup_context(ctx, inputs, output):
@@ -973,7 +984,7 @@ def _fa2_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, *options):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]))
 
 
-@torch.library.custom_op("pyfa::fa2_varlen_backward", mutates_args=())
+@_custom_op("pyfa::fa2_varlen_backward")
 def _fa2_varlen_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
                          cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                          max_seqlen_k: int, causal: bool, window_left: Optional[int],
@@ -1030,7 +1041,7 @@ def _varlen_backward(ctx, do, dlse):
     q, k, v, cu_q, cu_k, o, lse, sinks = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv, dbias = torch.ops.pyfa.fa2_varlen_backward(q, k, v, o, lse, do, cu_q, cu_k, *ctx.options)
+    dq, dk, dv, dbias = _call_op("pyfa::fa2_varlen_backward", q, k, v, o, lse, do, cu_q, cu_k, *ctx.options)
     if dlse is not None:
         # As _lse_gradient (the same steps, so each sequence's bits are the dense call's):
         # FA2's backward with V = 0, O = e_0 and dO = -dlse e_0, whose dS is P dlse, and P
@@ -1040,8 +1051,8 @@ def _varlen_backward(ctx, do, dlse):
         o_unit[..., 0] = 1
         do_lse[..., 0] = -dlse.transpose(0, 1)
         undropped = _undropped(_VARLEN_OPTION_NAMES, ctx.options)
-        lq, lk, _, lb = torch.ops.pyfa.fa2_varlen_backward(q, k, torch.zeros_like(v), o_unit, lse, do_lse,
-                                                           cu_q, cu_k, *undropped)
+        lq, lk, _, lb = _call_op("pyfa::fa2_varlen_backward", q, k, torch.zeros_like(v), o_unit, lse,
+                                 do_lse, cu_q, cu_k, *undropped)
         dq, dk, dbias = dq + lq, dk + lk, dbias + lb
     # The bias is the last option (fa2_varlen_forward's schema), found from the front: the
     # dispatcher leaves trailing arguments at their defaults (no sinks) out of needs_input_grad.

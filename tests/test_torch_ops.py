@@ -349,3 +349,36 @@ def test_no_grad_under_autocast_vmap_and_the_profiler_still_runs_the_operator(de
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         pyfa.torch.attention(q, k, v, **KW)
     assert any(e.name == "pyfa::fa2_forward" for e in prof.events()), sorted({e.name for e in prof.events()})
+
+
+@pytest.mark.parametrize("call", ["attention", "bias", "varlen"])
+def test_a_plain_backward_runs_the_operators_bodies_with_their_bits(call, decided):
+    """The forward inside the autograd.Function and the backward's operators run their
+    bodies too (_call_op), with the gradients the operators give under a dispatch mode.
+    (A double backward still reaches the operators' rules: test_double_backward_is_refused.)"""
+    g = torch.Generator().manual_seed(4)
+    shapes = ((1, 4, 7, 8), (1, 2, 10, 8), (1, 2, 10, 8))
+    base = [torch.randn(s, generator=g) for s in shapes]
+    bias = torch.randn((1, 4, 7, 10), generator=g)
+
+    def grads():
+        q, k, v = (x.clone().requires_grad_() for x in base)
+        if call == "varlen":
+            packed = [t[0].transpose(0, 1) for t in (q, k, v)]
+            o, lse = pyfa.torch.attention_varlen(*packed, torch.tensor([0, 3, 7], dtype=torch.int32),
+                                                 torch.tensor([0, 4, 10], dtype=torch.int32), causal=True,
+                                                 return_lse=True, backend="cpu")
+        else:
+            o, lse = pyfa.torch.attention(q, k, v, causal=True, return_lse=True,
+                                          bias=bias if call == "bias" else None, **KW)
+        (o.square().sum() + lse.sum()).backward()
+        return q.grad, k.grad, v.grad
+    fast = grads()
+    assert decided and all(decided), decided
+    slow = []
+    names = _seen_ops(lambda: slow.extend(grads()))
+    backward = {"attention": "pyfa.fa2_backward.", "bias": "pyfa.fa2_backward_bias.",
+                "varlen": "pyfa.fa2_varlen_backward."}[call]
+    assert any(n.startswith(backward) for n in names), names
+    for a, b in zip(fast, slow):
+        assert torch.equal(a, b)
