@@ -61,7 +61,7 @@ def _operand(t):
     (what DLPack would give, at a third of the cost per call), anything else detached, for
     DLPack (which refuses a tensor that requires grad) and its checks."""
     t = t.detach()
-    return t.numpy() if t.device.type == "cpu" and t.layout == torch.strided and not t.is_neg() else t
+    return t.numpy() if t.is_cpu and t.layout == torch.strided and not t.is_neg() else t
 
 
 def _call(fn, *tensors, **kw):
@@ -539,7 +539,7 @@ def _plain_eager(inputs):
         return False
     try:
         for x in inputs:
-            if isinstance(x, Tensor) and (type(x) is not Tensor or x.device.type != "cpu"
+            if isinstance(x, Tensor) and (type(x) is not Tensor or not x.is_cpu
                                           or torch._C._functorch.is_functorch_wrapped_tensor(x)):
                 return False
         return not (torch.jit.is_tracing()
