@@ -6,6 +6,7 @@ the library's split-KV combine step (src/common/merge.h); it is imported when fi
 called, so that `import pyfa` does not load the simulator.
 """
 
+import contextlib
 from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -637,9 +638,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
                           function="pyfa.attention_with_kvcache", split_size=split_size, seqused_k=used,
                           pages=pages, sinks=sinks)
 
-    if key is None:
-        return with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse,
-                            mods.get("bias"), sinks, rotary=rotary, leftpad=cache_leftpad)
-    with prepared.capturing("pyfa.attention_with_kvcache", [x for x in arrays if x is not None]):
+    # A call that may be kept runs under capturing(), which records its set-up for _Plan.
+    capture = contextlib.nullcontext() if key is None else \
+        prepared.capturing("pyfa.attention_with_kvcache", [x for x in arrays if x is not None])
+    with capture:
         return with_kvcache(run, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, return_lse,
                             mods.get("bias"), sinks, key, rotary, cache_leftpad)

@@ -550,13 +550,17 @@ def _plain_eager(inputs):
         return False
 
 
+def _wants_grad(inputs):
+    return torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in inputs)
+
+
 def _call_op(name, *inputs):
     """The operator `name` on inputs, as its Python body where no gradient is wanted and
-    the call is plain eager CPU work (_plain_eager): the backwards' operators (a double
-    backward, with create_graph, goes through the operators, whose rules refuse it), and
-    the forward inside an autograd.Function. Through the dispatcher a small backward
-    cost about 50 us more here (124 against 75 us)."""
-    if not torch.is_grad_enabled() and _plain_eager(inputs):
+    the call is plain eager CPU work (_plain_eager): a call without one, the forward
+    inside an autograd.Function, the backwards' operators (a double backward, with
+    create_graph, goes through the operators, whose rules refuse it). Through the
+    dispatcher a small backward cost about 50 us more here (124 against 75 us)."""
+    if not _wants_grad(inputs) and _plain_eager(inputs):
         return _BODIES[name](*inputs)
     return getattr(torch.ops.pyfa, name.split("::")[1])(*inputs)
 
@@ -574,7 +578,7 @@ def _differentiable(name, setup_context, backward):
     inside the Function and the backward's operators (_call_op). The operator's autocast
     rule casts what the forward computes on; the floating-point tensors saved for the
     backward are cast the same way, as the backward runs outside autocast."""
-    op, body = getattr(torch.ops.pyfa, name.split("::")[1]), _BODIES[name]
+    op = getattr(torch.ops.pyfa, name.split("::")[1])
 
     class Function(torch.autograd.Function):
         generate_vmap_rule = True  # the operators' own vmap rules, inside
@@ -596,9 +600,7 @@ def _differentiable(name, setup_context, backward):
     def call(*inputs):
         # The Function only where a gradient is wanted: torch.compile (2.13) fails inside
         # an autograd.Function none of whose inputs requires one.
-        if torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in inputs):
-            return Function.apply(*inputs)
-        return body(*inputs) if _plain_eager(inputs) else op(*inputs)
+        return Function.apply(*inputs) if _wants_grad(inputs) else _call_op(name, *inputs)
     return call
 
 
